@@ -1,0 +1,1 @@
+"""kvmesh: KV-cache-aware LLM serving."""
