@@ -1,0 +1,34 @@
+"""Errors the core raises; kvmesh/rpc.py maps each to one gRPC status code, in one place.
+
+Core modules raise these (or ValueError, which means INVALID_ARGUMENT) and never import grpc.
+"""
+
+from __future__ import annotations
+
+
+class KVMeshError(Exception):
+    """Base class; the message is shown to the client as is, so make it actionable."""
+
+
+class InvalidArgument(KVMeshError, ValueError):
+    """The request itself is malformed (INVALID_ARGUMENT)."""
+
+
+class NotFound(KVMeshError):
+    """A named thing (worker, request) does not exist (NOT_FOUND)."""
+
+
+class FailedPrecondition(KVMeshError):
+    """Well-formed, but refused in the current state (FAILED_PRECONDITION)."""
+
+
+class ResourceExhausted(KVMeshError):
+    """A limit was hit; retry later or send less (RESOURCE_EXHAUSTED)."""
+
+
+class Unavailable(KVMeshError):
+    """A dependency is down; retrying may succeed (UNAVAILABLE)."""
+
+
+class Unauthenticated(KVMeshError):
+    """Missing or wrong credentials (UNAUTHENTICATED)."""

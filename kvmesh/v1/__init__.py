@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of protos/kvmesh/v1 (run `make protos`)."""
