@@ -1,0 +1,31 @@
+"""Block lifecycle events a worker publishes to kv_service (1:1 with kvmesh.v1.KVEvent)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[bytes]
+    """Newly cached full blocks, in chain order."""
+    parent_block_hash: bytes | None
+    """Hash of the block before the first one here; None when the chain starts at the root."""
+    group_id: int = 0
+    """KV cache group (hybrid allocators); 0 for full attention."""
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[bytes]
+    """Hashes this worker no longer holds."""
+    group_id: int = 0
+    """KV cache group (hybrid allocators); 0 for full attention."""
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    """The worker dropped its whole prefix cache."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
