@@ -1,14 +1,57 @@
 """Attention kernels: torch references (always available) and Triton kernels (CUDA / interpreter).
 
-The engine calls ``ragged_paged_attention`` and ``write_kv_cache`` from here; which implementation
-runs is decided in one place (see kernels/dispatch.py once the Triton kernels land).
+The engine calls ``ragged_paged_attention`` and ``write_kv_cache`` from here. Each call picks its
+implementation from the device of its inputs via ``kernels.dispatch.attention_backend`` (the one
+place that decides; ``KVMESH_ATTENTION_BACKEND=auto|triton|torch`` overrides). Triton is imported
+only when the Triton backend is first used, so CPU-only processes never import it.
 """
 
+from __future__ import annotations
+
+import torch
+
+from kernels.dispatch import attention_backend
 from kernels.reference import ragged_paged_attention_ref, write_kv_cache_ref
 
-# NOTE: until the Triton kernels land these are the torch references.
-ragged_paged_attention = ragged_paged_attention_ref
-write_kv_cache = write_kv_cache_ref
+
+def ragged_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of packed queries ``[T, Hq, D]`` over a paged KV cache; see kernels/reference.py."""
+    if attention_backend(q.device) == "triton":
+        from kernels.triton_attention import ragged_paged_attention_triton
+
+        return ragged_paged_attention_triton(
+            q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, scale, sliding_window, softcap
+        )
+    return ragged_paged_attention_ref(
+        q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, scale, sliding_window, softcap
+    )
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes ``key``/``value`` ``[T, Hkv, D]`` into the caches at flat slots; negative slots skip."""
+    if attention_backend(key.device) == "triton":
+        from kernels.triton_kv_write import write_kv_cache_triton
+
+        write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+        return
+    write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)
+
 
 __all__ = [
     "ragged_paged_attention",
