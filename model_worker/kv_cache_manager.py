@@ -144,7 +144,9 @@ class KVCacheManager:
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         if num_cached >= num_full:
             return
-        self.block_pool.cache_full_blocks(request, self.req_to_blocks[request.request_id], num_cached, num_full)
+        self.block_pool.cache_full_blocks(
+            request, self.req_to_blocks[request.request_id], num_cached, num_full
+        )
         self.num_cached_block[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
