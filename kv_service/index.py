@@ -1,0 +1,184 @@
+"""The KV-block index: types and the one interface both stores implement.
+
+Semantics (docs/kv-service.md):
+- per block hash: the set of workers holding it; refcount = number of live holders; the entry is
+  gone when the last holder drops it;
+- per worker: an LRU order of its blocks (by last stored), capped at its ``num_blocks``, its load,
+  lease, epoch and last applied seq;
+- a worker's events apply only in seq order within its epoch; a gap or a newer epoch answers
+  RESYNC and changes nothing; a snapshot replaces the worker's set.
+
+Every method is atomic. ``now_ms`` is passed in so both stores and all replicas agree on time and
+tests control it. This module imports neither grpc nor redis.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+
+
+class Action(enum.IntEnum):
+    ACK = 1
+    RESYNC = 2
+
+
+@dataclass(slots=True, frozen=True)
+class Load:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    queued_prefill_tokens: int = 0
+
+    def encode(self) -> str:
+        return (
+            f"{self.num_running},{self.num_waiting},{self.num_free_blocks},"
+            f"{self.num_total_blocks},{self.queued_prefill_tokens}"
+        )
+
+    @classmethod
+    def decode(cls, raw: str | bytes | None) -> Load:
+        if not raw:
+            return cls()
+        if isinstance(raw, bytes):
+            raw = raw.decode()
+        return cls(*(int(x) for x in raw.split(",")))
+
+
+@dataclass(slots=True, frozen=True)
+class Registration:
+    worker_id: str
+    address: str
+    model_id: str
+    block_size: int
+    hash_algorithm: str
+    num_blocks: int
+    epoch: int
+
+
+@dataclass(slots=True, frozen=True)
+class Stored:
+    """Newly cached full blocks in chain order; ``parent`` is None at the chain root."""
+
+    block_hashes: list[bytes]
+    parent: bytes | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Removed:
+    block_hashes: list[bytes]
+
+
+@dataclass(slots=True, frozen=True)
+class AllCleared:
+    pass
+
+
+Event = Stored | Removed | AllCleared
+
+
+@dataclass(slots=True, frozen=True)
+class PublishResult:
+    action: Action
+    reason: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerMatch:
+    worker_id: str
+    address: str
+    matched_blocks: int
+    load: Load
+    block_size: int
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    registration: Registration
+    last_seq: int
+    blocks_indexed: int
+    load: Load
+    lease_expiry_ms: int
+
+    def live(self, now_ms: int) -> bool:
+        return self.lease_expiry_ms > now_ms
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSpec:
+    model_id: str
+    block_size: int
+    hash_algorithm: str
+
+
+@dataclass(slots=True)
+class IndexStats:
+    live_workers: int
+    indexed_blocks: int
+    block_replicas: int
+    models: list[tuple[ModelSpec, int]] = field(default_factory=list)
+
+
+class BlockIndex(abc.ABC):
+    """Where the index lives. Raises kvmesh.errors types; never returns partial updates."""
+
+    name: str
+
+    @abc.abstractmethod
+    def register_worker(self, reg: Registration, lease_ttl_ms: int, now_ms: int) -> None:
+        """(Re)joins a worker: new epoch, last_seq 0, its previous blocks dropped.
+
+        Raises:
+            FailedPrecondition: block size / algorithm disagree with the model's live workers, the
+                worker id is live under another model, or the epoch is older than the live one.
+        """
+
+    @abc.abstractmethod
+    def heartbeat(self, worker_id: str, epoch: int, load: Load, lease_ttl_ms: int, now_ms: int) -> None:
+        """Renews the lease. Raises NotFound (unknown or expired) or FailedPrecondition (epoch)."""
+
+    @abc.abstractmethod
+    def publish(
+        self, worker_id: str, epoch: int, seq: int, events: list[Event], now_ms: int
+    ) -> PublishResult:
+        """Applies one batch if ``seq`` is the next one of the live epoch, else asks for a resync.
+
+        Raises:
+            NotFound: unknown or expired worker.
+            FailedPrecondition: an older epoch, or ``seq`` not above the last applied one.
+        """
+
+    @abc.abstractmethod
+    def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int) -> PublishResult:
+        """Replaces the worker's blocks with ``hashes`` (oldest first) and adopts (epoch, seq)."""
+
+    @abc.abstractmethod
+    def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
+        """Per live worker of the model, the leading blocks of ``hashes`` it holds."""
+
+    @abc.abstractmethod
+    def holders(self, block_hash: bytes, now_ms: int) -> list[str]:
+        """Live workers holding one block, sorted."""
+
+    @abc.abstractmethod
+    def workers(self, now_ms: int, include_expired: bool = False) -> list[WorkerInfo]:
+        """Registered workers, sorted by id."""
+
+    @abc.abstractmethod
+    def stats(self, now_ms: int) -> IndexStats: ...
+
+    @abc.abstractmethod
+    def model_spec(self, model_id: str) -> ModelSpec | None: ...
+
+    @abc.abstractmethod
+    def flush_worker(self, worker_id: str) -> int:
+        """Drops every block of the worker; returns how many. Raises NotFound."""
+
+    @abc.abstractmethod
+    def reap_expired(self, now_ms: int) -> int:
+        """Deletes workers whose lease expired (and their blocks); returns how many workers."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases connections."""

@@ -1,0 +1,28 @@
+-- ARGV: pre, wid, addr, model, bs, algo, nb, epoch, now, ttl
+local wid, addr, model, bs, algo, nb, epoch = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+local now, ttl = tonumber(ARGV[9]), tonumber(ARGV[10])
+local mkey = pre .. 'm:' .. model
+local spec = redis.call('HMGET', mkey, 'bs', 'algo')
+if spec[1] and (spec[1] ~= bs or spec[2] ~= algo) then
+  local peers = redis.call('ZRANGEBYSCORE', pre .. 'mw:' .. model, '(' .. now, '+inf')
+  for _, p in ipairs(peers) do
+    if p ~= wid then return {'SPEC', spec[1], spec[2]} end
+  end
+end
+local wkey = pre .. 'w:' .. wid
+local old = redis.call('HMGET', wkey, 'model', 'epoch', 'lease')
+if old[1] then
+  if tonumber(old[3]) > now then
+    if old[1] ~= model then return {'MODEL', old[1]} end
+    if tonumber(old[2]) > tonumber(epoch) then return {'EPOCH', old[2]} end
+  end
+  remove_worker(wid, old[1])
+end
+local lease = now + ttl
+redis.call('HSET', mkey, 'bs', bs, 'algo', algo)
+redis.call('SADD', pre .. 'models', model)
+redis.call('HSET', wkey, 'model', model, 'addr', addr, 'bs', bs, 'algo', algo, 'nb', nb,
+  'epoch', epoch, 'seq', 0, 'ctr', 0, 'load', '', 'lease', lease)
+redis.call('ZADD', pre .. 'mw:' .. model, lease, wid)
+redis.call('ZADD', pre .. 'workers', lease, wid)
+return {'OK'}

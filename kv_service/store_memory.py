@@ -1,0 +1,237 @@
+"""The embedded in-memory index: same semantics as the Redis store, for single-process use."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kv_service.index import (
+    Action,
+    AllCleared,
+    BlockIndex,
+    Event,
+    IndexStats,
+    Load,
+    ModelSpec,
+    PublishResult,
+    Registration,
+    Removed,
+    Stored,
+    WorkerInfo,
+    WorkerMatch,
+)
+from kvmesh.errors import FailedPrecondition, NotFound
+
+
+@dataclass(slots=True)
+class _Worker:
+    reg: Registration
+    lease_expiry_ms: int
+    last_seq: int = 0
+    load: Load = field(default_factory=Load)
+    # NOTE: insertion order is LRU order (oldest first); a re-stored block moves to the end.
+    lru: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+
+
+class MemoryIndex(BlockIndex):
+    name = "memory"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blocks: dict[bytes, set[str]] = {}
+        self._workers: dict[str, _Worker] = {}
+        self._specs: dict[str, ModelSpec] = {}
+
+    # -- helpers (lock held) -------------------------------------------------------------
+    def _live(self, worker_id: str, now_ms: int) -> _Worker:
+        w = self._workers.get(worker_id)
+        if w is None or w.lease_expiry_ms <= now_ms:
+            raise NotFound(f"worker {worker_id!r} is not registered or its lease expired; register it again")
+        return w
+
+    def _add(self, w: _Worker, h: bytes) -> None:
+        if h in w.lru:
+            w.lru.move_to_end(h)
+            return
+        w.lru[h] = None
+        self._blocks.setdefault(h, set()).add(w.reg.worker_id)
+
+    def _drop(self, w: _Worker, h: bytes) -> None:
+        if h not in w.lru:
+            return
+        del w.lru[h]
+        holders = self._blocks.get(h)
+        if holders is not None:
+            holders.discard(w.reg.worker_id)
+            if not holders:
+                del self._blocks[h]
+
+    def _clear(self, w: _Worker) -> int:
+        n = len(w.lru)
+        for h in list(w.lru):
+            self._drop(w, h)
+        return n
+
+    def _cap(self, w: _Worker) -> None:
+        while len(w.lru) > w.reg.num_blocks:
+            self._drop(w, next(iter(w.lru)))
+
+    def _check_order(self, w: _Worker, epoch: int, seq: int) -> PublishResult | None:
+        cur = w.reg.epoch
+        if epoch < cur:
+            raise FailedPrecondition(f"stale epoch {epoch} for worker {w.reg.worker_id!r}: the live epoch is {cur}")
+        if epoch == cur and seq <= w.last_seq:
+            raise FailedPrecondition(
+                f"seq regression for worker {w.reg.worker_id!r}: got {seq}, last applied {w.last_seq}"
+            )
+        if epoch > cur:
+            return PublishResult(Action.RESYNC, f"new epoch {epoch} (live epoch {cur}); send a snapshot")
+        if seq != w.last_seq + 1:
+            return PublishResult(Action.RESYNC, f"seq gap: expected {w.last_seq + 1}, got {seq}; send a snapshot")
+        return None
+
+    def _remove_worker(self, worker_id: str) -> None:
+        w = self._workers.pop(worker_id)
+        self._clear(w)
+        model = w.reg.model_id
+        if not any(o.reg.model_id == model for o in self._workers.values()):
+            self._specs.pop(model, None)
+
+    # -- interface -----------------------------------------------------------------------
+    def register_worker(self, reg: Registration, lease_ttl_ms: int, now_ms: int) -> None:
+        with self._lock:
+            spec = self._specs.get(reg.model_id)
+            live_peers = [
+                o for o in self._workers.values()
+                if o.reg.model_id == reg.model_id and o.reg.worker_id != reg.worker_id and o.lease_expiry_ms > now_ms
+            ]
+            if spec and live_peers and (spec.block_size, spec.hash_algorithm) != (reg.block_size, reg.hash_algorithm):
+                raise FailedPrecondition(
+                    f"model {reg.model_id!r} is served with block_size={spec.block_size}, "
+                    f"hash={spec.hash_algorithm}; worker {reg.worker_id!r} registered block_size="
+                    f"{reg.block_size}, hash={reg.hash_algorithm}: start it with the same settings"
+                )
+            old = self._workers.get(reg.worker_id)
+            if old is not None and old.lease_expiry_ms > now_ms:
+                if old.reg.model_id != reg.model_id:
+                    raise FailedPrecondition(
+                        f"worker id {reg.worker_id!r} is live for model {old.reg.model_id!r}; "
+                        f"give the worker serving {reg.model_id!r} another --worker-id"
+                    )
+                if reg.epoch < old.reg.epoch:
+                    raise FailedPrecondition(
+                        f"stale registration of {reg.worker_id!r}: epoch {reg.epoch} < live epoch {old.reg.epoch}"
+                    )
+            if old is not None:
+                self._remove_worker(reg.worker_id)
+            self._specs[reg.model_id] = ModelSpec(reg.model_id, reg.block_size, reg.hash_algorithm)
+            self._workers[reg.worker_id] = _Worker(reg, now_ms + lease_ttl_ms)
+
+    def heartbeat(self, worker_id: str, epoch: int, load: Load, lease_ttl_ms: int, now_ms: int) -> None:
+        with self._lock:
+            w = self._live(worker_id, now_ms)
+            if epoch != w.reg.epoch:
+                raise FailedPrecondition(
+                    f"heartbeat for epoch {epoch} but worker {worker_id!r} is registered with epoch {w.reg.epoch}"
+                )
+            w.load = load
+            w.lease_expiry_ms = now_ms + lease_ttl_ms
+
+    def publish(self, worker_id: str, epoch: int, seq: int, events: list[Event], now_ms: int) -> PublishResult:
+        with self._lock:
+            w = self._live(worker_id, now_ms)
+            resync = self._check_order(w, epoch, seq)
+            if resync is not None:
+                return resync
+            for ev in events:
+                if isinstance(ev, Stored):
+                    for h in ev.block_hashes:
+                        self._add(w, h)
+                elif isinstance(ev, Removed):
+                    for h in ev.block_hashes:
+                        self._drop(w, h)
+                elif isinstance(ev, AllCleared):
+                    self._clear(w)
+            self._cap(w)
+            w.last_seq = seq
+            return PublishResult(Action.ACK)
+
+    def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int) -> PublishResult:
+        with self._lock:
+            w = self._live(worker_id, now_ms)
+            if epoch < w.reg.epoch:
+                raise FailedPrecondition(
+                    f"snapshot for dead epoch {epoch} of worker {worker_id!r}: the live epoch is {w.reg.epoch}"
+                )
+            if epoch == w.reg.epoch and seq <= w.last_seq:
+                raise FailedPrecondition(
+                    f"seq regression for worker {worker_id!r}: snapshot seq {seq}, last applied {w.last_seq}"
+                )
+            self._clear(w)
+            for h in hashes:
+                self._add(w, h)
+            self._cap(w)
+            if epoch != w.reg.epoch:
+                w.reg = dataclasses.replace(w.reg, epoch=epoch)
+            w.last_seq = seq
+            return PublishResult(Action.ACK)
+
+    def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
+        with self._lock:
+            live = {
+                wid: w for wid, w in self._workers.items()
+                if w.reg.model_id == model_id and w.lease_expiry_ms > now_ms
+            }
+            matched = dict.fromkeys(live, 0)
+            candidates = set(live)
+            for i, h in enumerate(hashes):
+                candidates &= self._blocks.get(h, set())
+                if not candidates:
+                    break
+                for wid in candidates:
+                    matched[wid] = i + 1
+            return [
+                WorkerMatch(wid, w.reg.address, matched[wid], w.load, w.reg.block_size) for wid, w in live.items()
+            ]
+
+    def holders(self, block_hash: bytes, now_ms: int) -> list[str]:
+        with self._lock:
+            return sorted(
+                wid for wid in self._blocks.get(block_hash, ()) if self._workers[wid].lease_expiry_ms > now_ms
+            )
+
+    def workers(self, now_ms: int, include_expired: bool = False) -> list[WorkerInfo]:
+        with self._lock:
+            return [
+                WorkerInfo(w.reg, w.last_seq, len(w.lru), w.load, w.lease_expiry_ms)
+                for wid, w in sorted(self._workers.items())
+                if include_expired or w.lease_expiry_ms > now_ms
+            ]
+
+    def stats(self, now_ms: int) -> IndexStats:
+        with self._lock:
+            live = [w for w in self._workers.values() if w.lease_expiry_ms > now_ms]
+            models = [
+                (spec, sum(1 for w in live if w.reg.model_id == m)) for m, spec in sorted(self._specs.items())
+            ]
+            return IndexStats(len(live), len(self._blocks), sum(len(w.lru) for w in self._workers.values()), models)
+
+    def model_spec(self, model_id: str) -> ModelSpec | None:
+        with self._lock:
+            return self._specs.get(model_id)
+
+    def flush_worker(self, worker_id: str) -> int:
+        with self._lock:
+            w = self._workers.get(worker_id)
+            if w is None:
+                raise NotFound(f"worker {worker_id!r} is not registered")
+            return self._clear(w)
+
+    def reap_expired(self, now_ms: int) -> int:
+        with self._lock:
+            dead = [wid for wid, w in self._workers.items() if w.lease_expiry_ms <= now_ms]
+            for wid in dead:
+                self._remove_worker(wid)
+            return len(dead)
