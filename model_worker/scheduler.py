@@ -1,0 +1,292 @@
+"""Continuous batching with chunked prefill, prefix-cache admission and preemption by recompute.
+
+Each step: ``schedule()`` picks the batch under the token budget, the model runs it, and
+``update_from_output()`` records the sampled tokens and retires finished requests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from model_worker.kv_cache_manager import KVCacheManager
+from model_worker.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    """Requests running at once, at most."""
+    max_num_batched_tokens: int = 2048
+    """Tokens computed in one step (prefill chunks plus decodes), at most."""
+    max_model_len: int = 4096
+    """Prompt plus generated tokens of one request, at most."""
+    enable_chunked_prefill: bool = True
+    """Split a prompt over steps when it exceeds the step's remaining budget."""
+
+    def validate(self) -> None:
+        """Raises ValueError on a configuration that could never schedule some request."""
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}), or a long prompt could never be scheduled"
+            )
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start: int
+    """num_computed_tokens before this step: the position of the first new token."""
+    block_ids: list[int]
+    """The request's whole block table after this step's allocation."""
+    sample: bool
+    """This step reaches the end of all_token_ids, so the model samples a token for it."""
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    """Batch order: running requests first, then newly admitted ones."""
+    num_scheduled_tokens: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+    """Requests finished or aborted since the previous step: drop their per-request state."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class Scheduler:
+    """FCFS scheduler over one KVCacheManager.
+
+    Args:
+        config: batch limits.
+        kv_cache_manager: the block tables; it must be able to hold one request of
+            ``max_model_len`` tokens, so that a request alone always fits.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        config.validate()
+        usable_tokens = (kv_cache_manager.num_blocks - 1) * kv_cache_manager.block_size
+        if usable_tokens < config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {usable_tokens} tokens, fewer than max_model_len "
+                f"({config.max_model_len}): lower max_model_len or give it more blocks"
+            )
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        # NOTE: running is in admission order; the last one is the first to be preempted.
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt (or recompute) tokens not computed yet, over waiting and running requests.
+
+        Waiting requests count all their tokens: their cache hit is known only at admission.
+        """
+        total = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        for r in self.running:
+            if r.num_output_tokens == 0 or r.num_computed_tokens < r.num_tokens - 1:
+                total += r.num_tokens - r.num_computed_tokens
+        return total
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request. Raises ValueError on one that could never be served."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty; it needs at least one token")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens but max_model_len is "
+                f"{self.config.max_model_len}; it must be shorter to leave room for one generated token"
+            )
+        hasher = request.block_hasher
+        if hasher is not None and hasher.block_size != self.kv_cache_manager.block_size:
+            raise ValueError(
+                f"the request hashes blocks of {hasher.block_size} tokens, "
+                f"the KV cache has blocks of {self.kv_cache_manager.block_size}"
+            )
+        request.sampling_params.validate()
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finishes a live request as aborted and frees its blocks; False when none is live."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv_cache_manager
+
+        # Running requests first: decodes and the next chunks of prompts being prefilled.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            if not self._allocate_or_preempt(request, num_new, out):
+                break  # it preempted itself: every request after it is preempted already
+            self._add_scheduled(out, request, num_new, request.num_computed_tokens)
+            budget -= num_new
+            i += 1
+
+        # Then admit waiting requests, oldest (or most recently preempted) first.
+        # NOTE: no admission in a step that preempted: the pool is known to be short.
+        while self.waiting and budget > 0 and not out.preempted_ids:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            self._add_scheduled(out, request, num_new, num_hit)
+            budget -= num_new
+        return out
+
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int, start: int) -> None:
+        out.scheduled.append(
+            ScheduledRequest(
+                request=request,
+                num_new_tokens=num_new,
+                start=start,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                sample=start + num_new == request.num_tokens,
+            )
+        )
+        out.num_scheduled_tokens += num_new
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocates for a running request, preempting from the back until it fits.
+
+        Returns False when the request itself had to be preempted.
+        """
+        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        # NOTE: preemption by recompute: the blocks go back to the pool (their full blocks stay
+        # cached, so re-admission usually hits them) and every token is computed again.
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[RequestOutput]:
+        """Records a step's results.
+
+        Args:
+            output: what ``schedule()`` returned for this step.
+            sampled: request id -> tokens sampled for it (requests with ``sample`` only).
+
+        Returns:
+            One RequestOutput per request that got tokens or finished, in batch order.
+        """
+        results: list[RequestOutput] = []
+        for sched in output.scheduled:
+            request = sched.request
+            if request.is_finished:  # aborted after schedule()
+                continue
+            request.num_computed_tokens += sched.num_new_tokens
+            new_ids: list[int] = []
+            if sched.sample:
+                for token in sampled.get(request.request_id, ()):
+                    request.append_output_token_ids(token)
+                    new_ids.append(token)
+                    status = self._check_stop(request)
+                    if status is not None:
+                        self.running.remove(request)
+                        self._finish(request, status)
+                        break
+            if new_ids or request.is_finished:
+                results.append(
+                    RequestOutput(
+                        request_id=request.request_id,
+                        new_token_ids=new_ids,
+                        finished=request.is_finished,
+                        finish_reason=request.finish_reason,
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        num_cached_tokens=request.num_cached_tokens,
+                    )
+                )
+        return results
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        # NOTE: a stop token wins over the length limit when both hold on the same token.
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if (not params.ignore_eos and last == request.eos_token_id) or last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
