@@ -153,7 +153,10 @@ def test_prefix_cache_hit_on_admission_sets_num_cached_tokens() -> None:
 
 def test_preemption_by_recompute_loses_nothing() -> None:
     # 8 usable blocks of 4 tokens; each request needs 6 blocks: both cannot run to the end.
+    waiting_after: list[list[tuple[str, RequestStatus]]] = []
+
     def run(num_blocks: int) -> tuple[Scheduler, dict[str, RequestOutput], list[SchedulerOutput]]:
+        waiting_after.clear()
         s = make_scheduler(num_blocks=num_blocks, block_size=4, max_model_len=32)
         s.add_request(make_request("A", 10, block_size=4, max_tokens=12))
         s.add_request(make_request("B", list(range(300, 310)), block_size=4, max_tokens=12))
@@ -162,6 +165,7 @@ def test_preemption_by_recompute_loses_nothing() -> None:
         while s.has_unfinished_requests():
             out, res = step(s)
             outs.append(out)
+            waiting_after.append([(r.request_id, r.status) for r in s.waiting])
             for o in res:
                 merged.setdefault(o.request_id, RequestOutput(o.request_id, [], False, None, 10, 0))
                 merged[o.request_id].new_token_ids += o.new_token_ids
@@ -177,6 +181,7 @@ def test_preemption_by_recompute_loses_nothing() -> None:
     preempting = [i for i, o in enumerate(outs) if o.preempted_ids]
     assert preempting[0] == 7
     assert outs[7].preempted_ids == ["B"]
+    assert waiting_after[7] == [("B", RequestStatus.PREEMPTED)]
     assert batch(outs[7]) == [("A", 1, 16, True)]
     # B waits at the front of the queue: its hits 4, 5, 6 (block 8 went to A) plus 2 new blocks
     # do not fit in the 3 free ones. When A finishes, A's last allocation has evicted block 6, so
@@ -213,8 +218,10 @@ def test_abort_frees_blocks_at_once() -> None:
     step(s)
     kv = s.kv_cache_manager
     assert kv.get_block_ids("A") == [1, 2, 3] and kv.num_free_blocks == 35
+    a = s.requests["A"]
     assert s.abort_request("A") is True
     assert kv.get_block_ids("A") == [] and kv.num_free_blocks == 38
+    assert (a.status, a.finish_reason) == (RequestStatus.FINISHED_ABORTED, "abort")
     assert s.abort_request("A") is False
     assert s.abort_request("nope") is False
     out, _ = step(s)
