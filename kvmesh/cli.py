@@ -11,6 +11,7 @@ import sys
 COMMAND_MODULES: dict[str, str] = {
     "kv-service": "kvmesh.commands.kv_service",
     "admin": "kvmesh.commands.admin",
+    "make-model": "kvmesh.commands.make_model",
 }
 
 

@@ -1,0 +1,203 @@
+"""The two configs of a worker: the model's (config.json, parsed once) and the engine's."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kv_service.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128, algorithm_name
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` / ``"bf16"`` / ``torch.bfloat16`` -> ``torch.bfloat16``."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower().removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of float32, float16, bfloat16") from None
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The fields of a Llama-family config.json the model code reads (one place for defaults)."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    """``rope_type`` + its parameters when not the default rope (e.g. llama3)."""
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_windows: list[int | None] = field(default_factory=list)
+    """Per layer: the attention window, None = full attention."""
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    name_or_path: str = ""
+    dtype: torch.dtype = torch.float32
+    """The checkpoint's stored dtype."""
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """Parses ``model_dir/config.json``; raises ValueError naming what is unsupported."""
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{model_dir} has no config.json; is it a Hugging Face model directory?")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        model_type = cfg.get("model_type", "")
+        archs = cfg.get("architectures") or [_ARCH_BY_TYPE.get(model_type, "")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu")
+        num_heads = cfg["num_attention_heads"]
+        num_layers = cfg["num_hidden_layers"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        # NOTE: transformers >= 5 writes rope_parameters {rope_theta, rope_type, ...}; older
+        # checkpoints have rope_theta + rope_scaling {type|rope_type, ...}. Both land here.
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope.update(cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        rope_scaling = None
+        if rope_type != "default":
+            if rope_type != "llama3":
+                raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+            rope_scaling = {"rope_type": rope_type, **rope}
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            intermediate_size=cfg["intermediate_size"],
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            sliding_windows=_sliding_windows(cfg, model_type, num_layers),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name_or_path=cfg.get("_name_or_path", "") or "",
+            dtype=parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        )
+
+
+_ARCH_BY_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def _sliding_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> list[int | None]:
+    window = cfg.get("sliding_window")
+    if model_type == "qwen2":
+        # Qwen2: the window applies only when use_sliding_window, to layers listed as sliding.
+        if not cfg.get("use_sliding_window", False) or not window:
+            return [None] * num_layers
+        types = cfg.get("layer_types")
+        if types is None:
+            first = cfg.get("max_window_layers", num_layers)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        return [window if t == "sliding_attention" else None for t in types]
+    if model_type == "mistral" and window:
+        return [window] * num_layers
+    return [None] * num_layers
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine is told; ``check`` runs once in ``LLMEngine.__init__``."""
+
+    model: str
+    """Directory with config.json, *.safetensors and tokenizer.json."""
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """Tokens per KV block (also the prefix-hash block)."""
+    num_blocks: int | None = None
+    """KV blocks incl. the null block; None = derived from memory_fraction."""
+    memory_fraction: float | None = None
+    """CUDA: share of total GPU memory for weights + KV (default 0.9). CPU: share of available RAM
+    for the KV cache (default 0.05)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decodes)."""
+    max_num_seqs: int = 128
+    """Running requests at most."""
+    max_model_len: int | None = None
+    """Prompt + output tokens at most; None = the model's max_position_embeddings."""
+    enable_prefix_caching: bool = True
+    hash_algorithm: str = SHA256_128
+    dtype: str = "auto"
+    """auto = float32 on CPU, the checkpoint's half dtype (or bfloat16) on CUDA."""
+    device: str = "auto"
+    """auto = cuda when available, else cpu."""
+    seed: int = 0
+    """Seeds the generator of sampled requests that have no seed of their own."""
+    model_id: str | None = None
+    """Identity for block hashing; None = config ``_name_or_path`` or the directory name."""
+
+    def check(self, model_config: ModelConfig) -> None:
+        """Validates and fills derived fields; raises ValueError with what to change."""
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+        if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.max_model_len is None:
+            self.max_model_len = model_config.max_position_embeddings
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        self.hash_algorithm = algorithm_name(self.hash_algorithm)
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype == "auto":
+            if self.device.startswith("cuda"):
+                half = model_config.dtype in (torch.float16, torch.bfloat16)
+                self.dtype = str(model_config.dtype if half else torch.bfloat16).removeprefix("torch.")
+            else:
+                self.dtype = "float32"
+        parse_dtype(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)

@@ -1,0 +1,220 @@
+"""The engine core of one worker: validation at the door, then schedule -> run -> update per step."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from collections import deque
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kv_service.block_hash import BlockHasher
+from model_worker.config import EngineConfig, ModelConfig
+from model_worker.kv_cache_manager import KVCacheManager
+from model_worker.kv_events import KVCacheEvent
+from model_worker.model_runner import ModelRunner
+from model_worker.request import Request
+from model_worker.sampling_params import SamplingParams
+from model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A worker's load as it reports it (heartbeats, routing)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    queued_prefill_tokens: int
+    prefix_cache_queries: int
+    """Prompt tokens looked up in the prefix cache so far."""
+    prefix_cache_hits: int
+    """Of those, tokens found cached."""
+
+
+def resolve_model_id(model_dir: str | Path, model_config: ModelConfig) -> str:
+    """The model's identity for block hashing: config ``_name_or_path`` unless it is empty or a
+    local absolute path (those name a machine, not a model), else the directory's resolved name."""
+    name = model_config.name_or_path
+    if name and not Path(name).is_absolute():
+        return name
+    return Path(model_dir).resolve().name
+
+
+def load_tokenizer(model_dir: str | Path) -> Any | None:
+    """The model's ``tokenizers.Tokenizer`` from tokenizer.json, or None when there is none."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def _eos_token_ids(model_dir: str | Path, model_config: ModelConfig) -> list[int]:
+    ids = list(model_config.eos_token_ids)
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        for e in [eos] if isinstance(eos, int) else (eos or []):
+            if e not in ids:
+                ids.append(e)
+    return ids
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model.
+
+    ``step()`` runs on one thread; ``add_request`` / ``abort_request`` may be called from
+    others: they go through an inbox that ``step()`` drains first.
+
+    Args:
+        config: the engine config; or pass its fields as keyword arguments.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        config = config if config is not None else EngineConfig(**kwargs)
+        self.model_config = ModelConfig.from_dir(config.model)
+        config.check(self.model_config)
+        self.config = config
+        self.model_id = config.model_id or resolve_model_id(config.model, self.model_config)
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = _eos_token_ids(config.model, self.model_config)
+        self.runner = ModelRunner(config, self.model_config)
+        self.block_hasher = BlockHasher(self.model_id, config.block_size, config.hash_algorithm)
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+        )
+        assert config.max_model_len is not None
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+            ),
+            self.kv_cache_manager,
+        )
+        self._lock = threading.Lock()
+        # NOTE: ("add", Request) / ("abort", id) in call order; only step() touches the scheduler.
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._live: set[str] = set()
+        self._stats = self._snapshot()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        cache_salt: str = "",
+    ) -> None:
+        """Queues a request; it starts at the next ``step()``.
+
+        Raises:
+            ValueError: the request is malformed or can never fit; nothing else is affected.
+        """
+        params = copy.deepcopy(sampling_params) if sampling_params is not None else SamplingParams()
+        params.validate()
+        self._check_prompt(prompt_token_ids)
+        extra_eos = self.eos_token_ids[1:]
+        if extra_eos and not params.ignore_eos:
+            params = replace(params, stop_token_ids=[*params.stop_token_ids, *extra_eos])
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            block_hasher=self.block_hasher if self.config.enable_prefix_caching else None,
+            cache_salt=cache_salt,
+        )
+        with self._lock:
+            if request_id in self._live:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._live.add(request_id)
+            self._inbox.append(("add", request))
+
+    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty; it needs at least one token")
+        max_len = self.config.max_model_len
+        assert max_len is not None
+        if n >= max_len:
+            raise ValueError(
+                f"the prompt has {n} tokens but max_model_len is {max_len}; shorten it to at most "
+                f"{max_len - 1} tokens to leave room for one generated token"
+            )
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(prompt_token_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Aborts a queued or running request at the next step; False when it is not live."""
+        with self._lock:
+            if request_id not in self._live:
+                return False
+            self._live.discard(request_id)
+            self._inbox.append(("abort", request_id))
+            return True
+
+    def _drain_inbox(self) -> None:
+        while True:
+            with self._lock:
+                if not self._inbox:
+                    return
+                kind, item = self._inbox.popleft()
+            if kind == "add":
+                self.scheduler.add_request(item)
+            else:
+                self.scheduler.abort_request(item)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules one batch, runs it, and returns the requests that got tokens or finished."""
+        self._drain_inbox()
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute(out)
+        outputs = self.scheduler.update_from_output(out, sampled)
+        finished = [o.request_id for o in outputs if o.finished]
+        if finished:
+            with self._lock:
+                self._live.difference_update(finished)
+        self._stats = self._snapshot()
+        return outputs
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """Block lifecycle events since the last call (to publish to kv_service)."""
+        return self.kv_cache_manager.take_events()
+
+    def cached_block_hashes(self) -> set[bytes]:
+        """Every block hash this worker holds: the snapshot for a kv_service resync."""
+        return self.kv_cache_manager.cached_block_hashes()
+
+    def stats(self) -> EngineStats:
+        """The load as of the last step, plus requests queued since; safe from any thread."""
+        with self._lock:
+            queued = [item for kind, item in self._inbox if kind == "add"]
+        snap = self._stats
+        return replace(
+            snap,
+            num_waiting=snap.num_waiting + len(queued),
+            queued_prefill_tokens=snap.queued_prefill_tokens + sum(r.num_tokens for r in queued),
+        )
+
+    def _snapshot(self) -> EngineStats:
+        # NOTE: taken on the step thread only: the scheduler's queues are not thread-safe.
+        kv = self.kv_cache_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+        )

@@ -1,0 +1,138 @@
+"""Runs one scheduled step on the model: packs the batch, runs the forward pass, samples."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from model_worker.config import EngineConfig, ModelConfig
+from model_worker.model_loader import load_model
+from model_worker.models.attention import AttentionMetadata
+from model_worker.sampler import Sampler
+from model_worker.scheduler import SchedulerOutput
+
+_DEFAULT_CPU_FRACTION = 0.05
+_DEFAULT_GPU_FRACTION = 0.9
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers, K and V."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    """Owns the model, its paged KV cache and the sampler.
+
+    Args:
+        config: the checked engine config.
+        model_config: the model's parsed config.json.
+    """
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.model = load_model(config.model, model_config, self.dtype, config.device)
+        self.num_blocks = self._decide_num_blocks()
+        self._allocate_kv_cache()
+        self.sampler = Sampler(config.seed)
+
+    def _decide_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        assert cfg.max_model_len is not None
+        blocks_per_seq = -(-cfg.max_model_len // self.block_size)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            fraction = cfg.memory_fraction or _DEFAULT_GPU_FRACTION
+            # NOTE: activations of one step are bounded by the token budget; keep room for them.
+            mc = self.model_config
+            activation = cfg.max_num_batched_tokens * 4 * (2 * mc.intermediate_size + 4 * mc.hidden_size) * 4
+            budget = int(total * fraction) - (total - free) - activation
+        else:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = int(available * (cfg.memory_fraction or _DEFAULT_CPU_FRACTION))
+            # Enough for every sequence at full length is all a CPU worker can use.
+            budget = min(budget, (cfg.max_num_seqs * blocks_per_seq + 1) * per_block)
+        num_blocks = budget // per_block
+        if num_blocks < blocks_per_seq + 1:
+            raise ValueError(
+                f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {num_blocks} blocks, fewer than "
+                f"one max_model_len sequence needs ({blocks_per_seq + 1}); raise memory_fraction, set "
+                "num_blocks, or lower max_model_len"
+            )
+        return num_blocks
+
+    def _allocate_kv_cache(self) -> None:
+        mc = self.model_config
+        shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        # NOTE: block 0 is the null block: padding entries of block tables point at it, never written.
+        for attn in self.model.kv_caches():
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def prepare_inputs(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Packs the step: token ids, positions, attention metadata and the rows to sample."""
+        bs = self.block_size
+        ids: list[int] = []
+        q_lens: list[int] = []
+        starts: list[int] = []
+        kv_lens: list[int] = []
+        sample_rows: list[int] = []
+        max_blocks = max(len(s.block_ids) for s in out.scheduled)
+        tables = torch.zeros((len(out.scheduled), max_blocks), dtype=torch.int32)
+        total = 0
+        for i, s in enumerate(out.scheduled):
+            ids.extend(s.request.all_token_ids[s.start : s.start + s.num_new_tokens])
+            q_lens.append(s.num_new_tokens)
+            starts.append(s.start)
+            kv_lens.append(s.start + s.num_new_tokens)
+            tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+            total += s.num_new_tokens
+            if s.sample:
+                sample_rows.append(total - 1)
+        q_len_t = torch.tensor(q_lens, dtype=torch.int64)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_len_t)
+        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q_len_t, 0, out=cu[1:])
+        positions = torch.arange(total) - cu[:-1][seq_of_token] + torch.tensor(starts)[seq_of_token]
+        slots = tables[seq_of_token, positions // bs].long() * bs + positions % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev),
+            cu_q_lens=cu.to(torch.int32).to(dev),
+            kv_lens=torch.tensor(kv_lens, dtype=torch.int32).to(dev),
+            block_tables=tables.to(dev),
+        )
+        return (
+            torch.tensor(ids, dtype=torch.int64).to(dev),
+            positions.to(dev),
+            meta,
+            torch.tensor(sample_rows, dtype=torch.int64).to(dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """Runs the scheduled batch; returns request id -> sampled tokens for the rows that sample."""
+        for request_id in out.finished_ids:
+            self.sampler.release(request_id)
+        if out.is_empty:
+            return {}
+        input_ids, positions, meta, sample_rows = self.prepare_inputs(out)
+        hidden = self.model(input_ids, positions, meta)
+        sampling = [s.request for s in out.scheduled if s.sample]
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])
+        tokens = self.sampler.sample(
+            logits, [r.sampling_params for r in sampling], [r.request_id for r in sampling]
+        )
+        return {r.request_id: [t] for r, t in zip(sampling, tokens, strict=True)}

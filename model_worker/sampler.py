@@ -1,0 +1,88 @@
+"""Next-token sampling for one step: greedy, temperature, top-k, top-p, per-request seeds.
+
+Stop conditions (EOS, stop ids, max_tokens) are the scheduler's; this module only picks tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model_worker.sampling_params import SamplingParams
+
+
+class Sampler:
+    """Picks one token per logits row.
+
+    Greedy rows (temperature 0, or top_k 1) take one batched argmax. Sampled rows are filtered
+    (temperature, then top-k, then top-p over the sorted distribution) in one batch and drawn with
+    the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``, whose noise comes from the request's
+    own generator when it has a seed, so its tokens do not depend on what else is in the batch.
+
+    Args:
+        seed: seeds the shared generator of sampled requests without a seed.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self._seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}
+        self._per_request: dict[str, torch.Generator] = {}
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]) -> list[int]:
+        """Args:
+            logits: ``[N, vocab]`` float32, one row per sampling request.
+            params: the N requests' sampling parameters.
+            request_ids: the N requests' ids (keys of their generators).
+
+        Returns:
+            N token ids, in row order.
+        """
+        n = logits.shape[0]
+        if n == 0:
+            return []
+        out = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if p.temperature > 0.0 and p.top_k != 1]
+        if rows:
+            picked = self._sample_rows(
+                logits[rows], [params[i] for i in rows], [request_ids[i] for i in rows]
+            )
+            out[rows] = picked
+        return out.tolist()
+
+    def release(self, request_id: str) -> None:
+        """Forgets a finished request's generator."""
+        self._per_request.pop(request_id, None)
+
+    def _sample_rows(
+        self, logits: torch.Tensor, params: list[SamplingParams], ids: list[str]
+    ) -> torch.Tensor:
+        device = logits.device
+        temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+        logits = logits / temps[:, None]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        rank = torch.arange(vocab, device=device)[None, :]
+        if any(p.top_k > 0 for p in params):
+            ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+            sorted_logits = sorted_logits.masked_fill(rank >= ks[:, None], float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
+            # NOTE: a token is kept while the mass before it is < top_p, so the top token always is.
+            mass_before = probs.cumsum(dim=-1) - probs
+            probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+        noise = torch.stack(
+            [self._noise(rid, p.seed, vocab, device) for rid, p in zip(ids, params, strict=True)]
+        )
+        choice = (probs / noise).argmax(dim=-1, keepdim=True)
+        return order.gather(-1, choice).squeeze(-1)
+
+    def _noise(self, request_id: str, seed: int | None, vocab: int, device: torch.device) -> torch.Tensor:
+        if seed is None:
+            gen = self._shared.get(device)
+            if gen is None:
+                gen = self._shared[device] = torch.Generator(device=device).manual_seed(self._seed)
+        else:
+            gen = self._per_request.get(request_id)
+            if gen is None:
+                gen = self._per_request[request_id] = torch.Generator(device=device).manual_seed(seed)
+        return torch.empty(vocab, device=device).exponential_(generator=gen).clamp_min_(1e-30)
