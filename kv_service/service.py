@@ -1,0 +1,180 @@
+"""The kv_service core: validates requests, applies them to a BlockIndex, keeps counters.
+
+No grpc and no redis here: kv_service/server.py adapts protobuf messages to these calls.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kv_service import metrics
+from kv_service.block_hash import ALGORITHMS, HASH_LEN, BlockHasher
+from kv_service.index import (
+    Action,
+    AllCleared,
+    BlockIndex,
+    Event,
+    Load,
+    PublishResult,
+    Registration,
+    Removed,
+    Stored,
+    WorkerMatch,
+)
+from kvmesh.errors import InvalidArgument, NotFound
+
+MAX_CHAIN_BLOCKS = 65_536
+MAX_EPOCH = 2**53 - 1  # exact in a Lua double
+_ID_RE = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    lease_ttl_ms: int = 10_000
+    """A worker missing heartbeats this long leaves Lookup at once (cleaned up lazily)."""
+    reap_interval_s: float = 5.0
+    """How often expired workers and their blocks are deleted from the store."""
+
+
+def _check_id(what: str, value: str) -> None:
+    if not _ID_RE.match(value or ""):
+        raise InvalidArgument(
+            f"{what} must be 1-128 characters of letters, digits and . _ : @ / -, got {value!r}"
+        )
+
+
+def _check_hashes(what: str, hashes: Sequence[bytes], *, allow_empty: bool = True) -> list[bytes]:
+    if not allow_empty and not hashes:
+        raise InvalidArgument(f"{what} is empty: send at least one {HASH_LEN}-byte block hash")
+    if len(hashes) > MAX_CHAIN_BLOCKS:
+        raise InvalidArgument(f"{what} has {len(hashes)} hashes; at most {MAX_CHAIN_BLOCKS} per message")
+    for i, h in enumerate(hashes):
+        if len(h) != HASH_LEN:
+            raise InvalidArgument(
+                f"{what}[{i}] is {len(h)} bytes; block hashes are {HASH_LEN} bytes (docs/block-hashing.md)"
+            )
+    return list(hashes)
+
+
+def _check_counter(what: str, value: int) -> None:
+    if not 1 <= value <= MAX_EPOCH:
+        raise InvalidArgument(f"{what} must be in [1, 2**53), got {value}")
+
+
+class KVService:
+    """Validation + index + counters; thread-safe (the index is)."""
+
+    def __init__(self, index: BlockIndex, config: ServiceConfig | None = None) -> None:
+        self.index = index
+        self.config = config or ServiceConfig()
+        self._lock = threading.Lock()
+        self.lookups_total = 0
+        self.events_applied_total = 0
+        self.resyncs_total = 0
+
+    # -- workers -------------------------------------------------------------------------
+    def register(self, reg: Registration) -> int:
+        _check_id("worker_id", reg.worker_id)
+        if not reg.model_id or len(reg.model_id) > 512:
+            raise InvalidArgument("model_id must be 1-512 characters")
+        host, sep, port = reg.address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise InvalidArgument(f"address must be host:port as routers should dial it, got {reg.address!r}")
+        if not 1 <= reg.block_size <= 4096:
+            raise InvalidArgument(f"block_size must be in [1, 4096], got {reg.block_size}")
+        if reg.hash_algorithm not in ALGORITHMS:
+            raise InvalidArgument(f"hash_algorithm must be one of {', '.join(ALGORITHMS)}")
+        if reg.num_blocks < 1:
+            raise InvalidArgument(f"num_blocks must be >= 1, got {reg.num_blocks}")
+        _check_counter("epoch", reg.epoch)
+        self.index.register_worker(reg, self.config.lease_ttl_ms, now_ms())
+        return self.config.lease_ttl_ms
+
+    def heartbeat(self, worker_id: str, epoch: int, load: Load) -> int:
+        _check_id("worker_id", worker_id)
+        self.index.heartbeat(worker_id, epoch, load, self.config.lease_ttl_ms, now_ms())
+        return self.config.lease_ttl_ms
+
+    # -- events --------------------------------------------------------------------------
+    def publish(self, worker_id: str, epoch: int, seq: int, events: list[Event]) -> PublishResult:
+        _check_id("worker_id", worker_id)
+        _check_counter("epoch", epoch)
+        _check_counter("seq", seq)
+        for i, ev in enumerate(events):
+            if isinstance(ev, Stored):
+                _check_hashes(f"events[{i}].stored.block_hashes", ev.block_hashes)
+                if ev.parent is not None:
+                    _check_hashes(f"events[{i}].stored.parent_hash", [ev.parent])
+            elif isinstance(ev, Removed):
+                _check_hashes(f"events[{i}].removed.block_hashes", ev.block_hashes)
+        result = self.index.publish(worker_id, epoch, seq, events, now_ms())
+        self._count(result, events)
+        return result
+
+    def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes]) -> PublishResult:
+        _check_id("worker_id", worker_id)
+        _check_counter("epoch", epoch)
+        _check_counter("seq", seq)
+        _check_hashes("snapshot_hashes", hashes)
+        result = self.index.snapshot(worker_id, epoch, seq, hashes, now_ms())
+        metrics.EVENTS_APPLIED.labels("snapshot").inc(len(hashes))
+        return result
+
+    def _count(self, result: PublishResult, events: list[Event]) -> None:
+        if result.action == Action.RESYNC:
+            metrics.RESYNCS.inc()
+            with self._lock:
+                self.resyncs_total += 1
+            return
+        for ev in events:
+            kind = "stored" if isinstance(ev, Stored) else "removed" if isinstance(ev, Removed) else "all_cleared"
+            n = 1 if isinstance(ev, AllCleared) else len(ev.block_hashes)
+            metrics.EVENTS_APPLIED.labels(kind).inc(n)
+        with self._lock:
+            self.events_applied_total += len(events)
+
+    # -- lookups -------------------------------------------------------------------------
+    def lookup(self, model_id: str, hashes: Sequence[bytes]) -> list[WorkerMatch]:
+        if not model_id:
+            raise InvalidArgument("model_id is empty: name the model the chain was hashed for")
+        chain = _check_hashes("block_hashes", hashes, allow_empty=False)
+        t0 = time.perf_counter()
+        found = self.index.lookup(model_id, chain, now_ms())
+        metrics.LOOKUP_LATENCY.observe(time.perf_counter() - t0)
+        metrics.LOOKUPS.inc()
+        metrics.MATCHED_BLOCKS.observe(max((m.matched_blocks for m in found), default=0))
+        with self._lock:
+            self.lookups_total += 1
+        return sorted(found, key=lambda m: (-m.matched_blocks, m.worker_id))
+
+    def lookup_tokens(self, model_id: str, token_ids: Sequence[int], cache_salt: str = "") -> tuple[int, list[WorkerMatch]]:
+        """Hashes ``token_ids`` with the model's registered spec; returns (block_size, matches)."""
+        spec = self.index.model_spec(model_id)
+        if spec is None:
+            raise NotFound(f"no worker is registered for model {model_id!r}")
+        hasher = BlockHasher(model_id, spec.block_size, spec.hash_algorithm)
+        hashes = hasher.hash_prompt(list(token_ids), cache_salt)
+        if not hashes:
+            raise InvalidArgument(
+                f"{len(token_ids)} tokens make no full block of {spec.block_size}; send at least {spec.block_size}"
+            )
+        return spec.block_size, self.lookup(model_id, hashes)
+
+    def get_block(self, block_hash: bytes) -> list[str]:
+        _check_hashes("block_hash", [block_hash])
+        return self.index.holders(block_hash, now_ms())
+
+    def flush(self, worker_id: str) -> int:
+        _check_id("worker_id", worker_id)
+        return self.index.flush_worker(worker_id)
+
+    def reap(self) -> int:
+        return self.index.reap_expired(now_ms())

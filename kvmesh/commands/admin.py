@@ -1,0 +1,184 @@
+"""`kvmesh admin`: inspect and manage the KV-cache index."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+
+DEFAULT_KV = "127.0.0.1:50052"
+ALGO_NAMES = {1: "sha256_128", 2: "xxh3_128"}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("admin", help="query and manage the kv_service index",
+                       description="Admin queries against a running kv_service.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--kv-service", default=DEFAULT_KV, help=f"kv_service address (default {DEFAULT_KV})")
+    common.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    common.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds (default 5)")
+    cmds = p.add_subparsers(dest="admin_command", metavar="ACTION")
+    cmds.required = True
+    cmds.add_parser("stats", parents=[common], help="index totals and models").set_defaults(func=stats)
+    w = cmds.add_parser("workers", parents=[common], help="registered workers, their load and lease")
+    w.add_argument("--all", action="store_true", help="include workers whose lease expired")
+    w.set_defaults(func=workers)
+    b = cmds.add_parser("block", parents=[common], help="who holds one block")
+    b.add_argument("block_hash", help="the block hash in hex (32 characters)")
+    b.set_defaults(func=block)
+    lk = cmds.add_parser("lookup", parents=[common], help="which workers hold a prompt's prefix")
+    src = lk.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")
+    src.add_argument("--text", help="text, tokenized with --model's tokenizer")
+    lk.add_argument("--model", help="model directory (tokenizer and model id)")
+    lk.add_argument("--model-id", help="model id as the workers registered it (default: --model's directory name)")
+    lk.add_argument("--cache-salt", default="", help="tenant salt the prompt was sent with")
+    lk.set_defaults(func=lookup)
+    f = cmds.add_parser("flush", parents=[common], help="drop every block of one worker from the index")
+    f.add_argument("worker_id")
+    f.set_defaults(func=flush)
+
+
+def _stub(args: argparse.Namespace):
+    from kvmesh.rpc import insecure_channel
+    from kvmesh.v1 import kv_service_pb2_grpc
+
+    return kv_service_pb2_grpc.KVServiceStub(insecure_channel(args.kv_service))
+
+
+def _load(m) -> dict:
+    return {
+        "num_running": m.num_running, "num_waiting": m.num_waiting, "num_free_blocks": m.num_free_blocks,
+        "num_total_blocks": m.num_total_blocks, "queued_prefill_tokens": m.queued_prefill_tokens,
+    }
+
+
+def _table(rows: list[list], header: list[str]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+
+
+def _call(args: argparse.Namespace, fn) -> int:
+    try:
+        out = fn()
+    except grpc.RpcError as err:
+        print(f"kvmesh admin: {err.code().name}: {err.details()} (kv_service {args.kv_service})", file=sys.stderr)
+        return 1
+    except ValueError as err:
+        print(f"kvmesh admin: {err}", file=sys.stderr)
+        return 2
+    data, text = out
+    print(json.dumps(data, indent=2, sort_keys=True) if args.json else text)
+    return 0
+
+
+def stats(args: argparse.Namespace) -> int:
+    from kvmesh.v1 import kv_service_pb2 as pb
+
+    def go():
+        r = _stub(args).GetStats(pb.GetStatsRequest(), timeout=args.timeout)
+        models = [
+            {"model_id": m.model_id, "block_size": m.block_size, "hash_algorithm": ALGO_NAMES.get(m.hash_algorithm, "?"),
+             "live_workers": m.live_workers}
+            for m in r.models
+        ]
+        data = {
+            "store": r.store, "live_workers": r.live_workers, "indexed_blocks": r.indexed_blocks,
+            "block_replicas": r.block_replicas, "lookups_total": r.lookups_total,
+            "events_applied_total": r.events_applied_total, "resyncs_total": r.resyncs_total, "models": models,
+        }
+        text = _table([[k, v] for k, v in data.items() if k != "models"], ["stat", "value"])
+        if models:
+            text += "\n\n" + _table([list(m.values()) for m in models], ["model", "block_size", "hash", "live_workers"])
+        return data, text
+
+    return _call(args, go)
+
+
+def workers(args: argparse.Namespace) -> int:
+    from kvmesh.v1 import kv_service_pb2 as pb
+
+    def go():
+        r = _stub(args).ListWorkers(pb.ListWorkersRequest(include_expired=args.all), timeout=args.timeout)
+        data = [
+            {"worker_id": w.worker_id, "address": w.address, "model_id": w.model_id, "block_size": w.block_size,
+             "hash_algorithm": ALGO_NAMES.get(w.hash_algorithm, "?"), "num_blocks": w.num_blocks, "epoch": w.epoch,
+             "last_seq": w.last_seq, "blocks_indexed": w.blocks_indexed, "load": _load(w.load),
+             "lease_remaining_ms": w.lease_remaining_ms, "live": w.live}
+            for w in r.workers
+        ]
+        rows = [[d["worker_id"], d["address"], d["model_id"], d["blocks_indexed"], d["num_blocks"],
+                 d["load"]["num_running"], d["load"]["num_waiting"], d["lease_remaining_ms"],
+                 "yes" if d["live"] else "no"] for d in data]
+        return data, _table(rows, ["worker", "address", "model", "blocks", "capacity", "running", "waiting",
+                                   "lease_ms", "live"])
+
+    return _call(args, go)
+
+
+def block(args: argparse.Namespace) -> int:
+    from kvmesh.v1 import kv_service_pb2 as pb
+
+    def go():
+        try:
+            raw = bytes.fromhex(args.block_hash)
+        except ValueError:
+            raise ValueError(f"block hash must be hex, got {args.block_hash!r}") from None
+        r = _stub(args).GetBlock(pb.GetBlockRequest(block_hash=raw), timeout=args.timeout)
+        data = {"block_hash": args.block_hash, "refcount": r.refcount, "holders": list(r.holders)}
+        return data, _table([[args.block_hash, r.refcount, ",".join(r.holders) or "-"]], ["block", "refcount", "holders"])
+
+    return _call(args, go)
+
+
+def _token_ids(args: argparse.Namespace) -> list[int]:
+    if args.tokens is not None:
+        try:
+            return [int(t) for t in args.tokens.replace(" ", "").split(",") if t]
+        except ValueError:
+            raise ValueError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
+    if not args.model:
+        raise ValueError("--text needs --model DIR to tokenize with")
+    from kvmesh.modelinfo import load_tokenizer
+
+    return load_tokenizer(args.model).encode(args.text, add_special_tokens=True).ids
+
+
+def lookup(args: argparse.Namespace) -> int:
+    from kvmesh.modelinfo import model_id_for
+    from kvmesh.v1 import kv_service_pb2 as pb
+
+    def go():
+        if not (args.model or args.model_id):
+            raise ValueError("lookup needs --model DIR or --model-id ID")
+        model_id = model_id_for(args.model or "", args.model_id)
+        ids = _token_ids(args)
+        r = _stub(args).LookupTokens(
+            pb.LookupTokensRequest(model_id=model_id, token_ids=ids, cache_salt=args.cache_salt), timeout=args.timeout
+        )
+        data = {
+            "model_id": model_id, "num_tokens": len(ids), "block_size": r.block_size,
+            "num_blocks_queried": r.num_blocks_queried,
+            "workers": [{"worker_id": m.worker_id, "address": m.address, "matched_blocks": m.matched_blocks,
+                         "matched_tokens": m.matched_blocks * r.block_size, "load": _load(m.load)} for m in r.workers],
+        }
+        rows = [[w["worker_id"], w["address"], w["matched_blocks"], w["matched_tokens"], w["load"]["num_running"],
+                 w["load"]["num_waiting"]] for w in data["workers"]]
+        text = f"{len(ids)} tokens, {r.num_blocks_queried} full blocks of {r.block_size}\n"
+        return data, text + _table(rows, ["worker", "address", "blocks", "tokens", "running", "waiting"])
+
+    return _call(args, go)
+
+
+def flush(args: argparse.Namespace) -> int:
+    from kvmesh.v1 import kv_service_pb2 as pb
+
+    def go():
+        r = _stub(args).FlushWorker(pb.FlushWorkerRequest(worker_id=args.worker_id), timeout=args.timeout)
+        return {"worker_id": args.worker_id, "blocks_removed": r.blocks_removed}, (
+            f"removed {r.blocks_removed} blocks of {args.worker_id} from the index")
+
+    return _call(args, go)

@@ -1,0 +1,60 @@
+"""`kvmesh kv-service`: the KV-cache metadata service."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kvmesh.commands.common import add_log_level, setup_logging, start_metrics_server
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("kv-service", help="run the KV-cache metadata service (gRPC)",
+                       description="Run the KV-cache metadata service: which worker holds which block.")
+    p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=50052, help="gRPC port (default 50052)")
+    store = p.add_mutually_exclusive_group()
+    store.add_argument("--redis-url", default=None,
+                       help="Redis to keep the index in, e.g. redis://127.0.0.1:6379/0 (the default store)")
+    store.add_argument("--store", choices=["redis", "memory"], default=None,
+                       help="'memory' keeps the index in this process (single replica only)")
+    p.add_argument("--namespace", default="kvmesh",
+                   help="Redis key hash tag; deployments sharing one Redis use different ones (default kvmesh)")
+    p.add_argument("--lease-ttl-ms", type=int, default=10_000,
+                   help="worker lease: no heartbeat for this long removes it from lookups (default 10000)")
+    p.add_argument("--metrics-port", type=int, default=9100, help="Prometheus /metrics port, 0 = off (default 9100)")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
+    add_log_level(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kv_service.server import KVServiceServer
+    from kv_service.service import ServiceConfig
+
+    setup_logging(args.log_level)
+    log = logging.getLogger("kvmesh.kv_service")
+    if args.store == "memory":
+        from kv_service.store_memory import MemoryIndex
+
+        index = MemoryIndex()
+    else:
+        from kv_service.store_redis import RedisIndex
+
+        url = args.redis_url or "redis://127.0.0.1:6379/0"
+        index = RedisIndex(url, namespace=args.namespace)
+        try:
+            index.ping()
+        except Exception as exc:  # noqa: BLE001 - one actionable line instead of a traceback
+            log.error("cannot reach Redis at %s (%s); start one or pass --store memory", url, exc)
+            return 2
+    if args.lease_ttl_ms < 100:
+        log.error("--lease-ttl-ms must be >= 100")
+        return 2
+    config = ServiceConfig(lease_ttl_ms=args.lease_ttl_ms, reap_interval_s=max(0.1, args.lease_ttl_ms / 2000))
+    server = KVServiceServer(index, args.host, args.port, config).start()
+    if args.metrics_port:
+        start_metrics_server(args.metrics_port)
+    log.info("kv_service listening on %s:%d (store=%s)", args.host, server.port, index.name)
+    server.grpc.wait_for_termination_signal(args.grace, on_stop=index.close)
+    return 0

@@ -1,0 +1,114 @@
+"""`kvmesh kv-service` as a real process on a real Redis, driven by `kvmesh admin`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kv_service.block_hash import BlockHasher
+from kvmesh.rpc import insecure_channel
+from kvmesh.testing import free_port
+from kvmesh.v1 import kv_service_pb2 as pb
+from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
+
+KVMESH = str(Path(sys.executable).parent / "kvmesh")
+
+
+def wait_serving(address: str, timeout: float = 20.0) -> None:
+    channel = insecure_channel(address)
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                channel.close()
+                return
+        except grpc.RpcError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{address} not SERVING after {timeout}s")
+
+
+@pytest.fixture
+def kv_process(redis_url, redis_namespace):
+    port, metrics_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [KVMESH, "kv-service", "--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url,
+         "--namespace", redis_namespace, "--metrics-port", str(metrics_port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_serving(address)
+        yield proc, address, metrics_port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def admin(address: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([KVMESH, "admin", *args, "--kv-service", address], capture_output=True, text=True, timeout=30)
+
+
+def test_admin_commands_against_a_real_server(kv_process):
+    proc, address, metrics_port = kv_process
+    stub = pb_grpc.KVServiceStub(insecure_channel(address))
+    stub.RegisterWorker(pb.RegisterWorkerRequest(
+        worker_id="w1", address="10.0.0.1:50061", model_id="tiny", block_size=4,
+        hash_algorithm=pb.HASH_ALGORITHM_SHA256_128, num_blocks=64, epoch=3), timeout=5)
+    chain = BlockHasher("tiny", 4).hash_prompt(list(range(1, 13)))
+    list(stub.PublishEvents(iter([pb.PublishEventsRequest(
+        worker_id="w1", epoch=3, seq=1, events=[pb.KVEvent(stored=pb.BlockStored(block_hashes=chain))])]), timeout=5))
+
+    stats = json.loads(admin(address, "stats", "--json").stdout)
+    assert {k: stats[k] for k in ("store", "live_workers", "indexed_blocks", "block_replicas")} == {
+        "store": "redis", "live_workers": 1, "indexed_blocks": 3, "block_replicas": 3}
+    assert stats["models"] == [{"model_id": "tiny", "block_size": 4, "hash_algorithm": "sha256_128", "live_workers": 1}]
+
+    workers = json.loads(admin(address, "workers", "--json").stdout)
+    assert [(w["worker_id"], w["address"], w["blocks_indexed"], w["epoch"], w["last_seq"]) for w in workers] == [
+        ("w1", "10.0.0.1:50061", 3, 3, 1)]
+
+    looked = json.loads(admin(address, "lookup", "--tokens", "1,2,3,4,5,6,7,8,0,0,0,0", "--model-id", "tiny", "--json").stdout)
+    assert [(w["worker_id"], w["matched_blocks"], w["matched_tokens"]) for w in looked["workers"]] == [("w1", 2, 8)]
+
+    table = admin(address, "block", chain[0].hex())
+    assert table.returncode == 0 and "w1" in table.stdout and "refcount" in table.stdout
+
+    flushed = json.loads(admin(address, "flush", "w1", "--json").stdout)
+    assert flushed == {"worker_id": "w1", "blocks_removed": 3}
+    table = admin(address, "stats").stdout.splitlines()
+    assert table[0].split() == ["stat", "value"] and ["indexed_blocks", "0"] in [row.split() for row in table]
+
+    bad = admin(address, "block", "zz")
+    assert bad.returncode == 2 and "block hash must be hex" in bad.stderr
+    missing = admin(address, "flush", "ghost")
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    assert "kvmesh_kv_lookups_total 1.0" in metrics
+    assert 'kvmesh_kv_events_applied_total{kind="stored"} 3.0' in metrics
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0
+
+
+def test_admin_reports_an_unreachable_service():
+    out = admin(f"127.0.0.1:{free_port()}", "stats", "--timeout", "0.5")
+    assert out.returncode == 1 and ("UNAVAILABLE" in out.stderr or "DEADLINE_EXCEEDED" in out.stderr)
+
+
+def test_kv_service_refuses_to_start_without_redis():
+    out = subprocess.run([KVMESH, "kv-service", "--port", str(free_port()), "--redis-url",
+                          f"redis://127.0.0.1:{free_port()}/0", "--metrics-port", "0"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "cannot reach Redis" in out.stderr and "--store memory" in out.stderr

@@ -1,0 +1,146 @@
+"""The kv_service over real gRPC on loopback, on a real redis-server."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kv_service.block_hash import BlockHasher
+from kv_service.server import KVServiceServer
+from kv_service.service import ServiceConfig
+from kv_service.store_redis import RedisIndex
+from kvmesh.rpc import insecure_channel
+from kvmesh.testing import free_port
+from kvmesh.v1 import kv_service_pb2 as pb
+from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
+
+SHA = pb.HASH_ALGORITHM_SHA256_128
+
+
+@pytest.fixture
+def kv(redis_url, redis_namespace):
+    server = KVServiceServer(RedisIndex(redis_url, redis_namespace), "127.0.0.1", free_port(),
+                             ServiceConfig(lease_ttl_ms=400, reap_interval_s=0.2)).start()
+    channel = insecure_channel(f"127.0.0.1:{server.port}")
+    yield pb_grpc.KVServiceStub(channel), channel
+    channel.close()
+    server.stop(0.5)
+
+
+def register(stub, wid="w1", *, bs=4, algo=SHA, epoch=7, nb=1000, model="m"):
+    return stub.RegisterWorker(pb.RegisterWorkerRequest(
+        worker_id=wid, address="127.0.0.1:50061", model_id=model, block_size=bs, hash_algorithm=algo,
+        num_blocks=nb, epoch=epoch), timeout=5)
+
+
+def batch(wid, seq, *events, epoch=7, **kw):
+    return pb.PublishEventsRequest(worker_id=wid, epoch=epoch, seq=seq, events=list(events), **kw)
+
+
+def stored(hashes, parent=b""):
+    return pb.KVEvent(stored=pb.BlockStored(block_hashes=hashes, parent_hash=parent))
+
+
+def publish(stub, *batches):
+    return [(r.seq, r.action, r.reason) for r in stub.PublishEvents(iter(batches), timeout=5)]
+
+
+def lookup(stub, hashes, model="m"):
+    r = stub.Lookup(pb.LookupRequest(model_id=model, block_hashes=hashes), timeout=5)
+    return [(w.worker_id, w.matched_blocks) for w in r.workers]
+
+
+CHAIN = BlockHasher("m", 4).hash_prompt(list(range(24)))
+
+
+def test_health_reflection_and_round_trip(kv):
+    stub, channel = kv
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="kvmesh.v1.KVService"))
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert register(stub).lease_ttl_ms == 400
+    register(stub, "w2")
+    acks = publish(stub, batch("w1", 1, stored(CHAIN[:4])), batch("w1", 2, stored(CHAIN[4:], CHAIN[3])),
+                   batch("w2", 1, stored(CHAIN[:2])))
+    assert acks == [(1, pb.PUBLISH_ACTION_ACK, ""), (2, pb.PUBLISH_ACTION_ACK, ""), (1, pb.PUBLISH_ACTION_ACK, "")]
+    assert lookup(stub, CHAIN) == [("w1", 6), ("w2", 2)]
+    ids = list(range(24))
+    r = stub.LookupTokens(pb.LookupTokensRequest(model_id="m", token_ids=ids + [1, 2]), timeout=5)
+    assert (r.block_size, r.num_blocks_queried, [(w.worker_id, w.matched_blocks) for w in r.workers]) == (
+        4, 6, [("w1", 6), ("w2", 2)])
+    b = stub.GetBlock(pb.GetBlockRequest(block_hash=CHAIN[0]), timeout=5)
+    assert (list(b.holders), b.refcount) == (["w1", "w2"], 2)
+    st = stub.GetStats(pb.GetStatsRequest(), timeout=5)
+    assert (st.store, st.live_workers, st.indexed_blocks, st.block_replicas, st.lookups_total) == ("redis", 2, 6, 8, 2)
+
+
+def test_gap_resync_then_snapshot_over_the_stream(kv):
+    stub, _ = kv
+    register(stub)
+    acks = publish(stub, batch("w1", 1, stored(CHAIN[:2])), batch("w1", 3, stored(CHAIN[2:], CHAIN[1])),
+                   pb.PublishEventsRequest(worker_id="w1", epoch=7, seq=4, snapshot=True, snapshot_hashes=CHAIN[:3]))
+    assert [a[1] for a in acks] == [pb.PUBLISH_ACTION_ACK, pb.PUBLISH_ACTION_RESYNC, pb.PUBLISH_ACTION_ACK]
+    assert "seq gap: expected 2, got 3" in acks[1][2]
+    assert lookup(stub, CHAIN) == [("w1", 3)]
+    assert stub.GetStats(pb.GetStatsRequest(), timeout=5).resyncs_total == 1
+
+
+def test_lease_expiry_removes_worker_from_lookup(kv):
+    stub, _ = kv
+    register(stub, "w1")
+    register(stub, "w2")
+    publish(stub, batch("w1", 1, stored(CHAIN)), batch("w2", 1, stored(CHAIN)))
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:  # w2 keeps its lease; w1 stops heartbeating
+        stub.Heartbeat(pb.HeartbeatRequest(worker_id="w2", epoch=7), timeout=5)
+        time.sleep(0.1)
+    assert lookup(stub, CHAIN) == [("w2", 6)]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Heartbeat(pb.HeartbeatRequest(worker_id="w1", epoch=7), timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "register it again" in err.value.details()
+
+
+def _err(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        fn()
+    return err.value.code(), err.value.details()
+
+
+def test_bad_input_gets_clear_status_and_leaves_index_unchanged(kv):
+    stub, _ = kv
+    register(stub)
+    publish(stub, batch("w1", 1, stored(CHAIN[:3])))
+    before = (lookup(stub, CHAIN), stub.GetStats(pb.GetStatsRequest(), timeout=5).indexed_blocks)
+    INV, NF, FP = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION
+    cases = [
+        (lambda: lookup(stub, []), INV, "block_hashes is empty"),
+        (lambda: lookup(stub, [b"short"]), INV, "block_hashes[0] is 5 bytes; block hashes are 16 bytes"),
+        (lambda: lookup(stub, CHAIN, model=""), INV, "model_id is empty"),
+        (lambda: publish(stub, batch("w1", 2, stored([CHAIN[3], b"x" * 15]))), INV,
+         "events[0].stored.block_hashes[1] is 15 bytes"),
+        (lambda: publish(stub, batch("w1", 2, pb.KVEvent())), INV, "events[0] sets no event"),
+        (lambda: publish(stub, batch("ghost", 1, stored(CHAIN))), NF, "worker 'ghost' is not registered"),
+        (lambda: publish(stub, batch("w1", 1, stored(CHAIN))), FP, "seq regression for worker 'w1': got 1, last applied 1"),
+        (lambda: publish(stub, batch("w1", 0, stored(CHAIN))), INV, "seq must be in [1, 2**53)"),
+        (lambda: publish(stub, batch("w1", 2, stored(CHAIN), snapshot=True)), INV, "snapshot batch carries"),
+        (lambda: register(stub, "w2", algo=pb.HASH_ALGORITHM_UNSPECIFIED), INV, "hash_algorithm is unset"),
+        (lambda: register(stub, "w2", bs=8), FP, "block_size=4, hash=sha256_128"),
+        (lambda: register(stub, "bad id!"), INV, "worker_id must be 1-128 characters"),
+        (lambda: register(stub, "w2", epoch=0), INV, "epoch must be in [1, 2**53)"),
+        (lambda: register(stub, "w2", nb=0), INV, "num_blocks must be >= 1"),
+        (lambda: stub.GetBlock(pb.GetBlockRequest(block_hash=b"abc"), timeout=5), INV, "block_hash[0] is 3 bytes"),
+        (lambda: stub.FlushWorker(pb.FlushWorkerRequest(worker_id="ghost"), timeout=5), NF, "not registered"),
+        (lambda: stub.LookupTokens(pb.LookupTokensRequest(model_id="nope", token_ids=[1] * 8), timeout=5), NF,
+         "no worker is registered for model 'nope'"),
+        (lambda: stub.LookupTokens(pb.LookupTokensRequest(model_id="m", token_ids=[1, 2]), timeout=5), INV,
+         "make no full block of 4"),
+    ]
+    for call, code, message in cases:
+        got_code, details = _err(call)
+        assert (got_code, message in details) == (code, True), (details, message)
+    after = (lookup(stub, CHAIN), stub.GetStats(pb.GetStatsRequest(), timeout=5).indexed_blocks)
+    assert after == before == ([("w1", 3)], 3)
+    # The stream that failed did not poison the next one.
+    assert publish(stub, batch("w1", 2, stored(CHAIN[3:], CHAIN[2])))[0][1] == pb.PUBLISH_ACTION_ACK
