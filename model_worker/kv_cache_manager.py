@@ -134,7 +134,8 @@ class KVCacheManager:
 
         if self.enable_caching:
             # NOTE: blocks are cached when scheduled, before the model fills them: a request
-            # admitted later in the same step may hit them, and runs after this one does.
+            # admitted later in the same step may hit them. That is sound because every layer
+            # writes the whole batch's KV before any attention of that layer reads it.
             num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
             self._cache_blocks(request, num_tokens_to_cache)
         return new_blocks

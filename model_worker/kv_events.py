@@ -1,4 +1,9 @@
-"""Block lifecycle events a worker publishes to kv_service (1:1 with kvmesh.v1.KVEvent)."""
+"""Block lifecycle events a worker publishes to kv_service (1:1 with kvmesh.v1.KVEvent).
+
+Replayed in order into a set, they give exactly the hashes the worker holds. Two blocks may hold
+the same hash (the pool does not de-duplicate): each is announced by a BlockStored, and the hash
+is removed only when its last block is evicted.
+"""
 
 from __future__ import annotations
 

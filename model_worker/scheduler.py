@@ -40,6 +40,7 @@ class SchedulerConfig:
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    """Tokens computed for it this step: all_token_ids[start:start + num_new_tokens]."""
     start: int
     """num_computed_tokens before this step: the position of the first new token."""
     block_ids: list[int]
@@ -53,6 +54,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     """Batch order: running requests first, then newly admitted ones."""
     num_scheduled_tokens: int = 0
+    """Sum of num_new_tokens: at most max_num_batched_tokens."""
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
     """Requests finished or aborted since the previous step: drop their per-request state."""
@@ -66,10 +68,13 @@ class SchedulerOutput:
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
+    """Tokens sampled this step (empty when only finishing)."""
     finished: bool
     finish_reason: str | None
+    """"stop" | "length" | "abort" once finished, else None."""
     num_prompt_tokens: int
     num_cached_tokens: int
+    """Prompt tokens served from the prefix cache at first admission."""
 
 
 class Scheduler:

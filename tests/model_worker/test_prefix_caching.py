@@ -9,7 +9,7 @@ from __future__ import annotations
 from kv_service.block_hash import BlockHasher
 from model_worker.kv_cache_manager import KVCacheManager
 from model_worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from model_worker.request import Request
+from model_worker.request import Request, RequestStatus
 from model_worker.sampling_params import SamplingParams
 
 BS = 16
@@ -258,3 +258,19 @@ def test_caching_disabled_never_hits_nor_emits() -> None:
     assert m.cached_block_hashes() == set()
     assert m.take_events() == []
     assert free_ids(m) == [5, 6, 7, 8, 9, 10, 4, 3, 2, 1]
+
+
+def test_request_block_hashes_follow_every_full_block_of_all_tokens() -> None:
+    req = make_request("0", list(range(BS + 5)), cache_salt="s")
+    assert req.block_hashes == HASHER.hash_prompt(list(range(BS + 5)), "s")
+    assert (req.num_tokens, req.num_cached_tokens, req.finish_reason) == (BS + 5, -1, None)
+    req.append_output_token_ids(list(range(50, 50 + 2 * BS)))  # fills block 1 and block 2
+    req.append_output_token_ids(7)
+    assert req.all_token_ids == req.prompt_token_ids + req.output_token_ids
+    assert (req.num_tokens, req.num_output_tokens) == (3 * BS + 6, 2 * BS + 1)
+    assert req.block_hashes == HASHER.hash_prompt(req.all_token_ids, "s")
+    assert len(req.block_hashes) == 3
+    plain = Request("1", list(range(2 * BS)), SamplingParams())
+    plain.append_output_token_ids(list(range(BS)))
+    assert plain.block_hashes == []
+    assert [RequestStatus.is_finished(s) for s in RequestStatus] == [False, False, False, True, True, True]
