@@ -12,6 +12,7 @@ COMMAND_MODULES: dict[str, str] = {
     "kv-service": "kvmesh.commands.kv_service",
     "admin": "kvmesh.commands.admin",
     "make-model": "kvmesh.commands.make_model",
+    "offline": "kvmesh.commands.offline",
 }
 
 

@@ -149,6 +149,10 @@ def make_model(out_dir: str | os.PathLike[str], spec: ModelSpec | None = None) -
     cfg = _hf_config(spec, vocab_size, bos, eos)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # transformers zero-inits biases; random ones exercise Qwen2's qkv bias
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, spec.init_std)
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
     model.save_pretrained(out)
 

@@ -67,7 +67,7 @@ class LLM:
         token_lists = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         for ids, p in zip(token_lists, params, strict=True):  # fail before starting anything
             p.validate()
-            self.engine._check_prompt(ids)
+            self.engine.check_prompt(ids)
         ids_by_index: list[str] = []
         for ids, p in zip(token_lists, params, strict=True):
             request_id = f"llm-{self._next_id}"

@@ -117,7 +117,7 @@ class LLMEngine:
         """
         params = copy.deepcopy(sampling_params) if sampling_params is not None else SamplingParams()
         params.validate()
-        self._check_prompt(prompt_token_ids)
+        self.check_prompt(prompt_token_ids)
         extra_eos = self.eos_token_ids[1:]
         if extra_eos and not params.ignore_eos:
             params = replace(params, stop_token_ids=[*params.stop_token_ids, *extra_eos])
@@ -135,7 +135,8 @@ class LLMEngine:
             self._live.add(request_id)
             self._inbox.append(("add", request))
 
-    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raises ValueError naming the problem: empty, too long for max_model_len, or an id outside the vocabulary."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty; it needs at least one token")

@@ -1,0 +1,110 @@
+"""``kvmesh offline``: batch generation from a JSONL file to a JSONL file, in input order.
+
+Every input line is checked before any generation starts; a bad line stops the run with exit
+code 2 and ``FILE:LINE: message`` on stderr, and no output is written (docs/engine.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+_PARAM_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
+_KEYS = {"prompt", "prompt_token_ids", *_PARAM_KEYS}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "offline",
+        help="generate for every line of a JSONL file",
+        description="Reads {prompt|prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, "
+        "stop_token_ids, ignore_eos} per line; writes {token_ids, text, finish_reason, cached_tokens} "
+        "per line in the same order.",
+    )
+    p.add_argument("--model", default=None, help="model directory (default: the kvmesh default model)")
+    p.add_argument("--input", required=True, help="input JSONL")
+    p.add_argument("--output", required=True, help="output JSONL")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=run)
+
+
+def parse_line(text: str, where: str) -> tuple[list[int] | str, Any]:
+    """One input line -> (prompt, SamplingParams); raises ValueError prefixed with ``where``."""
+    from model_worker.sampling_params import SamplingParams
+
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - _KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(_KEYS)}")
+    if ("prompt" in obj) == ("prompt_token_ids" in obj):
+        raise ValueError(f"{where}: give exactly one of 'prompt' (text) or 'prompt_token_ids'")
+    prompt = obj.get("prompt", obj.get("prompt_token_ids"))
+    if "prompt" in obj and not isinstance(prompt, str):
+        raise ValueError(f"{where}: 'prompt' must be a string")
+    if "prompt_token_ids" in obj and not isinstance(prompt, list):
+        raise ValueError(f"{where}: 'prompt_token_ids' must be a list of integers")
+    kwargs = {k: obj[k] for k in _PARAM_KEYS if k in obj and obj[k] is not None}
+    params = SamplingParams(**kwargs)
+    try:
+        params.validate()
+    except (TypeError, ValueError) as exc:  # TypeError: a string where a number belongs
+        raise ValueError(f"{where}: {exc}") from None
+    return prompt, params
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvmesh.make_model import ensure_default_model
+    from model_worker.llm import LLM
+
+    try:
+        with open(args.input, encoding="utf-8") as f:
+            lines = [(i, line) for i, line in enumerate(f, start=1) if line.strip()]
+        parsed = [parse_line(line, f"{args.input}:{i}") for i, line in lines]
+        llm = LLM(
+            str(args.model or ensure_default_model()),
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=not args.no_prefix_caching,
+            dtype=args.dtype,
+            device=args.device,
+        )
+        prompts = []
+        for (i, _), (prompt, _params) in zip(lines, parsed, strict=True):
+            try:
+                ids = llm.encode(prompt) if isinstance(prompt, str) else prompt
+                llm.engine.check_prompt(ids)
+            except ValueError as exc:
+                raise ValueError(f"{args.input}:{i}: {exc}") from None
+            prompts.append(ids)
+    except (OSError, ValueError) as exc:
+        print(f"kvmesh offline: error: {exc}", file=sys.stderr)
+        return 2
+    outputs = llm.generate(prompts, [p for _, p in parsed])
+    with open(args.output, "w", encoding="utf-8") as f:
+        for out in outputs:
+            record = {
+                "token_ids": out.token_ids,
+                "text": out.text,
+                "finish_reason": out.finish_reason,
+                "cached_tokens": out.cached_tokens,
+            }
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    print(f"wrote {len(outputs)} results to {args.output}", file=sys.stderr)
+    return 0
