@@ -376,6 +376,8 @@ def ragged_paged_attention_triton(
     for name, t in (("cu_q_lens", cu_q_lens), ("kv_lens", kv_lens), ("block_tables", block_tables)):
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 (a query always sees itself), got {sliding_window}")
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables rows must be contiguous")
     cu_q_lens, kv_lens = cu_q_lens.contiguous(), kv_lens.contiguous()
