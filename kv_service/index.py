@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class Action(enum.IntEnum):
@@ -85,8 +86,9 @@ class PublishResult:
     reason: str = ""
 
 
-@dataclass(slots=True, frozen=True)
-class WorkerMatch:
+class WorkerMatch(NamedTuple):
+    """One live worker's answer to a lookup (a NamedTuple: built 64 times per lookup)."""
+
     worker_id: str
     address: str
     matched_blocks: int

@@ -3,18 +3,20 @@
 Key layout (all under the prefix ``kvm:{<namespace>}:``; the hash tag keeps the index in one
 Redis Cluster slot so scripts stay atomic there):
 
-    b:<hash>      SET   worker ids holding the block (refcount = live members)
+    b:<hash>      SET   worker ids holding the block (refcount = live members; gone at 0)
     l:<worker>    ZSET  the worker's blocks, score = access counter (LRU order)
     w:<worker>    HASH  model, addr, bs, algo, nb, epoch, seq, ctr, load, lease
     m:<model>     HASH  bs, algo (the model's registered spec)
     mw:<model>    ZSET  worker -> lease expiry (ms)
+    ld:<model>    HASH  worker -> "addr|block_size|load" (cached in-process for Lookup)
     workers       ZSET  worker -> lease expiry (ms), every model
     models        SET   model ids
-    nblocks       INT   distinct block hashes indexed
 """
 
 from __future__ import annotations
 
+import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,9 +60,14 @@ class RedisIndex(BlockIndex):
     name = "redis"
 
     def __init__(self, url: str, namespace: str = "kvmesh", socket_timeout: float = 2.0) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", namespace):
+            raise ValueError(f"namespace must be 1-64 letters, digits, '_', '.', '-', got {namespace!r}")
         self._r = redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
         self.prefix = f"kvm:{{{namespace}}}:"
         self._key = self.prefix + "workers"  # the KEYS[1] that routes every script to the slot
+        self._info: dict[str, dict[bytes, tuple[str, str, int, Load]]] = {}
+        self._refresher: threading.Thread | None = None
+        self._closed = threading.Event()
         self._scripts = {
             n: self._r.register_script(_script_source(n))
             for n in ("register", "heartbeat", "publish", "lookup", "admin")
@@ -146,11 +153,47 @@ class RedisIndex(BlockIndex):
         return self._publish(worker_id, epoch, seq, now_ms, True, list(hashes))
 
     def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
-        flat = self._call("lookup", model_id, now_ms, *hashes)
-        return [
-            WorkerMatch(_s(flat[i]), _s(flat[i + 2]), int(flat[i + 1]), Load.decode(flat[i + 3]), int(flat[i + 4]))
-            for i in range(0, len(flat), 5)
-        ]
+        live, pairs = self._call("lookup", model_id, now_ms, *hashes)
+        matched = {pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
+        info = self._worker_info(model_id, live)
+        return [WorkerMatch(wid, addr, matched.get(raw, 0), load, bs) for raw in live
+                for wid, addr, bs, load in (info[raw],)]
+
+    # -- the address / load cache of Lookup ------------------------------------------------
+    # NOTE: liveness and matches always come from Redis in the lookup's one round trip; only
+    # address, block size and load (which change at most once per heartbeat) come from this
+    # cache, refreshed every INFO_REFRESH_S. A worker missing from it is read synchronously.
+    INFO_REFRESH_S = 0.1
+
+    def _worker_info(self, model_id: str, live: list[bytes]) -> dict[bytes, tuple[str, str, int, Load]]:
+        cached = self._info.get(model_id)
+        if cached is None:
+            cached = self._info[model_id] = {}
+            self._ensure_refresher()
+        missing = [w for w in live if w not in cached]
+        if missing:
+            fresh = self._redis(lambda: self._r.hmget(self.prefix + "ld:" + model_id, missing))
+            cached.update((w, self._parse_info(w, raw)) for w, raw in zip(missing, fresh, strict=True))
+        return cached
+
+    @staticmethod
+    def _parse_info(wid: bytes, raw: bytes | None) -> tuple[str, str, int, Load]:
+        addr, bs, load = _s(raw or b"||").split("|", 2)
+        return _s(wid), addr, int(bs or 0), Load.decode(load)
+
+    def _ensure_refresher(self) -> None:
+        if self._refresher is None:
+            self._refresher = threading.Thread(target=self._refresh_loop, name="kv-info-cache", daemon=True)
+            self._refresher.start()
+
+    def _refresh_loop(self) -> None:
+        while not self._closed.wait(self.INFO_REFRESH_S):
+            for model_id in list(self._info):
+                try:
+                    raw = self._r.hgetall(self.prefix + "ld:" + model_id)
+                except redis.RedisError:
+                    continue  # lookups report Redis errors; the cache just stays as it was
+                self._info[model_id] = {w: self._parse_info(w, v) for w, v in raw.items()}
 
     def holders(self, block_hash: bytes, now_ms: int) -> list[str]:
         return sorted(_s(w) for w in self._call("admin", "holders", block_hash, now_ms))
@@ -180,7 +223,11 @@ class RedisIndex(BlockIndex):
 
     def stats(self, now_ms: int) -> IndexStats:
         infos = self.workers(now_ms, include_expired=True)
-        nblocks = self._redis(lambda: self._r.get(self.prefix + "nblocks"))
+        # NOTE: counted by SCAN (O(index size)): an admin-only figure; keeping a counter would
+        # cost one more Redis call per stored block on the ingest path.
+        nblocks = self._redis(
+            lambda: sum(1 for _ in self._r.scan_iter(match=self.prefix + "b:*", count=10_000))
+        )
         live = [i for i in infos if i.live(now_ms)]
         models: dict[str, ModelSpec] = {}
         for i in infos:
@@ -209,4 +256,5 @@ class RedisIndex(BlockIndex):
         return int(self._call("admin", "reap", now_ms))
 
     def close(self) -> None:
+        self._closed.set()
         self._r.close()

@@ -3,20 +3,22 @@
 -- in one Redis Cluster slot, so each script is atomic on a cluster too.
 local pre = ARGV[1]
 
-local function drop_block(wid, lkey, h)
-  if redis.call('ZREM', lkey, h) == 1 then
-    local bkey = pre .. 'b:' .. h
-    redis.call('SREM', bkey, wid)
-    if redis.call('EXISTS', bkey) == 0 then redis.call('DECR', pre .. 'nblocks') end
-  end
-end
+-- NOTE: Redis deletes a set when its last member goes, so a block's entry disappears exactly
+-- when its refcount reaches 0. Per block we make one call (SADD / SREM); the worker's LRU zset
+-- is updated in chunked multi-member calls: each redis.call from Lua costs a few microseconds.
+local CHUNK = 2000
 
 local function release(wid, members)
-  for _, h in ipairs(members) do
-    local bkey = pre .. 'b:' .. h
-    redis.call('SREM', bkey, wid)
-    if redis.call('EXISTS', bkey) == 0 then redis.call('DECR', pre .. 'nblocks') end
+  for _, h in ipairs(members) do redis.call('SREM', pre .. 'b:' .. h, wid) end
+end
+
+-- Removes hashes[first..last] from the worker (those it does not hold are ignored).
+local function drop_blocks(wid, hashes, first, last)
+  local lkey = pre .. 'l:' .. wid
+  for c = first, last, CHUNK do
+    redis.call('ZREM', lkey, unpack(hashes, c, math.min(last, c + CHUNK - 1)))
   end
+  for i = first, last do redis.call('SREM', pre .. 'b:' .. hashes[i], wid) end
 end
 
 local function clear_worker(wid)
@@ -27,19 +29,20 @@ local function clear_worker(wid)
   return #members
 end
 
--- Stores hashes (oldest first) as the most recently used blocks of the worker.
+-- Stores hashes[first..last] (oldest first) as the worker's most recently used blocks.
 local function add_blocks(wid, hashes, first, last)
   if last < first then return end
   local lkey = pre .. 'l:' .. wid
   local base = redis.call('HINCRBY', pre .. 'w:' .. wid, 'ctr', last - first + 1) - (last - first)
-  for i = first, last do
-    local h = hashes[i]
-    if redis.call('ZADD', lkey, base + i - first, h) == 1 then
-      local bkey = pre .. 'b:' .. h
-      redis.call('SADD', bkey, wid)
-      if redis.call('SCARD', bkey) == 1 then redis.call('INCR', pre .. 'nblocks') end
+  for c = first, last, CHUNK do
+    local args = {}
+    for i = c, math.min(last, c + CHUNK - 1) do
+      args[#args + 1] = base + i - first
+      args[#args + 1] = hashes[i]
     end
+    redis.call('ZADD', lkey, unpack(args))
   end
+  for i = first, last do redis.call('SADD', pre .. 'b:' .. hashes[i], wid) end
 end
 
 local function cap_worker(wid, nb)
@@ -59,15 +62,16 @@ local function remove_worker(wid, model)
   redis.call('ZREM', pre .. 'workers', wid)
   local mw = pre .. 'mw:' .. model
   redis.call('ZREM', mw, wid)
+  redis.call('HDEL', pre .. 'ld:' .. model, wid)
   if redis.call('ZCARD', mw) == 0 then
     redis.call('DEL', pre .. 'm:' .. model)
     redis.call('SREM', pre .. 'models', model)
   end
 end
 
--- Returns the worker's fields if it is live, or an error reply table.
+-- Returns {epoch, seq, lease, nb, model, addr, bs} if the worker is live, or an error reply.
 local function live_worker(wid, now)
-  local w = redis.call('HMGET', pre .. 'w:' .. wid, 'epoch', 'seq', 'lease', 'nb', 'model')
+  local w = redis.call('HMGET', pre .. 'w:' .. wid, 'epoch', 'seq', 'lease', 'nb', 'model', 'addr', 'bs')
   if not w[1] or tonumber(w[3]) <= now then
     return nil, {'NOT_FOUND', wid}
   end

@@ -7,5 +7,6 @@ if w[1] ~= epoch then return {'EPOCH', w[1]} end
 local lease = now + ttl
 redis.call('HSET', pre .. 'w:' .. wid, 'load', load, 'lease', lease)
 redis.call('ZADD', pre .. 'mw:' .. w[5], lease, wid)
+redis.call('HSET', pre .. 'ld:' .. w[5], wid, w[6] .. '|' .. w[7] .. '|' .. load)
 redis.call('ZADD', pre .. 'workers', lease, wid)
 return {'OK'}

@@ -20,7 +20,6 @@ if snapshot then
   add_blocks(wid, ARGV, 7, #ARGV)
   redis.call('HSET', wkey, 'epoch', ARGV[3])
 else
-  local lkey = pre .. 'l:' .. wid
   local i = 7
   while i <= #ARGV do
     local op = ARGV[i]
@@ -32,7 +31,7 @@ else
       if op == 'S' then
         add_blocks(wid, ARGV, i + 2, i + 1 + n)
       else
-        for j = i + 2, i + 1 + n do drop_block(wid, lkey, ARGV[j]) end
+        drop_blocks(wid, ARGV, i + 2, i + 1 + n)
       end
       i = i + 2 + n
     end

@@ -24,5 +24,6 @@ redis.call('SADD', pre .. 'models', model)
 redis.call('HSET', wkey, 'model', model, 'addr', addr, 'bs', bs, 'algo', algo, 'nb', nb,
   'epoch', epoch, 'seq', 0, 'ctr', 0, 'load', '', 'lease', lease)
 redis.call('ZADD', pre .. 'mw:' .. model, lease, wid)
+redis.call('HSET', pre .. 'ld:' .. model, wid, addr .. '|' .. bs .. '|')
 redis.call('ZADD', pre .. 'workers', lease, wid)
 return {'OK'}
