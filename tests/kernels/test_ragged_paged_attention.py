@@ -57,6 +57,7 @@ def _interpreter_env():
         patch.setenv("TRITON_INTERPRET", "1")
         yield
 
+
 NEEDS_GPU = "needs an NVIDIA GPU with CUDA"
 DEVICES = [
     pytest.param(
@@ -262,7 +263,13 @@ def test_rejects_bad_inputs(device):
     batch = make_batch([(2, 9)], 4, 2, 32, 8, torch.float32, device)
     with pytest.raises(ValueError, match="int32"):
         triton_attention.ragged_paged_attention_triton(
-            batch.q, batch.k_cache, batch.v_cache, batch.cu_q_lens.long(), batch.kv_lens, batch.block_tables, 1.0
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            batch.cu_q_lens.long(),
+            batch.kv_lens,
+            batch.block_tables,
+            1.0,
         )
     with pytest.raises(ValueError, match="multiple of KV heads"):
         triton_attention.ragged_paged_attention_triton(batch.q[:, :3], *batch.args()[1:], 1.0)
