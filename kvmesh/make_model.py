@@ -40,8 +40,11 @@ class ModelSpec:
     sliding_window: int | None = None
     """Mistral only: attend to keys at positions > i - window."""
     seed: int = 0
-    init_std: float = 0.02
-    """Std of the normal weight init (config initializer_range)."""
+    init_std: float = 0.1
+    """Std of the normal weight init (config initializer_range).
+
+    NOTE: 0.02 (transformers' default) makes the default model repeat one token forever; at 0.1
+    greedy outputs of the default model vary (tests/model_worker/test_make_model.py checks)."""
     extra_config: dict[str, Any] = field(default_factory=dict)
     """Raw config.json overrides (e.g. ``rope_parameters`` for llama3 rope scaling)."""
 

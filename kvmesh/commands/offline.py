@@ -13,6 +13,15 @@ from typing import Any
 
 _PARAM_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
 _KEYS = {"prompt", "prompt_token_ids", *_PARAM_KEYS}
+_TYPES: dict[str, tuple[str, tuple[type, ...]]] = {
+    "max_tokens": ("an integer", (int,)),
+    "temperature": ("a number", (int, float)),
+    "top_p": ("a number", (int, float)),
+    "top_k": ("an integer", (int,)),
+    "seed": ("an integer or null", (int,)),
+    "stop_token_ids": ("a list of integers", (list,)),
+    "ignore_eos": ("true or false", (bool,)),
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,10 +67,14 @@ def parse_line(text: str, where: str) -> tuple[list[int] | str, Any]:
     if "prompt_token_ids" in obj and not isinstance(prompt, list):
         raise ValueError(f"{where}: 'prompt_token_ids' must be a list of integers")
     kwargs = {k: obj[k] for k in _PARAM_KEYS if k in obj and obj[k] is not None}
+    for key, value in kwargs.items():
+        kind, types = _TYPES[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ValueError(f"{where}: '{key}' must be {kind}, got {value!r}")
     params = SamplingParams(**kwargs)
     try:
         params.validate()
-    except (TypeError, ValueError) as exc:  # TypeError: a string where a number belongs
+    except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
     return prompt, params
 
