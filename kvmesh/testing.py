@@ -7,6 +7,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -70,3 +71,13 @@ class RedisServer:
 
 def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Polls ``cond`` every 50 ms; raises AssertionError naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -1,0 +1,96 @@
+"""`kvmesh worker`: a model worker (engine + gRPC server + kv_service publisher)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+
+from kvmesh.commands.common import add_log_level, setup_logging, start_metrics_server
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by `kvmesh worker` and `kvmesh up`."""
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks in the pool (default: from --memory-fraction)")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="CUDA: share of GPU memory for weights + KV (0.9); CPU: share of free RAM for KV (0.05)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (default 2048)")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="running requests at most (default 128)")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens at most (default: the model's)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--hash-algorithm", default="sha256_128", choices=["sha256_128", "xxh3_128"],
+                   help="block hash (default sha256_128; must match the other workers of the model)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16 (default auto)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
+    p.add_argument("--model-id", default=None, help="model identity in the index (default: see docs/block-hashing.md)")
+    p.add_argument("--seed", type=int, default=0, help="seed for sampled requests without their own (default 0)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        block_size=args.block_size, num_blocks=args.num_blocks, memory_fraction=args.memory_fraction,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        hash_algorithm=args.hash_algorithm, dtype=args.dtype, device=args.device, model_id=args.model_id,
+        seed=args.seed,
+    )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="run a model worker (gRPC)",
+                       description="Run a model worker: paged-KV engine, token streaming, block events to kv_service.")
+    p.add_argument("--model", default=None,
+                   help="model directory (config.json, *.safetensors, tokenizer.json); default: the tiny demo model")
+    p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=50061, help="gRPC port (default 50061)")
+    p.add_argument("--advertise-address", default=None,
+                   help="host:port routers should dial (default: $POD_IP or this host's name, with --port)")
+    p.add_argument("--kv-service", default="127.0.0.1:50052",
+                   help="kv_service host:port to register with and publish to; 'none' to run alone")
+    p.add_argument("--worker-id", default=None, help="id in the index and in served_by (default: the host name)")
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests in flight before RESOURCE_EXHAUSTED (default 1024)")
+    p.add_argument("--metrics-port", type=int, default=9200, help="Prometheus /metrics port, 0 = off (default 9200)")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
+    add_engine_args(p)
+    add_log_level(p)
+    p.set_defaults(func=run)
+
+
+def default_advertise(host: str, port: int) -> str:
+    if host not in ("0.0.0.0", "::", ""):
+        return f"{host}:{port}"
+    return f"{os.environ.get('POD_IP') or socket.gethostname()}:{port}"
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    log = logging.getLogger("kvmesh.worker")
+    from model_worker.llm_engine import LLMEngine
+    from model_worker.server import WorkerServer
+
+    model = args.model
+    if model is None:
+        from kvmesh.make_model import ensure_default_model
+
+        model = str(ensure_default_model())
+        log.info("no --model given: using the tiny demo model at %s (its output is noise)", model)
+    try:
+        engine = LLMEngine(model=model, **engine_kwargs(args))
+    except (ValueError, FileNotFoundError) as exc:
+        log.error("cannot load %s: %s", model, exc)
+        return 2
+    worker_id = args.worker_id or socket.gethostname()
+    kv = None if args.kv_service.lower() == "none" else args.kv_service
+    server = WorkerServer(engine, worker_id, args.host, args.port, kv,
+                          args.advertise_address or default_advertise(args.host, args.port),
+                          args.max_queued_requests).start()
+    if args.metrics_port:
+        start_metrics_server(args.metrics_port)
+    log.info("worker %s serving %s on %s:%d (%d KV blocks of %d tokens)", worker_id, engine.model_id, args.host,
+             server.port, engine.kv_cache_manager.num_blocks, engine.config.block_size)
+    server.grpc.wait_for_termination_signal(args.grace, on_stop=lambda: server.stop(0))
+    return 0

@@ -1,0 +1,197 @@
+"""Runs an LLMEngine on its own thread and fans its outputs out to per-request streams.
+
+The gRPC server (model_worker/server.py) calls ``submit`` / ``abort`` from its threads and
+iterates the returned stream; the step loop never waits on gRPC and gRPC never waits on a step
+beyond a queue hand-off. After every step the block events go to a sink (the kv_service
+publisher); a snapshot of the cached blocks is taken on this thread when the sink asks for one,
+so events and snapshots keep their order. No grpc import here.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from model_worker.kv_events import KVCacheEvent
+from model_worker.llm_engine import LLMEngine
+from model_worker.sampling_params import SamplingParams
+from model_worker.scheduler import RequestOutput
+
+log = logging.getLogger("kvmesh.worker.engine")
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """One message of a request's stream: a token, or the end with its reason and usage."""
+
+    token_id: int | None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Stream:
+    queue: queue.Queue[TokenEvent] = field(default_factory=queue.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    completion_tokens: int = 0
+
+
+class EventSink:
+    """Where block events go (the kv_service publisher implements it)."""
+
+    def publish(self, events: list[KVCacheEvent]) -> None: ...
+
+    def wants_snapshot(self) -> bool:
+        return False
+
+    def publish_snapshot(self, hashes: list[bytes]) -> None: ...
+
+
+class EngineLoop:
+    """Owns the engine's step thread.
+
+    Args:
+        engine: the engine; only this loop calls its ``step``.
+        sink: receives block events after every step and snapshots on request.
+        on_step: called after each step with the step's outputs and wall time (metrics).
+    """
+
+    def __init__(self, engine: LLMEngine, sink: EventSink | None = None,
+                 on_step: Callable[[list[RequestOutput], float], None] | None = None,
+                 on_finish: Callable[[_Stream, TokenEvent], None] | None = None,
+                 on_token: Callable[[_Stream, float], None] | None = None) -> None:
+        self.engine = engine
+        self.sink = sink or EventSink()
+        self._on_step = on_step
+        self._on_finish = on_finish
+        self._on_token = on_token
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def num_streams(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def wake(self) -> None:
+        """Makes an idle loop run once (e.g. to answer a snapshot request)."""
+        self._wake.set()
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               cache_salt: str = "") -> Iterator[TokenEvent]:
+        """Queues a request; returns its event stream. Raises ValueError on bad input."""
+        stream = _Stream()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, params, cache_salt)
+        except Exception:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            raise
+        self._wake.set()
+        return self._iterate(request_id, stream)
+
+    def _iterate(self, request_id: str, stream: _Stream) -> Iterator[TokenEvent]:
+        try:
+            while True:
+                ev = stream.queue.get()
+                yield ev
+                if ev.token_id is None:
+                    return
+        finally:
+            # NOTE: a consumer that stops early (client cancel) aborts the request, so its blocks
+            # are freed at the next step; a finished request's abort is a no-op.
+            self.abort(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return False
+        aborted = self.engine.abort_request(request_id)
+        stream.queue.put(TokenEvent(None, "abort", completion_tokens=stream.completion_tokens))
+        self._wake.set()
+        return aborted
+
+    # -- the step thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished_requests()
+            if not busy:
+                self._sync_sink()
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            t0 = time.monotonic()
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - fail the batch loudly, keep the worker alive
+                log.exception("engine step failed")
+                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                continue
+            self._deliver(outputs, time.monotonic())
+            self._sync_sink()
+            if self._on_step is not None:
+                self._on_step(outputs, time.monotonic() - t0)
+
+    def _sync_sink(self) -> None:
+        events = self.engine.take_kv_events()
+        if events:
+            self.sink.publish(events)
+        if self.sink.wants_snapshot():
+            self.sink.publish_snapshot(sorted(self.engine.cached_block_hashes()))
+
+    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            with self._lock:
+                stream = self._streams.get(out.request_id)
+                if stream is not None and out.finished:
+                    del self._streams[out.request_id]
+            if stream is None:
+                continue  # aborted meanwhile
+            for tok in out.new_token_ids:
+                stream.completion_tokens += 1
+                if self._on_token is not None:
+                    self._on_token(stream, now)
+                if stream.first_token is None:
+                    stream.first_token = now
+                stream.last_token = now
+                stream.queue.put(TokenEvent(tok))
+            if out.finished:
+                end = TokenEvent(None, out.finish_reason or "stop", out.num_prompt_tokens,
+                                 max(out.num_cached_tokens, 0), stream.completion_tokens)
+                if self._on_finish is not None:
+                    self._on_finish(stream, end)
+                stream.queue.put(end)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            streams = list(self._streams.items())
+            self._streams.clear()
+        for rid, stream in streams:
+            self.engine.abort_request(rid)
+            stream.queue.put(TokenEvent(None, "abort", error=message))

@@ -1,0 +1,234 @@
+"""Keeps the kv_service's view of this worker true: registration, heartbeats, block events.
+
+- On start: register (a new epoch) and publish all-cleared as seq 1.
+- Every engine step: the step's events as one batch (epoch, seq+1) on a PublishEvents stream.
+- RESYNC, a broken stream or a lost registration: (re-register if needed, then) ask the engine
+  loop for a snapshot of the cached blocks and send it as the next batch.
+- Heartbeat every lease/3 with the engine's load; NOT_FOUND means the lease expired: register
+  again (the index dropped our blocks), then snapshot.
+The kv_service being down never blocks the engine: batches queue up to a bound, then collapse
+into "snapshot when it is back".
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from kv_service.server import ALGO_TO_PB
+from kvmesh.rpc import insecure_channel
+from kvmesh.v1 import common_pb2
+from kvmesh.v1 import kv_service_pb2 as pb
+from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
+from model_worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from model_worker.llm_engine import EngineStats
+
+log = logging.getLogger("kvmesh.worker.publisher")
+
+MAX_QUEUED_BATCHES = 1024
+RPC_TIMEOUT_S = 5.0
+
+
+def event_to_pb(ev: KVCacheEvent) -> pb.KVEvent:
+    if isinstance(ev, BlockStored):
+        return pb.KVEvent(stored=pb.BlockStored(block_hashes=ev.block_hashes, parent_hash=ev.parent_block_hash or b"",
+                                                group_id=ev.group_id))
+    if isinstance(ev, BlockRemoved):
+        return pb.KVEvent(removed=pb.BlockRemoved(block_hashes=ev.block_hashes, group_id=ev.group_id))
+    assert isinstance(ev, AllBlocksCleared)
+    return pb.KVEvent(all_cleared=pb.AllBlocksCleared())
+
+
+def load_to_pb(s: EngineStats) -> common_pb2.WorkerLoad:
+    return common_pb2.WorkerLoad(num_running=s.num_running, num_waiting=s.num_waiting,
+                                 num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
+                                 queued_prefill_tokens=s.queued_prefill_tokens)
+
+
+class KVPublisher:
+    """Args:
+    target: kv_service host:port.
+    registration: the RegisterWorkerRequest fields except epoch.
+    stats: returns the engine's current load (thread-safe).
+    wake_engine: makes an idle engine loop run once (to take a snapshot).
+    """
+
+    def __init__(self, target: str, registration: pb.RegisterWorkerRequest,
+                 stats: Callable[[], EngineStats], wake_engine: Callable[[], None] = lambda: None) -> None:
+        self.target = target
+        self._reg = registration
+        self._stats = stats
+        self._wake_engine = wake_engine
+        self._stub = pb_grpc.KVServiceStub(insecure_channel(target))
+        self.epoch = time.time_ns() // 1000  # microseconds: < 2**53, new on every start
+        self.lease_ttl_s = 10.0
+        self._seq = 0
+        self._out: queue.Queue[pb.PublishEventsRequest | None] = queue.Queue()
+        self._need_snapshot = threading.Event()
+        self._registered = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._register_lock = threading.Lock()
+        self.resyncs = 0
+        self._threads = [threading.Thread(target=self._stream_loop, name="kv-publish", daemon=True),
+                         threading.Thread(target=self._heartbeat_loop, name="kv-heartbeat", daemon=True)]
+
+    # -- engine-loop side (EventSink) ----------------------------------------------------
+    def publish(self, events: list[KVCacheEvent]) -> None:
+        if self._need_snapshot.is_set():
+            return  # the coming snapshot supersedes these
+        if self._out.qsize() >= MAX_QUEUED_BATCHES:
+            log.warning("kv_service is not keeping up; dropping queued events for a snapshot")
+            self._request_snapshot()
+            return
+        self._enqueue(pb.PublishEventsRequest(events=[event_to_pb(e) for e in events]))
+
+    def wants_snapshot(self) -> bool:
+        return self._need_snapshot.is_set() and self._registered.is_set()
+
+    def publish_snapshot(self, hashes: list[bytes]) -> None:
+        self._need_snapshot.clear()
+        self._drain()
+        self._enqueue(pb.PublishEventsRequest(snapshot=True, snapshot_hashes=hashes))
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> KVPublisher:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._out.put(None)
+        for t in self._threads:
+            t.join(2.0)
+
+    def wait_registered(self, timeout: float) -> bool:
+        return self._registered.wait(timeout)
+
+    # -- internals -----------------------------------------------------------------------
+    def _enqueue(self, req: pb.PublishEventsRequest) -> None:
+        with self._lock:
+            self._seq += 1
+            req.worker_id, req.epoch, req.seq = self._reg.worker_id, self.epoch, self._seq
+        self._out.put(req)
+
+    def _drain(self) -> None:
+        try:
+            while True:
+                if self._out.get_nowait() is None:
+                    self._out.put(None)
+                    return
+        except queue.Empty:
+            pass
+
+    def _new_stream_queue(self) -> queue.Queue:
+        # NOTE: one queue per stream: a dead stream's request iterator can never take (and
+        # lose) a batch meant for the next stream.
+        fresh: queue.Queue[pb.PublishEventsRequest | None] = queue.Queue()
+        with self._lock:
+            old, self._out = self._out, fresh
+        old.put(None)
+        return fresh
+
+    def _request_snapshot(self) -> None:
+        self._need_snapshot.set()
+        self._drain()
+        self._wake_engine()
+
+    def _register(self) -> None:
+        """Registers (retrying with backoff until it works or we stop)."""
+        with self._register_lock:
+            if not self._registered.is_set():
+                self._register_locked()
+
+    def _register_locked(self) -> None:
+        delay = 0.1
+        while not self._stop.is_set():
+            req = pb.RegisterWorkerRequest()
+            req.CopyFrom(self._reg)
+            req.epoch = self.epoch
+            try:
+                resp = self._stub.RegisterWorker(req, timeout=RPC_TIMEOUT_S)
+            except grpc.RpcError as err:
+                if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                    log.error("kv_service refused registration: %s", err.details())
+                else:
+                    log.warning("cannot register with kv_service %s: %s", self.target, err.code().name)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            with self._lock:
+                self._seq = 0
+            self.lease_ttl_s = resp.lease_ttl_ms / 1000
+            self._registered.set()
+            log.info("registered %s with kv_service %s (epoch %d)", self._reg.worker_id, self.target, self.epoch)
+            return
+
+    def _requests(self, q: queue.Queue) -> Iterator[pb.PublishEventsRequest]:
+        while True:
+            item = q.get()
+            if item is None or self._stop.is_set():
+                return
+            yield item
+
+    def _stream_loop(self) -> None:
+        self._register()
+        first = True
+        while not self._stop.is_set():
+            q = self._new_stream_queue()
+            if first:
+                # NOTE: seq 1 of a new registration: the index starts empty for this epoch.
+                self._enqueue(pb.PublishEventsRequest(events=[pb.KVEvent(all_cleared=pb.AllBlocksCleared())]))
+                first = False
+            else:
+                # Whatever was in flight on the old stream may be lost: a snapshot makes it true.
+                self._request_snapshot()
+            try:
+                for ack in self._stub.PublishEvents(self._requests(q)):
+                    if ack.action == pb.PUBLISH_ACTION_RESYNC:
+                        self.resyncs += 1
+                        log.info("kv_service asked for a resync: %s", ack.reason)
+                        self._request_snapshot()
+            except grpc.RpcError as err:
+                if self._stop.is_set():
+                    return
+                code = err.code()
+                log.warning("event stream to kv_service ended: %s %s", code.name, err.details())
+                if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                    self._registered.clear()
+                    self._register()
+                else:
+                    self._stop.wait(0.5)
+                continue
+            return
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._registered.wait(0.2):
+                continue
+            try:
+                resp = self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self._reg.worker_id, epoch=self.epoch,
+                                                                load=load_to_pb(self._stats())), timeout=RPC_TIMEOUT_S)
+                self.lease_ttl_s = resp.lease_ttl_ms / 1000
+            except grpc.RpcError as err:
+                if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                    log.warning("lease lost (%s); registering again", err.details())
+                    self._registered.clear()
+                    self._register()
+                    self._request_snapshot()
+                    continue
+                log.debug("heartbeat failed: %s", err.code().name)
+            self._stop.wait(max(0.05, self.lease_ttl_s / 3))
+
+
+def registration(worker_id: str, address: str, model_id: str, block_size: int, hash_algorithm: str,
+                 num_blocks: int) -> pb.RegisterWorkerRequest:
+    return pb.RegisterWorkerRequest(worker_id=worker_id, address=address, model_id=model_id, block_size=block_size,
+                                    hash_algorithm=ALGO_TO_PB[hash_algorithm], num_blocks=num_blocks)

@@ -1,0 +1,90 @@
+"""The worker gRPC server with a real engine, publishing to a real kv_service on Redis."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvmesh.rpc import insecure_channel
+from kvmesh.testing import wait_until
+from kvmesh.v1 import common_pb2
+from kvmesh.v1 import kv_service_pb2 as kpb
+from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
+from kvmesh.v1 import worker_pb2 as pb
+from kvmesh.v1 import worker_pb2_grpc as pb_grpc
+from model_worker.llm import LLM
+from model_worker.sampling_params import SamplingParams
+
+PROMPTS = [[(7 * i + 3) % 200 + 5 for i in range(n)] for n in (40, 70, 23)]
+
+
+def generate(stub, ids, request_id="", **sampling):
+    sampling.setdefault("max_tokens", 12)
+    msgs = list(stub.Generate(pb.WorkerGenerateRequest(request_id=request_id, prompt_token_ids=ids,
+                                                       sampling=common_pb2.SamplingParams(**sampling)), timeout=60))
+    return msgs
+
+
+def index_hashes(kv_stub, worker_id: str, candidates: set[bytes]) -> set[bytes]:
+    return {h for h in candidates if worker_id in kv_stub.GetBlock(kpb.GetBlockRequest(block_hash=h), timeout=5).holders}
+
+
+def test_stream_matches_offline_engine_and_index_matches_cache(kv_server, start_worker, model_dir):
+    kv_addr = f"127.0.0.1:{kv_server.port}"
+    worker = start_worker("w1", kv_addr)
+    stub = pb_grpc.WorkerStub(insecure_channel(worker.address))
+    offline = LLM(str(model_dir), num_blocks=128, max_num_batched_tokens=256, max_model_len=512)
+    expected = offline.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    for ids, exp in zip(PROMPTS, expected, strict=True):
+        msgs = generate(stub, ids, ignore_eos=True)
+        # One message per token, then the final one with reason and usage.
+        assert [len(m.token_ids) for m in msgs[:-1]] == [1] * 12 and msgs[-1].token_ids == []
+        assert [m.token_ids[0] for m in msgs[:-1]] == exp.token_ids
+        last = msgs[-1]
+        assert (last.finish_reason, last.usage.prompt_tokens, last.usage.completion_tokens, last.worker_id) == (
+            common_pb2.FINISH_REASON_LENGTH, len(ids), 12, "w1")
+    # The same prompt again hits the prefix cache.
+    again = generate(stub, PROMPTS[1], ignore_eos=True)[-1]
+    assert again.usage.cached_tokens == (len(PROMPTS[1]) - 1) // 16 * 16
+    # The index holds exactly the worker's cached blocks.
+    kv_stub = kpb_grpc.KVServiceStub(insecure_channel(kv_addr))
+    cached = worker.engine.cached_block_hashes()
+    assert cached
+    wait_until(lambda: kv_stub.ListWorkers(kpb.ListWorkersRequest(), timeout=5).workers[0].blocks_indexed == len(cached),
+               what="index to catch up")
+    assert index_hashes(kv_stub, "w1", cached) == cached
+    load = stub.GetLoad(pb.GetLoadRequest(), timeout=5)
+    assert (load.worker_id, load.block_size, load.max_model_len, load.load.num_total_blocks) == ("w1", 16, 512, 128)
+
+
+def test_client_cancel_frees_blocks(start_worker):
+    worker = start_worker("w1", None)
+    stub = pb_grpc.WorkerStub(insecure_channel(worker.address))
+    call = stub.Generate(pb.WorkerGenerateRequest(request_id="long", prompt_token_ids=PROMPTS[1],
+                                                  sampling=common_pb2.SamplingParams(max_tokens=400, ignore_eos=True)),
+                         timeout=60)
+    got = [next(call), next(call)]
+    assert all(len(m.token_ids) == 1 for m in got)
+    assert worker.engine.stats().num_running == 1
+    call.cancel()
+    kv = worker.engine.kv_cache_manager
+    wait_until(lambda: worker.engine.stats().num_running == 0 and kv.num_free_blocks == kv.num_blocks - 1,
+               what="blocks freed after cancel")
+    assert stub.Abort(pb.AbortRequest(request_id="long"), timeout=5).aborted is False
+
+
+@pytest.mark.parametrize(("ids", "sampling", "message"), [
+    ([1] * 600, {}, "max_model_len is 512"),
+    ([5, 99999], {}, "outside the vocabulary"),
+    ([], {}, "prompt is empty"),
+    ([5, 6], {"temperature": -1.0}, "temperature must be >= 0"),
+    ([5, 6], {"top_p": 1.5}, "top_p must be in (0, 1]"),
+    ([5, 6], {"top_k": -2}, "top_k must be an integer >= 0"),
+])
+def test_bad_input_is_invalid_argument_and_worker_keeps_serving(start_worker, ids, sampling, message):
+    worker = start_worker("w1", None)
+    stub = pb_grpc.WorkerStub(insecure_channel(worker.address))
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stub, ids, **sampling)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+    assert generate(stub, PROMPTS[2], max_tokens=3)[-1].usage.completion_tokens == 3
