@@ -14,6 +14,8 @@ COMMAND_MODULES: dict[str, str] = {
     "make-model": "kvmesh.commands.make_model",
     "offline": "kvmesh.commands.offline",
     "worker": "kvmesh.commands.worker",
+    "generate": "kvmesh.commands.generate",
+    "up": "kvmesh.commands.up",
 }
 
 

@@ -53,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--worker-id", default=None, help="id in the index and in served_by (default: the host name)")
     p.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests in flight before RESOURCE_EXHAUSTED (default 1024)")
-    p.add_argument("--metrics-port", type=int, default=9200, help="Prometheus /metrics port, 0 = off (default 9200)")
+    p.add_argument("--metrics-port", type=int, default=9102, help="Prometheus /metrics port, 0 = off (default 9102)")
+    p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads, 0 = torch default (default 0)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
     add_engine_args(p)
     add_log_level(p)
@@ -72,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
     from model_worker.llm_engine import LLMEngine
     from model_worker.server import WorkerServer
 
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     model = args.model
     if model is None:
         from kvmesh.make_model import ensure_default_model

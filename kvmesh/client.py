@@ -1,0 +1,97 @@
+"""A small Python client for the kvmesh router.
+
+    from kvmesh.client import Client
+
+    with Client("127.0.0.1:50051") as client:
+        for delta in client.stream("Once upon a time", max_tokens=32):
+            print(delta.text, end="", flush=True)
+        result = client.generate("Once upon a time", max_tokens=32)
+        print(result.text, result.usage.cached_tokens, result.served_by)
+
+Errors arrive as ``grpc.RpcError`` with the server's status code and message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.convert import PB_TO_FINISH
+from kvmesh.rpc import insecure_channel
+from kvmesh.v1 import common_pb2
+from kvmesh.v1 import router_pb2 as pb
+from kvmesh.v1 import router_pb2_grpc as pb_grpc
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Completion:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    served_by: str = ""
+    usage: Usage = field(default_factory=Usage)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "served_by": self.served_by,
+                "usage": {"prompt_tokens": self.usage.prompt_tokens, "cached_tokens": self.usage.cached_tokens,
+                          "completion_tokens": self.usage.completion_tokens}}
+
+
+def make_request(prompt: str | Sequence[int], *, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, stop_token_ids: Sequence[int] = (),
+                 ignore_eos: bool = False, cache_salt: str = "", request_id: str = "") -> pb.GenerateRequest:
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                         stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    if seed is not None:
+        sampling.seed = seed
+    req = pb.GenerateRequest(sampling=sampling, cache_salt=cache_salt, request_id=request_id)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+class Client:
+    """Args:
+    target: the router's host:port.
+    timeout: deadline of one request in seconds.
+    """
+
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float = 600.0) -> None:
+        self._channel = insecure_channel(target)
+        self._stub = pb_grpc.RouterStub(self._channel)
+        self.timeout = timeout
+
+    def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[pb.GenerateResponse]:
+        """Yields the router's messages as they arrive (keyword args as in ``make_request``)."""
+        yield from self._stub.Generate(make_request(prompt, **kwargs), timeout=self.timeout)
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
+        """Runs one request to the end and returns the whole completion."""
+        out = Completion()
+        for msg in self.stream(prompt, **kwargs):
+            out.text += msg.text
+            out.token_ids.extend(msg.token_ids)
+            if msg.finish_reason:
+                out.finish_reason = PB_TO_FINISH.get(msg.finish_reason)
+                out.served_by = msg.served_by
+                out.usage = Usage(msg.usage.prompt_tokens, msg.usage.cached_tokens, msg.usage.completion_tokens)
+        return out
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

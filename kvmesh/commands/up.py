@@ -1,0 +1,68 @@
+"""`kvmesh up`: the whole stack on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start Redis, kv_service, workers and a router locally",
+                       description="Start a local kvmesh stack; Ctrl-C / SIGTERM stops it.")
+    p.add_argument("--model", default=None, help="model directory (default: the tiny demo model, made once)")
+    p.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    p.add_argument("--host", default="127.0.0.1", help="address every part listens on (default 127.0.0.1)")
+    p.add_argument("--router-port", type=int, default=50051, help="router port (default 50051)")
+    p.add_argument("--kv-service-port", type=int, default=50052, help="kv_service port (default 50052)")
+    p.add_argument("--worker-port", type=int, default=50061, help="first worker port; then +1 each (default 50061)")
+    p.add_argument("--metrics-port", type=int, default=9100,
+                   help="kv_service /metrics port; router +1, worker i +2+i; 0 = off (default 9100)")
+    store = p.add_mutually_exclusive_group()
+    store.add_argument("--redis-url", default=None, help="use this Redis (default: start a private redis-server)")
+    store.add_argument("--store", choices=["redis", "memory"], default="redis",
+                       help="'memory': no Redis, the kv_service keeps the index in-process")
+    p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                   help="extra flag for every worker, repeatable (e.g. --worker-arg=--num-blocks=512)")
+    p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                   help="extra flag for the router, repeatable (e.g. --router-arg=--policy=round-robin)")
+    p.add_argument("--log-dir", default=None, help="where the children's logs go (default: a new temp dir)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvmesh.stack import LocalStack, StackConfig
+
+    model = args.model
+    if model is None:
+        from kvmesh.make_model import ensure_default_model
+
+        model = str(ensure_default_model())
+        print(f"using the tiny demo model {model} (random weights: its output is noise)", flush=True)
+    cfg = StackConfig(model=model, workers=args.workers, host=args.host, router_port=args.router_port,
+                      kv_service_port=args.kv_service_port, worker_port=args.worker_port,
+                      metrics_port=args.metrics_port, redis_url=args.redis_url, store=args.store,
+                      worker_args=args.worker_arg, router_args=args.router_arg, log_dir=args.log_dir)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stack = LocalStack(cfg)
+    print(f"starting kvmesh ({args.workers} workers); logs in {stack.log_dir}", flush=True)
+    try:
+        stack.start()
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"kvmesh up: {exc}; see the logs in {stack.log_dir}", file=sys.stderr)
+        return 1
+    for name, addr in stack.endpoints.items():
+        print(f"  {name:<12} {addr}", flush=True)
+    print("ready: try `kvmesh generate \"Hello\"` or `kvmesh admin stats`; Ctrl-C stops", flush=True)
+    while not stop.wait(1.0):
+        dead = stack.failed()
+        if dead:
+            print(f"kvmesh up: {', '.join(dead)} exited; stopping (logs in {stack.log_dir})", file=sys.stderr)
+            stack.stop()
+            return 1
+    print("stopping...", flush=True)
+    stack.stop()
+    return 0

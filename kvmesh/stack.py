@@ -1,0 +1,147 @@
+"""The local stack behind `kvmesh up`: Redis, kv_service, N workers and a router as child processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.rpc import insecure_channel
+from kvmesh.testing import RedisServer
+
+
+@dataclass(slots=True)
+class StackConfig:
+    model: str
+    """Model directory served by every worker."""
+    workers: int = 2
+    host: str = "127.0.0.1"
+    router_port: int = 50051
+    kv_service_port: int = 50052
+    worker_port: int = 50061
+    """First worker port; worker i listens on worker_port + i."""
+    metrics_port: int = 9100
+    """kv_service on this port, router on +1, worker i on +2+i; 0 = no metrics."""
+    redis_url: str | None = None
+    """Use this Redis instead of starting a private one."""
+    store: str = "redis"
+    """'memory' runs the kv_service without Redis."""
+    worker_args: list[str] = field(default_factory=list)
+    """Extra flags for every `kvmesh worker`."""
+    router_args: list[str] = field(default_factory=list)
+    log_dir: str | None = None
+    """Children's logs go here (default: a new temp dir)."""
+
+
+def kvmesh_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvmesh.cli", *args]
+
+
+def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: float = 120.0) -> None:
+    """Waits until the server at ``address`` reports SERVING (grpc.health.v1)."""
+    channel = insecure_channel(address)
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the process for {address} exited with code {proc.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{address} not SERVING after {timeout:.0f}s")
+    finally:
+        channel.close()
+
+
+class LocalStack:
+    """Starts and stops the stack; ``endpoints`` names what runs where."""
+
+    def __init__(self, cfg: StackConfig) -> None:
+        self.cfg = cfg
+        self.log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="kvmesh-up-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.redis: RedisServer | None = None
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.endpoints: dict[str, str] = {}
+
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - owned by the child for its lifetime
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                start_new_session=True)
+        self.procs.append((name, proc))
+        return proc
+
+    def _metrics(self, offset: int) -> list[str]:
+        port = self.cfg.metrics_port + offset if self.cfg.metrics_port else 0
+        return ["--metrics-port", str(port)]
+
+    def start(self) -> LocalStack:
+        c = self.cfg
+        try:
+            kv_args = ["--store", "memory"]
+            if c.store != "memory":
+                if c.redis_url is None:
+                    self.redis = RedisServer()
+                    self.endpoints["redis"] = self.redis.url
+                url = c.redis_url or self.redis.url  # type: ignore[union-attr]
+                kv_args = ["--redis-url", url]
+            kv_addr = f"{c.host}:{c.kv_service_port}"
+            kv = self._spawn("kv_service", kvmesh_cmd("kv-service", "--host", c.host, "--port", str(c.kv_service_port),
+                                                      *kv_args, *self._metrics(0)))
+            wait_serving(kv_addr, kv, 30)
+            self.endpoints["kv_service"] = kv_addr
+            threads = str(max(1, (os.cpu_count() or 1) // max(1, c.workers)))
+            workers = []
+            for i in range(c.workers):
+                port = c.worker_port + i
+                addr = f"{c.host}:{port}"
+                proc = self._spawn(f"worker-{i}", kvmesh_cmd(
+                    "worker", "--model", c.model, "--host", c.host, "--port", str(port), "--kv-service", kv_addr,
+                    "--worker-id", f"worker-{i}", "--advertise-address", addr, "--torch-threads", threads,
+                    *self._metrics(2 + i), *c.worker_args))
+                workers.append((addr, proc))
+            for i, (addr, proc) in enumerate(workers):
+                wait_serving(addr, proc, 300)
+                self.endpoints[f"worker-{i}"] = addr
+            router_addr = f"{c.host}:{c.router_port}"
+            router = self._spawn("router", kvmesh_cmd(
+                "router", "--host", c.host, "--port", str(c.router_port), "--kv-service", kv_addr, "--model", c.model,
+                *self._metrics(1), *c.router_args))
+            wait_serving(router_addr, router, 60)
+            self.endpoints["router"] = router_addr
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM to every child (router first), SIGKILL whatever is left after ``timeout``."""
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def failed(self) -> list[str]:
+        return [name for name, proc in self.procs if proc.poll() is not None]
