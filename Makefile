@@ -26,7 +26,7 @@ test: setup
 	$(PY) -m pytest -q tests
 
 run: setup
-	$(VENV)/bin/kvmesh demo
+	bash scripts/demo.sh
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -36,6 +36,8 @@ protos: setup
 
 bench: setup
 	$(PY) benchmarks/kv_service_bench.py
+	$(PY) benchmarks/router_overhead.py
+	$(PY) benchmarks/engine_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
