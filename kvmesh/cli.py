@@ -13,6 +13,7 @@ COMMAND_MODULES: dict[str, str] = {
     "admin": "kvmesh.commands.admin",
     "make-model": "kvmesh.commands.make_model",
     "offline": "kvmesh.commands.offline",
+    "router": "kvmesh.commands.router",
     "worker": "kvmesh.commands.worker",
     "generate": "kvmesh.commands.generate",
     "up": "kvmesh.commands.up",

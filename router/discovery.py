@@ -1,0 +1,273 @@
+"""gRPC side of the router's upstreams: the kv_service (Lookup, ListWorkers) and the workers.
+
+Implements router/upstream.py's PrefixIndex and WorkerPool. This is the one module of the router
+that reads gRPC status codes of upstream calls; it turns them into ``Failure`` kinds for the
+request path and ``IndexUnavailable`` for the index.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import grpc
+
+from kv_service.block_hash import algorithm_name
+from kv_service.server import PB_TO_ALGO, load_from_pb
+from kvmesh.convert import PB_TO_FINISH, sampling_to_pb
+from kvmesh.errors import Unavailable
+from kvmesh.rpc import insecure_channel
+from kvmesh.v1 import kv_service_pb2 as kv_pb
+from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc
+from kvmesh.v1 import worker_pb2 as w_pb
+from kvmesh.v1 import worker_pb2_grpc as w_grpc
+from router.config import RouterConfig
+from router.upstream import (
+    Failure,
+    IndexMatch,
+    IndexUnavailable,
+    ModelSpec,
+    Usage,
+    WorkerChunk,
+    WorkerEndpoint,
+    WorkerError,
+    WorkerRequest,
+)
+
+log = logging.getLogger("kvmesh.router.discovery")
+
+FAILURE_OF: dict[grpc.StatusCode, Failure] = {
+    grpc.StatusCode.INVALID_ARGUMENT: Failure.INVALID,
+    grpc.StatusCode.UNAVAILABLE: Failure.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Failure.BUSY,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Failure.TIMEOUT,
+    grpc.StatusCode.CANCELLED: Failure.CANCELLED,
+}
+CHANNEL_IDLE_S = 900.0
+"""A worker channel unused and out of the worker set this long is closed."""
+
+
+class KVServiceClient:
+    """Lookup with a short deadline and a breaker: after a failure, skip the index for ``retry_s``.
+
+    NOTE: without the breaker a blackholed kv_service would add the full lookup deadline to every
+    request; with it, one request per ``retry_s`` pays it while the others route by rendezvous.
+    """
+
+    def __init__(self, target: str, lookup_timeout_s: float = 0.05, retry_s: float = 1.0,
+                 rpc_timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.target = target
+        self.lookup_timeout_s = lookup_timeout_s
+        self.retry_s = retry_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self._clock = clock
+        self._channel = insecure_channel(target)
+        self._stub = kv_grpc.KVServiceStub(self._channel)
+        self._down_until = 0.0
+
+    def lookup(self, model_id: str, block_hashes: Sequence[bytes]) -> list[IndexMatch]:
+        if self._clock() < self._down_until:
+            raise IndexUnavailable(f"kv_service at {self.target} failed recently", "index_down")
+        try:
+            answer = self._stub.Lookup(kv_pb.LookupRequest(model_id=model_id, block_hashes=block_hashes),
+                                       timeout=self.lookup_timeout_s)
+        except grpc.RpcError as exc:
+            self._down_until = self._clock() + self.retry_s
+            raise IndexUnavailable(f"kv_service at {self.target}: {exc.code().name}: {exc.details()}") from None
+        self._down_until = 0.0
+        return [IndexMatch(m.worker_id, m.address, m.matched_blocks, load_from_pb(m.load)) for m in answer.workers]
+
+    def list_workers(self) -> list[kv_pb.WorkerInfo]:
+        """Live workers of every model; raises grpc.RpcError."""
+        return list(self._stub.ListWorkers(kv_pb.ListWorkersRequest(), timeout=self.rpc_timeout_s).workers)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class GrpcWorkerCall:
+    """A Worker.Generate stream; iteration yields WorkerChunks and raises WorkerError."""
+
+    def __init__(self, call: grpc.Call, endpoint: WorkerEndpoint) -> None:
+        self._call = call
+        self._endpoint = endpoint
+        self._cancelled = False
+
+    def __iter__(self) -> Iterator[WorkerChunk]:
+        try:
+            for m in self._call:
+                yield WorkerChunk(
+                    list(m.token_ids),
+                    PB_TO_FINISH.get(m.finish_reason) if m.finish_reason else None,
+                    Usage(m.usage.prompt_tokens, m.usage.cached_tokens, m.usage.completion_tokens)
+                    if m.HasField("usage") else None,
+                    m.worker_id,
+                )
+        except grpc.RpcError as exc:
+            failure = FAILURE_OF.get(exc.code(), Failure.OTHER)
+            if failure is Failure.CANCELLED and not self._cancelled:
+                failure = Failure.UNAVAILABLE  # the worker dropped the stream (e.g. it is shutting down)
+            e = self._endpoint
+            raise WorkerError(failure, f"worker {e.worker_id} at {e.address}: {exc.code().name}: {exc.details()}") \
+                from None
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+
+class GrpcWorkerPool:
+    """The workers of the served model: from kv_service's ListWorkers, or a static address list.
+
+    A background thread refreshes the set every ``discovery_interval_s``; when the source fails the
+    last good set stays. Channels are cached per address.
+    """
+
+    def __init__(self, config: RouterConfig, kv: KVServiceClient | None,
+                 on_change: Callable[[bool], None] | None = None) -> None:
+        self.config = config
+        self.kv = kv
+        self.discovers_from_index = not config.workers
+        self.problem = ""
+        """Why the worker set is empty or stale (shown in UNAVAILABLE messages)."""
+        self._on_change = on_change
+        self._lock = threading.Lock()
+        self._endpoints: list[WorkerEndpoint] = []
+        self._spec: ModelSpec | None = None
+        self._model_id = config.model_id
+        self._unhealthy: dict[str, float] = {}
+        self._channels: dict[str, tuple[grpc.Channel, w_grpc.WorkerStub, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="router-discovery", daemon=True)
+
+    # -- WorkerPool -------------------------------------------------------------------------
+    def endpoints(self) -> list[WorkerEndpoint]:
+        with self._lock:
+            return list(self._endpoints)
+
+    def model_spec(self) -> ModelSpec:
+        spec = self._spec
+        if spec is not None:
+            return spec
+        if self._model_id:  # no worker seen yet: hash with the flags
+            return ModelSpec(self._model_id, self.config.block_size, algorithm_name(self.config.hash_algorithm))
+        raise Unavailable(f"the model id is not known yet ({self.problem or 'no worker registered'}): "
+                          "start the router with --model DIR or --model-id ID")
+
+    def healthy(self, worker_id: str) -> bool:
+        until = self._unhealthy.get(worker_id)
+        return until is None or time.monotonic() >= until
+
+    def mark_unhealthy(self, worker_id: str) -> None:
+        self._unhealthy[worker_id] = time.monotonic() + self.config.unhealthy_s
+
+    def generate(self, endpoint: WorkerEndpoint, request: WorkerRequest, timeout_s: float) -> GrpcWorkerCall:
+        call = self._stub(endpoint.address).Generate(
+            w_pb.WorkerGenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                                       sampling=sampling_to_pb(request.sampling), cache_salt=request.cache_salt),
+            timeout=timeout_s)
+        return GrpcWorkerCall(call, endpoint)
+
+    # -- discovery ---------------------------------------------------------------------------
+    def start(self) -> GrpcWorkerPool:
+        self.refresh()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(2 * self.config.rpc_timeout_s + 1)
+        with self._lock:
+            channels, self._channels = self._channels, {}
+        for channel, _, _ in channels.values():
+            channel.close()
+        if self.kv is not None:
+            self.kv.close()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.config.discovery_interval_s):
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - keep polling; log and keep the last good set
+                log.exception("worker discovery failed")
+
+    def refresh(self) -> None:
+        """One poll of the worker source."""
+        if self.config.workers:
+            self._refresh_static()
+        else:
+            self._refresh_from_kv()
+        self._prune_channels()
+        if self._on_change is not None:
+            self._on_change(bool(self._endpoints))
+
+    def _refresh_from_kv(self) -> None:
+        assert self.kv is not None
+        try:
+            infos = [w for w in self.kv.list_workers() if w.live]
+        except grpc.RpcError as exc:
+            self.problem = f"kv_service at {self.kv.target} unreachable: {exc.code().name}"
+            log.warning("%s; keeping the last %d worker(s)", self.problem, len(self._endpoints))
+            return
+        if not self._model_id:
+            models = sorted({w.model_id for w in infos})
+            if len(models) > 1:
+                self.problem = f"kv_service has several models ({', '.join(models)}): pass --model-id"
+            elif models:
+                self._model_id = models[0]
+                log.info("serving model %r (the one model registered in kv_service)", self._model_id)
+        mine = [w for w in infos if w.model_id == self._model_id]
+        if mine:
+            algo = PB_TO_ALGO.get(mine[0].hash_algorithm, self.config.hash_algorithm)
+            self._spec = ModelSpec(self._model_id, mine[0].block_size, algo)
+            self.problem = ""
+        elif self._model_id:
+            others = sorted({w.model_id for w in infos})
+            self.problem = (f"no live worker of model {self._model_id!r} in kv_service"
+                            + (f" (it has: {', '.join(others)})" if others else ""))
+        with self._lock:
+            self._endpoints = [WorkerEndpoint(w.worker_id, w.address, load_from_pb(w.load)) for w in mine]
+
+    def _refresh_static(self) -> None:
+        found: list[WorkerEndpoint] = []
+        problems = []
+        for address in self.config.workers:
+            try:
+                r = self._stub(address).GetLoad(w_pb.GetLoadRequest(), timeout=self.config.rpc_timeout_s)
+            except grpc.RpcError as exc:
+                problems.append(f"{address}: {exc.code().name}")
+                continue
+            if not self._model_id:
+                self._model_id = r.model_id
+            if r.model_id != self._model_id:
+                problems.append(f"{address} serves model {r.model_id!r}, not {self._model_id!r}")
+                continue
+            if self._spec is None or self._spec.block_size != r.block_size:
+                self._spec = ModelSpec(self._model_id, r.block_size, algorithm_name(self.config.hash_algorithm))
+            found.append(WorkerEndpoint(r.worker_id, address, load_from_pb(r.load)))
+        self.problem = ("static workers unreachable or mismatched: " + "; ".join(problems)) if problems else ""
+        with self._lock:
+            self._endpoints = found
+
+    def _stub(self, address: str) -> w_grpc.WorkerStub:
+        with self._lock:
+            entry = self._channels.get(address)
+            if entry is None:
+                channel = insecure_channel(address)
+                entry = (channel, w_grpc.WorkerStub(channel), time.monotonic())
+            else:
+                entry = (entry[0], entry[1], time.monotonic())
+            self._channels[address] = entry
+            return entry[1]
+
+    def _prune_channels(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            live = {e.address for e in self._endpoints} | set(self.config.workers)
+            stale = [a for a, (_, _, used) in self._channels.items() if a not in live and now - used > CHANNEL_IDLE_S]
+            closing = [self._channels.pop(a)[0] for a in stale]
+        for channel in closing:
+            channel.close()

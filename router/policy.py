@@ -1,0 +1,237 @@
+"""Which worker gets a request: candidates scored in tokens of work, and the policy registry.
+
+A policy sees one :class:`RouteQuery` (the prompt's length and block chain) and the live
+:class:`Candidate` workers, and returns a :class:`Decision`. Policies are pure: no grpc, no I/O,
+no clock; randomness comes from a seedable ``random.Random`` so tests pin every pick.
+
+Score of a candidate, in tokens (docs/router.md):
+
+    uncached = prompt_len - matched_blocks * block_size
+    reported = load.queued_prefill_tokens + decode_cost * (load.num_running + load.num_waiting)
+    own      = inflight_prefill_tokens + decode_cost * inflight_requests
+    score    = uncached + max(reported, own)
+
+This module imports neither grpc nor redis.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import random
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from kv_service.index import Load
+
+
+@dataclass(slots=True)
+class PolicyConfig:
+    """Knobs shared by the policies (one set per router)."""
+
+    decode_cost_tokens: int = 32
+    """Tokens of work charged per running or queued request for its decode steps."""
+    balance_factor: float = 2.0
+    """Hot-spot guard: a worker whose queued work exceeds this times the mean is overloaded ..."""
+    balance_min_tokens: int = 2048
+    """... and also exceeds the least loaded worker by more than this many tokens."""
+    fallback_prefix_blocks: int = 4
+    """Rendezvous key: the hash of this many leading blocks (or all, when fewer)."""
+    seed: int | None = None
+    """Seeds the tie-break RNG (tests); None = nondeterministic."""
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One live worker as the router sees it for one request."""
+
+    worker_id: str
+    address: str
+    matched_blocks: int = 0
+    """Leading blocks of the prompt the worker holds (index answer or speculative, the max)."""
+    load: Load = field(default_factory=Load)
+    """The worker's last reported load (heartbeat via kv_service, or its GetLoad)."""
+    inflight_requests: int = 0
+    """Requests this router sent to the worker that have not finished."""
+    inflight_prefill_tokens: int = 0
+    """Uncached prompt tokens of this router's requests to the worker not yet past prefill."""
+
+
+@dataclass(slots=True, frozen=True)
+class RouteQuery:
+    """What a policy sees of a request."""
+
+    prompt_len: int
+    block_size: int
+    block_hashes: Sequence[bytes]
+    index_ok: bool = True
+    """False when the prefix index could not be asked: matched_blocks are not to be trusted."""
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    worker_id: str
+    reason: str
+    """Why: prefix, load, balance, fallback, round_robin, least_loaded, prefix_hash."""
+    score: int = 0
+
+
+def queued_tokens(c: Candidate, decode_cost: int) -> int:
+    """Work already waiting at the worker, in tokens.
+
+    NOTE: the max, not the sum, of the two views: the worker's report already counts this
+    router's requests once its heartbeat catches up, so a sum would charge them twice. The router's
+    own view is fresh but blind to other routers; the report is complete but a heartbeat old. The max
+    is the best lower bound of the truth that both give.
+    """
+    reported = c.load.queued_prefill_tokens + decode_cost * (c.load.num_running + c.load.num_waiting)
+    own = c.inflight_prefill_tokens + decode_cost * c.inflight_requests
+    return max(reported, own)
+
+
+def uncached_tokens(c: Candidate, q: RouteQuery) -> int:
+    return max(0, q.prompt_len - c.matched_blocks * q.block_size)
+
+
+class RouterPolicy(abc.ABC):
+    """Picks one candidate for a request. Implementations must be thread-safe."""
+
+    name: ClassVar[str]
+    uses_index: ClassVar[bool] = False
+    """Whether the router should ask the prefix index (Lookup) before calling :meth:`pick`."""
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        self.config = config or PolicyConfig()
+        self._rng = random.Random(self.config.seed)
+        self._lock = threading.Lock()
+
+    @abc.abstractmethod
+    def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
+        """Returns the chosen worker; ``candidates`` is never empty."""
+
+    # -- helpers shared by the policies ---------------------------------------------------
+    def _choice_index(self, tied: Sequence[int]) -> int:
+        if len(tied) == 1:
+            return tied[0]
+        with self._lock:  # one RNG shared by the server's threads
+            return tied[self._rng.randrange(len(tied))]
+
+    def _argmin(self, candidates: Sequence[Candidate], key: Callable[[Candidate], int]) -> tuple[Candidate, int]:
+        """The candidate with the least key, ties broken at random."""
+        scores = [key(c) for c in candidates]
+        best = min(scores)
+        i = self._choice_index([i for i, s in enumerate(scores) if s == best])
+        return candidates[i], best
+
+    def _queued(self, c: Candidate) -> int:
+        return queued_tokens(c, self.config.decode_cost_tokens)
+
+    def overloaded(self, queued: int, all_queued: Sequence[int]) -> bool:
+        """The hot-spot test, shared by the guard and the fallback's load bound.
+
+        NOTE: the least loaded worker is never overloaded (queued - min == 0), so a walk that
+        skips overloaded workers always ends on one.
+        """
+        mean = sum(all_queued) / len(all_queued)
+        return queued > self.config.balance_factor * mean and queued - min(all_queued) > self.config.balance_min_tokens
+
+    def least_loaded(self, candidates: Sequence[Candidate], reason: str = "least_loaded") -> Decision:
+        c, q = self._argmin(candidates, self._queued)
+        return Decision(c.worker_id, reason, q)
+
+    def rendezvous(self, query: RouteQuery, candidates: Sequence[Candidate], reason: str) -> Decision:
+        """Highest-random-weight hash of the prompt's leading blocks, skipping overloaded workers.
+
+        Prompts without a full block have no key; they go to the least loaded worker.
+        """
+        if not query.block_hashes:
+            return self.least_loaded(candidates, reason)
+        n = max(1, min(self.config.fallback_prefix_blocks, len(query.block_hashes)))
+        # NOTE: block hashes are chained, so the n-th one names the whole n-block prefix.
+        key = query.block_hashes[n - 1]
+        queued = [self._queued(c) for c in candidates]
+        order = sorted(range(len(candidates)), key=lambda i: rendezvous_weight(key, candidates[i].worker_id),
+                       reverse=True)
+        for i in order:
+            if not self.overloaded(queued[i], queued):
+                return Decision(candidates[i].worker_id, reason, queued[i])
+        raise AssertionError("unreachable: the least loaded worker is never overloaded")
+
+
+def rendezvous_weight(key: bytes, worker_id: str) -> int:
+    """The worker's weight for ``key``; the highest weight wins. Stable across processes."""
+    return int.from_bytes(hashlib.blake2b(key + worker_id.encode(), digest_size=8).digest(), "big")
+
+
+class KvAwarePolicy(RouterPolicy):
+    """Least tokens of work (uncached prefill + queued), hot-spot guard, rendezvous when blind."""
+
+    name = "kv-aware"
+    uses_index = True
+
+    def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
+        if not query.index_ok and not any(c.matched_blocks for c in candidates):
+            return self.rendezvous(query, candidates, "fallback")
+        queued = [self._queued(c) for c in candidates]
+        scores = [uncached_tokens(c, query) + q for c, q in zip(candidates, queued, strict=True)]
+        best = min(scores)
+        i = self._choice_index([i for i, s in enumerate(scores) if s == best])
+        chosen = candidates[i]
+        if self.overloaded(queued[i], queued):
+            return self.least_loaded(candidates, "balance")
+        return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks else "load", best)
+
+
+class RoundRobinPolicy(RouterPolicy):
+    """Each request to the next worker in worker-id order; ignores cache and load."""
+
+    name = "round-robin"
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        super().__init__(config)
+        self._next = 0
+
+    def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
+        ordered = sorted(candidates, key=lambda c: c.worker_id)
+        with self._lock:
+            i = self._next % len(ordered)
+            self._next += 1
+        return Decision(ordered[i].worker_id, "round_robin", 0)
+
+
+class LeastLoadedPolicy(RouterPolicy):
+    """The worker with the least queued work (ties at random); ignores the cache."""
+
+    name = "least-loaded"
+
+    def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
+        return self.least_loaded(candidates)
+
+
+class PrefixHashPolicy(RouterPolicy):
+    """Consistent (rendezvous) hashing of the leading blocks, bounded by load; no index."""
+
+    name = "prefix-hash"
+
+    def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
+        return self.rendezvous(query, candidates, "prefix_hash")
+
+
+POLICIES: dict[str, type[RouterPolicy]] = {
+    p.name: p for p in (KvAwarePolicy, RoundRobinPolicy, LeastLoadedPolicy, PrefixHashPolicy)
+}
+
+
+def make_policy(name: str, config: PolicyConfig | None = None) -> RouterPolicy:
+    """The policy registered under ``name`` (``--policy``).
+
+    Raises:
+        ValueError: no policy has that name.
+    """
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+    return cls(config)

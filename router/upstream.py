@@ -1,0 +1,148 @@
+"""What the request path needs from the outside, as plain types and protocols.
+
+router/router.py (the request path) talks to workers and the prefix index only through these;
+router/discovery.py implements them over gRPC. Keeping the request path free of grpc lets the
+tests drive it with fakes and keeps one place (discovery.py) that reads gRPC status codes.
+
+This module imports neither grpc nor redis.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kv_service.index import Load
+from model_worker.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSpec:
+    """How the workers of the served model cut and hash prompts."""
+
+    model_id: str
+    block_size: int
+    hash_algorithm: str
+
+
+@dataclass(slots=True)
+class WorkerEndpoint:
+    """A worker the router may send to."""
+
+    worker_id: str
+    address: str
+    load: Load = field(default_factory=Load)
+
+
+@dataclass(slots=True, frozen=True)
+class IndexMatch:
+    """One worker of a Lookup answer."""
+
+    worker_id: str
+    address: str
+    matched_blocks: int
+    load: Load
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerRequest:
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingParams
+    cache_salt: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerChunk:
+    """One streamed message of a worker; the last carries finish_reason and usage."""
+
+    token_ids: Sequence[int]
+    finish_reason: str | None = None
+    """"stop", "length" or "abort" on the last message; None before."""
+    usage: Usage | None = None
+    worker_id: str = ""
+
+
+class Failure(enum.Enum):
+    """Why a worker call failed, as far as the request path cares."""
+
+    INVALID = "invalid"
+    """The request is bad; every worker would refuse it. Never retried."""
+    UNAVAILABLE = "unavailable"
+    """The worker is down or unreachable. Retried elsewhere; the worker is marked unhealthy."""
+    BUSY = "busy"
+    """The worker is at capacity (RESOURCE_EXHAUSTED). Retried elsewhere."""
+    TIMEOUT = "timeout"
+    """The call's deadline passed."""
+    CANCELLED = "cancelled"
+    """This router cancelled the call (the client went away)."""
+    OTHER = "other"
+    """Any other failure (a worker bug). Not retried: it would likely repeat."""
+
+
+RETRIABLE = frozenset({Failure.UNAVAILABLE, Failure.BUSY, Failure.TIMEOUT})
+
+
+class WorkerError(Exception):
+    """A worker call failed; ``failure`` says how, the message says what the worker said."""
+
+    def __init__(self, failure: Failure, message: str) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+class IndexUnavailable(Exception):
+    """The prefix index (kv_service) could not answer in time; route without it."""
+
+    def __init__(self, message: str, cause: str = "lookup_failed") -> None:
+        super().__init__(message)
+        self.cause = cause
+        """lookup_failed (this call failed) or index_down (skipped: a recent call failed)."""
+
+
+class WorkerCall(Protocol):
+    """A streaming Generate in progress."""
+
+    def __iter__(self) -> Iterator[WorkerChunk]:
+        """Chunks in order; raises WorkerError on failure."""
+        ...
+
+    def cancel(self) -> None: ...
+
+
+class WorkerPool(Protocol):
+    """The workers of the served model and a way to call them."""
+
+    discovers_from_index: bool
+    """True when the worker set comes from kv_service: a Lookup may name workers not yet polled."""
+    problem: str
+    """Why the worker set is empty or stale, for error messages ("" when fine)."""
+
+    def endpoints(self) -> list[WorkerEndpoint]: ...
+
+    def model_spec(self) -> ModelSpec:
+        """Raises kvmesh.errors.Unavailable when the spec is not known yet."""
+        ...
+
+    def healthy(self, worker_id: str) -> bool: ...
+
+    def mark_unhealthy(self, worker_id: str) -> None: ...
+
+    def generate(self, endpoint: WorkerEndpoint, request: WorkerRequest, timeout_s: float) -> WorkerCall: ...
+
+
+class PrefixIndex(Protocol):
+    """The kv_service's Lookup."""
+
+    def lookup(self, model_id: str, block_hashes: Sequence[bytes]) -> list[IndexMatch]:
+        """Raises IndexUnavailable when the answer cannot be had within the lookup deadline."""
+        ...
