@@ -1,0 +1,61 @@
+"""The speculative map: leading matches per worker, TTL expiry on an injected clock, bound."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from router.speculative import SpeculativeIndex
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+CHAIN = [hashlib.sha256(bytes([i])).digest()[:16] for i in range(8)]
+OTHER = [hashlib.sha256(bytes([100 + i])).digest()[:16] for i in range(8)]
+
+
+def test_leading_matches_per_worker():
+    idx = SpeculativeIndex(ttl_s=2.0, clock=Clock())
+    idx.record(CHAIN[:6], "w1")
+    idx.record(CHAIN[:2], "w2")
+    idx.record(OTHER, "w3")
+    assert idx.matches(CHAIN) == {"w1": 6, "w2": 2}
+    assert idx.matches(CHAIN[:3]) == {"w1": 3, "w2": 2}
+    assert idx.matches(OTHER[:4]) == {"w3": 4}
+    assert idx.matches([]) == {}
+
+
+def test_entries_expire_after_ttl_and_rerecord_extends():
+    clock = Clock()
+    idx = SpeculativeIndex(ttl_s=2.0, clock=clock)
+    idx.record(CHAIN[:4], "w1")
+    clock.t += 1.0
+    idx.record(CHAIN[:2], "w1")  # blocks 0-1 now live until t+3
+    clock.t += 0.999
+    assert idx.matches(CHAIN) == {"w1": 4}
+    clock.t += 0.001  # exactly 2 s after the first record
+    assert idx.matches(CHAIN) == {"w1": 2}
+    clock.t += 1.0
+    assert idx.matches(CHAIN) == {}
+    idx.record(OTHER[:1], "w2")  # a record sweeps expired entries
+    assert len(idx) == 1
+
+
+def test_bounded_oldest_dropped_first_and_zero_ttl_is_off():
+    idx = SpeculativeIndex(ttl_s=5.0, max_entries=6, clock=Clock())
+    idx.record(CHAIN[:4], "w1")
+    idx.record(OTHER[:4], "w2")
+    # The two oldest entries (w1's blocks 0 and 1) went: w1 no longer matches from the root.
+    assert (len(idx), idx.matches(CHAIN), idx.matches(OTHER)) == (6, {}, {"w2": 4})
+    off = SpeculativeIndex(ttl_s=0.0)
+    off.record(CHAIN, "w1")
+    assert (len(off), off.matches(CHAIN)) == (0, {})
+    with pytest.raises(ValueError, match="speculative TTL must be >= 0"):
+        SpeculativeIndex(ttl_s=-1)
