@@ -1,0 +1,187 @@
+"""The request path (router/router.py) with fake workers and index: retries, failures, speculation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kv_service.block_hash import BlockHasher
+from kv_service.index import Load
+from kvmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
+from model_worker.sampling_params import SamplingParams
+from router.config import RouterConfig
+from router.router import CancelScope, GenerateInput, Router
+from router.upstream import (
+    Failure,
+    IndexMatch,
+    IndexUnavailable,
+    ModelSpec,
+    Usage,
+    WorkerChunk,
+    WorkerEndpoint,
+    WorkerError,
+    WorkerRequest,
+)
+
+SPEC = ModelSpec("m", 4, "sha256_128")
+PROMPT = list(range(1, 33))  # 8 blocks of 4
+CHAIN = BlockHasher("m", 4).hash_prompt(PROMPT)
+
+
+class FakeCall:
+    def __init__(self, script: list) -> None:
+        self.script = script
+        self.cancelled = False
+
+    def __iter__(self) -> Iterator[WorkerChunk]:
+        for item in self.script:
+            if isinstance(item, WorkerError):
+                raise item
+            yield item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakePool:
+    discovers_from_index = True
+    problem = ""
+
+    def __init__(self, scripts: dict[str, list]) -> None:
+        self.scripts = scripts
+        self.calls: list[str] = []
+        self.unhealthy: set[str] = set()
+
+    def endpoints(self) -> list[WorkerEndpoint]:
+        return [WorkerEndpoint(w, f"{w}:1") for w in self.scripts]
+
+    def model_spec(self) -> ModelSpec:
+        return SPEC
+
+    def healthy(self, worker_id: str) -> bool:
+        return worker_id not in self.unhealthy
+
+    def mark_unhealthy(self, worker_id: str) -> None:
+        self.unhealthy.add(worker_id)
+
+    def generate(self, endpoint: WorkerEndpoint, request: WorkerRequest, timeout_s: float) -> FakeCall:
+        self.calls.append(endpoint.worker_id)
+        self.last_call = FakeCall(self.scripts[endpoint.worker_id])
+        return self.last_call
+
+
+class FakeIndex:
+    def __init__(self, matched: dict[str, int] | None = None, down: bool = False) -> None:
+        self.matched = matched or {}
+        self.down = down
+
+    def lookup(self, model_id: str, block_hashes) -> list[IndexMatch]:
+        if self.down:
+            raise IndexUnavailable("kv_service at x: UNAVAILABLE")
+        return [IndexMatch(w, f"{w}:1", n, Load()) for w, n in self.matched.items()]
+
+
+def ok(wid: str) -> list:
+    return [WorkerChunk([7]), WorkerChunk([8], "length", Usage(32, 16, 2), wid)]
+
+
+def err(failure: Failure) -> WorkerError:
+    return WorkerError(failure, f"{failure.value} said the worker")
+
+
+def run(router: Router, ids=PROMPT) -> list:
+    return list(router.generate(GenerateInput(None, ids, SamplingParams(max_tokens=2))))
+
+
+def make(scripts: dict[str, list], index=None, **kw) -> tuple[Router, FakePool]:
+    pool = FakePool(scripts)
+    return Router(RouterConfig(seed=0, **kw), pool, index if index is not None else FakeIndex()), pool
+
+
+def test_streams_tokens_and_last_message_carries_usage_and_served_by():
+    router, pool = make({"w1": ok("w1"), "w2": ok("w2")}, FakeIndex({"w1": 8}))
+    out = run(router)
+    assert [(o.token_ids, o.finish_reason, o.usage, o.served_by) for o in out] == [
+        ([7], None, None, ""), ([8], "length", Usage(32, 16, 2), "w1")]
+    assert pool.calls == ["w1"] and router.inflight.view("w1") == (0, 0)
+
+
+def test_unavailable_before_first_token_retries_on_next_best_and_marks_unhealthy():
+    router, pool = make({"w1": [err(Failure.UNAVAILABLE)], "w2": ok("w2"), "w3": ok("w3")},
+                        FakeIndex({"w1": 8, "w2": 4}))
+    assert run(router)[-1].served_by == "w2"
+    assert (pool.calls, pool.unhealthy) == (["w1", "w2"], {"w1"})
+
+
+def test_invalid_argument_from_worker_is_not_retried():
+    router, pool = make({"w1": [err(Failure.INVALID)], "w2": ok("w2")}, FakeIndex({"w1": 8}))
+    with pytest.raises(InvalidArgument, match="invalid said the worker"):
+        run(router)
+    assert pool.calls == ["w1"]
+
+
+def test_failure_after_first_token_ends_stream_with_unavailable():
+    router, pool = make({"w1": [WorkerChunk([7]), err(Failure.UNAVAILABLE)], "w2": ok("w2")},
+                        FakeIndex({"w1": 8}))
+    got = []
+    with pytest.raises(Unavailable, match="worker w1 failed mid-stream: unavailable"):
+        for o in router.generate(GenerateInput(None, PROMPT, SamplingParams())):
+            got.append(o.token_ids)
+    assert (got, pool.calls, router.inflight.view("w1")) == ([[7]], ["w1"], (0, 0))
+
+
+def test_every_worker_busy_is_resource_exhausted_and_down_is_unavailable():
+    router, pool = make({"w1": [err(Failure.BUSY)], "w2": [err(Failure.BUSY)]})
+    with pytest.raises(ResourceExhausted, match="every worker tried is at capacity"):
+        run(router)
+    assert sorted(pool.calls) == ["w1", "w2"]
+    router, pool = make({f"w{i}": [err(Failure.UNAVAILABLE)] for i in range(5)}, max_attempts=3)
+    with pytest.raises(Unavailable, match="no worker could take the request after 3 attempt"):
+        run(router)
+    assert len(pool.calls) == 3
+
+
+def test_no_worker_and_bad_prompts():
+    router, _ = make({})
+    with pytest.raises(Unavailable, match="no worker is available for model 'm'"):
+        run(router)
+    router, _ = make({"w1": ok("w1")})
+    cases = [(GenerateInput(None, [], SamplingParams()), "token_ids is empty"),
+             (GenerateInput("", None, SamplingParams()), "text is empty"),
+             (GenerateInput(None, None, SamplingParams()), "set text or token_ids"),
+             (GenerateInput("hi", None, SamplingParams()), "no tokenizer"),
+             (GenerateInput(None, [2**32] * 4, SamplingParams()), "token_ids: token ids must be integers")]
+    for inp, message in cases:
+        with pytest.raises(InvalidArgument, match=message):
+            list(router.generate(inp))
+
+
+def test_burst_of_same_prefix_follows_the_first_before_events_land():
+    router, pool = make({f"w{i}": ok(f"w{i}") for i in range(4)})
+    for _ in range(5):
+        run(router)
+    assert len(set(pool.calls)) == 1  # the index never learned the blocks; the speculative map did
+    other = [p + 100 for p in PROMPT]
+    run(router, other)  # and it only pulls same-prefix requests
+    assert router.speculative.matches(CHAIN) == {pool.calls[0]: 8}
+
+
+def test_index_down_routes_by_rendezvous_and_never_fails_the_request():
+    router, pool = make({f"w{i}": ok(f"w{i}") for i in range(4)}, FakeIndex(down=True), speculative_ttl_s=0)
+    plan, decision = router.decide(GenerateInput(None, PROMPT, SamplingParams()))
+    assert (plan.query.index_ok, decision.reason) == (False, "fallback")
+    firsts = {run(router)[-1].served_by for _ in range(3)}
+    assert firsts == {decision.worker_id}
+
+
+def test_cancel_scope_cancels_the_open_call():
+    router, pool = make({"w1": ok("w1")})
+    scope = CancelScope()
+    stream = router.generate(GenerateInput(None, PROMPT, SamplingParams()), scope)
+    next(stream)
+    assert (pool.last_call.cancelled, router.inflight.view("w1")) == (False, (1, 0))
+    scope.cancel()
+    assert pool.last_call.cancelled
+    stream.close()
+    assert router.inflight.view("w1") == (0, 0)
