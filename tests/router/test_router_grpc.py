@@ -1,0 +1,169 @@
+"""The router over real gRPC, with a real kv_service on the real Redis fixture and an in-test worker."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kv_service.block_hash import BlockHasher
+from kv_service.server import KVServiceServer
+from kv_service.service import ServiceConfig
+from kv_service.store_redis import RedisIndex
+from kvmesh.make_model import train_tokenizer
+from kvmesh.rpc import GrpcServer, insecure_channel
+from kvmesh.testing import free_port
+from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import kv_service_pb2 as kv_pb
+from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc
+from router.config import RouterConfig
+from router.server import RouterServer
+
+BS = 4
+
+
+class EchoWorker(worker_pb2_grpc.WorkerServicer):
+    """Streams back a fixed reply one token per message, as the real worker's Generate does."""
+
+    def __init__(self, worker_id: str, reply: list[int]) -> None:
+        self.worker_id, self.reply = worker_id, reply
+        self.prompts: list[list[int]] = []
+
+    def Generate(self, request, context):
+        self.prompts.append(list(request.prompt_token_ids))
+        for t in self.reply[:-1]:
+            yield worker_pb2.WorkerGenerateResponse(token_ids=[t])
+        yield worker_pb2.WorkerGenerateResponse(
+            token_ids=[self.reply[-1]], finish_reason=common_pb2.FINISH_REASON_LENGTH, worker_id=self.worker_id,
+            usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), cached_tokens=0,
+                                   completion_tokens=len(self.reply)))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models") / "m"
+    d.mkdir()
+    train_tokenizer().save(str(d / "tokenizer.json"))
+    return d
+
+
+@pytest.fixture
+def stack(redis_url, redis_namespace, model_dir):
+    kv = KVServiceServer(RedisIndex(redis_url, redis_namespace), "127.0.0.1", free_port(),
+                         ServiceConfig(lease_ttl_ms=60_000, reap_interval_s=1.0)).start()
+    kv_channel = insecure_channel(f"127.0.0.1:{kv.port}")
+    kv_stub = kv_grpc.KVServiceStub(kv_channel)
+    started: list = []
+
+    def start_router(**kw) -> router_pb2_grpc.RouterStub:
+        cfg = RouterConfig(host="127.0.0.1", port=0, kv_service=f"127.0.0.1:{kv.port}", model_dir=str(model_dir),
+                           discovery_interval_s=0.1, seed=0, **kw)
+        r = RouterServer(cfg).start()
+        ch = insecure_channel(f"127.0.0.1:{r.port}")
+        started.append((r, ch))
+        return router_pb2_grpc.RouterStub(ch), ch, r
+
+    yield kv, kv_stub, start_router
+    for r, ch in started:
+        ch.close()
+        r.stop(0.5)
+    kv_channel.close()
+    kv.stop(0.5)
+
+
+def register(kv_stub, wid: str, address: str, hashes: list[bytes] = ()) -> None:
+    kv_stub.RegisterWorker(kv_pb.RegisterWorkerRequest(
+        worker_id=wid, address=address, model_id="m", block_size=BS,
+        hash_algorithm=kv_pb.HASH_ALGORITHM_SHA256_128, num_blocks=1000, epoch=1), timeout=5)
+    if hashes:
+        acks = list(kv_stub.PublishEvents(iter([kv_pb.PublishEventsRequest(
+            worker_id=wid, epoch=1, seq=1, events=[kv_pb.KVEvent(stored=kv_pb.BlockStored(block_hashes=hashes))])]),
+            timeout=5))
+        assert acks[0].action == kv_pb.PUBLISH_ACTION_ACK
+
+
+def start_worker(worker: EchoWorker) -> GrpcServer:
+    server = GrpcServer("127.0.0.1", 0)
+    worker_pb2_grpc.add_WorkerServicer_to_server(worker, server.server)
+    server.start()
+    return server
+
+
+def wait_for(pred, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def health(channel) -> int:
+    return health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service="kvmesh.v1.Router"), timeout=5).status
+
+
+def generate(stub, **kw) -> list[router_pb2.GenerateResponse]:
+    return list(stub.Generate(router_pb2.GenerateRequest(**kw), timeout=10))
+
+
+def test_no_reachable_worker_is_unavailable_and_router_keeps_serving(stack):
+    kv, kv_stub, start_router = stack
+    register(kv_stub, "w1", f"127.0.0.1:{free_port()}")  # nothing listens there
+    stub, channel, router = start_router()
+    wait_for(lambda: health(channel) == health_pb2.HealthCheckResponse.SERVING)
+    for _ in range(2):
+        with pytest.raises(grpc.RpcError) as err:
+            generate(stub, token_ids=router_pb2.TokenIds(ids=list(range(1, 20))))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert err.value.details().startswith("no worker could take the request after 1 attempt(s): w1: unavailable")
+    assert health(channel) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_bad_input_is_invalid_argument(stack):
+    kv, kv_stub, start_router = stack
+    register(kv_stub, "w1", f"127.0.0.1:{free_port()}")
+    stub, _, _ = start_router()
+    cases = [
+        (dict(text=""), "text is empty: send a non-empty prompt"),
+        (dict(), "the request sets no input: set text or token_ids"),
+        (dict(token_ids=router_pb2.TokenIds(ids=[])), "token_ids is empty: send at least one prompt token"),
+        (dict(text="hi", sampling=common_pb2.SamplingParams(temperature=-1.0)), "temperature must be >= 0, got -1.0"),
+        (dict(text="hi", sampling=common_pb2.SamplingParams(top_p=1.5)), "top_p must be in (0, 1], got 1.5"),
+    ]
+    for kw, message in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            generate(stub, **kw)
+        assert (err.value.code(), err.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def test_prefix_holder_down_retries_on_live_worker_with_text_and_usage(stack, model_dir):
+    kv, kv_stub, start_router = stack
+    tok = train_tokenizer()
+    prompt = "the quick brown fox jumps over the lazy dog"
+    ids = tok.encode(prompt, add_special_tokens=True).ids
+    reply = tok.encode("héllo 😀", add_special_tokens=False).ids
+    live = EchoWorker("live", reply)
+    server = start_worker(live)
+    try:
+        chain = BlockHasher("m", BS).hash_prompt(ids)
+        register(kv_stub, "dead", f"127.0.0.1:{free_port()}", chain)  # holds the whole prefix, is down
+        register(kv_stub, "live", f"127.0.0.1:{server.port}")
+        stub, _, router = start_router()
+        wait_for(lambda: len(router.pool.endpoints()) == 2)
+        out = generate(stub, text=prompt)
+        assert "".join(m.text for m in out) == "héllo 😀"
+        assert [list(m.token_ids) for m in out] == [[t] for t in reply]
+        assert not any("\ufffd" in m.text for m in out)
+        last = out[-1]
+        assert (last.served_by, last.finish_reason, last.usage.prompt_tokens, last.usage.completion_tokens) == (
+            "live", common_pb2.FINISH_REASON_LENGTH, len(ids), len(reply))
+        assert live.prompts == [ids]
+        assert not router.pool.healthy("dead")
+
+        # kv_service goes away: the router keeps its worker set and routes by rendezvous hash.
+        kv.stop(0.1)
+        out = generate(stub, token_ids=router_pb2.TokenIds(ids=ids))
+        assert out[-1].served_by == "live"
+    finally:
+        server.stop(0.1)
