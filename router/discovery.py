@@ -209,8 +209,10 @@ class GrpcWorkerPool:
         try:
             infos = [w for w in self.kv.list_workers() if w.live]
         except grpc.RpcError as exc:
-            self.problem = f"kv_service at {self.kv.target} unreachable: {exc.code().name}"
-            log.warning("%s; keeping the last %d worker(s)", self.problem, len(self._endpoints))
+            problem = f"kv_service at {self.kv.target} unreachable: {exc.code().name}"
+            if problem != self.problem:  # once per outage, not once per poll
+                log.warning("%s; keeping the last %d worker(s)", problem, len(self._endpoints))
+            self.problem = problem
             return
         if not self._model_id:
             models = sorted({w.model_id for w in infos})
