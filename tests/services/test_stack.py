@@ -1,0 +1,163 @@
+"""The whole stack on loopback: real Redis, kv_service, tiny-model workers and the router."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvmesh.client import Client
+from kvmesh.rpc import insecure_channel
+from kvmesh.stack import wait_serving
+from kvmesh.testing import free_port, wait_until
+from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import kv_service_pb2 as kpb
+from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
+from model_worker.llm import LLM
+from model_worker.sampling_params import SamplingParams
+from router.config import RouterConfig
+from router.server import RouterServer
+
+SHARED = [(11 * i + 7) % 300 + 3 for i in range(80)]  # 5 full blocks of 16
+PROMPTS = [SHARED + [9, 8, 7], [4, 5, 6] * 9, SHARED[:40] + [1, 2, 3, 4]]
+
+
+@pytest.fixture
+def start_router(model_dir):
+    started: list[RouterServer] = []
+
+    def start(kv_address: str, **kw) -> RouterServer:
+        cfg = RouterConfig(host="127.0.0.1", port=free_port(), kv_service=kv_address, model_dir=str(model_dir),
+                           discovery_interval_s=0.2, seed=0, **kw)
+        server = RouterServer(cfg).start()
+        started.append(server)
+        wait_serving(f"127.0.0.1:{server.port}", timeout=20)
+        return server
+
+    yield start
+    for s in started:
+        s.stop(0.5)
+
+
+@pytest.fixture
+def stack(kv_server, start_worker, start_router):
+    kv_addr = f"127.0.0.1:{kv_server.port}"
+    workers = [start_worker("w1", kv_addr), start_worker("w2", kv_addr)]
+    router = start_router(kv_addr)
+    client = Client(f"127.0.0.1:{router.port}", timeout=60)
+    yield kv_addr, workers, router, client
+    client.close()
+
+
+def index_of(kv_addr: str, worker_id: str, candidates: set[bytes]) -> set[bytes]:
+    stub = kpb_grpc.KVServiceStub(insecure_channel(kv_addr))
+    return {h for h in candidates if worker_id in stub.GetBlock(kpb.GetBlockRequest(block_hash=h), timeout=5).holders}
+
+
+def test_routed_output_equals_offline_engine_and_prefix_follows_its_holder(stack, model_dir):
+    kv_addr, workers, _, client = stack
+    offline = LLM(str(model_dir), num_blocks=128, max_num_batched_tokens=256, max_model_len=512)
+    expected = offline.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True))
+    first = client.generate(PROMPTS[0], max_tokens=10, ignore_eos=True)
+    assert first.token_ids == expected[0].token_ids and first.usage.cached_tokens == 0
+    holder = first.served_by
+    by_id = {w.worker_id: w for w in workers}
+    # Wait until the index knows the holder's blocks, so the route below is the index's doing.
+    blocks = by_id[holder].engine.cached_block_hashes()
+    wait_until(lambda: index_of(kv_addr, holder, blocks) == blocks, what="the index to learn the prefix")
+    for ids, exp in zip(PROMPTS[1:], expected[1:], strict=True):
+        out = client.generate(ids, max_tokens=10, ignore_eos=True)
+        assert out.token_ids == exp.token_ids
+    shared = client.generate(SHARED + [42, 43], max_tokens=4, ignore_eos=True)
+    assert shared.served_by == holder
+    assert shared.usage.cached_tokens >= len(SHARED) // 16 * 16
+    # After the run the index equals the union of the workers' cached blocks.
+    for w in workers:
+        cached = w.engine.cached_block_hashes()
+        wait_until(lambda w=w, cached=cached: index_of(kv_addr, w.worker_id, cached) == cached, what="index sync")
+    stub = kpb_grpc.KVServiceStub(insecure_channel(kv_addr))
+    union = set().union(*(w.engine.cached_block_hashes() for w in workers))
+    stats = stub.GetStats(kpb.GetStatsRequest(), timeout=5)
+    assert stats.indexed_blocks == len(union)
+    assert stats.block_replicas == sum(len(w.engine.cached_block_hashes()) for w in workers)
+
+
+def test_text_prompt_streams_text_and_usage(stack):
+    _, _, _, client = stack
+    pieces = list(client.stream("Hello there, how are you?", max_tokens=6, ignore_eos=True))
+    last = pieces[-1]
+    assert last.served_by in {"w1", "w2"} and last.usage.completion_tokens == 6
+    assert sum(len(p.token_ids) for p in pieces) == 6
+
+
+def test_requests_succeed_with_kv_service_stopped(stack, kv_server):
+    _, _, _, client = stack
+    assert client.generate(PROMPTS[1], max_tokens=3).usage.completion_tokens == 3
+    kv_server.stop(0)
+    for ids in PROMPTS:
+        out = client.generate(ids, max_tokens=3, ignore_eos=True)
+        assert out.usage.completion_tokens == 3 and out.finish_reason == "length"
+
+
+def test_client_cancel_frees_the_workers_blocks(stack):
+    _, workers, _, client = stack
+    call = client.stream(PROMPTS[0], max_tokens=400, ignore_eos=True)
+    next(call)
+    next(call)
+    call.close()  # the generator's grpc call is cancelled
+    for w in workers:
+        kv = w.engine.kv_cache_manager
+        wait_until(lambda w=w, kv=kv: w.engine.stats().num_running == 0 and kv.num_free_blocks == kv.num_blocks - 1,
+                   what=f"{w.worker_id} to free its blocks")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"temperature": -0.5}, "temperature must be >= 0"),
+    ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+    ({"top_k": -1}, "top_k must be an integer >= 0"),
+    ({"prompt": [3] * 600}, "max_model_len is 512"),
+    ({"prompt": [3, 10**6]}, "outside the vocabulary"),
+])
+def test_bad_input_is_invalid_argument_and_stack_keeps_serving(stack, kwargs, message):
+    _, _, _, client = stack
+    prompt = kwargs.pop("prompt", [5, 6, 7])
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(prompt, max_tokens=2, **kwargs)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+    assert client.generate([5, 6, 7], max_tokens=2).usage.completion_tokens == 2
+
+
+def test_killed_worker_leaves_the_index_within_its_lease(kv_server, model_dir):
+    kv_addr = f"127.0.0.1:{kv_server.port}"
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "kvmesh"), "worker", "--model", str(model_dir), "--host", "127.0.0.1",
+         "--port", str(port), "--kv-service", kv_addr, "--worker-id", "doomed", "--num-blocks", "64",
+         "--metrics-port", "0", "--torch-threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_serving(f"127.0.0.1:{port}", proc, timeout=60)
+        stub = worker_pb2_grpc.WorkerStub(insecure_channel(f"127.0.0.1:{port}"))
+        list(stub.Generate(worker_pb2.WorkerGenerateRequest(prompt_token_ids=SHARED, sampling=common_pb2.SamplingParams(
+            max_tokens=2)), timeout=30))
+        kv = kpb_grpc.KVServiceStub(insecure_channel(kv_addr))
+
+        def blocks() -> int:
+            ws = kv.ListWorkers(kpb.ListWorkersRequest(include_expired=True), timeout=5).workers
+            return sum(w.blocks_indexed for w in ws if w.worker_id == "doomed")
+
+        wait_until(lambda: blocks() == len(SHARED) // 16, what="the worker's blocks in the index")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        # Lease 1.5 s: gone from Lookup once it expires, deleted by the reaper soon after.
+        wait_until(lambda: not kv.ListWorkers(kpb.ListWorkersRequest(), timeout=5).workers, timeout=5,
+                   what="the lease to expire")
+        wait_until(lambda: blocks() == 0, timeout=5, what="the reaper to drop its blocks")
+        assert kv.GetStats(kpb.GetStatsRequest(), timeout=5).indexed_blocks == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
