@@ -59,7 +59,6 @@ class ModelConfig:
     """Per layer: the attention window, None = full attention."""
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    name_or_path: str = ""
     dtype: torch.dtype = torch.float32
     """The checkpoint's stored dtype."""
 
@@ -119,7 +118,6 @@ class ModelConfig:
             sliding_windows=_sliding_windows(cfg, model_type, num_layers),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            name_or_path=cfg.get("_name_or_path", "") or "",
             dtype=parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         )
 
@@ -171,7 +169,7 @@ class EngineConfig:
     seed: int = 0
     """Seeds the generator of sampled requests that have no seed of their own."""
     model_id: str | None = None
-    """Identity for block hashing; None = config ``_name_or_path`` or the directory name."""
+    """Identity for block hashing; None = the directory's name (kvmesh.modelinfo.model_id_for)."""
 
     def check(self, model_config: ModelConfig) -> None:
         """Validates and fills derived fields; raises ValueError with what to change."""

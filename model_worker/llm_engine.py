@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kv_service.block_hash import BlockHasher
+from kvmesh.modelinfo import model_id_for
 from model_worker.config import EngineConfig, ModelConfig
 from model_worker.kv_cache_manager import KVCacheManager
 from model_worker.kv_events import KVCacheEvent
@@ -33,15 +34,6 @@ class EngineStats:
     """Prompt tokens looked up in the prefix cache so far."""
     prefix_cache_hits: int
     """Of those, tokens found cached."""
-
-
-def resolve_model_id(model_dir: str | Path, model_config: ModelConfig) -> str:
-    """The model's identity for block hashing: config ``_name_or_path`` unless it is empty or a
-    local absolute path (those name a machine, not a model), else the directory's resolved name."""
-    name = model_config.name_or_path
-    if name and not Path(name).is_absolute():
-        return name
-    return Path(model_dir).resolve().name
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:
@@ -80,7 +72,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(config.model)
         config.check(self.model_config)
         self.config = config
-        self.model_id = config.model_id or resolve_model_id(config.model, self.model_config)
+        self.model_id = model_id_for(config.model, config.model_id)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = _eos_token_ids(config.model, self.model_config)
         self.runner = ModelRunner(config, self.model_config)
