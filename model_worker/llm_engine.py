@@ -6,6 +6,7 @@ import copy
 import json
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -65,9 +66,12 @@ class LLMEngine:
 
     Args:
         config: the engine config; or pass its fields as keyword arguments.
+        runner_factory: builds the runner from the checked configs (default ModelRunner); it must
+            offer ``num_blocks`` and ``execute(SchedulerOutput)``, as model_worker/sim_runner.py does.
     """
 
-    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: EngineConfig | None = None, *,
+                 runner_factory: Callable[[EngineConfig, ModelConfig], Any] | None = None, **kwargs: Any) -> None:
         config = config if config is not None else EngineConfig(**kwargs)
         self.model_config = ModelConfig.from_dir(config.model)
         config.check(self.model_config)
@@ -75,7 +79,7 @@ class LLMEngine:
         self.model_id = model_id_for(config.model, config.model_id)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = _eos_token_ids(config.model, self.model_config)
-        self.runner = ModelRunner(config, self.model_config)
+        self.runner = (runner_factory or ModelRunner)(config, self.model_config)
         self.block_hasher = BlockHasher(self.model_id, config.block_size, config.hash_algorithm)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
