@@ -37,6 +37,8 @@ class StackConfig:
     worker_args: list[str] = field(default_factory=list)
     """Extra flags for every `kvmesh worker`."""
     router_args: list[str] = field(default_factory=list)
+    simulate: bool = False
+    """Simulated workers (`kvmesh worker --simulate`): cost-model forward pass, no weights."""
     log_dir: str | None = None
     """Children's logs go here (default: a new temp dir)."""
 
@@ -110,7 +112,7 @@ class LocalStack:
                 proc = self._spawn(f"worker-{i}", kvmesh_cmd(
                     "worker", "--model", c.model, "--host", c.host, "--port", str(port), "--kv-service", kv_addr,
                     "--worker-id", f"worker-{i}", "--advertise-address", addr, "--torch-threads", threads,
-                    *self._metrics(2 + i), *c.worker_args))
+                    *self._metrics(2 + i), *(["--simulate"] if c.simulate else []), *c.worker_args))
                 workers.append((addr, proc))
             for i, (addr, proc) in enumerate(workers):
                 wait_serving(addr, proc, 300)

@@ -235,3 +235,5 @@ def make_policy(name: str, config: PolicyConfig | None = None) -> RouterPolicy:
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
     return cls(config)
+
+import router.approx_tree  # noqa: E402,F401 - registers "approx-tree" (it subclasses RouterPolicy)

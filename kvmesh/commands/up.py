@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="extra flag for every worker, repeatable (e.g. --worker-arg=--num-blocks=512)")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="extra flag for the router, repeatable (e.g. --router-arg=--policy=round-robin)")
+    p.add_argument("--simulate", action="store_true",
+                   help="simulated workers: real scheduler and prefix cache, forward pass replaced by an "
+                        "H100 cost model (docs/benchmarks.md); pass --worker-arg=--sim-time-scale=X etc.")
     p.add_argument("--log-dir", default=None, help="where the children's logs go (default: a new temp dir)")
     p.set_defaults(func=run)
 
@@ -43,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = StackConfig(model=model, workers=args.workers, host=args.host, router_port=args.router_port,
                       kv_service_port=args.kv_service_port, worker_port=args.worker_port,
                       metrics_port=args.metrics_port, redis_url=args.redis_url, store=args.store,
-                      worker_args=args.worker_arg, router_args=args.router_arg, log_dir=args.log_dir)
+                      worker_args=args.worker_arg, router_args=args.router_arg, log_dir=args.log_dir,
+                      simulate=args.simulate)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -57,8 +57,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads, 0 = torch default (default 0)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
     add_engine_args(p)
+    add_sim_args(p)
     add_log_level(p)
     p.set_defaults(func=run)
+
+
+def add_sim_args(p: argparse.ArgumentParser) -> None:
+    """`--simulate` and the cost model's constants (model_worker/sim_runner.py, docs/benchmarks.md)."""
+    from model_worker.sim_runner import CostModel
+
+    c = CostModel()
+    g = p.add_argument_group("simulation (no weights, no KV tensors; the forward pass is a cost model)")
+    g.add_argument("--simulate", action="store_true",
+                   help="replace the forward pass by an H100 / 8B cost model; scheduler, prefix cache and "
+                        "events are real; default --num-blocks 27648, --max-model-len 131072")
+    g.add_argument("--sim-time-scale", type=float, default=1.0,
+                   help="wall seconds slept per modelled second (0.25 = 4x faster than the GPU; default 1)")
+    for field, doc in (("step_overhead_s", "fixed seconds per step"),
+                       ("prefill_token_s", "seconds per new prefill token"),
+                       ("attn_pair_s", "seconds per prefill (new x context) token pair"),
+                       ("decode_seq_s", "seconds per decoding sequence"),
+                       ("decode_kv_token_s", "seconds per context token read by a decode")):
+        g.add_argument(f"--sim-{field.removesuffix('_s').replace('_', '-')}", dest=f"sim_{field}", type=float,
+                       default=getattr(c, field), help=f"{doc} (default {getattr(c, field):g})")
 
 
 def default_advertise(host: str, port: int) -> str:
@@ -83,8 +104,23 @@ def run(args: argparse.Namespace) -> int:
 
         model = str(ensure_default_model())
         log.info("no --model given: using the tiny demo model at %s (its output is noise)", model)
+    kwargs = engine_kwargs(args)
+    if args.simulate:
+        from model_worker.config import EngineConfig
+        from model_worker.sim_runner import DEFAULT_SIM_MAX_MODEL_LEN, CostModel, SimRunner, export_metrics
+
+        cost = CostModel(**{f: getattr(args, f"sim_{f}") for f in CostModel.__dataclass_fields__})
+        kwargs["max_model_len"] = kwargs["max_model_len"] or DEFAULT_SIM_MAX_MODEL_LEN
+        kwargs["device"] = "cpu"
+        sim: list[SimRunner] = []
+
+        def make_runner(config: EngineConfig, model_config) -> SimRunner:
+            sim.append(SimRunner(config, model_config, cost, args.sim_time_scale))
+            return sim[0]
+
+        kwargs["runner_factory"] = make_runner
     try:
-        engine = LLMEngine(model=model, **engine_kwargs(args))
+        engine = LLMEngine(model=model, **kwargs)
     except (ValueError, FileNotFoundError) as exc:
         log.error("cannot load %s: %s", model, exc)
         return 2
@@ -95,6 +131,9 @@ def run(args: argparse.Namespace) -> int:
                           args.max_queued_requests).start()
     if args.metrics_port:
         start_metrics_server(args.metrics_port)
+    if args.simulate:
+        export_metrics(sim[0])
+        log.info("simulated worker: %s, time scale %g", cost, args.sim_time_scale)
     log.info("worker %s serving %s on %s:%d (%d KV blocks of %d tokens)", worker_id, engine.model_id, args.host,
              server.port, engine.kv_cache_manager.num_blocks, engine.config.block_size)
     server.grpc.wait_for_termination_signal(args.grace, on_stop=lambda: server.stop(0))

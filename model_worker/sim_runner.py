@@ -1,0 +1,182 @@
+"""A stand-in for ModelRunner: the real scheduler and block pool run, the forward pass is a cost model.
+
+`kvmesh worker --simulate` builds its LLMEngine with a :class:`SimRunner`. Every step it computes
+how long an H100 would take for the scheduled batch (:class:`CostModel`), sleeps that long times
+``time_scale`` on the engine thread, and returns deterministic token ids. No weights are loaded
+and no KV tensors are allocated, so a laptop can host many "GPUs" whose prefix caches, block
+events and load reports are the real ones.
+
+Cost model of one step (seconds), docs/benchmarks.md#cost-model:
+
+    t = step_overhead_s                                   (any work at all)
+      + prefill_token_s * new_prefill_tokens              (GEMMs, compute bound)
+      + attn_pair_s * sum(new * (context_before + (new + 1) / 2))   (prefill attention)
+      + decode_seq_s * decode_batch                       (per sequence in the batch)
+      + decode_kv_token_s * sum(decode context tokens)    (KV read, memory bound)
+
+Cached prompt tokens cost nothing in the linear terms; they are read by the attention terms as
+context (``context_before`` of the first chunk is the cache hit).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from dataclasses import dataclass
+
+from model_worker.config import EngineConfig, ModelConfig
+from model_worker.scheduler import SchedulerOutput
+
+DEFAULT_SIM_NUM_BLOCKS = 27_648
+"""KV blocks of 16 tokens of an H100-80GB serving Llama-3-8B in bf16: 128 KiB of KV per token
+(2 x 32 layers x 8 KV heads x 128 x 2 B), 0.9 x 80 GB minus 16 GB weights and ~3 GB activations
+= ~54 GiB = 442,368 tokens."""
+
+_ABSORB_S = 0.005
+
+DEFAULT_SIM_MAX_MODEL_LEN = 131_072
+"""Llama-3.1-8B's context; the Mooncake traces have prompts up to ~125k tokens."""
+
+
+@dataclass(slots=True, frozen=True)
+class CostModel:
+    """Step time of an H100 SXM serving an 8B dense model in bf16 (approximations, see module doc).
+
+    Defaults come from public figures: ~16 GFLOP per token for 8B parameters at ~50 % of the
+    989 TFLOPS bf16 peak gives ~30k tok/s for the GEMMs; measured vLLM/SGLang prefill of 8B models
+    on one H100 is 10-20k tok/s at 2-16k prompt lengths once attention is included; a decode step
+    reads the 16 GB of weights at ~3.35 TB/s (~5 ms) plus scheduling/launch overhead, so ITL at
+    small batch is ~7-8 ms; KV read is 128 KiB per context token per step at ~3.35 TB/s.
+    """
+
+    step_overhead_s: float = 0.006
+    """Fixed cost of a step: weight read (~4.8 ms) plus launch/sampling overhead."""
+    prefill_token_s: float = 60e-6
+    """Per new prefill token: the GEMMs (~16.7k tok/s before attention)."""
+    attn_pair_s: float = 1.3e-9
+    """Per (new token x context token) pair of prefill attention: 4 x 32 layers x 4096 FLOP
+    at ~400 TFLOPS effective."""
+    decode_seq_s: float = 50e-6
+    """Per sequence in the decode batch (sampling, small GEMM growth)."""
+    decode_kv_token_s: float = 40e-9
+    """Per context token read by a decode step: 128 KiB / 3.35 TB/s."""
+
+    def step_time(self, prefills: list[tuple[int, int]], decode_contexts: list[int]) -> float:
+        """Seconds one step takes.
+
+        Args:
+            prefills: per prefill chunk, (tokens already in the KV cache before it, new tokens).
+            decode_contexts: per decoding sequence, its context length (tokens it attends to).
+        """
+        if not prefills and not decode_contexts:
+            return 0.0
+        new = sum(n for _, n in prefills)
+        pairs = sum(n * (start + (n + 1) / 2) for start, n in prefills)
+        return (self.step_overhead_s + self.prefill_token_s * new + self.attn_pair_s * pairs
+                + self.decode_seq_s * len(decode_contexts) + self.decode_kv_token_s * sum(decode_contexts))
+
+    def batch_time(self, out: SchedulerOutput) -> float:
+        """:meth:`step_time` of a scheduled batch: a request computing tokens past its prompt decodes."""
+        prefills: list[tuple[int, int]] = []
+        decodes: list[int] = []
+        for s in out.scheduled:
+            if s.start >= s.request.num_prompt_tokens and s.num_new_tokens == 1:
+                decodes.append(s.start + 1)
+            else:
+                prefills.append((s.start, s.num_new_tokens))
+        return self.step_time(prefills, decodes)
+
+
+@dataclass(slots=True)
+class SimStats:
+    """What the simulated GPU did so far (exported as Prometheus counters by the worker)."""
+
+    busy_s: float = 0.0
+    """Modelled seconds of work (unscaled)."""
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+def sim_token_id(request_id: str, position: int, vocab_size: int, avoid: set[int]) -> int:
+    """A deterministic token for a request's position, never one of ``avoid`` (EOS, stop ids)."""
+    digest = hashlib.blake2b(f"{request_id}:{position}".encode(), digest_size=8).digest()
+    token = int.from_bytes(digest, "little") % vocab_size
+    while token in avoid:
+        token = (token + 1) % vocab_size
+    return token
+
+
+class SimRunner:
+    """The runner interface LLMEngine uses (``num_blocks``, ``execute``) over a cost model.
+
+    Args:
+        config: the checked engine config; ``num_blocks`` None = :data:`DEFAULT_SIM_NUM_BLOCKS`.
+        model_config: the model's config (vocabulary and EOS ids only).
+        cost: the step-time model.
+        time_scale: wall seconds slept per modelled second (0.25 = four times faster than the GPU;
+            0 = no sleeping at all).
+    """
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, cost: CostModel | None = None,
+                 time_scale: float = 1.0) -> None:
+        if time_scale < 0:
+            raise ValueError(f"time_scale must be >= 0, got {time_scale}")
+        self.config = config
+        self.cost = cost or CostModel()
+        self.time_scale = time_scale
+        self.block_size = config.block_size
+        self.num_blocks = config.num_blocks if config.num_blocks is not None else DEFAULT_SIM_NUM_BLOCKS
+        self.vocab_size = model_config.vocab_size
+        self._eos = set(model_config.eos_token_ids)
+        self.stats = SimStats()
+        self._lock = threading.Lock()
+        # NOTE: back-to-back steps are paced against a running deadline, so up to
+        # _ABSORB_S of host overhead between them is absorbed instead of added (a GPU overlaps
+        # the next step's scheduling with this one); a host slower than that slows the simulation.
+        self._deadline = 0.0
+
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """Sleeps for the batch's modelled time; returns request id -> one token for the rows that sample."""
+        if out.is_empty:
+            return {}
+        t = self.cost.batch_time(out)
+        prefill = sum(s.num_new_tokens for s in out.scheduled if s.start < s.request.num_prompt_tokens)
+        with self._lock:
+            self.stats.busy_s += t
+            self.stats.steps += 1
+            self.stats.prefill_tokens += prefill
+            self.stats.decode_tokens += out.num_scheduled_tokens - prefill
+        if self.time_scale > 0:
+            now = time.monotonic()
+            start = self._deadline if now - self._deadline < _ABSORB_S else now
+            self._deadline = start + t * self.time_scale
+            if self._deadline > now:
+                time.sleep(self._deadline - now)
+        result: dict[str, list[int]] = {}
+        for s in out.scheduled:
+            if s.sample:
+                r = s.request
+                avoid = self._eos | set(r.sampling_params.stop_token_ids)
+                result[r.request_id] = [sim_token_id(r.request_id, r.num_tokens, self.vocab_size, avoid)]
+        return result
+
+    def snapshot(self) -> SimStats:
+        """A copy of the counters; safe from any thread."""
+        with self._lock:
+            s = self.stats
+            return SimStats(s.busy_s, s.steps, s.prefill_tokens, s.decode_tokens)
+
+
+def export_metrics(runner: SimRunner) -> None:
+    """Publishes the runner's counters on the process's Prometheus registry (`/metrics`)."""
+    from prometheus_client import Gauge
+
+    fields = {"busy_seconds": "modelled seconds of GPU work (unscaled)", "steps": "engine steps run",
+              "prefill_tokens": "prompt tokens computed", "decode_tokens": "decode tokens computed"}
+    attrs = {"busy_seconds": "busy_s"}
+    for name, doc in fields.items():
+        attr = attrs.get(name, name)
+        Gauge(f"kvmesh_sim_{name}", f"Simulated worker: {doc}").set_function(
+            lambda a=attr: float(getattr(runner.snapshot(), a)))
