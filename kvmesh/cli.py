@@ -17,6 +17,7 @@ COMMAND_MODULES: dict[str, str] = {
     "worker": "kvmesh.commands.worker",
     "generate": "kvmesh.commands.generate",
     "up": "kvmesh.commands.up",
+    "bench": "kvmesh.commands.bench",
 }
 
 

@@ -110,7 +110,11 @@ def run(args: argparse.Namespace) -> int:
         from model_worker.sim_runner import DEFAULT_SIM_MAX_MODEL_LEN, CostModel, SimRunner, export_metrics
 
         cost = CostModel(**{f: getattr(args, f"sim_{f}") for f in CostModel.__dataclass_fields__})
-        kwargs["max_model_len"] = kwargs["max_model_len"] or DEFAULT_SIM_MAX_MODEL_LEN
+        from model_worker.sim_runner import DEFAULT_SIM_NUM_BLOCKS
+
+        blocks = kwargs["num_blocks"] or DEFAULT_SIM_NUM_BLOCKS
+        kwargs["max_model_len"] = kwargs["max_model_len"] or min(DEFAULT_SIM_MAX_MODEL_LEN,
+                                                                 (blocks - 1) * kwargs["block_size"])
         kwargs["device"] = "cpu"
         sim: list[SimRunner] = []
 

@@ -1,0 +1,163 @@
+"""`kvmesh bench routing`: one simulated stack per policy, the same trace replayed through each.
+
+For every policy: start Redis + kv_service + N simulated workers + a router with ``--policy P``
+(kvmesh.stack.LocalStack), replay the trace's requests at ``timestamp / speedup``, and measure
+from the client side (TTFT, output tok/s, hit rate from usage.cached_tokens, load per worker from
+served_by) plus each worker's simulated busy time (its ``kvmesh_sim_busy_seconds`` gauge) for
+utilisation. Times are reported in modelled seconds: wall / ``time_scale``.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.bench import serve
+from kvmesh.bench.datasets import BenchRequest, TokenRange
+from kvmesh.bench.oracle import oracle_hit_rate
+from kvmesh.bench.report import summarize
+from kvmesh.bench.trace import TraceSynthesizer, load_trace
+
+DEFAULT_POLICIES = ("kv-aware", "round-robin", "least-loaded", "prefix-hash", "approx-tree")
+
+
+@dataclass(slots=True)
+class RoutingBenchConfig:
+    trace: str
+    model: str
+    """Model dir for tokenizer / vocabulary / EOS (no weights are loaded)."""
+    workers: int = 8
+    policies: Sequence[str] = DEFAULT_POLICIES
+    max_requests: int | None = None
+    speedup: float = 8.0
+    """Trace time compression: request i is sent at timestamp_i / speedup wall seconds."""
+    time_scale: float = 0.5
+    """Wall seconds per modelled second in the workers; the modelled load is speedup x time_scale
+    times the trace's real rate."""
+    num_blocks: int | None = None
+    """Per worker; None = the simulator's H100 default (27,648 blocks of 16 tokens)."""
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    store: str = "redis"
+    seed: int = 0
+    worker_args: list[str] = field(default_factory=list)
+    progress: bool = True
+    log_dir: str | None = None
+
+
+def free_port_base(n: int, lo: int = 20000, hi: int = 60000) -> int:
+    """A port p with p .. p+n-1 all free on 127.0.0.1 (checked by binding; racy but good enough)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(lo, hi - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+def scrape_gauge(port: int, name: str, timeout: float = 2.0) -> float:
+    """One unlabelled gauge from a Prometheus /metrics page (0.0 when absent)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchRequest]) -> dict:
+    """One policy's stack, replay and figures."""
+    from kvmesh.stack import LocalStack, StackConfig
+
+    base = free_port_base(cfg.workers + 4)
+    metrics_base = free_port_base(cfg.workers + 2)
+    num_blocks = ["--num-blocks", str(cfg.num_blocks)] if cfg.num_blocks else []
+    stack = LocalStack(StackConfig(
+        model=cfg.model, workers=cfg.workers, router_port=base, kv_service_port=base + 1, worker_port=base + 4,
+        metrics_port=metrics_base, store=cfg.store, simulate=True,
+        worker_args=["--sim-time-scale", str(cfg.time_scale), "--block-size", str(cfg.block_size),
+                     "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+                     "--max-num-seqs", str(cfg.max_num_seqs), "--log-level", "warning", *num_blocks,
+                     *cfg.worker_args],
+        router_args=["--policy", policy, "--log-level", "warning", "--first-token-timeout", "0"],
+        log_dir=f"{cfg.log_dir}/{policy}" if cfg.log_dir else None))
+    worker_ids = [f"worker-{i}" for i in range(cfg.workers)]
+    stack.start()
+    try:
+        time.sleep(1.5)  # NOTE: let every worker register and the router discover all of them
+        busy0 = [scrape_gauge(metrics_base + 2 + i, "kvmesh_sim_busy_seconds") for i in range(cfg.workers)]
+        records, duration = serve.run(stack.endpoints["router"], requests, progress=cfg.progress)
+        busy1 = [scrape_gauge(metrics_base + 2 + i, "kvmesh_sim_busy_seconds") for i in range(cfg.workers)]
+    finally:
+        stack.stop()
+    s = summarize(records, duration, cfg.time_scale, worker_ids)
+    modelled = duration / cfg.time_scale
+    util = [(b1 - b0) / modelled for b0, b1 in zip(busy0, busy1, strict=True)] if modelled else []
+    return {
+        "ttft_mean_ms": s["ttft_ms"]["mean"], "ttft_p90_ms": s["ttft_ms"]["p90"],
+        "ttft_p99_ms": s["ttft_ms"]["p99"], "output_tok_s": s["output_throughput"],
+        "hit_rate": s["prefix_hit_rate"], "max_mean_load": s["max_mean_load"],
+        "utilisation_mean": sum(util) / len(util) if util else 0.0, "utilisation_max": max(util, default=0.0),
+        "completed": s["completed"], "failed": s["failed"], "duration_s": s["duration_s"],
+        "wall_s": duration, "errors": s["errors"],
+    }
+
+
+def run_routing_bench(cfg: RoutingBenchConfig) -> dict:
+    """Every policy on the same requests, plus the oracle hit rate; the `--json` document."""
+    from model_worker.config import ModelConfig
+    from model_worker.sim_runner import DEFAULT_SIM_NUM_BLOCKS
+
+    records = load_trace(cfg.trace, cfg.max_requests)
+    vocab = ModelConfig.from_dir(cfg.model).vocab_size
+    synth = TraceSynthesizer(cfg.seed, TokenRange.for_vocab(vocab))
+    requests = synth.requests(records, cfg.speedup)
+    blocks = cfg.num_blocks or DEFAULT_SIM_NUM_BLOCKS
+    # NOTE: block 0 of every worker is the null block: capacity is (blocks - 1) per worker.
+    out: dict = {"oracle_hit_rate": oracle_hit_rate(records, cfg.workers * (blocks - 1), cfg.block_size)}
+    for policy in cfg.policies:
+        out[policy] = run_policy(cfg, policy, requests)
+    out["settings"] = {
+        "trace": cfg.trace, "requests": len(records), "workers": cfg.workers, "speedup": cfg.speedup,
+        "time_scale": cfg.time_scale, "modelled_load_factor": cfg.speedup * cfg.time_scale,
+        "num_blocks": blocks, "block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "max_num_seqs": cfg.max_num_seqs, "store": cfg.store, "seed": cfg.seed,
+        "date": time.strftime("%Y-%m-%d %H:%M"), "host": socket.gethostname(),
+    }
+    return out
+
+
+def format_table(result: dict, baseline: str = "round-robin") -> str:
+    """The comparison table with ratios against ``baseline`` (when it was run)."""
+    policies = [k for k in result if k not in ("oracle_hit_rate", "settings")]
+    base = result.get(baseline)
+    oracle = result["oracle_hit_rate"]
+    head = (f"{'policy':<13}{'TTFT mean':>10}{'p90':>9}{'p99':>9}{'out tok/s':>10}{'hit':>7}{'hit/orc':>8}"
+            f"{'max/mean':>9}{'util':>6}{'ok':>6}{'TTFT÷':>8}{'tok/s×':>8}")
+    lines = [head, "-" * len(head)]
+    for p in policies:
+        r = result[p]
+        ttft_x = base["ttft_mean_ms"] / r["ttft_mean_ms"] if base and r["ttft_mean_ms"] else float("nan")
+        tok_x = r["output_tok_s"] / base["output_tok_s"] if base and base["output_tok_s"] else float("nan")
+        lines.append(f"{p:<13}{r['ttft_mean_ms']:>10.0f}{r['ttft_p90_ms']:>9.0f}{r['ttft_p99_ms']:>9.0f}"
+                     f"{r['output_tok_s']:>10.0f}{r['hit_rate']:>7.3f}"
+                     f"{r['hit_rate'] / oracle if oracle else 0:>8.2f}{r['max_mean_load']:>9.2f}"
+                     f"{r['utilisation_mean']:>6.2f}{r['completed']:>6d}{ttft_x:>8.1f}{tok_x:>8.2f}")
+    lines.append(f"oracle hit rate (one LRU cache of the workers' total capacity): {oracle:.3f}")
+    lines.append(f"TTFT÷ = {baseline} mean TTFT / policy's; tok/s× = policy's output tok/s / {baseline}'s; "
+                 "util = mean simulated busy time / modelled duration; times in modelled ms")
+    return "\n".join(lines)
