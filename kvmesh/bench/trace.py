@@ -61,7 +61,7 @@ class TraceSynthesizer:
     def block(self, hash_id: int) -> np.ndarray:
         b = self._blocks.get(hash_id)
         if b is None:
-            rng = np.random.default_rng([self.seed, hash_id])
+            rng = np.random.default_rng([self.seed, int(hash_id < 0), abs(hash_id)])
             b = self._blocks[hash_id] = rng.integers(self.tokens.low, self.tokens.high, self.block_tokens,
                                                      dtype=np.int32)
         return b
@@ -79,7 +79,7 @@ class TraceSynthesizer:
         ids += [-(index * 1_000_003 + k + 1) for k in range(need - len(ids))]
         if not ids:
             return np.zeros(0, dtype=np.int32)
-        return np.concatenate([self.block(h) for h in ids])[: rec.input_length].tolist()
+        return np.concatenate([self.block(h) for h in ids])[: rec.input_length]
 
     def requests(self, records: list[TraceRecord], speedup: float = 1.0) -> list[BenchRequest]:
         """Bench requests sent at ``timestamp / speedup`` (relative to the first record)."""

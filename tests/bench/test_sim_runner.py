@@ -1,0 +1,59 @@
+"""The cost model's formula and the simulated runner inside a real LLMEngine (no weights)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.make_model import ensure_default_model
+from model_worker.llm_engine import LLMEngine
+from model_worker.sampling_params import SamplingParams
+from model_worker.sim_runner import CostModel, SimRunner, sim_token_id
+
+
+def test_cost_model_formula():
+    c = CostModel(step_overhead_s=0.01, prefill_token_s=0.001, attn_pair_s=1e-6, decode_seq_s=0.002,
+                  decode_kv_token_s=1e-5)
+    assert c.step_time([], []) == 0.0
+    # prefill chunk of 4 new tokens after 10 cached: pairs = 4 * (10 + 2.5) = 50
+    assert c.step_time([(10, 4)], []) == pytest.approx(0.01 + 0.004 + 50e-6)
+    # two decodes at contexts 100 and 300
+    assert c.step_time([], [100, 300]) == pytest.approx(0.01 + 0.004 + 400e-5)
+    assert c.step_time([(0, 2)], [50]) == pytest.approx(0.01 + 0.002 + 3e-6 + 0.002 + 50e-5)
+
+
+def test_default_cost_model_h100_ballpark():
+    c = CostModel()
+    prefill_8k = c.step_time([(0, 8192)], [])
+    assert 0.5 < prefill_8k < 0.6  # ~15k tok/s at 8k tokens
+    itl = c.step_time([], [2048] * 32)
+    assert 0.008 < itl < 0.012
+
+
+def test_sim_token_avoids_eos():
+    t = sim_token_id("r", 5, 4, set())
+    assert sim_token_id("r", 5, 4, {t}) == (t + 1) % 4
+    assert sim_token_id("r", 5, 4, set()) == t  # deterministic
+
+
+def test_engine_with_sim_runner_serves_and_caches():
+    made: list[SimRunner] = []
+
+    def factory(cfg, mc):
+        made.append(SimRunner(cfg, mc, CostModel(), time_scale=0.0))
+        return made[0]
+
+    engine = LLMEngine(model=str(ensure_default_model()), num_blocks=64, max_model_len=512,
+                       runner_factory=factory)
+    assert engine.kv_cache_manager.num_blocks == 64
+    prompt = list(range(2, 50))  # 48 tokens = 3 full blocks
+    for rid in ("a", "b"):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        done = [o for o in outs if o.finished]
+        assert len(done) == 1 and sum(len(o.new_token_ids) for o in outs) == 3
+    assert done[0].num_cached_tokens == 32  # b hits a's first two blocks (last token recomputed)
+    s = made[0].snapshot()
+    assert s.prefill_tokens == 48 + 16 and s.decode_tokens == 4  # 2 requests x 2 decode steps
+    assert s.steps == 6 and s.busy_s > 0
