@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import os
 import re
 import shutil
 import subprocess
@@ -399,3 +400,19 @@ def test_network_policies(stack: Stack) -> None:
         open_ports = set(container_ports(stack.container(component)).values())
         for rule in policy["spec"]["ingress"]:
             assert {p["port"] for p in rule["ports"]} <= open_ports, policy["metadata"]["name"]
+
+
+# --- docs/deploy.md's external-Redis overlay -------------------------------------------------------
+
+def test_the_documented_external_redis_overlay(tmp_path: Path) -> None:
+    docs = (K8S.parents[1] / "docs" / "deploy.md").read_text()
+    snippet = re.search(r"```yaml\n# deploy/k8s/overlays/<yours>/kustomization.yaml\n(.*?)```", docs, re.S).group(1)
+    gpu = os.path.relpath(K8S / "overlays" / "gpu", tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(snippet.replace("resources: [../gpu]", f"resources: [{gpu}]"))
+    stack = Stack("gpu", render(tmp_path))
+    assert [o["kind"] for o in stack.objects if o["metadata"]["name"] == "kvmesh-redis"] == []
+    url = urlsplit(stack.cli_args("kv-service").redis_url)
+    assert (url.scheme, url.hostname, url.port, url.password) == ("rediss", "my-redis.example.com", 6380,
+                                                                  "external-password")
+    for obj in stack.objects:
+        kubernetes_validate.validate(obj, K8S_VERSIONS[-1], strict=True)
