@@ -12,6 +12,7 @@ import torch
 
 from kernels.dispatch import attention_backend
 from kernels.reference import ragged_paged_attention_ref, write_kv_cache_ref
+from kernels.torch_attention import ragged_paged_attention_torch
 
 
 def ragged_paged_attention(
@@ -32,7 +33,7 @@ def ragged_paged_attention(
         return ragged_paged_attention_triton(
             q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, scale, sliding_window, softcap
         )
-    return ragged_paged_attention_ref(
+    return ragged_paged_attention_torch(
         q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, scale, sliding_window, softcap
     )
 
@@ -56,6 +57,7 @@ def write_kv_cache(
 __all__ = [
     "ragged_paged_attention",
     "ragged_paged_attention_ref",
+    "ragged_paged_attention_torch",
     "write_kv_cache",
     "write_kv_cache_ref",
 ]
