@@ -37,6 +37,9 @@ class StackConfig:
     worker_args: list[str] = field(default_factory=list)
     """Extra flags for every `kvmesh worker`."""
     router_args: list[str] = field(default_factory=list)
+    router_tokenizer: bool = True
+    """Give the router --model (text prompts, detokenized deltas); False = token ids only, no
+    per-token detokenization (load generators that send token ids)."""
     simulate: bool = False
     """Simulated workers (`kvmesh worker --simulate`): cost-model forward pass, no weights."""
     log_dir: str | None = None
@@ -119,7 +122,8 @@ class LocalStack:
                 self.endpoints[f"worker-{i}"] = addr
             router_addr = f"{c.host}:{c.router_port}"
             router = self._spawn("router", kvmesh_cmd(
-                "router", "--host", c.host, "--port", str(c.router_port), "--kv-service", kv_addr, "--model", c.model,
+                "router", "--host", c.host, "--port", str(c.router_port), "--kv-service", kv_addr,
+                *(["--model", c.model] if c.router_tokenizer else []),
                 *self._metrics(1), *c.router_args))
             wait_serving(router_addr, router, 60)
             self.endpoints["router"] = router_addr

@@ -88,7 +88,7 @@ def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchReq
     num_blocks = ["--num-blocks", str(cfg.num_blocks)] if cfg.num_blocks else []
     stack = LocalStack(StackConfig(
         model=cfg.model, workers=cfg.workers, router_port=base, kv_service_port=base + 1, worker_port=base + 4,
-        metrics_port=metrics_base, store=cfg.store, simulate=True,
+        metrics_port=metrics_base, store=cfg.store, simulate=True, router_tokenizer=False,
         worker_args=["--sim-time-scale", str(cfg.time_scale), "--block-size", str(cfg.block_size),
                      "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
                      "--max-num-seqs", str(cfg.max_num_seqs), "--log-level", "warning", *num_blocks,
