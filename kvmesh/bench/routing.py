@@ -35,9 +35,11 @@ class RoutingBenchConfig:
     max_requests: int | None = None
     speedup: float = 8.0
     """Trace time compression: request i is sent at timestamp_i / speedup wall seconds."""
-    time_scale: float = 0.5
+    time_scale: float = 0.25
     """Wall seconds per modelled second in the workers; the modelled load is speedup x time_scale
-    times the trace's real rate."""
+    times the trace's real rate. NOTE: 8 x 0.25 = 2x the conversation trace's rate puts 8
+    round-robin workers near saturation (~2,200 modelled GPU-s for its first 1,500 requests over
+    8 x 510 s at 1x: ~0.53 busy)."""
     num_blocks: int | None = None
     """Per worker; None = the simulator's H100 default (27,648 blocks of 16 tokens)."""
     block_size: int = 16
