@@ -170,6 +170,8 @@ class EngineConfig:
     """Seeds the generator of sampled requests that have no seed of their own."""
     model_id: str | None = None
     """Identity for block hashing; None = the directory's name (kvmesh.modelinfo.model_id_for)."""
+    num_scheduler_steps: int = 1
+    """Decode steps per scheduler call when the batch is all decodes (multi-step decode); 1 = off."""
 
     def check(self, model_config: ModelConfig) -> None:
         """Validates and fills derived fields; raises ValueError with what to change."""
@@ -179,6 +181,8 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.max_model_len is None:

@@ -2,7 +2,8 @@
 
 The gRPC server (model_worker/server.py) calls ``submit`` / ``abort`` from its threads and
 iterates the returned stream; the step loop never waits on gRPC and gRPC never waits on a step
-beyond a queue hand-off. After every step the block events go to a sink (the kv_service
+beyond a queue hand-off. Tokens reach their streams after every inner step of a multi-step
+window (``LLMEngine.step``'s ``on_output``), not when the window ends. After every step the block events go to a sink (the kv_service
 publisher); a snapshot of the cached blocks is taken on this thread when the sink asks for one,
 so events and snapshots keep their order. No grpc import here.
 """
@@ -148,12 +149,11 @@ class EngineLoop:
                 continue
             t0 = time.monotonic()
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(on_output=self._deliver_now)
             except Exception as exc:  # noqa: BLE001 - fail the batch loudly, keep the worker alive
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 continue
-            self._deliver(outputs, time.monotonic())
             self._sync_sink()
             if self._on_step is not None:
                 self._on_step(outputs, time.monotonic() - t0)
@@ -164,6 +164,9 @@ class EngineLoop:
             self.sink.publish(events)
         if self.sink.wants_snapshot():
             self.sink.publish_snapshot(sorted(self.engine.cached_block_hashes()))
+
+    def _deliver_now(self, outputs: list[RequestOutput]) -> None:
+        self._deliver(outputs, time.monotonic())
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:

@@ -68,6 +68,8 @@ class LLMEngine:
         config: the engine config; or pass its fields as keyword arguments.
         runner_factory: builds the runner from the checked configs (default ModelRunner); it must
             offer ``num_blocks`` and ``execute(SchedulerOutput)``, as model_worker/sim_runner.py does.
+            A runner without ``execute_window`` (the simulated one) runs one decode step per
+            ``step()`` whatever ``num_scheduler_steps`` says.
     """
 
     def __init__(self, config: EngineConfig | None = None, *,
@@ -90,6 +92,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=config.max_model_len,
+                num_scheduler_steps=config.num_scheduler_steps if hasattr(self.runner, "execute_window") else 1,
             ),
             self.kv_cache_manager,
         )
@@ -171,16 +174,41 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
-        """Schedules one batch, runs it, and returns the requests that got tokens or finished."""
+    def step(self, on_output: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
+        """Schedules one batch, runs it, and returns the requests that got tokens or finished.
+
+        A multi-step window (all-decode batch, ``num_scheduler_steps > 1``) runs several forward
+        passes; a request then appears once per inner step in the result. ``on_output`` gets each
+        inner step's outputs as soon as its tokens are on the host, so a caller can stream every
+        token when it is produced instead of when the window ends.
+        """
         self._drain_inbox()
         out = self.scheduler.schedule()
-        sampled = self.runner.execute(out)
-        outputs = self.scheduler.update_from_output(out, sampled)
-        finished = [o.request_id for o in outputs if o.finished]
-        if finished:
-            with self._lock:
-                self._live.difference_update(finished)
+        outputs: list[RequestOutput] = []
+
+        def commit(step_outputs: list[RequestOutput]) -> None:
+            outputs.extend(step_outputs)
+            finished = [o.request_id for o in step_outputs if o.finished]
+            if finished:
+                with self._lock:
+                    self._live.difference_update(finished)
+            if on_output is not None and step_outputs:
+                on_output(step_outputs)
+
+        if out.num_steps == 1:
+            commit(self.scheduler.update_from_output(out, self.runner.execute(out)))
+        else:
+            num_done = 0
+
+            def on_step(tokens: dict[str, int]) -> list[str]:
+                nonlocal num_done
+                num_done += 1
+                commit(self.scheduler.update_from_output(out, {rid: [t] for rid, t in tokens.items()}))
+                # NOTE: aborts take effect between inner steps; adds only queue until the next schedule().
+                self._drain_inbox()
+                return self.scheduler.prepare_window_step(out) if num_done < out.num_steps else []
+
+            self.runner.execute_window(out, on_step)
         self._stats = self._snapshot()
         return outputs
 

@@ -1,16 +1,25 @@
-"""Runs one scheduled step on the model: packs the batch, runs the forward pass, samples."""
+"""Runs one scheduled step on the model: packs the batch, runs the forward pass, samples.
+
+A multi-step window (``SchedulerOutput.num_steps > 1``) runs in ``execute_window``: several decode
+passes whose inputs are advanced in place on the device.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
 from model_worker.config import EngineConfig, ModelConfig
 from model_worker.model_loader import load_model
 from model_worker.models.attention import AttentionMetadata
+from model_worker.request import Request
 from model_worker.sampler import Sampler
 from model_worker.scheduler import SchedulerOutput
+
+WindowStepCallback = Callable[[dict[str, int]], list[str]]
+"""Called after each inner step of a window with request id -> its token; returns the ids still running."""
 
 _DEFAULT_CPU_FRACTION = 0.05
 _DEFAULT_GPU_FRACTION = 0.9
@@ -40,6 +49,7 @@ class ModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self._allocate_kv_cache()
         self.sampler = Sampler(config.seed)
+        self._copy_stream: torch.cuda.Stream | None = None
 
     def _decide_num_blocks(self) -> int:
         cfg = self.config
@@ -136,3 +146,97 @@ class ModelRunner:
             logits, [r.sampling_params for r in sampling], [r.request_id for r in sampling]
         )
         return {r.request_id: [t] for r, t in zip(sampling, tokens, strict=True)}
+
+    @torch.inference_mode()
+    def execute_window(self, out: SchedulerOutput, on_step: WindowStepCallback) -> None:
+        """Runs up to ``out.num_steps`` decode passes on an all-decode batch (multi-step decode).
+
+        Step i+1's inputs come from step i's in place: the sampled ids stay on the device and are
+        the next input ids, positions and KV lengths advance by one, slots are read from the block
+        tables (which hold the window's lookahead blocks). ``on_step`` gets each step's tokens as
+        soon as they are on the host; rows of requests it no longer lists leave the batch.
+
+        On CUDA the device-to-host copy runs on a side stream and the next step is launched before
+        waiting for it, so stop checks and streaming overlap the GPU; a request that stopped has
+        then one extra token computed, which the scheduler drops (it is no longer running). On the
+        CPU every step's tokens are handed over before the next step runs.
+        """
+        for request_id in out.finished_ids:
+            self.sampler.release(request_id)
+        input_ids, positions, meta, _ = self.prepare_inputs(out)
+        rows: list[Request] = [s.request for s in out.scheduled]
+        overlap = self.device.type == "cuda"
+        pending: tuple[list[Request], Callable[[], list[int]]] | None = None
+
+        def deliver(batch: list[Request], wait: Callable[[], list[int]]) -> set[str]:
+            tokens = wait()
+            return set(on_step({r.request_id: t for r, t in zip(batch, tokens, strict=True)}))
+
+        for step in range(out.num_steps):
+            if step > 0:
+                positions = positions + 1
+                meta = AttentionMetadata(
+                    slot_mapping=self._slots(meta.block_tables, positions),
+                    cu_q_lens=meta.cu_q_lens,
+                    kv_lens=meta.kv_lens + 1,
+                    block_tables=meta.block_tables,
+                )
+            hidden = self.model(input_ids, positions, meta)
+            logits = self.model.compute_logits(hidden)
+            input_ids = self.sampler.sample_on_device(
+                logits, [r.sampling_params for r in rows], [r.request_id for r in rows]
+            )
+            wait = self._copy_to_host(input_ids)
+            if overlap:
+                # NOTE: the previous step's tokens are handled while this one runs on the GPU.
+                keep = deliver(*pending) if pending is not None else {r.request_id for r in rows}
+                pending = (rows, wait)
+            else:
+                keep = deliver(rows, wait)
+            if step + 1 == out.num_steps:
+                break
+            idx = [i for i, r in enumerate(rows) if r.request_id in keep]
+            if not idx:
+                break
+            if len(idx) < len(rows):
+                # NOTE: a finished request's blocks are freed at once. On CUDA its in-flight step
+                # may still write one slot past its last committed token: that block is not full
+                # of committed tokens, so it is not cached, and nothing allocates during a window.
+                sel = torch.tensor(idx, dtype=torch.int64, device=self.device)
+                rows = [rows[i] for i in idx]
+                input_ids, positions = input_ids[sel], positions[sel]
+                meta = AttentionMetadata(
+                    slot_mapping=meta.slot_mapping[sel],
+                    cu_q_lens=torch.arange(len(idx) + 1, dtype=torch.int32, device=self.device),
+                    kv_lens=meta.kv_lens[sel],
+                    block_tables=meta.block_tables[sel],
+                )
+        if pending is not None:
+            deliver(*pending)
+
+    def _slots(self, block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        bs = self.block_size
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        return block_tables[rows, positions // bs].long() * bs + positions % bs
+
+    def _copy_to_host(self, ids: torch.Tensor) -> Callable[[], list[int]]:
+        """Starts copying ``ids`` to the host; the returned function waits for it and gives the list."""
+        if self.device.type != "cuda":
+            return ids.tolist
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        stream = self._copy_stream
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        done = torch.cuda.Event()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            host.copy_(ids, non_blocking=True)
+            done.record(stream)
+        # NOTE: ids was made on the compute stream and is read on the copy stream.
+        ids.record_stream(stream)
+
+        def wait() -> list[int]:
+            done.synchronize()
+            return host.tolist()
+
+        return wait

@@ -36,9 +36,15 @@ class Sampler:
         Returns:
             N token ids, in row order.
         """
-        n = logits.shape[0]
-        if n == 0:
+        if logits.shape[0] == 0:
             return []
+        return self.sample_on_device(logits, params, request_ids).tolist()
+
+    def sample_on_device(
+        self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]
+    ) -> torch.Tensor:
+        """Like ``sample`` but returns the ``[N]`` int64 ids on the logits' device, with no sync
+        (multi-step decode feeds them to the next step and copies them to the host on the side)."""
         out = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if p.temperature > 0.0 and p.top_k != 1]
         if rows:
@@ -46,7 +52,7 @@ class Sampler:
                 logits[rows], [params[i] for i in rows], [request_ids[i] for i in rows]
             )
             out[rows] = picked
-        return out.tolist()
+        return out
 
     def release(self, request_id: str) -> None:
         """Forgets a finished request's generator."""

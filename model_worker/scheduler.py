@@ -2,6 +2,12 @@
 
 Each step: ``schedule()`` picks the batch under the token budget, the model runs it, and
 ``update_from_output()`` records the sampled tokens and retires finished requests.
+
+Multi-step decode: when every scheduled request decodes and no waiting request could be admitted,
+``schedule()`` gives each request slots for up to ``num_scheduler_steps`` tokens and marks the
+batch with ``num_steps > 1``; the runner then runs that many forward passes without coming back
+here. After each inner step ``update_from_output()`` commits that step's tokens (stop rules apply
+per token, so a request can finish mid-window) and ``prepare_window_step()`` readies the next one.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ class SchedulerConfig:
     """Prompt plus generated tokens of one request, at most."""
     enable_chunked_prefill: bool = True
     """Split a prompt over steps when it exceeds the step's remaining budget."""
+    num_scheduler_steps: int = 1
+    """Decode steps per ``schedule()`` when the batch is all decodes; 1 = one step per call."""
 
     def validate(self) -> None:
         """Raises ValueError on a configuration that could never schedule some request."""
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -58,6 +66,9 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
     """Requests finished or aborted since the previous step: drop their per-request state."""
+    num_steps: int = 1
+    """Forward passes to run on this batch; > 1 only when every request in it decodes one token
+    per pass and has KV slots for all of them (multi-step decode)."""
 
     @property
     def is_empty(self) -> bool:
@@ -182,6 +193,7 @@ class Scheduler:
 
         # Then admit waiting requests, oldest (or most recently preempted) first.
         # NOTE: no admission in a step that preempted: the pool is known to be short.
+        num_admitted = 0
         while self.waiting and budget > 0 and not out.preempted_ids:
             if len(self.running) >= self.config.max_num_seqs:
                 break
@@ -202,7 +214,56 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             self._add_scheduled(out, request, num_new, num_hit)
             budget -= num_new
+            num_admitted += 1
+        # NOTE: admission comes first, so a window runs only when no waiting request could start
+        # now; an arrival waits at most the rest of one window.
+        if self.config.num_scheduler_steps > 1 and not out.preempted_ids and num_admitted == 0:
+            self._plan_window(out)
         return out
+
+    def _plan_window(self, out: SchedulerOutput) -> None:
+        """Turns an all-decode batch into a multi-step window when the pool has the lookahead slots."""
+        if not out.scheduled or any(s.num_new_tokens != 1 or not s.sample for s in out.scheduled):
+            return
+        kv = self.kv_cache_manager
+        steps: list[int] = []
+        extra_blocks = 0
+        for s in out.scheduled:
+            r = s.request
+            # NOTE: a request gets no more steps than it may still produce tokens, so lookahead
+            # never reaches past max_tokens or max_model_len.
+            left = min(r.sampling_params.max_tokens - r.num_output_tokens, self.config.max_model_len - r.num_tokens)
+            k = max(1, min(self.config.num_scheduler_steps, left))
+            steps.append(k)
+            extra_blocks += max(0, -(-(r.num_computed_tokens + k) // kv.block_size) - len(s.block_ids))
+        if max(steps) == 1 or extra_blocks > kv.num_free_blocks:
+            return  # nothing to gain, or too few free blocks for the lookahead: one step
+        for s, k in zip(out.scheduled, steps, strict=True):
+            if k > 1:
+                got = kv.allocate_slots(s.request, 1, num_lookahead_tokens=k - 1)
+                assert got is not None, "lookahead blocks were counted as free"
+                s.block_ids = kv.get_block_ids(s.request.request_id)
+        out.num_steps = max(steps)
+
+    def prepare_window_step(self, output: SchedulerOutput) -> list[str]:
+        """Readies the next inner step of a window; returns the ids of its requests still running.
+
+        Caches the blocks the step's input tokens fill, exactly as ``schedule()`` would have for
+        a one-step batch, so block events and the prefix cache equal those of one-step decoding.
+        """
+        kv = self.kv_cache_manager
+        active: list[str] = []
+        for s in output.scheduled:
+            r = s.request
+            if r.status != RequestStatus.RUNNING:
+                continue  # finished or aborted mid-window: it leaves the batch
+            # NOTE: the window's lookahead covers every step the request can still take, so this
+            # allocates nothing; it only caches newly full blocks, as schedule() would.
+            assert len(s.block_ids) * kv.block_size >= r.num_tokens, "inner step past the lookahead slots"
+            got = kv.allocate_slots(r, 1)
+            assert got == [], "an inner step needed a block outside its window's lookahead"
+            active.append(r.request_id)
+        return active
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int, start: int) -> None:
         out.scheduled.append(
