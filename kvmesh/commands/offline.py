@@ -43,6 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps per scheduler call when the batch is all decodes (default 1)")
     p.set_defaults(func=run)
 
 
@@ -97,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
             dtype=args.dtype,
             device=args.device,
+            num_scheduler_steps=args.num_scheduler_steps,
         )
         prompts = []
         for (i, _), (prompt, _params) in zip(lines, parsed, strict=True):

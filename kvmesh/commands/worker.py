@@ -27,6 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
     p.add_argument("--model-id", default=None, help="model identity in the index (default: see docs/block-hashing.md)")
     p.add_argument("--seed", type=int, default=0, help="seed for sampled requests without their own (default 0)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps per scheduler call when the batch is all decodes (default 1)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -35,7 +37,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         hash_algorithm=args.hash_algorithm, dtype=args.dtype, device=args.device, model_id=args.model_id,
-        seed=args.seed,
+        seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
     )
 
 

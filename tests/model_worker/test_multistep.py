@@ -4,7 +4,10 @@ prefix cache of one-step decoding, with every token handed out by its own inner 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -223,3 +226,18 @@ def test_no_window_while_an_arrival_can_start_or_the_pool_is_short() -> None:
     short.update_from_output(out, {"a": [7], "b": [7]})
     out = short.schedule()
     assert out.num_steps == 1 and [len(sr.block_ids) for sr in out.scheduled] == [1, 1]
+
+
+def test_offline_cli_with_eight_steps_is_token_exact_with_transformers(tiny_model_dir, tmp_path: Path) -> None:
+    model_dir = tiny_model_dir("llama")
+    prompts = [random_prompt(9, seed=61), random_prompt(23, seed=62)]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"prompt_token_ids": p, "max_tokens": 19, "ignore_eos": True}) + "\n"
+                           for p in prompts))
+    kvmesh = str(Path(sys.executable).parent / "kvmesh")
+    done = subprocess.run([kvmesh, "offline", "--model", str(model_dir), "--input", str(src), "--output", str(dst),
+                           "--num-blocks", "64", "--max-model-len", "256", "--num-scheduler-steps", "8"],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    got = [json.loads(line)["token_ids"] for line in dst.read_text().splitlines()]
+    assert got == [hf_greedy(model_dir, p, 19) for p in prompts]

@@ -1,0 +1,65 @@
+"""Multi-step decode behind the worker's gRPC stream: one message per token, sent by its inner step."""
+
+from __future__ import annotations
+
+import threading
+
+from kvmesh.rpc import insecure_channel
+from kvmesh.v1 import common_pb2
+from kvmesh.v1 import worker_pb2 as pb
+from kvmesh.v1 import worker_pb2_grpc as pb_grpc
+from model_worker.llm import LLM
+from model_worker.sampling_params import SamplingParams
+
+PROMPT = [(5 * i + 2) % 200 + 5 for i in range(21)]
+
+
+def test_window_tokens_reach_the_client_one_message_each_before_the_window_ends(start_worker, model_dir):
+    worker = start_worker("w1", None, num_scheduler_steps=8)
+    runner = worker.engine.runner
+    received: list[int] = []
+    arrived = threading.Condition()
+    # Inner step i of a window waits until the client holds every token so far: it can only get
+    # them if the server streamed them before the window's last step. The timeout only turns a
+    # regression into a failure instead of a hang.
+    seen_in_time: list[bool] = []
+    windows: list[int] = []
+    execute_window = runner.execute_window
+
+    def traced_window(out, on_step):
+        windows.append(out.num_steps)
+
+        def step_then_wait(tokens):
+            active = on_step(tokens)
+            want = 1 + len(seen_in_time) + 1  # the prefill's token, earlier inner steps', this one's
+            with arrived:
+                seen_in_time.append(arrived.wait_for(lambda: len(received) >= want, timeout=30))
+            return active
+
+        return execute_window(out, step_then_wait)
+
+    runner.execute_window = traced_window
+    stub = pb_grpc.WorkerStub(insecure_channel(worker.address))
+    call = stub.Generate(pb.WorkerGenerateRequest(
+        request_id="ms", prompt_token_ids=PROMPT,
+        sampling=common_pb2.SamplingParams(max_tokens=20, ignore_eos=True)), timeout=60)
+    msgs = []
+    for m in call:
+        msgs.append(m)
+        if m.token_ids:
+            with arrived:
+                received.extend(m.token_ids)
+                arrived.notify_all()
+
+    offline = LLM(str(model_dir), num_blocks=128, max_num_batched_tokens=256, max_model_len=512)
+    (want,) = offline.generate([PROMPT], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert [len(m.token_ids) for m in msgs[:-1]] == [1] * 20 and msgs[-1].token_ids == []
+    assert received == want.token_ids
+    assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert msgs[-1].usage.completion_tokens == 20
+    # Token 1 comes from the prefill step, 2-9 and 10-17 from windows of 8, 18-20 from one of 3.
+    assert windows == [8, 8, 3]
+    assert seen_in_time == [True] * 19
+    kv = worker.engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks - 1
+
