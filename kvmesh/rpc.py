@@ -141,6 +141,9 @@ class GrpcServer:
         self._stopped.set()
         self.set_serving(False)
         self.server.stop(grace).wait(grace + 1)
+        # NOTE: once drained, stop(0) ends grpc's grace timer too; without it the process lingers
+        # for the whole grace period at exit (a non-daemon grpc thread waits it out).
+        self.server.stop(0)
 
     def wait_for_termination_signal(self, grace: float = 5.0, on_stop: Callable[[], None] | None = None) -> None:
         """Blocks until SIGTERM/SIGINT, then drains and stops."""
