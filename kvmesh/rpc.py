@@ -106,13 +106,15 @@ class GrpcServer:
     """A grpc server with health, reflection, the error interceptor and graceful stop."""
 
     def __init__(self, host: str, port: int, max_workers: int = 32,
-                 interceptors: list[grpc.ServerInterceptor] | None = None, token_name: str = "token") -> None:
+                 interceptors: list[grpc.ServerInterceptor] | None = None, token_name: str = "admin token",
+                 max_concurrent_rpcs: int | None = None) -> None:
         sec = security.current()
         auth = [security.BearerTokenInterceptor(sec.server_token, token_name)] if sec.server_token else []
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
             interceptors=[*auth, *(interceptors or []), ErrorMappingInterceptor()],
             options=CHANNEL_OPTIONS,
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
         )
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -44,6 +44,8 @@ class StackConfig:
     """Simulated workers (`kvmesh worker --simulate`): cost-model forward pass, no weights."""
     log_dir: str | None = None
     """Children's logs go here (default: a new temp dir)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for every child (e.g. KVMESH_ADMIN_TOKEN / KVMESH_API_TOKEN)."""
 
 
 def kvmesh_cmd(*args: str) -> list[str]:
@@ -81,9 +83,9 @@ class LocalStack:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.endpoints: dict[str, str] = {}
 
-    def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - owned by the child for its lifetime
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.cfg.env},
                                 start_new_session=True)
         self.procs.append((name, proc))
         return proc

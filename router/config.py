@@ -48,7 +48,11 @@ class RouterConfig:
     rpc_timeout_s: float = 2.0
     """Deadline of discovery calls (ListWorkers, GetLoad)."""
     max_streams: int = 256
-    """Concurrent Generate streams (threads of the gRPC server)."""
+    """Concurrent RPCs; more are refused with RESOURCE_EXHAUSTED."""
+    max_prompt_tokens: int = 0
+    """Longer prompts are refused with RESOURCE_EXHAUSTED; 0 = no limit (the worker's max_model_len still applies)."""
+    max_tokens_limit: int = 0
+    """Requests asking for more max_tokens are refused with RESOURCE_EXHAUSTED; 0 = no limit."""
     seed: int | None = None
     """Seeds the policy's tie-break RNG (tests)."""
 
@@ -62,5 +66,7 @@ class RouterConfig:
             raise ValueError(f"--max-attempts must be >= 1, got {self.max_attempts}")
         if self.balance_factor < 1.0:
             raise ValueError(f"--balance-factor must be >= 1.0, got {self.balance_factor}")
+        if self.max_streams < 1 or self.max_prompt_tokens < 0 or self.max_tokens_limit < 0:
+            raise ValueError("--max-streams must be >= 1; --max-prompt-tokens / --max-tokens-limit >= 0")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")

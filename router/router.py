@@ -211,7 +211,9 @@ class Router:
         """Tokenize + hash + lookup + pick, and the speculative record: all the server does
         before forwarding (benchmarks/router_overhead.py times exactly this)."""
         t0 = time.perf_counter()
-        plan = self.plan(self.tokenize(inp), inp.cache_salt)
+        token_ids = self.tokenize(inp)
+        self._check_limits(len(token_ids), inp.sampling.max_tokens)
+        plan = self.plan(token_ids, inp.cache_salt)
         if not plan.candidates:
             raise Unavailable(self._no_worker_message())
         decision = self.policy.pick(plan.query, plan.candidates)
@@ -219,6 +221,15 @@ class Router:
         metrics.DECISIONS.labels(self.policy.name, decision.reason).inc()
         metrics.DECISION_LATENCY.observe(time.perf_counter() - t0)
         return plan, decision
+
+    def _check_limits(self, prompt_tokens: int, max_tokens: int) -> None:
+        cfg = self.config
+        if cfg.max_prompt_tokens and prompt_tokens > cfg.max_prompt_tokens:
+            raise ResourceExhausted(f"the prompt has {prompt_tokens} tokens; this router accepts at most "
+                                    f"{cfg.max_prompt_tokens} (--max-prompt-tokens)")
+        if cfg.max_tokens_limit and max_tokens > cfg.max_tokens_limit:
+            raise ResourceExhausted(f"max_tokens {max_tokens} is over this router's limit of "
+                                    f"{cfg.max_tokens_limit} (--max-tokens-limit)")
 
     def _no_worker_message(self) -> str:
         spec = self.pool.model_spec()

@@ -78,7 +78,9 @@ class RouterServer:
             config.model_id = model_id_for(config.model_dir, config.model_id)
         self.kv = (KVServiceClient(config.kv_service, config.lookup_timeout_ms / 1000, config.index_retry_s,
                                    config.rpc_timeout_s) if config.kv_service else None)
-        self.grpc = GrpcServer(config.host, config.port, max_workers=config.max_streams)
+        # NOTE: a few threads beyond max_streams keep health checks answered at the limit.
+        self.grpc = GrpcServer(config.host, config.port, max_workers=config.max_streams + 8,
+                               max_concurrent_rpcs=config.max_streams, token_name="api token")
         self.pool = GrpcWorkerPool(config, self.kv, on_change=self._on_workers)
         self.router = Router(config, self.pool, self.kv, tokenizer)
         pb_grpc.add_RouterServicer_to_server(RouterServicer(self.router), self.grpc.server)

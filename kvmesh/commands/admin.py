@@ -8,6 +8,8 @@ import sys
 
 import grpc
 
+from kvmesh.commands.common import add_security_args, apply_security
+
 DEFAULT_KV = "127.0.0.1:50052"
 ALGO_NAMES = {1: "sha256_128", 2: "xxh3_128"}
 
@@ -19,6 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     common.add_argument("--kv-service", default=DEFAULT_KV, help=f"kv_service address (default {DEFAULT_KV})")
     common.add_argument("--json", action="store_true", help="print JSON instead of a table")
     common.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds (default 5)")
+    add_security_args(common, serves=None, calls="admin")
     cmds = p.add_subparsers(dest="admin_command", metavar="ACTION")
     cmds.required = True
     cmds.add_parser("stats", parents=[common], help="index totals and models").set_defaults(func=stats)
@@ -43,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _stub(args: argparse.Namespace):
     from kvmesh.rpc import insecure_channel
+
+    apply_security(args)
     from kvmesh.v1 import kv_service_pb2_grpc
 
     return kv_service_pb2_grpc.KVServiceStub(insecure_channel(args.kv_service))
@@ -67,7 +72,7 @@ def _call(args: argparse.Namespace, fn) -> int:
     except grpc.RpcError as err:
         print(f"kvmesh admin: {err.code().name}: {err.details()} (kv_service {args.kv_service})", file=sys.stderr)
         return 1
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         print(f"kvmesh admin: {err}", file=sys.stderr)
         return 2
     data, text = out

@@ -22,3 +22,51 @@ def start_metrics_server(port: int) -> None:
         start_http_server(port)
     except OSError as exc:
         logging.getLogger("kvmesh").warning("Prometheus /metrics not started on port %d: %s", port, exc)
+
+
+def add_security_args(p: argparse.ArgumentParser, *, serves: str | None, calls: str | None) -> None:
+    """TLS and token flags (docs/security.md).
+
+    Args:
+        serves: "api" or "admin": which token this command's server requires (None: no server).
+        calls: "api" or "admin": which token it sends to the servers it calls (None: none).
+    """
+    g = p.add_argument_group("security (docs/security.md)")
+    if serves:
+        g.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS with this certificate (+ --tls-key)")
+        g.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+        g.add_argument("--tls-client-ca", default=None, metavar="PEM",
+                       help="require client certificates signed by this CA (mutual TLS)")
+    if calls:
+        g.add_argument("--tls-ca", default=None, metavar="PEM", help="dial servers over TLS, verified by this CA")
+        g.add_argument("--tls-client-cert", default=None, metavar="PEM", help="client certificate for mutual TLS")
+        g.add_argument("--tls-client-key", default=None, metavar="PEM", help="private key of --tls-client-cert")
+    tokens = {t for t in (serves, calls) if t}
+    if "api" in tokens:
+        g.add_argument("--api-token-file", default=None, metavar="FILE",
+                       help="the public API bearer token (default: $KVMESH_API_TOKEN; none = no auth)")
+    if "admin" in tokens:
+        g.add_argument("--admin-token-file", default=None, metavar="FILE",
+                       help="the mesh's admin bearer token (default: $KVMESH_ADMIN_TOKEN; none = no auth)")
+    p.set_defaults(_serves=serves, _calls=calls)
+
+
+def apply_security(args: argparse.Namespace) -> None:
+    """Configures kvmesh.security for this process from the flags of ``add_security_args``."""
+    from kvmesh import security
+
+    def token(kind: str | None) -> str | None:
+        if kind == "api":
+            return security.read_token(args.api_token_file, security.API_TOKEN_ENV)
+        if kind == "admin":
+            return security.read_token(args.admin_token_file, security.ADMIN_TOKEN_ENV)
+        return None
+
+    serves, calls = args._serves, args._calls
+    server_tls = security.TLSFiles(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
+                                   getattr(args, "tls_client_ca", None))
+    if bool(server_tls.cert) != bool(server_tls.key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    client_tls = security.TLSFiles(getattr(args, "tls_client_cert", None), getattr(args, "tls_client_key", None),
+                                   getattr(args, "tls_ca", None))
+    security.configure(security.Security(server_tls, client_tls, token(serves), token(calls)))

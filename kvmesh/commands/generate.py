@@ -8,6 +8,8 @@ import sys
 
 import grpc
 
+from kvmesh.commands.common import add_security_args, apply_security
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="send a prompt to the router and stream the completion",
@@ -24,12 +26,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="request deadline in seconds (default 600)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object at the end instead of streaming text")
+    add_security_args(p, serves=None, calls="api")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.client import Client
 
+    try:
+        apply_security(args)
+    except (ValueError, OSError) as exc:
+        print(f"kvmesh generate: {exc}", file=sys.stderr)
+        return 2
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   seed=args.seed, ignore_eos=args.ignore_eos, cache_salt=args.cache_salt)
     try:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 
-from kvmesh.commands.common import add_log_level, setup_logging, start_metrics_server
+from kvmesh.commands.common import (
+    add_log_level,
+    add_security_args,
+    apply_security,
+    setup_logging,
+    start_metrics_server,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="worker lease: no heartbeat for this long removes it from lookups (default 10000)")
     p.add_argument("--metrics-port", type=int, default=9100, help="Prometheus /metrics port, 0 = off (default 9100)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
+    add_security_args(p, serves="admin", calls=None)
     add_log_level(p)
     p.set_defaults(func=run)
 
@@ -34,6 +41,11 @@ def run(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level)
     log = logging.getLogger("kvmesh.kv_service")
+    try:
+        apply_security(args)
+    except (ValueError, OSError) as exc:
+        log.error("%s", exc)
+        return 2
     if args.store == "memory":
         from kv_service.store_memory import MemoryIndex
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 
-from kvmesh.commands.common import add_log_level, setup_logging, start_metrics_server
+from kvmesh.commands.common import (
+    add_log_level,
+    add_security_args,
+    apply_security,
+    setup_logging,
+    start_metrics_server,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -45,9 +51,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens of work charged per running or queued request (default 32)")
     p.add_argument("--speculative-ttl", type=float, default=2.0,
                    help="seconds a routed prompt's blocks count as held by its worker, 0 = off (default 2.0)")
-    p.add_argument("--max-streams", type=int, default=256, help="concurrent Generate streams (default 256)")
+    p.add_argument("--max-streams", type=int, default=256,
+                   help="concurrent RPCs; more get RESOURCE_EXHAUSTED (default 256)")
+    p.add_argument("--max-prompt-tokens", type=int, default=0,
+                   help="refuse longer prompts with RESOURCE_EXHAUSTED, 0 = no limit (default 0)")
+    p.add_argument("--max-tokens-limit", type=int, default=0,
+                   help="refuse requests asking for more max_tokens with RESOURCE_EXHAUSTED, 0 = no limit (default 0)")
     p.add_argument("--metrics-port", type=int, default=9101, help="Prometheus /metrics port, 0 = off (default 9101)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
+    add_security_args(p, serves="api", calls="admin")
     add_log_level(p)
     p.set_defaults(func=run)
 
@@ -63,7 +75,8 @@ def config_from_args(args: argparse.Namespace):
         first_token_timeout_s=args.first_token_timeout, max_attempts=args.max_attempts,
         decode_cost_tokens=args.decode_cost, balance_factor=args.balance_factor,
         balance_min_tokens=args.balance_min_tokens, speculative_ttl_s=args.speculative_ttl,
-        max_streams=args.max_streams,
+        max_streams=args.max_streams, max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens_limit=args.max_tokens_limit,
     )
 
 
@@ -74,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     log = logging.getLogger("kvmesh.router")
     try:
+        apply_security(args)
         algorithm_name(args.hash_algorithm)
         server = RouterServer(config_from_args(args)).start()
     except (ValueError, FileNotFoundError, OSError) as exc:

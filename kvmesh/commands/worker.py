@@ -7,7 +7,13 @@ import logging
 import os
 import socket
 
-from kvmesh.commands.common import add_log_level, setup_logging, start_metrics_server
+from kvmesh.commands.common import (
+    add_log_level,
+    add_security_args,
+    apply_security,
+    setup_logging,
+    start_metrics_server,
+)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -60,6 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
     add_engine_args(p)
     add_sim_args(p)
+    add_security_args(p, serves="admin", calls="admin")
     add_log_level(p)
     p.set_defaults(func=run)
 
@@ -93,6 +100,11 @@ def default_advertise(host: str, port: int) -> str:
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     log = logging.getLogger("kvmesh.worker")
+    try:
+        apply_security(args)
+    except (ValueError, OSError) as exc:
+        log.error("%s", exc)
+        return 2
     from model_worker.llm_engine import LLMEngine
     from model_worker.server import WorkerServer
 

@@ -136,6 +136,6 @@ def test_round_robin_and_least_loaded():
 
 
 def test_registry_names_and_unknown_policy():
-    assert list(POLICIES) == ["kv-aware", "round-robin", "least-loaded", "prefix-hash"]
-    with pytest.raises(ValueError, match="unknown policy 'approx-tree'; choose one of kv-aware, round-robin"):
-        make_policy("approx-tree")
+    assert list(POLICIES) == ["kv-aware", "round-robin", "least-loaded", "prefix-hash", "approx-tree"]
+    with pytest.raises(ValueError, match="unknown policy 'random'; choose one of kv-aware, round-robin"):
+        make_policy("random")

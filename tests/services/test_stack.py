@@ -161,3 +161,15 @@ def test_killed_worker_leaves_the_index_within_its_lease(kv_server, model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cache_salt_isolates_tenants(stack):
+    _, _, _, client = stack
+    prompt = SHARED + [77, 78]
+    first = client.generate(prompt, max_tokens=2, cache_salt="tenant-a")
+    assert first.usage.cached_tokens == 0
+    # Tenant B sends the same tokens: never a hit on A's blocks, on any worker.
+    other = client.generate(prompt, max_tokens=2, cache_salt="tenant-b")
+    assert other.usage.cached_tokens == 0
+    again = client.generate(prompt, max_tokens=2, cache_salt="tenant-a")
+    assert again.served_by == first.served_by and again.usage.cached_tokens >= len(SHARED) // 16 * 16
