@@ -108,3 +108,16 @@ def test_tls_and_mutual_tls(configured, pki):
         assert stats(server) == grpc.StatusCode.UNAVAILABLE  # plaintext to a TLS port
     finally:
         server.stop(0)
+
+
+def test_redis_password_is_required_and_used():
+    from kv_service.store_redis import RedisIndex
+    from kvmesh.errors import Unavailable
+    from kvmesh.testing import RedisServer
+
+    with RedisServer(password="pw-789") as redis:
+        assert RedisIndex(redis.url).ping()
+        with pytest.raises(Unavailable, match="invalid username-password pair"):
+            RedisIndex(redis.url.replace("pw-789", "nope")).ping()
+        with pytest.raises(Unavailable, match="(?i)authentication required"):
+            RedisIndex(f"redis://127.0.0.1:{redis.port}/0").ping()
