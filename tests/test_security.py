@@ -119,5 +119,5 @@ def test_redis_password_is_required_and_used():
         assert RedisIndex(redis.url).ping()
         with pytest.raises(Unavailable, match="invalid username-password pair"):
             RedisIndex(redis.url.replace("pw-789", "nope")).ping()
-        with pytest.raises(Unavailable, match="(?i)authentication required"):
+        with pytest.raises(Unavailable, match="(?i)authenticat"):
             RedisIndex(f"redis://127.0.0.1:{redis.port}/0").ping()
