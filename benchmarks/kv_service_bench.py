@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kv_service.store_redis import RedisIndex  # noqa: E402
-from kvmesh.rpc import insecure_channel  # noqa: E402
+from kvmesh.rpc import dial  # noqa: E402
 from kvmesh.testing import RedisServer, free_port  # noqa: E402
 from kvmesh.v1 import kv_service_pb2 as pb  # noqa: E402
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc  # noqa: E402
@@ -59,7 +59,7 @@ def start_kv(args: list[str]) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([exe, "kv-service", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
                              "--lease-ttl-ms", "3600000", "--log-level", "warning", *args])
     address = f"127.0.0.1:{port}"
-    health = health_pb2_grpc.HealthStub(insecure_channel(address))
+    health = health_pb2_grpc.HealthStub(dial(address))
     for _ in range(200):
         try:
             if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
@@ -115,7 +115,7 @@ def populate(stub, workers: int, blocks: int, chain: int, batch: int, threads: i
 def bench_store(name: str, kv_args: list[str], a, redis_url: str | None) -> dict:
     proc, address = start_kv(kv_args)
     try:
-        channel = insecure_channel(address)
+        channel = dial(address)
         stub = pb_grpc.KVServiceStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
         rate, chains = populate(stub, a.workers, a.blocks, a.chain, a.batch, a.threads)

@@ -26,7 +26,7 @@ import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from kvmesh.make_model import CORPUS, train_tokenizer  # noqa: E402
-from kvmesh.rpc import insecure_channel  # noqa: E402
+from kvmesh.rpc import dial  # noqa: E402
 from kvmesh.testing import RedisServer, free_port  # noqa: E402
 from kvmesh.v1 import kv_service_pb2 as pb  # noqa: E402
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc  # noqa: E402
@@ -51,7 +51,7 @@ def start_kv(redis_url: str) -> tuple[subprocess.Popen, str]:
                              "--redis-url", redis_url, "--namespace", "bench", "--lease-ttl-ms", "3600000",
                              "--log-level", "warning"])
     address = f"127.0.0.1:{port}"
-    health = health_pb2_grpc.HealthStub(insecure_channel(address))
+    health = health_pb2_grpc.HealthStub(dial(address))
     for _ in range(200):
         try:
             if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
@@ -121,7 +121,7 @@ def main() -> int:
 
     with RedisServer() as redis:
         kv_proc, kv_address = start_kv(redis.url)
-        stub = pb_grpc.KVServiceStub(insecure_channel(kv_address))
+        stub = pb_grpc.KVServiceStub(dial(kv_address))
         for w in range(args.workers):
             stub.RegisterWorker(pb.RegisterWorkerRequest(
                 worker_id=f"w{w}", address=f"127.0.0.1:{50061 + w}", model_id="bench-model", block_size=16,

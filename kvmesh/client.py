@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.convert import PB_TO_FINISH
-from kvmesh.rpc import insecure_channel
+from kvmesh.rpc import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
@@ -67,7 +67,7 @@ class Client:
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", timeout: float = 600.0) -> None:
-        self._channel = insecure_channel(target)
+        self._channel = dial(target)
         self._stub = pb_grpc.RouterStub(self._channel)
         self.timeout = timeout
 

@@ -169,15 +169,27 @@ class GrpcServer:
             on_stop()
 
 
-def channel(target: str) -> grpc.Channel:
-    """A channel to ``target`` with this process's client TLS and token (kvmesh/security.py)."""
+def resolve_target(target: str) -> tuple[str, list[tuple[str, object]]]:
+    """``host:port`` as is; ``h1:p1,h2:p2`` (replicas) as one round-robin channel over them.
+
+    gRPC's round_robin policy keeps a subchannel per address and skips the ones that are down,
+    so a client of two kv_service replicas keeps working when one dies.
+    """
+    parts = [p.strip() for p in target.split(",") if p.strip()]
+    if len(parts) <= 1:
+        return target, []
+    return "ipv4:" + ",".join(parts), [("grpc.lb_policy_name", "round_robin")]
+
+
+def dial(target: str) -> grpc.Channel:
+    """A channel to ``target`` (``host:port`` or a comma-separated replica list) with this
+    process's client TLS and token (kvmesh/security.py)."""
     sec = security.current()
+    target, extra = resolve_target(target)
+    options = CHANNEL_OPTIONS + extra
     if sec.client_tls.enabled:
-        ch = grpc.secure_channel(target, security.channel_credentials(sec.client_tls), options=CHANNEL_OPTIONS)
+        ch = grpc.secure_channel(target, security.channel_credentials(sec.client_tls), options=options)
     else:
-        ch = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        ch = grpc.insecure_channel(target, options=options)
     return security.secure(ch, sec.client_token)
 
-
-# NOTE: the name the call sites use; it honours TLS/token settings despite the name.
-insecure_channel = channel

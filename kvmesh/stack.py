@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.rpc import insecure_channel
+from kvmesh.rpc import dial
 from kvmesh.testing import RedisServer
 
 
@@ -54,7 +54,7 @@ def kvmesh_cmd(*args: str) -> list[str]:
 
 def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: float = 120.0) -> None:
     """Waits until the server at ``address`` reports SERVING (grpc.health.v1)."""
-    channel = insecure_channel(address)
+    channel = dial(address)
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout
     try:

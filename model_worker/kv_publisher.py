@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from kv_service.server import ALGO_TO_PB
-from kvmesh.rpc import insecure_channel
+from kvmesh.rpc import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
@@ -64,7 +64,7 @@ class KVPublisher:
         self._reg = registration
         self._stats = stats
         self._wake_engine = wake_engine
-        self._stub = pb_grpc.KVServiceStub(insecure_channel(target))
+        self._stub = pb_grpc.KVServiceStub(dial(target))
         self.epoch = time.time_ns() // 1000  # microseconds: < 2**53, new on every start
         self.lease_ttl_s = 10.0
         self._seq = 0

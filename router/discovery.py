@@ -18,7 +18,7 @@ from kv_service.block_hash import algorithm_name
 from kv_service.server import PB_TO_ALGO, load_from_pb
 from kvmesh.convert import PB_TO_FINISH, sampling_to_pb
 from kvmesh.errors import Unavailable
-from kvmesh.rpc import insecure_channel
+from kvmesh.rpc import dial
 from kvmesh.v1 import kv_service_pb2 as kv_pb
 from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc
 from kvmesh.v1 import worker_pb2 as w_pb
@@ -63,7 +63,7 @@ class KVServiceClient:
         self.retry_s = retry_s
         self.rpc_timeout_s = rpc_timeout_s
         self._clock = clock
-        self._channel = insecure_channel(target)
+        self._channel = dial(target)
         self._stub = kv_grpc.KVServiceStub(self._channel)
         self._down_until = 0.0
 
@@ -258,7 +258,7 @@ class GrpcWorkerPool:
         with self._lock:
             entry = self._channels.get(address)
             if entry is None:
-                channel = insecure_channel(address)
+                channel = dial(address)
                 entry = (channel, w_grpc.WorkerStub(channel), time.monotonic())
             else:
                 entry = (entry[0], entry[1], time.monotonic())

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kv_service.server import KVServiceServer
 from kv_service.store_memory import MemoryIndex
 from kvmesh import security
-from kvmesh.rpc import channel
+from kvmesh.rpc import dial
 from kvmesh.testing import free_port
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
@@ -37,7 +37,7 @@ def stats(server: KVServiceServer, **client) -> grpc.StatusCode:
     saved = security.current()
     security.configure(security.Security(**client))
     try:
-        stub = pb_grpc.KVServiceStub(channel(f"localhost:{server.port}"))
+        stub = pb_grpc.KVServiceStub(dial(f"localhost:{server.port}"))
         stub.GetStats(pb.GetStatsRequest(), timeout=5)
         return grpc.StatusCode.OK
     except grpc.RpcError as err:

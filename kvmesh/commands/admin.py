@@ -45,12 +45,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _stub(args: argparse.Namespace):
-    from kvmesh.rpc import insecure_channel
+    from kvmesh.rpc import dial
 
     apply_security(args)
     from kvmesh.v1 import kv_service_pb2_grpc
 
-    return kv_service_pb2_grpc.KVServiceStub(insecure_channel(args.kv_service))
+    return kv_service_pb2_grpc.KVServiceStub(dial(args.kv_service))
 
 
 def _load(m) -> dict:

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kv_service.block_hash import BlockHasher
-from kvmesh.rpc import insecure_channel
+from kvmesh.rpc import dial
 from kvmesh.testing import free_port
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
@@ -24,7 +24,7 @@ KVMESH = str(Path(sys.executable).parent / "kvmesh")
 
 
 def wait_serving(address: str, timeout: float = 20.0) -> None:
-    channel = insecure_channel(address)
+    channel = dial(address)
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -61,7 +61,7 @@ def admin(address: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_admin_commands_against_a_real_server(kv_process):
     proc, address, metrics_port = kv_process
-    stub = pb_grpc.KVServiceStub(insecure_channel(address))
+    stub = pb_grpc.KVServiceStub(dial(address))
     stub.RegisterWorker(pb.RegisterWorkerRequest(
         worker_id="w1", address="10.0.0.1:50061", model_id="tiny", block_size=4,
         hash_algorithm=pb.HASH_ALGORITHM_SHA256_128, num_blocks=64, epoch=3), timeout=5)

@@ -12,7 +12,7 @@ from kv_service.block_hash import BlockHasher
 from kv_service.server import KVServiceServer
 from kv_service.service import ServiceConfig
 from kv_service.store_redis import RedisIndex
-from kvmesh.rpc import insecure_channel
+from kvmesh.rpc import dial
 from kvmesh.testing import free_port
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
@@ -24,7 +24,7 @@ SHA = pb.HASH_ALGORITHM_SHA256_128
 def kv(redis_url, redis_namespace):
     server = KVServiceServer(RedisIndex(redis_url, redis_namespace), "127.0.0.1", free_port(),
                              ServiceConfig(lease_ttl_ms=400, reap_interval_s=0.2)).start()
-    channel = insecure_channel(f"127.0.0.1:{server.port}")
+    channel = dial(f"127.0.0.1:{server.port}")
     yield pb_grpc.KVServiceStub(channel), channel
     channel.close()
     server.stop(0.5)

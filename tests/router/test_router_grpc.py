@@ -13,7 +13,7 @@ from kv_service.server import KVServiceServer
 from kv_service.service import ServiceConfig
 from kv_service.store_redis import RedisIndex
 from kvmesh.make_model import train_tokenizer
-from kvmesh.rpc import GrpcServer, insecure_channel
+from kvmesh.rpc import GrpcServer, dial
 from kvmesh.testing import free_port
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.v1 import kv_service_pb2 as kv_pb
@@ -53,7 +53,7 @@ def model_dir(tmp_path_factory):
 def stack(redis_url, redis_namespace, model_dir):
     kv = KVServiceServer(RedisIndex(redis_url, redis_namespace), "127.0.0.1", free_port(),
                          ServiceConfig(lease_ttl_ms=60_000, reap_interval_s=1.0)).start()
-    kv_channel = insecure_channel(f"127.0.0.1:{kv.port}")
+    kv_channel = dial(f"127.0.0.1:{kv.port}")
     kv_stub = kv_grpc.KVServiceStub(kv_channel)
     started: list = []
 
@@ -61,7 +61,7 @@ def stack(redis_url, redis_namespace, model_dir):
         cfg = RouterConfig(host="127.0.0.1", port=0, kv_service=f"127.0.0.1:{kv.port}", model_dir=str(model_dir),
                            discovery_interval_s=0.1, seed=0, **kw)
         r = RouterServer(cfg).start()
-        ch = insecure_channel(f"127.0.0.1:{r.port}")
+        ch = dial(f"127.0.0.1:{r.port}")
         started.append((r, ch))
         return router_pb2_grpc.RouterStub(ch), ch, r
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kvmesh.rpc import insecure_channel
+from kvmesh.rpc import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc
@@ -39,7 +39,7 @@ def test_window_tokens_reach_the_client_one_message_each_before_the_window_ends(
         return execute_window(out, step_then_wait)
 
     runner.execute_window = traced_window
-    stub = pb_grpc.WorkerStub(insecure_channel(worker.address))
+    stub = pb_grpc.WorkerStub(dial(worker.address))
     call = stub.Generate(pb.WorkerGenerateRequest(
         request_id="ms", prompt_token_ids=PROMPT,
         sampling=common_pb2.SamplingParams(max_tokens=20, ignore_eos=True)), timeout=60)

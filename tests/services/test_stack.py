@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from kvmesh.client import Client
-from kvmesh.rpc import insecure_channel
+from kvmesh.rpc import dial
 from kvmesh.stack import wait_serving
 from kvmesh.testing import free_port, wait_until
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -54,7 +54,7 @@ def stack(kv_server, start_worker, start_router):
 
 
 def index_of(kv_addr: str, worker_id: str, candidates: set[bytes]) -> set[bytes]:
-    stub = kpb_grpc.KVServiceStub(insecure_channel(kv_addr))
+    stub = kpb_grpc.KVServiceStub(dial(kv_addr))
     return {h for h in candidates if worker_id in stub.GetBlock(kpb.GetBlockRequest(block_hash=h), timeout=5).holders}
 
 
@@ -79,7 +79,7 @@ def test_routed_output_equals_offline_engine_and_prefix_follows_its_holder(stack
     for w in workers:
         cached = w.engine.cached_block_hashes()
         wait_until(lambda w=w, cached=cached: index_of(kv_addr, w.worker_id, cached) == cached, what="index sync")
-    stub = kpb_grpc.KVServiceStub(insecure_channel(kv_addr))
+    stub = kpb_grpc.KVServiceStub(dial(kv_addr))
     union = set().union(*(w.engine.cached_block_hashes() for w in workers))
     stats = stub.GetStats(kpb.GetStatsRequest(), timeout=5)
     assert stats.indexed_blocks == len(union)
@@ -140,10 +140,10 @@ def test_killed_worker_leaves_the_index_within_its_lease(kv_server, model_dir):
          "--metrics-port", "0", "--torch-threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_serving(f"127.0.0.1:{port}", proc, timeout=60)
-        stub = worker_pb2_grpc.WorkerStub(insecure_channel(f"127.0.0.1:{port}"))
+        stub = worker_pb2_grpc.WorkerStub(dial(f"127.0.0.1:{port}"))
         list(stub.Generate(worker_pb2.WorkerGenerateRequest(prompt_token_ids=SHARED, sampling=common_pb2.SamplingParams(
             max_tokens=2)), timeout=30))
-        kv = kpb_grpc.KVServiceStub(insecure_channel(kv_addr))
+        kv = kpb_grpc.KVServiceStub(dial(kv_addr))
 
         def blocks() -> int:
             ws = kv.ListWorkers(kpb.ListWorkersRequest(include_expired=True), timeout=5).workers

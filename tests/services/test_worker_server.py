@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvmesh.rpc import insecure_channel
+from kvmesh.rpc import dial
 from kvmesh.testing import wait_until
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as kpb
@@ -32,7 +32,7 @@ def index_hashes(kv_stub, worker_id: str, candidates: set[bytes]) -> set[bytes]:
 def test_stream_matches_offline_engine_and_index_matches_cache(kv_server, start_worker, model_dir):
     kv_addr = f"127.0.0.1:{kv_server.port}"
     worker = start_worker("w1", kv_addr)
-    stub = pb_grpc.WorkerStub(insecure_channel(worker.address))
+    stub = pb_grpc.WorkerStub(dial(worker.address))
     offline = LLM(str(model_dir), num_blocks=128, max_num_batched_tokens=256, max_model_len=512)
     expected = offline.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
     for ids, exp in zip(PROMPTS, expected, strict=True):
@@ -47,7 +47,7 @@ def test_stream_matches_offline_engine_and_index_matches_cache(kv_server, start_
     again = generate(stub, PROMPTS[1], ignore_eos=True)[-1]
     assert again.usage.cached_tokens == (len(PROMPTS[1]) - 1) // 16 * 16
     # The index holds exactly the worker's cached blocks.
-    kv_stub = kpb_grpc.KVServiceStub(insecure_channel(kv_addr))
+    kv_stub = kpb_grpc.KVServiceStub(dial(kv_addr))
     cached = worker.engine.cached_block_hashes()
     assert cached
     wait_until(lambda: kv_stub.ListWorkers(kpb.ListWorkersRequest(), timeout=5).workers[0].blocks_indexed == len(cached),
@@ -59,7 +59,7 @@ def test_stream_matches_offline_engine_and_index_matches_cache(kv_server, start_
 
 def test_client_cancel_frees_blocks(start_worker):
     worker = start_worker("w1", None)
-    stub = pb_grpc.WorkerStub(insecure_channel(worker.address))
+    stub = pb_grpc.WorkerStub(dial(worker.address))
     call = stub.Generate(pb.WorkerGenerateRequest(request_id="long", prompt_token_ids=PROMPTS[1],
                                                   sampling=common_pb2.SamplingParams(max_tokens=400, ignore_eos=True)),
                          timeout=60)
@@ -83,7 +83,7 @@ def test_client_cancel_frees_blocks(start_worker):
 ])
 def test_bad_input_is_invalid_argument_and_worker_keeps_serving(start_worker, ids, sampling, message):
     worker = start_worker("w1", None)
-    stub = pb_grpc.WorkerStub(insecure_channel(worker.address))
+    stub = pb_grpc.WorkerStub(dial(worker.address))
     with pytest.raises(grpc.RpcError) as err:
         generate(stub, ids, **sampling)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
