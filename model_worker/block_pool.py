@@ -1,7 +1,8 @@
-"""The pool of KV cache blocks: the blocks, the LRU free queue and the hash -> block map.
+"""The pool of KV cache blocks: the blocks, the LRU free queue and the (hash, group) -> block map.
 
 The pool knows nothing about requests' policy (how many blocks a request gets, which prefix it
-may reuse); kv_cache_manager.py decides that and calls in here.
+may reuse); kv_cache_manager.py and single_type_managers.py decide that and call in here. Every
+KV cache group (kv_cache_spec.py) draws from this one pool and its one free queue.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ if TYPE_CHECKING:
 class KVCacheBlock:
     """One block of ``block_size`` KV slots."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free", "next_free", "is_null")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        # NOTE: set only while the block is in the cached-block map (full and hashed).
+        # NOTE: set only while the block is in the cached-block map (full and hashed), together
+        # with the group whose map holds it.
         self.block_hash: bytes | None = None
+        self.group_id = 0
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
         self.is_null = False
@@ -103,9 +106,12 @@ class BlockPool:
         num_blocks: blocks in the KV cache, including the null block 0.
         enable_caching: keep freed full blocks in the map for prefix reuse.
         enable_events: record stored / removed / cleared events for ``take_events``.
+        num_groups: KV cache groups drawing from the pool; each has its own cached-block map.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, enable_events: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, enable_events: bool = True, num_groups: int = 1
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -117,12 +123,21 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         # NOTE: no de-duplication: two blocks may hold the same hash (two requests that computed
-        # the same prefix concurrently); lookups return the first inserted.
-        self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
+        # the same prefix concurrently); lookups return the first inserted. Every group's blocks
+        # of one prefix share the token-block hash, so the maps are per group: the key is in
+        # effect (hash, group).
+        self.cached_blocks_by_group: list[dict[bytes, dict[int, KVCacheBlock]]] = [
+            {} for _ in range(num_groups)
+        ]
         self._events: list[KVCacheEvent] = []
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        blocks = self.cached_block_hash_to_block.get(block_hash)
+    @property
+    def cached_block_hash_to_block(self) -> dict[bytes, dict[int, KVCacheBlock]]:
+        """Group 0's map: the only one of a full-attention-only model."""
+        return self.cached_blocks_by_group[0]
+
+    def get_cached_block(self, block_hash: bytes, group_id: int = 0) -> KVCacheBlock | None:
+        blocks = self.cached_blocks_by_group[group_id].get(block_hash)
         if not blocks:
             return None
         return next(iter(blocks.values()))
@@ -133,14 +148,17 @@ class BlockPool:
         blocks: Sequence[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group_id: int = 0,
     ) -> None:
-        """Hashes ``blocks[num_cached_blocks:num_full_blocks]`` with the request's block hashes.
+        """Hashes ``blocks[num_cached_blocks:num_full_blocks]`` with the request's block hashes
+        into ``group_id``'s map.
 
         Emits one BlockStored for the run, parented on the block before it.
         """
         if num_cached_blocks >= num_full_blocks:
             return
         stored: list[bytes] = []
+        cached = self.cached_blocks_by_group[group_id]
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null:
@@ -148,46 +166,56 @@ class BlockPool:
             assert block.block_hash is None, f"{block} is already cached"
             block_hash = request.block_hashes[i]
             block.block_hash = block_hash
-            self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
+            block.group_id = group_id
+            cached.setdefault(block_hash, {})[block.block_id] = block
             stored.append(block_hash)
         if self.enable_events and stored:
             parent = request.block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
-            self._events.append(BlockStored(block_hashes=stored, parent_block_hash=parent))
+            self._events.append(BlockStored(block_hashes=stored, parent_block_hash=parent, group_id=group_id))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Takes blocks from the head of the free queue (least recently freed first), ref 1 each."""
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(f"cannot get {num_blocks} blocks, {self.free_block_queue.num_free_blocks} free")
         new_blocks = self.free_block_queue.popleft_n(num_blocks)
-        removed: list[bytes] = []
+        # group -> evicted hashes; one BlockRemoved per group, in the order groups first evict
+        removed: dict[int, list[bytes]] = {}
         for block in new_blocks:
             assert block.ref_cnt == 0
             # NOTE: eviction is lazy: a freed block keeps its hash (and stays reusable by a
             # cache hit) until it is handed out again here.
             if block.block_hash is not None and self._evict_cached_block(block):
-                removed.append(block.block_hash)
+                removed.setdefault(block.group_id, []).append(block.block_hash)
             block.block_hash = None
+            block.group_id = 0
             block.ref_cnt = 1
-        if self.enable_events and removed:
-            self._events.append(BlockRemoved(block_hashes=removed))
+        if self.enable_events:
+            for group_id, hashes in removed.items():
+                self._events.append(BlockRemoved(block_hashes=hashes, group_id=group_id))
         return new_blocks
 
     def _evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Drops ``block`` from the map; True when no other block still holds its hash."""
         assert block.block_hash is not None
-        holders = self.cached_block_hash_to_block.get(block.block_hash)
+        cached = self.cached_blocks_by_group[block.group_id]
+        holders = cached.get(block.block_hash)
         if holders is None or holders.pop(block.block_id, None) is None:
             return False
         if holders:
             # NOTE: a duplicate still holds the hash, so the worker still has it: no event.
             return False
-        del self.cached_block_hash_to_block[block.block_hash]
+        del cached[block.block_hash]
         return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Takes a reference on cache-hit blocks, pulling free ones off the free queue."""
+        """Takes a reference on cache-hit blocks, pulling free ones off the free queue.
+
+        The null block (a sliding-window hit's entry for a block out of the window) is skipped.
+        """
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
@@ -205,9 +233,11 @@ class BlockPool:
         """Forgets every cached hash; refused (False) while any block is in use."""
         if self.free_block_queue.num_free_blocks != self.num_blocks - 1:
             return False
-        self.cached_block_hash_to_block.clear()
+        for cached in self.cached_blocks_by_group:
+            cached.clear()
         for block in self.blocks:
             block.block_hash = None
+            block.group_id = 0
         if self.enable_events:
             self._events.append(AllBlocksCleared())
         return True

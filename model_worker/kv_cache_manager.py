@@ -1,25 +1,27 @@
 """What KV cache blocks a request gets: prefix-cache hits, new slots, freeing.
 
-The policy here is full attention (every token keeps its slot). The pool (block_pool.py) is
-shared state; a hybrid allocator would put several such policies (full, sliding window) over one
-pool, each keeping its own per-request block table.
+One policy per KV cache group (single_type_managers.py: full attention, sliding window) over one
+shared pool (block_pool.py), driven by kv_cache_coordinator.py. A model without windows has one
+full-attention group, and this class then behaves exactly as a plain full-attention manager.
+
+NOTE: lists of blocks that span groups (a hit, the new blocks of an allocation, ``get_block_ids``)
+are group-major: group 0's entries, then group 1's, ...; every group contributes the same number
+of entries to a hit (sliding-window groups the null block where they need no KV).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from model_worker.block_pool import BlockPool, KVCacheBlock
-from model_worker.kv_events import KVCacheEvent
+from model_worker.kv_cache_coordinator import KVCacheCoordinator
+from model_worker.kv_cache_spec import KVCacheConfig, cdiv
+from model_worker.kv_events import AllBlocksCleared, KVCacheEvent
 from model_worker.request import Request
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["KVCacheManager", "cdiv"]
 
 
 class KVCacheManager:
-    """Per-request block tables over one BlockPool.
+    """Per-request block tables, one per KV cache group, over one BlockPool.
 
     Args:
         num_blocks: blocks in the KV cache, including the null block 0.
@@ -27,6 +29,7 @@ class KVCacheManager:
         enable_caching: reuse cached full blocks across requests.
         log_stats: count prefix-cache queries and hits (in tokens).
         enable_events: record block lifecycle events for ``take_events``.
+        kv_cache_config: the model's groups; None = one full-attention group.
     """
 
     def __init__(
@@ -36,17 +39,21 @@ class KVCacheManager:
         enable_caching: bool = True,
         log_stats: bool = True,
         enable_events: bool = True,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if kv_cache_config is None:
+            kv_cache_config = KVCacheConfig.full_attention(block_size)
+        if kv_cache_config.block_size != block_size:
+            raise ValueError(f"the KV cache config has blocks of {kv_cache_config.block_size}, not {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.log_stats = log_stats
-        self.block_pool = BlockPool(num_blocks, enable_caching, enable_events)
-        self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
-        # NOTE: num_cached_block[r] full blocks of r are in the hash map (hit or cached by r);
-        # a request's entry exists from its first allocate_slots until free().
-        self.num_cached_block: dict[str, int] = {}
+        self.kv_cache_config = kv_cache_config
+        self.block_pool = BlockPool(num_blocks, enable_caching, enable_events, kv_cache_config.num_groups)
+        self.coordinator = KVCacheCoordinator(kv_cache_config, self.block_pool)
+        self.num_groups = kv_cache_config.num_groups
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -63,28 +70,23 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of the request's full blocks.
+        """The longest cached prefix of the request's full blocks valid for every group.
 
         Returns:
-            The hit blocks (not yet referenced; pass them to ``allocate_slots``) and the number
-            of tokens they cover.
+            The hit blocks, group-major (not yet referenced; pass them to ``allocate_slots``), and
+            the number of tokens they cover.
         """
         if not self.enable_caching or not request.block_hashes:
             return [], 0
         # NOTE: the last token is always recomputed, even on a full hit: the model must run on
         # at least one token to produce the logits of the next one.
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        blocks: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
-        num_hit_tokens = len(blocks) * self.block_size
+        hits, num_hit_blocks = self.coordinator.find_longest_cache_hit(request.block_hashes, max_hit_blocks)
+        num_hit_tokens = num_hit_blocks * self.block_size
         if self.log_stats:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
-        return blocks, num_hit_tokens
+        return [b for hit in hits for b in hit], num_hit_tokens
 
     def allocate_slots(
         self,
@@ -104,73 +106,76 @@ class KVCacheManager:
             num_lookahead_tokens: extra slots (speculative tokens); never cached.
 
         Returns:
-            The newly allocated blocks, or None when the pool has too few free blocks; then no
-            refcount and no free-queue position has changed.
+            The newly allocated blocks (group-major), or None when the pool has too few free
+            blocks; then no refcount and no free-queue position has changed, except that
+            sliding-window blocks out of the window were freed.
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
-        new_computed_blocks = new_computed_blocks or []
+        hits = self._split_groups(new_computed_blocks or [])
+        coordinator = self.coordinator
         req_id = request.request_id
-        req_blocks = self.req_to_blocks[req_id]
+        # NOTE: sliding-window blocks behind the window of the first token to compute are freed
+        # first, even when the allocation then fails: no future token reads them.
+        coordinator.remove_skipped_blocks(req_id, request.num_computed_tokens)
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_required = cdiv(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.block_size)
-        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
-        # NOTE: hit blocks sitting in the free queue count against the free blocks too: touching
-        # them takes them out of it.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
-        if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():
-            if not req_blocks:
-                del self.req_to_blocks[req_id]
+        num_tokens = num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        if coordinator.get_num_blocks_to_allocate(req_id, num_tokens, hits) > self.block_pool.get_num_free_blocks():
             return None
 
         if new_computed_blocks:
             assert self.enable_caching, "cache hits with caching disabled"
-            assert req_id not in self.num_cached_block, "hit blocks are only for a new request"
-            self.block_pool.touch(new_computed_blocks)
-            req_blocks.extend(new_computed_blocks)
-        self.num_cached_block.setdefault(req_id, len(new_computed_blocks))
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_blocks)
+            coordinator.add_computed_blocks(req_id, hits)
+        new_blocks = coordinator.allocate_new_blocks(req_id, num_tokens)
 
         if self.enable_caching:
             # NOTE: blocks are cached when scheduled, before the model fills them: a request
             # admitted later in the same step may hit them. That is sound because every layer
             # writes the whole batch's KV before any attention of that layer reads it.
-            num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
-            self._cache_blocks(request, num_tokens_to_cache)
-        return new_blocks
+            coordinator.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
+        return [b for group in new_blocks for b in group]
 
-    def _cache_blocks(self, request: Request, num_tokens: int) -> None:
-        num_cached = self.num_cached_block[request.request_id]
-        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        if num_cached >= num_full:
-            return
-        self.block_pool.cache_full_blocks(
-            request, self.req_to_blocks[request.request_id], num_cached, num_full
-        )
-        self.num_cached_block[request.request_id] = num_full
+    def _split_groups(self, blocks: list[KVCacheBlock]) -> list[list[KVCacheBlock]]:
+        """A group-major hit list -> one list per group."""
+        n, rest = divmod(len(blocks), self.num_groups)
+        assert rest == 0, "a hit has the same number of entries in every group"
+        return [blocks[g * n : (g + 1) * n] for g in range(self.num_groups)]
 
     def free(self, request: Request) -> None:
         """Releases every block of the request; unknown requests are ignored."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_block.pop(request.request_id, None)
-        # NOTE: reversed so the chain's tail is evicted before its head: the head is the prefix
-        # other requests are most likely to share.
-        self.block_pool.free_blocks(reversed(blocks))
+        self.coordinator.free(request.request_id)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        blocks = self.req_to_blocks.get(request_id)
-        return [b.block_id for b in blocks] if blocks else []
+        """The request's block ids, group-major (a single group: its block table)."""
+        return [i for table in self.coordinator.get_block_ids(request_id) for i in table]
+
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block table of every group (null block 0 where a window dropped a block)."""
+        return self.coordinator.get_block_ids(request_id)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
-    def take_events(self) -> list[KVCacheEvent]:
-        return self.block_pool.take_events()
+    def take_events(self, all_groups: bool = False) -> list[KVCacheEvent]:
+        """Block events since the last call: group 0's (what the worker publishes), or all.
+
+        NOTE: kv_service indexes hashes per worker without a group, so a worker publishes one
+        group: group 0, a full-attention group whenever the model has one (it bounds the hit), else
+        the sliding-window group of a model windowed in every layer (docs/engine.md, Hybrid KV
+        allocator). Replayed into a set, the published events give ``cached_block_hashes()``.
+        """
+        events = self.block_pool.take_events()
+        if all_groups or self.num_groups == 1:
+            return events
+        return [e for e in events if isinstance(e, AllBlocksCleared) or e.group_id == 0]
 
     def cached_block_hashes(self) -> set[bytes]:
-        """Every hash in the cached-block map: the worker's snapshot for a kv_service resync."""
+        """Every hash in group 0's cached-block map: the worker's snapshot for a kv_service resync."""
         return set(self.block_pool.cached_block_hash_to_block)
+
+    def max_blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """Blocks (all groups) one request of ``max_model_len`` tokens may hold at once."""
+        return self.kv_cache_config.max_blocks_per_request(max_model_len, max_num_batched_tokens)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

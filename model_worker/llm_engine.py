@@ -15,6 +15,7 @@ from kv_service.block_hash import BlockHasher
 from kvmesh.modelinfo import model_id_for
 from model_worker.config import EngineConfig, ModelConfig
 from model_worker.kv_cache_manager import KVCacheManager
+from model_worker.kv_cache_spec import KVCacheConfig
 from model_worker.kv_events import KVCacheEvent
 from model_worker.model_runner import ModelRunner
 from model_worker.request import Request
@@ -83,8 +84,16 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(config.model, self.model_config)
         self.runner = (runner_factory or ModelRunner)(config, self.model_config)
         self.block_hasher = BlockHasher(self.model_id, config.block_size, config.hash_algorithm)
+        # NOTE: the runner decides the grouping (it lays out the KV tensors); a runner without one
+        # (the simulated one) gets the grouping the model's windows imply.
+        kv_cache_config = getattr(self.runner, "kv_cache_config", None) or KVCacheConfig.from_sliding_windows(
+            self.model_config.sliding_windows, config.block_size
+        )
         self.kv_cache_manager = KVCacheManager(
-            self.runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+            self.runner.num_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            kv_cache_config=kv_cache_config,
         )
         assert config.max_model_len is not None
         self.scheduler = Scheduler(

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from model_worker.config import EngineConfig, ModelConfig
+from model_worker.kv_cache_spec import KVCacheConfig
 from model_worker.model_loader import load_model
 from model_worker.models.attention import AttentionMetadata
 from model_worker.request import Request
@@ -25,10 +26,15 @@ _DEFAULT_CPU_FRACTION = 0.05
 _DEFAULT_GPU_FRACTION = 0.9
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes over all layers, K and V."""
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """Bytes one block takes, K and V, over ``num_layers`` layers (default all: one KV cache group).
+
+    With several groups a block id is one page in each of ``layers_per_group`` tensors, so a block
+    costs ``layers_per_group`` pages (kv_cache_spec.py).
+    """
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    layers = cfg.num_layers if num_layers is None else num_layers
+    return 2 * layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
 class ModelRunner:
@@ -46,6 +52,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.model = load_model(config.model, model_config, self.dtype, config.device)
+        self.kv_cache_config = KVCacheConfig.from_sliding_windows(model_config.sliding_windows, self.block_size)
         self.num_blocks = self._decide_num_blocks()
         self._allocate_kv_cache()
         self.sampler = Sampler(config.seed)
@@ -55,9 +62,10 @@ class ModelRunner:
         cfg = self.config
         if cfg.num_blocks is not None:
             return cfg.num_blocks
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        kvc = self.kv_cache_config
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype, kvc.layers_per_group)
         assert cfg.max_model_len is not None
-        blocks_per_seq = -(-cfg.max_model_len // self.block_size)
+        blocks_per_seq = kvc.max_blocks_per_request(cfg.max_model_len, cfg.max_num_batched_tokens)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             fraction = cfg.memory_fraction or _DEFAULT_GPU_FRACTION
@@ -82,30 +90,43 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         mc = self.model_config
         shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        # NOTE: block 0 is the null block: padding entries of block tables point at it, never written.
-        for attn in self.model.kv_caches():
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # NOTE: block 0 is the null block: padding entries of block tables (and a sliding window's
+        # dropped blocks) point at it, never written. Groups hold disjoint block ids of one pool, so
+        # the j-th layer of every group shares the j-th tensor pair: layers_per_group pairs in all.
+        kvc = self.kv_cache_config
+        pairs = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(kvc.layers_per_group)
+        ]
+        attns = self.model.kv_caches()
+        group_of_layer = [0] * len(attns)
+        for g, group in enumerate(kvc.groups):
+            for j, layer in enumerate(group.layer_ids):
+                attns[layer].k_cache, attns[layer].v_cache = pairs[j]
+                group_of_layer[layer] = g
+        self.model.kv_group_of_layer = group_of_layer
 
     def prepare_inputs(
         self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Packs the step: token ids, positions, attention metadata and the rows to sample."""
-        bs = self.block_size
+    ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], torch.Tensor]:
+        """Packs the step: token ids, positions, attention metadata per KV cache group, rows to sample."""
         ids: list[int] = []
         q_lens: list[int] = []
         starts: list[int] = []
         kv_lens: list[int] = []
         sample_rows: list[int] = []
+        num_groups = len(out.scheduled[0].block_tables)
         max_blocks = max(len(s.block_ids) for s in out.scheduled)
-        tables = torch.zeros((len(out.scheduled), max_blocks), dtype=torch.int32)
+        tables = torch.zeros((num_groups, len(out.scheduled), max_blocks), dtype=torch.int32)
         total = 0
         for i, s in enumerate(out.scheduled):
             ids.extend(s.request.all_token_ids[s.start : s.start + s.num_new_tokens])
             q_lens.append(s.num_new_tokens)
             starts.append(s.start)
             kv_lens.append(s.start + s.num_new_tokens)
-            tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+            for g, table in enumerate(s.block_tables):
+                tables[g, i, : len(table)] = torch.tensor(table, dtype=torch.int32)
             total += s.num_new_tokens
             if s.sample:
                 sample_rows.append(total - 1)
@@ -114,18 +135,22 @@ class ModelRunner:
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
         torch.cumsum(q_len_t, 0, out=cu[1:])
         positions = torch.arange(total) - cu[:-1][seq_of_token] + torch.tensor(starts)[seq_of_token]
-        slots = tables[seq_of_token, positions // bs].long() * bs + positions % bs
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            cu_q_lens=cu.to(torch.int32).to(dev),
-            kv_lens=torch.tensor(kv_lens, dtype=torch.int32).to(dev),
-            block_tables=tables.to(dev),
-        )
+        cu_dev = cu.to(torch.int32).to(dev)
+        kv_lens_dev = torch.tensor(kv_lens, dtype=torch.int32).to(dev)
+        metas = [
+            AttentionMetadata(
+                slot_mapping=self._slots(tables[g], positions, seq_of_token).to(dev),
+                cu_q_lens=cu_dev,
+                kv_lens=kv_lens_dev,
+                block_tables=tables[g].to(dev),
+            )
+            for g in range(num_groups)
+        ]
         return (
             torch.tensor(ids, dtype=torch.int64).to(dev),
             positions.to(dev),
-            meta,
+            metas,
             torch.tensor(sample_rows, dtype=torch.int64).to(dev),
         )
 
@@ -136,8 +161,8 @@ class ModelRunner:
             self.sampler.release(request_id)
         if out.is_empty:
             return {}
-        input_ids, positions, meta, sample_rows = self.prepare_inputs(out)
-        hidden = self.model(input_ids, positions, meta)
+        input_ids, positions, metas, sample_rows = self.prepare_inputs(out)
+        hidden = self.model(input_ids, positions, metas)
         sampling = [s.request for s in out.scheduled if s.sample]
         if not sampling:
             return {}
@@ -163,7 +188,7 @@ class ModelRunner:
         """
         for request_id in out.finished_ids:
             self.sampler.release(request_id)
-        input_ids, positions, meta, _ = self.prepare_inputs(out)
+        input_ids, positions, metas, _ = self.prepare_inputs(out)
         rows: list[Request] = [s.request for s in out.scheduled]
         overlap = self.device.type == "cuda"
         pending: tuple[list[Request], Callable[[], list[int]]] | None = None
@@ -175,13 +200,17 @@ class ModelRunner:
         for step in range(out.num_steps):
             if step > 0:
                 positions = positions + 1
-                meta = AttentionMetadata(
-                    slot_mapping=self._slots(meta.block_tables, positions),
-                    cu_q_lens=meta.cu_q_lens,
-                    kv_lens=meta.kv_lens + 1,
-                    block_tables=meta.block_tables,
-                )
-            hidden = self.model(input_ids, positions, meta)
+                kv_lens = metas[0].kv_lens + 1
+                metas = [
+                    AttentionMetadata(
+                        slot_mapping=self._slots(m.block_tables, positions),
+                        cu_q_lens=m.cu_q_lens,
+                        kv_lens=kv_lens,
+                        block_tables=m.block_tables,
+                    )
+                    for m in metas
+                ]
+            hidden = self.model(input_ids, positions, metas)
             logits = self.model.compute_logits(hidden)
             input_ids = self.sampler.sample_on_device(
                 logits, [r.sampling_params for r in rows], [r.request_id for r in rows]
@@ -205,18 +234,27 @@ class ModelRunner:
                 sel = torch.tensor(idx, dtype=torch.int64, device=self.device)
                 rows = [rows[i] for i in idx]
                 input_ids, positions = input_ids[sel], positions[sel]
-                meta = AttentionMetadata(
-                    slot_mapping=meta.slot_mapping[sel],
-                    cu_q_lens=torch.arange(len(idx) + 1, dtype=torch.int32, device=self.device),
-                    kv_lens=meta.kv_lens[sel],
-                    block_tables=meta.block_tables[sel],
-                )
+                cu_q_lens = torch.arange(len(idx) + 1, dtype=torch.int32, device=self.device)
+                kv_lens = metas[0].kv_lens[sel]
+                metas = [
+                    AttentionMetadata(
+                        slot_mapping=m.slot_mapping[sel],
+                        cu_q_lens=cu_q_lens,
+                        kv_lens=kv_lens,
+                        block_tables=m.block_tables[sel],
+                    )
+                    for m in metas
+                ]
         if pending is not None:
             deliver(*pending)
 
-    def _slots(self, block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _slots(
+        self, block_tables: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Flat cache slot of each token: its row's block of its position, and the offset in it."""
         bs = self.block_size
-        rows = torch.arange(positions.shape[0], device=positions.device)
+        if rows is None:  # one token per row (decode)
+            rows = torch.arange(positions.shape[0], device=positions.device)
         return block_tables[rows, positions // bs].long() * bs + positions % bs
 
     def _copy_to_host(self, ids: torch.Tensor) -> Callable[[], list[int]]:

@@ -51,10 +51,16 @@ class ScheduledRequest:
     """Tokens computed for it this step: all_token_ids[start:start + num_new_tokens]."""
     start: int
     """num_computed_tokens before this step: the position of the first new token."""
-    block_ids: list[int]
-    """The request's whole block table after this step's allocation."""
+    block_tables: list[list[int]]
+    """Per KV cache group, the request's whole block table after this step's allocation (all of
+    one length; a sliding-window group has the null block 0 where its window dropped a block)."""
     sample: bool
     """This step reaches the end of all_token_ids, so the model samples a token for it."""
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's block table: the only one of a model without windows."""
+        return self.block_tables[0]
 
 
 @dataclass
@@ -99,11 +105,13 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         config.validate()
-        usable_tokens = (kv_cache_manager.num_blocks - 1) * kv_cache_manager.block_size
-        if usable_tokens < config.max_model_len:
+        needed = kv_cache_manager.max_blocks_per_request(config.max_model_len, config.max_num_batched_tokens)
+        if needed > kv_cache_manager.num_blocks - 1:
+            usable_tokens = (kv_cache_manager.num_blocks - 1) * kv_cache_manager.block_size
             raise ValueError(
-                f"the KV cache holds {usable_tokens} tokens, fewer than max_model_len "
-                f"({config.max_model_len}): lower max_model_len or give it more blocks"
+                f"the KV cache holds {usable_tokens} tokens in {kv_cache_manager.num_blocks - 1} blocks, "
+                f"fewer than max_model_len ({config.max_model_len}) needs ({needed} blocks over "
+                f"{kv_cache_manager.num_groups} KV cache groups): lower max_model_len or give it more blocks"
             )
         self.config = config
         self.kv_cache_manager = kv_cache_manager
@@ -235,14 +243,15 @@ class Scheduler:
             left = min(r.sampling_params.max_tokens - r.num_output_tokens, self.config.max_model_len - r.num_tokens)
             k = max(1, min(self.config.num_scheduler_steps, left))
             steps.append(k)
-            extra_blocks += max(0, -(-(r.num_computed_tokens + k) // kv.block_size) - len(s.block_ids))
+            # NOTE: counted in every group (tables have one length); sliding windows may need fewer.
+            extra_blocks += kv.num_groups * max(0, -(-(r.num_computed_tokens + k) // kv.block_size) - len(s.block_ids))
         if max(steps) == 1 or extra_blocks > kv.num_free_blocks:
             return  # nothing to gain, or too few free blocks for the lookahead: one step
         for s, k in zip(out.scheduled, steps, strict=True):
             if k > 1:
                 got = kv.allocate_slots(s.request, 1, num_lookahead_tokens=k - 1)
                 assert got is not None, "lookahead blocks were counted as free"
-                s.block_ids = kv.get_block_ids(s.request.request_id)
+                s.block_tables = kv.get_group_block_ids(s.request.request_id)
         out.num_steps = max(steps)
 
     def prepare_window_step(self, output: SchedulerOutput) -> list[str]:
@@ -271,7 +280,7 @@ class Scheduler:
                 request=request,
                 num_new_tokens=num_new,
                 start=start,
-                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                block_tables=self.kv_cache_manager.get_group_block_ids(request.request_id),
                 sample=start + num_new == request.num_tokens,
             )
         )

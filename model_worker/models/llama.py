@@ -3,7 +3,7 @@ embeddings), Mistral (sliding window). The differences are config flags, not cla
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -77,16 +77,26 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.kv_group_of_layer = [0] * cfg.num_layers
+        """Per layer: its KV cache group, whose metadata (block tables, slots) it reads; bound by
+        the runner with the caches."""
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata | Sequence[AttentionMetadata],
     ) -> torch.Tensor:
-        """``input_ids``/``positions`` ``[T]`` -> final hidden states ``[T, hidden]``."""
+        """``input_ids``/``positions`` ``[T]`` -> final hidden states ``[T, hidden]``.
+
+        ``meta`` is one metadata per KV cache group (or one for a single group).
+        """
+        metas = [meta] if isinstance(meta, AttentionMetadata) else meta
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, meta)
+        for layer, group in zip(self.layers, self.kv_group_of_layer, strict=True):
+            x, residual = layer(x, residual, cos, sin, metas[group])
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
