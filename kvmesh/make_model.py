@@ -38,7 +38,11 @@ class ModelSpec:
     """None = the trained tokenizer's vocabulary; larger values pad the embedding table."""
     max_position_embeddings: int = 4096
     sliding_window: int | None = None
-    """Mistral only: attend to keys at positions > i - window."""
+    """Mistral: every layer attends to keys at positions > i - window. Qwen2: the layers from
+    ``max_window_layers`` on do (``use_sliding_window``), the others are full attention."""
+    max_window_layers: int | None = None
+    """Qwen2 with a sliding window: layers before this index are full attention (transformers'
+    rule); None = half the layers."""
     seed: int = 0
     init_std: float = 0.1
     """Std of the normal weight init (config initializer_range).
@@ -66,8 +70,12 @@ class ModelSpec:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of heads ({self.heads})")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        if self.sliding_window is not None and (self.arch != "mistral" or self.sliding_window < 1):
-            raise ValueError("--sliding-window needs --arch mistral and a value >= 1")
+        if self.sliding_window is not None and (self.arch == "llama" or self.sliding_window < 1):
+            raise ValueError("--sliding-window needs --arch mistral or qwen2 and a value >= 1")
+        if self.max_window_layers is not None and (
+            self.arch != "qwen2" or self.sliding_window is None or not 0 <= self.max_window_layers <= self.layers
+        ):
+            raise ValueError("--max-window-layers needs --arch qwen2, --sliding-window and a value in [0, layers]")
 
 
 def train_tokenizer(vocab_size: int = TOKENIZER_TARGET_VOCAB):
@@ -117,7 +125,11 @@ def _hf_config(spec: ModelSpec, vocab_size: int, bos: int, eos: int):
     if spec.arch == "llama":
         cfg = LlamaConfig(**common)
     elif spec.arch == "qwen2":
-        cfg = Qwen2Config(**common, tie_word_embeddings=True)
+        window = {}
+        if spec.sliding_window is not None:
+            first = spec.max_window_layers if spec.max_window_layers is not None else spec.layers // 2
+            window = dict(use_sliding_window=True, sliding_window=spec.sliding_window, max_window_layers=first)
+        cfg = Qwen2Config(**common, tie_word_embeddings=True, **window)
     else:
         cfg = MistralConfig(**common, sliding_window=spec.sliding_window)
     for key, value in spec.extra_config.items():

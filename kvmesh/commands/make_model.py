@@ -25,7 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--intermediate-size", type=int, default=d.intermediate_size)
     p.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's vocabulary")
     p.add_argument("--max-position-embeddings", type=int, default=d.max_position_embeddings)
-    p.add_argument("--sliding-window", type=int, default=None, help="mistral only")
+    p.add_argument("--sliding-window", type=int, default=None,
+                   help="mistral: every layer; qwen2: the layers from --max-window-layers on")
+    p.add_argument("--max-window-layers", type=int, default=None,
+                   help="qwen2 with --sliding-window: layers before this index keep full attention "
+                   "(default: half the layers)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--init-std", type=float, default=d.init_std, help="std of the normal weight init")
     p.set_defaults(func=run)
@@ -44,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
         max_position_embeddings=args.max_position_embeddings,
         sliding_window=args.sliding_window,
+        max_window_layers=args.max_window_layers,
         seed=args.seed,
         init_std=args.init_std,
     )
