@@ -3,9 +3,12 @@
 Key layout (all under the prefix ``kvm:{<namespace>}:``; the hash tag keeps the index in one
 Redis Cluster slot so scripts stay atomic there):
 
-    b:<hash>      SET   worker ids holding the block (refcount = live members; gone at 0)
+    bh            HASH  block hash -> ",n1,n2," the holders' worker numbers (refcount = live
+                        holders; the field is deleted at 0, so HLEN = distinct blocks)
+    wn / nw       HASH  worker id <-> its number (new at every registration)
+    wseq          INT   the last worker number given out
     l:<worker>    ZSET  the worker's blocks, score = access counter (LRU order)
-    w:<worker>    HASH  model, addr, bs, algo, nb, epoch, seq, ctr, load, lease
+    w:<worker>    HASH  model, addr, bs, algo, nb, epoch, seq, ctr, load, lease, num
     m:<model>     HASH  bs, algo (the model's registered spec)
     mw:<model>    ZSET  worker -> lease expiry (ms)
     ld:<model>    HASH  worker -> "addr|block_size|load" (cached in-process for Lookup)
@@ -223,11 +226,7 @@ class RedisIndex(BlockIndex):
 
     def stats(self, now_ms: int) -> IndexStats:
         infos = self.workers(now_ms, include_expired=True)
-        # NOTE: counted by SCAN (O(index size)): an admin-only figure; keeping a counter would
-        # cost one more Redis call per stored block on the ingest path.
-        nblocks = self._redis(
-            lambda: sum(1 for _ in self._r.scan_iter(match=self.prefix + "b:*", count=10_000))
-        )
+        nblocks = self._redis(lambda: self._r.hlen(self.prefix + "bh"))
         live = [i for i in infos if i.live(now_ms)]
         models: dict[str, ModelSpec] = {}
         for i in infos:

@@ -6,18 +6,24 @@ local op = ARGV[2]
 if op == 'holders' then
   local now = tonumber(ARGV[4])
   local out = {}
-  for _, wid in ipairs(redis.call('SMEMBERS', pre .. 'b:' .. ARGV[3])) do
-    local lease = redis.call('ZSCORE', pre .. 'workers', wid)
-    if lease and tonumber(lease) > now then out[#out + 1] = wid end
+  local v = redis.call('HGET', BH, ARGV[3])
+  if v then
+    for num in string.gmatch(v, '(%d+)') do
+      local wid = redis.call('HGET', pre .. 'nw', num)
+      local lease = wid and redis.call('ZSCORE', pre .. 'workers', wid)
+      if lease and tonumber(lease) > now then out[#out + 1] = wid end
+    end
   end
   return out
 elseif op == 'flush' then
-  if redis.call('EXISTS', pre .. 'w:' .. ARGV[3]) == 0 then return {'NOT_FOUND'} end
-  return {'OK', clear_worker(ARGV[3])}
+  local num = redis.call('HGET', pre .. 'w:' .. ARGV[3], 'num')
+  if not num then return {'NOT_FOUND'} end
+  return {'OK', clear_worker(ARGV[3], num)}
 elseif op == 'reap' then
   local dead = redis.call('ZRANGEBYSCORE', pre .. 'workers', '-inf', ARGV[3])
   for _, wid in ipairs(dead) do
-    remove_worker(wid, redis.call('HGET', pre .. 'w:' .. wid, 'model'))
+    local w = redis.call('HMGET', pre .. 'w:' .. wid, 'model', 'num')
+    remove_worker(wid, w[1], w[2])
   end
   return #dead
 end

@@ -1,45 +1,53 @@
 -- ARGV: pre, model, now, h1..hn.
 -- Returns {live worker ids, {wid, matched, wid, matched, ...} for workers with matched > 0}.
 -- Addresses and loads are not read here: the store keeps them in a cache refreshed in the
--- background (kv_service/store_redis.py), which halves the script's work with 64 workers.
+-- background (kv_service/store_redis.py).
 local now = ARGV[3]
 local live = redis.call('ZRANGEBYSCORE', pre .. 'mw:' .. ARGV[2], '(' .. now, '+inf')
 if #live == 0 then return {live, {}} end
-local n = #ARGV - 3
-local matched = {}
-local cand = live
-local i = 1
--- Block-major while many workers are still in the race: one SMISMEMBER per block over the
--- surviving candidates; the walk stops at the first block no candidate holds.
-while i <= n and #cand > 4 do
-  local hits = redis.call('SMISMEMBER', pre .. 'b:' .. ARGV[3 + i], unpack(cand))
-  local next_cand = {}
-  for j, hit in ipairs(hits) do
-    if hit == 1 then
-      next_cand[#next_cand + 1] = cand[j]
-      matched[cand[j]] = i
+local nums = redis.call('HMGET', pre .. 'wn', unpack(live))
+local tags, cand, matched = {}, {}, {}
+for j = 1, #live do
+  if nums[j] then
+    tags[j] = ',' .. nums[j] .. ','
+    cand[#cand + 1] = j
+  end
+end
+-- NOTE: the chain's holder strings come 64 at a time (one HMGET each); the walk stops at the
+-- first block no remaining candidate holds, so a miss early in a long chain costs one call.
+-- Consecutive blocks usually have the same holders, hence the same (interned) Lua string: the
+-- candidates are re-filtered only when the string changes; `depth` is how far the current
+-- candidates have matched, recorded for each candidate when it drops out.
+local WINDOW = 64
+local depth, prev = 0, nil
+local c = 4
+while c <= #ARGV and #cand > 0 do
+  local e = math.min(#ARGV, c + WINDOW - 1)
+  local holders = redis.call('HMGET', BH, unpack(ARGV, c, e))
+  for k = 1, e - c + 1 do
+    local v = holders[k]
+    if v ~= prev then
+      local next_cand = {}
+      for _, j in ipairs(cand) do
+        if v and string.find(v, tags[j], 1, true) then
+          next_cand[#next_cand + 1] = j
+        else
+          matched[j] = depth
+        end
+      end
+      cand, prev = next_cand, v
+      if #cand == 0 then break end
     end
+    depth = c - 4 + k
   end
-  cand = next_cand
-  i = i + 1
+  c = e + 1
 end
--- Worker-major for the few left: one ZMSCORE per worker over the rest of the chain.
--- NOTE: both walks give the same answer (leading blocks held); this one makes fewer calls
--- once few candidates remain, which is the common case past a shared system prompt.
-if i <= n then
-  for _, wid in ipairs(cand) do
-    local scores = redis.call('ZMSCORE', pre .. 'l:' .. wid, unpack(ARGV, 3 + i, 3 + n))
-    local k = 0
-    while k < #scores and scores[k + 1] do k = k + 1 end
-    matched[wid] = i - 1 + k
-  end
-end
+for _, j in ipairs(cand) do matched[j] = depth end
 local pairs_out = {}
-for _, wid in ipairs(live) do
-  local m = matched[wid]
-  if m and m > 0 then
+for j, wid in ipairs(live) do
+  if matched[j] and matched[j] > 0 then
     pairs_out[#pairs_out + 1] = wid
-    pairs_out[#pairs_out + 1] = m
+    pairs_out[#pairs_out + 1] = matched[j]
   end
 end
 return {live, pairs_out}

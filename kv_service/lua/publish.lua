@@ -15,28 +15,29 @@ if not snapshot then
   end
 end
 local wkey = pre .. 'w:' .. wid
+local num = w[8]
 if snapshot then
-  clear_worker(wid)
-  add_blocks(wid, ARGV, 7, #ARGV)
+  clear_worker(wid, num)
+  add_blocks(wid, num, ARGV, 7, #ARGV)
   redis.call('HSET', wkey, 'epoch', ARGV[3])
 else
   local i = 7
   while i <= #ARGV do
     local op = ARGV[i]
     if op == 'C' then
-      clear_worker(wid)
+      clear_worker(wid, num)
       i = i + 1
     else
       local n = tonumber(ARGV[i + 1])
       if op == 'S' then
-        add_blocks(wid, ARGV, i + 2, i + 1 + n)
+        add_blocks(wid, num, ARGV, i + 2, i + 1 + n)
       else
-        drop_blocks(wid, ARGV, i + 2, i + 1 + n)
+        drop_blocks(wid, num, ARGV, i + 2, i + 1 + n)
       end
       i = i + 2 + n
     end
   end
 end
-cap_worker(wid, tonumber(w[4]))
+cap_worker(wid, num, tonumber(w[4]))
 redis.call('HSET', wkey, 'seq', ARGV[4])
 return {'OK'}

@@ -10,19 +10,23 @@ if spec[1] and (spec[1] ~= bs or spec[2] ~= algo) then
   end
 end
 local wkey = pre .. 'w:' .. wid
-local old = redis.call('HMGET', wkey, 'model', 'epoch', 'lease')
+local old = redis.call('HMGET', wkey, 'model', 'epoch', 'lease', 'num')
 if old[1] then
   if tonumber(old[3]) > now then
     if old[1] ~= model then return {'MODEL', old[1]} end
     if tonumber(old[2]) > tonumber(epoch) then return {'EPOCH', old[2]} end
   end
-  remove_worker(wid, old[1])
+  remove_worker(wid, old[1], old[4])
 end
+-- A worker's number tags it in the holders hash; a new one per registration.
+local num = redis.call('INCR', pre .. 'wseq')
+redis.call('HSET', pre .. 'wn', wid, num)
+redis.call('HSET', pre .. 'nw', num, wid)
 local lease = now + ttl
 redis.call('HSET', mkey, 'bs', bs, 'algo', algo)
 redis.call('SADD', pre .. 'models', model)
 redis.call('HSET', wkey, 'model', model, 'addr', addr, 'bs', bs, 'algo', algo, 'nb', nb,
-  'epoch', epoch, 'seq', 0, 'ctr', 0, 'load', '', 'lease', lease)
+  'epoch', epoch, 'seq', 0, 'ctr', 0, 'load', '', 'lease', lease, 'num', num)
 redis.call('ZADD', pre .. 'mw:' .. model, lease, wid)
 redis.call('HSET', pre .. 'ld:' .. model, wid, addr .. '|' .. bs .. '|')
 redis.call('ZADD', pre .. 'workers', lease, wid)
