@@ -47,6 +47,8 @@ FAILURE_OF: dict[grpc.StatusCode, Failure] = {
 }
 CHANNEL_IDLE_S = 900.0
 """A worker channel unused and out of the worker set this long is closed."""
+EMPTY_GRACE_S = 5.0
+"""How long an index that suddenly lists none of the model's workers is doubted (the last set kept)."""
 
 
 class KVServiceClient:
@@ -138,6 +140,7 @@ class GrpcWorkerPool:
         self._spec: ModelSpec | None = None
         self._model_id = config.model_id
         self._unhealthy: dict[str, float] = {}
+        self._empty_since: float | None = None
         self._channels: dict[str, tuple[grpc.Channel, w_grpc.WorkerStub, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="router-discovery", daemon=True)
@@ -230,6 +233,16 @@ class GrpcWorkerPool:
             others = sorted({w.model_id for w in infos})
             self.problem = (f"no live worker of model {self._model_id!r} in kv_service"
                             + (f" (it has: {', '.join(others)})" if others else ""))
+        if not mine and self._endpoints:
+            # NOTE: a Redis that restarted empty lists no worker until each one's next heartbeat
+            # gets NOT_FOUND and it registers again (a third of a lease). Dropping every worker at
+            # once would fail every request in that window; a worker that really died fails its
+            # requests as UNAVAILABLE (retried elsewhere) either way.
+            now = time.monotonic()
+            self._empty_since = self._empty_since or now
+            if now - self._empty_since < EMPTY_GRACE_S:
+                return
+        self._empty_since = None
         with self._lock:
             self._endpoints = [WorkerEndpoint(w.worker_id, w.address, load_from_pb(w.load)) for w in mine]
 
