@@ -64,11 +64,12 @@ def test_attention_backend_reads_the_environment(monkeypatch):
     assert attention_backend("cpu") == "triton"
 
 
-def test_public_entry_points_use_the_reference_on_cpu(monkeypatch):
-    """kernels.* route CPU tensors to the torch references under auto (no triton needed)."""
+def test_public_entry_points_use_the_torch_path_on_cpu(monkeypatch):
+    """kernels.* route CPU tensors to the torch path under auto (no triton needed): attention to
+    kernels/torch_attention.py (tested against the reference), the KV write to the reference."""
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     calls: list[str] = []
-    monkeypatch.setattr(kernels, "ragged_paged_attention_ref", lambda *a, **k: calls.append("attn"))
+    monkeypatch.setattr(kernels, "ragged_paged_attention_torch", lambda *a, **k: calls.append("attn"))
     monkeypatch.setattr(kernels, "write_kv_cache_ref", lambda *a, **k: calls.append("write"))
     q = torch.zeros(1, 1, 8)
     cache = torch.zeros(1, 4, 1, 8)
