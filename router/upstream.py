@@ -14,17 +14,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kv_service.index import Load
+from kv_service.index import Load, ModelSpec
 from model_worker.sampling_params import SamplingParams
-
-
-@dataclass(slots=True, frozen=True)
-class ModelSpec:
-    """How the workers of the served model cut and hash prompts."""
-
-    model_id: str
-    block_size: int
-    hash_algorithm: str
 
 
 @dataclass(slots=True)
