@@ -2,49 +2,20 @@
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
 from kernels.reference import write_kv_cache_ref
+from kernels.testing import import_kernel_module
 
 HAS_CUDA = torch.cuda.is_available()
 NEEDS_GPU = "needs an NVIDIA GPU with CUDA"
 
 
-def _import_triton_kv_write():
-    """Imports the kernel module, interpreted when CUDA is absent (see test_ragged_paged_attention)."""
-    name = "kernels.triton_kv_write"
-    if HAS_CUDA:
-        return importlib.import_module(name)
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        module = importlib.import_module(name)
-        if type(module._write_kv_cache_kernel).__name__ != "InterpretedFunction":
-            module = importlib.reload(sys.modules[name])
-        return module
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+triton_kv_write = import_kernel_module("kernels.triton_kv_write", "_write_kv_cache_kernel")
 
 
-triton_kv_write = _import_triton_kv_write()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_env():
-    if HAS_CUDA:
-        yield
-        return
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("interpreter_env")
 
 
 DEVICES = [

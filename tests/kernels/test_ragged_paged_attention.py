@@ -6,7 +6,6 @@ CUDA the same scenarios run compiled on the GPU, plus bf16 and int32-overflow-si
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from dataclasses import dataclass
@@ -16,46 +15,15 @@ import torch
 
 import kernels
 from kernels.reference import ragged_paged_attention_ref
+from kernels.testing import import_kernel_module
 
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _import_triton_attention():
-    """Imports the kernel module; without CUDA its @triton.jit functions must be interpreted.
-
-    NOTE: triton reads TRITON_INTERPRET when a function is decorated (module import) and again
-    while interpreting. It is set for this import and, by ``_interpreter_env``, while this
-    module's tests run; otherwise it is restored, so it does not leak into other test modules or
-    the subprocesses they start (the engine tests run the torch path anyway).
-    """
-    name = "kernels.triton_attention"
-    if HAS_CUDA:
-        return importlib.import_module(name)
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        module = importlib.import_module(name)
-        if type(module._ragged_paged_attention_kernel).__name__ != "InterpretedFunction":
-            module = importlib.reload(sys.modules[name])  # imported earlier without the interpreter
-        return module
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+triton_attention = import_kernel_module("kernels.triton_attention", "_ragged_paged_attention_kernel")
 
 
-triton_attention = _import_triton_attention()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_env():
-    if HAS_CUDA:
-        yield
-        return
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("interpreter_env")
 
 
 NEEDS_GPU = "needs an NVIDIA GPU with CUDA"
