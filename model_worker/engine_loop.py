@@ -100,8 +100,14 @@ class EngineLoop:
         self._wake.set()
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               cache_salt: str = "") -> Iterator[TokenEvent]:
-        """Queues a request; returns its event stream. Raises ValueError on bad input."""
+               cache_salt: str = "") -> Iterator[list[TokenEvent]]:
+        """Queues a request; returns its event stream. Raises ValueError on bad input.
+
+        Each item is every event that was ready when the consumer asked (at least one), in order;
+        the last item ends with the terminal event. A consumer that keeps up gets one token per
+        item; one that falls behind (a busy host, a multi-step window) gets them coalesced, so it
+        sends one message where it would have sent several.
+        """
         stream = _Stream()
         with self._lock:
             if request_id in self._streams:
@@ -116,12 +122,17 @@ class EngineLoop:
         self._wake.set()
         return self._iterate(request_id, stream)
 
-    def _iterate(self, request_id: str, stream: _Stream) -> Iterator[TokenEvent]:
+    def _iterate(self, request_id: str, stream: _Stream) -> Iterator[list[TokenEvent]]:
         try:
             while True:
-                ev = stream.queue.get()
-                yield ev
-                if ev.token_id is None:
+                batch = [stream.queue.get()]
+                while batch[-1].token_id is not None:
+                    try:
+                        batch.append(stream.queue.get_nowait())
+                    except queue.Empty:
+                        break
+                yield batch
+                if batch[-1].token_id is None:
                     return
         finally:
             # NOTE: a consumer that stops early (client cancel) aborts the request, so its blocks

@@ -69,8 +69,8 @@ class LLMEngine:
         config: the engine config; or pass its fields as keyword arguments.
         runner_factory: builds the runner from the checked configs (default ModelRunner); it must
             offer ``num_blocks`` and ``execute(SchedulerOutput)``, as model_worker/sim_runner.py does.
-            A runner without ``execute_window`` (the simulated one) runs one decode step per
-            ``step()`` whatever ``num_scheduler_steps`` says.
+            A runner without ``execute_window`` runs one decode step per ``step()`` whatever
+            ``num_scheduler_steps`` says.
     """
 
     def __init__(self, config: EngineConfig | None = None, *,

@@ -37,9 +37,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         # NOTE: a cancelled or expired RPC aborts the request at once (blocks freed next step);
         # after a normal finish the abort is a no-op.
         context.add_callback(lambda: w.loop.abort(rid))
-        for ev in events:
+        for batch in events:
+            tokens = [ev.token_id for ev in batch if ev.token_id is not None]
+            if tokens:
+                yield pb.WorkerGenerateResponse(token_ids=tokens, worker_id=w.worker_id)
+            ev = batch[-1]
             if ev.token_id is not None:
-                yield pb.WorkerGenerateResponse(token_ids=[ev.token_id], worker_id=w.worker_id)
                 continue
             if ev.error:
                 raise Unavailable(f"worker {w.worker_id}: {ev.error}")

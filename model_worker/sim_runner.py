@@ -23,9 +23,11 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from model_worker.config import EngineConfig, ModelConfig
+from model_worker.request import Request
 from model_worker.scheduler import SchedulerOutput
 
 DEFAULT_SIM_NUM_BLOCKS = 27_648
@@ -141,26 +143,43 @@ class SimRunner:
         """Sleeps for the batch's modelled time; returns request id -> one token for the rows that sample."""
         if out.is_empty:
             return {}
-        t = self.cost.batch_time(out)
         prefill = sum(s.num_new_tokens for s in out.scheduled if s.start < s.request.num_prompt_tokens)
+        self._run(self.cost.batch_time(out), prefill, out.num_scheduled_tokens - prefill)
+        return {s.request.request_id: [self._token(s.request)] for s in out.scheduled if s.sample}
+
+    def execute_window(self, out: SchedulerOutput, on_step: Callable[[dict[str, int]], list[str]]) -> None:
+        """A multi-step decode window (``--num-scheduler-steps``): up to ``out.num_steps`` decode steps.
+
+        Each inner step is costed and slept on its own, with every context one token longer than
+        the step before, and its tokens go to ``on_step`` at once (as on the GPU path); requests
+        ``on_step`` no longer lists leave the batch. The win is on the host: one scheduling pass per
+        window instead of per token, which is what lets one small machine host many simulated GPUs.
+        """
+        rows = {s.request.request_id: s for s in out.scheduled}
+        for step in range(out.num_steps):
+            contexts = [s.start + 1 + step for s in rows.values()]
+            self._run(self.cost.step_time([], contexts), 0, len(contexts))
+            active = set(on_step({rid: self._token(s.request) for rid, s in rows.items()}))
+            rows = {rid: s for rid, s in rows.items() if rid in active}
+            if not rows:
+                return
+
+    def _token(self, r: Request) -> int:
+        return sim_token_id(r.request_id, r.num_tokens, self.vocab_size, self._eos | set(r.sampling_params.stop_token_ids))
+
+    def _run(self, t: float, prefill_tokens: int, decode_tokens: int) -> None:
+        """Accounts one step of ``t`` modelled seconds and sleeps it, scaled and paced."""
         with self._lock:
             self.stats.busy_s += t
             self.stats.steps += 1
-            self.stats.prefill_tokens += prefill
-            self.stats.decode_tokens += out.num_scheduled_tokens - prefill
+            self.stats.prefill_tokens += prefill_tokens
+            self.stats.decode_tokens += decode_tokens
         if self.time_scale > 0:
             now = time.monotonic()
             start = self._deadline if now - self._deadline < _ABSORB_S else now
             self._deadline = start + t * self.time_scale
             if self._deadline > now:
                 time.sleep(self._deadline - now)
-        result: dict[str, list[int]] = {}
-        for s in out.scheduled:
-            if s.sample:
-                r = s.request
-                avoid = self._eos | set(r.sampling_params.stop_token_ids)
-                result[r.request_id] = [sim_token_id(r.request_id, r.num_tokens, self.vocab_size, avoid)]
-        return result
 
     def snapshot(self) -> SimStats:
         """A copy of the counters; safe from any thread."""

@@ -57,3 +57,34 @@ def test_engine_with_sim_runner_serves_and_caches():
     s = made[0].snapshot()
     assert s.prefill_tokens == 48 + 16 and s.decode_tokens == 4  # 2 requests x 2 decode steps
     assert s.steps == 6 and s.busy_s > 0
+
+
+def _run_sim(num_scheduler_steps: int) -> tuple[dict[str, list[int]], int, SimRunner]:
+    made: list[SimRunner] = []
+
+    def factory(cfg, mc):
+        made.append(SimRunner(cfg, mc, CostModel(), time_scale=0.0))
+        return made[0]
+
+    engine = LLMEngine(model=str(ensure_default_model()), num_blocks=64, max_model_len=512,
+                       num_scheduler_steps=num_scheduler_steps, runner_factory=factory)
+    for i, n in enumerate((9, 9, 5)):
+        engine.add_request(f"r{i}", list(range(2 + i, 40 + i)), SamplingParams(max_tokens=n, ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return tokens, steps, made[0]
+
+
+def test_sim_runner_multistep_window_matches_single_steps():
+    one, one_steps, one_runner = _run_sim(1)
+    win, win_steps, win_runner = _run_sim(4)
+    assert win == one and [len(win[r]) for r in ("r0", "r1", "r2")] == [9, 9, 5]
+    a, b = one_runner.snapshot(), win_runner.snapshot()
+    # every inner step is costed like the one-step batch it replaces, but scheduled once per window
+    assert (b.decode_tokens, b.prefill_tokens, b.steps) == (a.decode_tokens, a.prefill_tokens, a.steps)
+    assert b.busy_s == pytest.approx(a.busy_s)
+    assert win_steps < one_steps

@@ -136,7 +136,7 @@ def test_worker_killed_mid_stream_ends_unavailable_and_leaves_the_index(mesh: Me
     with mesh.client() as c:
         stream = c.stream(ids, max_tokens=1500, ignore_eos=True)
         got = [next(stream) for _ in range(3)]
-        assert all(len(m.token_ids) == 1 for m in got)
+        assert all(m.token_ids for m in got)
         mesh.workers[holder].signal(signal.SIGKILL)
         killed = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:

@@ -37,9 +37,10 @@ def test_stream_matches_offline_engine_and_index_matches_cache(kv_server, start_
     expected = offline.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
     for ids, exp in zip(PROMPTS, expected, strict=True):
         msgs = generate(stub, ids, ignore_eos=True)
-        # One message per token, then the final one with reason and usage.
-        assert [len(m.token_ids) for m in msgs[:-1]] == [1] * 12 and msgs[-1].token_ids == []
-        assert [m.token_ids[0] for m in msgs[:-1]] == exp.token_ids
+        # Token messages (a slow reader may get several tokens in one), then the final one with
+        # reason and usage.
+        assert all(m.token_ids for m in msgs[:-1]) and msgs[-1].token_ids == []
+        assert [t for m in msgs[:-1] for t in m.token_ids] == exp.token_ids
         last = msgs[-1]
         assert (last.finish_reason, last.usage.prompt_tokens, last.usage.completion_tokens, last.worker_id) == (
             common_pb2.FINISH_REASON_LENGTH, len(ids), 12, "w1")
@@ -64,7 +65,7 @@ def test_client_cancel_frees_blocks(start_worker):
                                                   sampling=common_pb2.SamplingParams(max_tokens=400, ignore_eos=True)),
                          timeout=60)
     got = [next(call), next(call)]
-    assert all(len(m.token_ids) == 1 for m in got)
+    assert all(m.token_ids for m in got)
     assert worker.engine.stats().num_running == 1
     call.cancel()
     kv = worker.engine.kv_cache_manager
