@@ -149,6 +149,10 @@ class KVCacheManager:
         """The request's block ids, group-major (a single group: its block table)."""
         return [i for table in self.coordinator.get_block_ids(request_id) for i in table]
 
+    def num_request_blocks(self, request_id: str) -> int:
+        """Length of the request's block table (the same in every group); 0 for an unknown request."""
+        return len(self.coordinator.managers[0].req_to_blocks.get(request_id, ()))
+
     def get_group_block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block table of every group (null block 0 where a window dropped a block)."""
         return self.coordinator.get_block_ids(request_id)

@@ -51,11 +51,26 @@ class ScheduledRequest:
     """Tokens computed for it this step: all_token_ids[start:start + num_new_tokens]."""
     start: int
     """num_computed_tokens before this step: the position of the first new token."""
-    block_tables: list[list[int]]
-    """Per KV cache group, the request's whole block table after this step's allocation (all of
-    one length; a sliding-window group has the null block 0 where its window dropped a block)."""
     sample: bool
     """This step reaches the end of all_token_ids, so the model samples a token for it."""
+    kv_cache_manager: KVCacheManager | None = field(default=None, repr=False)
+    """Where :attr:`block_tables` comes from, on first use."""
+    tables: list[list[int]] | None = field(default=None, repr=False)
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """Per KV cache group, the request's whole block table after this step's allocation (all of
+        one length; a sliding-window group has the null block 0 where its window dropped a block).
+
+        Read from the KV cache manager on first use, i.e. by the runner once the whole batch is
+        planned: copying every running request's table at every step would cost the scheduler
+        O(context) per request per step, and a runner that needs no tables (the simulated one)
+        never pays it.
+        """
+        if self.tables is None:
+            assert self.kv_cache_manager is not None, "a scheduled request without its KV cache manager"
+            self.tables = self.kv_cache_manager.get_group_block_ids(self.request.request_id)
+        return self.tables
 
     @property
     def block_ids(self) -> list[int]:
@@ -244,14 +259,15 @@ class Scheduler:
             k = max(1, min(self.config.num_scheduler_steps, left))
             steps.append(k)
             # NOTE: counted in every group (tables have one length); sliding windows may need fewer.
-            extra_blocks += kv.num_groups * max(0, -(-(r.num_computed_tokens + k) // kv.block_size) - len(s.block_ids))
+            extra_blocks += kv.num_groups * max(
+                0, -(-(r.num_computed_tokens + k) // kv.block_size) - kv.num_request_blocks(r.request_id))
         if max(steps) == 1 or extra_blocks > kv.num_free_blocks:
             return  # nothing to gain, or too few free blocks for the lookahead: one step
         for s, k in zip(out.scheduled, steps, strict=True):
             if k > 1:
                 got = kv.allocate_slots(s.request, 1, num_lookahead_tokens=k - 1)
                 assert got is not None, "lookahead blocks were counted as free"
-                s.block_tables = kv.get_group_block_ids(s.request.request_id)
+                s.tables = None  # NOTE: re-read with the lookahead blocks
         out.num_steps = max(steps)
 
     def prepare_window_step(self, output: SchedulerOutput) -> list[str]:
@@ -268,7 +284,7 @@ class Scheduler:
                 continue  # finished or aborted mid-window: it leaves the batch
             # NOTE: the window's lookahead covers every step the request can still take, so this
             # allocates nothing; it only caches newly full blocks, as schedule() would.
-            assert len(s.block_ids) * kv.block_size >= r.num_tokens, "inner step past the lookahead slots"
+            assert kv.num_request_blocks(r.request_id) * kv.block_size >= r.num_tokens, "inner step past the lookahead slots"
             got = kv.allocate_slots(r, 1)
             assert got == [], "an inner step needed a block outside its window's lookahead"
             active.append(r.request_id)
@@ -280,7 +296,7 @@ class Scheduler:
                 request=request,
                 num_new_tokens=num_new,
                 start=start,
-                block_tables=self.kv_cache_manager.get_group_block_ids(request.request_id),
+                kv_cache_manager=self.kv_cache_manager,
                 sample=start + num_new == request.num_tokens,
             )
         )

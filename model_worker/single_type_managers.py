@@ -74,7 +74,9 @@ class SingleTypeKVCacheManager(ABC):
         """Extends the table to cover ``num_tokens`` tokens; returns the new blocks."""
         req_blocks = self.req_to_blocks[request_id]
         self.num_cached_block.setdefault(request_id, len(req_blocks))
-        num_new = max(0, cdiv(num_tokens, self.block_size) - len(req_blocks))
+        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        if num_new <= 0:
+            return []  # NOTE: the common decode step: the table already covers the new token
         new_blocks = self.block_pool.get_new_blocks(num_new)
         req_blocks.extend(new_blocks)
         return new_blocks

@@ -45,6 +45,8 @@ class RoutingBenchConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    num_scheduler_steps: int = 8
+    """Workers' multi-step decode window: the host schedules once per window, not per token."""
     store: str = "redis"
     seed: int = 0
     worker_args: list[str] = field(default_factory=list)
@@ -93,7 +95,8 @@ def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchReq
         metrics_port=metrics_base, store=cfg.store, simulate=True, router_tokenizer=False,
         worker_args=["--sim-time-scale", str(cfg.time_scale), "--block-size", str(cfg.block_size),
                      "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-                     "--max-num-seqs", str(cfg.max_num_seqs), "--log-level", "warning", *num_blocks,
+                     "--max-num-seqs", str(cfg.max_num_seqs),
+                     "--num-scheduler-steps", str(cfg.num_scheduler_steps), "--log-level", "warning", *num_blocks,
                      *cfg.worker_args],
         router_args=["--policy", policy, "--log-level", "warning", "--first-token-timeout", "0"],
         log_dir=f"{cfg.log_dir}/{policy}" if cfg.log_dir else None))
@@ -137,7 +140,7 @@ def run_routing_bench(cfg: RoutingBenchConfig) -> dict:
         "trace": cfg.trace, "requests": len(records), "workers": cfg.workers, "speedup": cfg.speedup,
         "time_scale": cfg.time_scale, "modelled_load_factor": cfg.speedup * cfg.time_scale,
         "num_blocks": blocks, "block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-        "max_num_seqs": cfg.max_num_seqs, "store": cfg.store, "seed": cfg.seed,
+        "max_num_seqs": cfg.max_num_seqs, "num_scheduler_steps": cfg.num_scheduler_steps, "store": cfg.store, "seed": cfg.seed,
         "date": time.strftime("%Y-%m-%d %H:%M"), "host": socket.gethostname(),
     }
     return out

@@ -62,6 +62,9 @@ def _register_routing(bsub: argparse._SubParsersAction) -> None:
                         "speedup x time scale x the trace's rate")
     r.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default: H100 8B, 27648)")
     r.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    r.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
+                   help=f"workers' multi-step decode window (default {d.num_scheduler_steps}): fewer scheduling "
+                        "passes per token, so this host can keep up with many simulated GPUs")
     r.add_argument("--store", choices=["redis", "memory"], default=d.store)
     r.add_argument("--model", default=None, help="model dir for vocabulary/tokenizer (default: tiny demo model)")
     r.add_argument("--seed", type=int, default=0)
@@ -127,8 +130,8 @@ def run_routing(args: argparse.Namespace) -> int:
         trace=args.trace, model=_model(args.model), workers=args.workers,
         policies=[p.strip() for p in args.policies.split(",") if p.strip()], max_requests=args.max_requests,
         speedup=args.speedup, time_scale=args.sim_time_scale, num_blocks=args.num_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens, store=args.store, seed=args.seed,
-        progress=not args.no_progress, log_dir=args.log_dir)
+        max_num_batched_tokens=args.max_num_batched_tokens, num_scheduler_steps=args.num_scheduler_steps,
+        store=args.store, seed=args.seed, progress=not args.no_progress, log_dir=args.log_dir)
     from router.policy import POLICIES
 
     unknown = [p for p in cfg.policies if p not in POLICIES]
