@@ -69,16 +69,20 @@ class WorkerServer:
         worker_id: this worker's id in the index and in ``served_by``.
         kv_service: host:port of the kv_service, or None to run without one.
         advertise_address: host:port routers dial (default 127.0.0.1:<port>).
+        stream_interval: tokens per stream message after the first (EngineLoop).
     """
 
     def __init__(self, engine: LLMEngine, worker_id: str, host: str = "0.0.0.0", port: int = 50061,
                  kv_service: str | None = None, advertise_address: str | None = None,
-                 max_queued_requests: int = 1024) -> None:
+                 max_queued_requests: int = 1024, stream_interval: int = 1) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self.max_queued_requests = max_queued_requests
         self.draining = False
-        self.grpc = GrpcServer(host, port)
+        # NOTE: the sync server runs one thread per open stream; with fewer threads than
+        # --max-queued-requests, the extra streams would wait inside gRPC, unseen by the scheduler
+        # and by the load it reports. Pool threads start only when needed.
+        self.grpc = GrpcServer(host, port, max_workers=max_queued_requests + 8)
         self.port = self.grpc.port
         self.address = advertise_address or f"127.0.0.1:{self.port}"
         model = engine.model_id
@@ -89,7 +93,7 @@ class WorkerServer:
                                engine.kv_cache_manager.num_blocks)
             self.publisher = KVPublisher(kv_service, reg, engine.stats)
         self.loop = EngineLoop(engine, self.publisher, on_step=self._on_step, on_finish=self._on_finish,
-                               on_token=self._on_token)
+                               on_token=self._on_token, stream_interval=stream_interval)
         if self.publisher is not None:
             self.publisher._wake_engine = self.loop.wake
         pb_grpc.add_WorkerServicer_to_server(WorkerServicer(self), self.grpc.server)

@@ -47,6 +47,8 @@ class RoutingBenchConfig:
     max_num_seqs: int = 256
     num_scheduler_steps: int = 8
     """Workers' multi-step decode window: the host schedules once per window, not per token."""
+    stream_interval: int = 8
+    """Workers' ``--stream-interval``: tokens per stream message after the first (TTFT unchanged)."""
     store: str = "redis"
     seed: int = 0
     worker_args: list[str] = field(default_factory=list)
@@ -96,9 +98,13 @@ def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchReq
         worker_args=["--sim-time-scale", str(cfg.time_scale), "--block-size", str(cfg.block_size),
                      "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
                      "--max-num-seqs", str(cfg.max_num_seqs),
-                     "--num-scheduler-steps", str(cfg.num_scheduler_steps), "--log-level", "warning", *num_blocks,
+                     "--num-scheduler-steps", str(cfg.num_scheduler_steps),
+                     "--stream-interval", str(cfg.stream_interval), "--log-level", "warning", *num_blocks,
                      *cfg.worker_args],
-        router_args=["--policy", policy, "--log-level", "warning", "--first-token-timeout", "0"],
+        # NOTE: every request of the replay may be in flight at once when a policy falls behind;
+        # the router must queue them, not refuse them, or the comparison would count refusals.
+        router_args=["--policy", policy, "--log-level", "warning", "--first-token-timeout", "0",
+                     "--max-streams", str(max(256, len(requests) + 16))],
         log_dir=f"{cfg.log_dir}/{policy}" if cfg.log_dir else None))
     worker_ids = [f"worker-{i}" for i in range(cfg.workers)]
     stack.start()
@@ -140,7 +146,8 @@ def run_routing_bench(cfg: RoutingBenchConfig) -> dict:
         "trace": cfg.trace, "requests": len(records), "workers": cfg.workers, "speedup": cfg.speedup,
         "time_scale": cfg.time_scale, "modelled_load_factor": cfg.speedup * cfg.time_scale,
         "num_blocks": blocks, "block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-        "max_num_seqs": cfg.max_num_seqs, "num_scheduler_steps": cfg.num_scheduler_steps, "store": cfg.store, "seed": cfg.seed,
+        "max_num_seqs": cfg.max_num_seqs, "num_scheduler_steps": cfg.num_scheduler_steps,
+        "stream_interval": cfg.stream_interval, "store": cfg.store, "seed": cfg.seed,
         "date": time.strftime("%Y-%m-%d %H:%M"), "host": socket.gethostname(),
     }
     return out

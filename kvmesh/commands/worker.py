@@ -61,6 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--worker-id", default=None, help="id in the index and in served_by (default: the host name)")
     p.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests in flight before RESOURCE_EXHAUSTED (default 1024)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per stream message after the first, as vLLM's --stream-interval: larger values cut "
+                        "host overhead per token, the first token still goes out at once (default 1)")
     p.add_argument("--metrics-port", type=int, default=9102, help="Prometheus /metrics port, 0 = off (default 9102)")
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads, 0 = torch default (default 0)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
@@ -105,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
+    if args.stream_interval < 1:
+        log.error("--stream-interval must be >= 1, got %d", args.stream_interval)
+        return 2
     from model_worker.llm_engine import LLMEngine
     from model_worker.server import WorkerServer
 
@@ -146,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     kv = None if args.kv_service.lower() == "none" else args.kv_service
     server = WorkerServer(engine, worker_id, args.host, args.port, kv,
                           args.advertise_address or default_advertise(args.host, args.port),
-                          args.max_queued_requests).start()
+                          args.max_queued_requests, args.stream_interval).start()
     if args.metrics_port:
         start_metrics_server(args.metrics_port)
     if args.simulate:

@@ -45,10 +45,11 @@ def kv_server(redis_url, redis_namespace) -> Iterator[KVServiceServer]:
 def start_worker(model_dir) -> Iterator[Callable[..., WorkerServer]]:
     started: list[WorkerServer] = []
 
-    def start(worker_id: str, kv_address: str | None, **engine_kwargs) -> WorkerServer:
+    def start(worker_id: str, kv_address: str | None, stream_interval: int = 1, **engine_kwargs) -> WorkerServer:
         kwargs = dict(num_blocks=128, max_num_batched_tokens=256, max_model_len=512) | engine_kwargs
         engine = LLMEngine(model=str(model_dir), **kwargs)
-        server = WorkerServer(engine, worker_id, "127.0.0.1", free_port(), kv_address).start(wait_registered=10)
+        server = WorkerServer(engine, worker_id, "127.0.0.1", free_port(), kv_address,
+                              stream_interval=stream_interval).start(wait_registered=10)
         started.append(server)
         return server
 

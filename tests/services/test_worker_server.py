@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import grpc
 import pytest
 
@@ -89,3 +91,34 @@ def test_bad_input_is_invalid_argument_and_worker_keeps_serving(start_worker, id
         generate(stub, ids, **sampling)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
     assert generate(stub, PROMPTS[2], max_tokens=3)[-1].usage.completion_tokens == 3
+
+
+def test_streams_past_the_grpc_default_pool_all_reach_the_scheduler(start_worker):
+    # More open streams than a default gRPC thread pool: every one must be in the engine
+    # (running or waiting), or queued requests would be invisible to the scheduler and the load.
+    worker = start_worker("w1", None, max_num_seqs=4)
+    stub = pb_grpc.WorkerStub(dial(worker.address))
+    calls = [stub.Generate(pb.WorkerGenerateRequest(request_id=f"s{i}", prompt_token_ids=PROMPTS[0],
+                                                    sampling=common_pb2.SamplingParams(max_tokens=400, ignore_eos=True)),
+                           timeout=60) for i in range(48)]
+    try:
+        wait_until(lambda: worker.engine.stats().num_running + worker.engine.stats().num_waiting == 48,
+                   what="all 48 streams admitted to the engine")
+        assert worker.engine.stats().num_running == 4
+    finally:
+        for c in calls:
+            c.cancel()
+
+
+def test_stream_interval_groups_tokens_after_the_first(start_worker):
+    worker = start_worker("w1", None, stream_interval=4)
+    stub = pb_grpc.WorkerStub(dial(worker.address))
+    msgs = generate(stub, PROMPTS[0], max_tokens=11, ignore_eos=True)
+    # The first token at once, then groups of 4; the last group (2 tokens) goes out with the finish.
+    # A reader that lags may get neighbouring groups in one message, never a split group.
+    ends = list(itertools.accumulate(len(m.token_ids) for m in msgs[:-1]))
+    assert set(ends) <= {1, 5, 9, 11} and ends[-1] == 11 and msgs[-1].token_ids == []
+    offline = LLM(str(worker.engine.config.model), num_blocks=128, max_num_batched_tokens=256, max_model_len=512)
+    (want,) = offline.generate([PROMPTS[0]], SamplingParams(max_tokens=11, ignore_eos=True))
+    assert [t for m in msgs[:-1] for t in m.token_ids] == want.token_ids
+    assert msgs[-1].usage.completion_tokens == 11
