@@ -57,11 +57,12 @@ def host_workers(args: argparse.Namespace) -> int:
         def factory(cfg, mc):
             return SimRunner(cfg, mc, CostModel(), args.sim_time_scale)
 
+        # NOTE: the same engine settings as `kvmesh bench routing` (kvmesh/bench/routing.py).
         engine = LLMEngine(model=args.model, max_model_len=131072, max_num_batched_tokens=8192, max_num_seqs=256,
-                           device="cpu", runner_factory=factory)
+                           num_scheduler_steps=8, device="cpu", runner_factory=factory)
         port = args.port + k
         servers.append(WorkerServer(engine, f"worker-{i:02d}", "127.0.0.1", port, kvs[i % len(kvs)],
-                                    f"127.0.0.1:{port}").start())
+                                    f"127.0.0.1:{port}", stream_interval=8).start())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
@@ -141,6 +142,7 @@ def run_cluster(args: argparse.Namespace, n_routers: int, requests: list, log_di
             p = spawn(f"router{r}", kvmesh_cmd("router", "--host", "127.0.0.1", "--port", str(base + 4 + r),
                                                "--kv-service", kv_addrs[r], "--log-level",
                                                "warning", "--first-token-timeout", "0",
+                                               "--max-streams", str(len(requests) + 16),
                                                "--metrics-port", str(base + 6 + r)))
             wait_serving(addr, p, 60)
             router_addrs.append(addr)

@@ -1,7 +1,10 @@
 """Keeps the kv_service's view of this worker true: registration, heartbeats, block events.
 
 - On start: register (a new epoch) and publish all-cleared as seq 1.
-- Every engine step: the step's events as one batch (epoch, seq+1) on a PublishEvents stream.
+- Every engine step: the step's events, queued for a PublishEvents stream. A batch (epoch, seq+1)
+  goes out at most every ``BATCH_INTERVAL_S`` and carries every step's events queued meanwhile, in
+  order: a busy worker steps hundreds of times a second, and one message (one Redis script) per
+  step would load the kv_service for nothing; the index trails the engine by that interval.
 - RESYNC, a broken stream or a lost registration: (re-register if needed, then) ask the engine
   loop for a snapshot of the cached blocks and send it as the next batch.
 - Heartbeat every lease/3 with the engine's load; NOT_FOUND means the lease expired: register
@@ -31,6 +34,8 @@ from model_worker.llm_engine import EngineStats
 log = logging.getLogger("kvmesh.worker.publisher")
 
 MAX_QUEUED_BATCHES = 1024
+BATCH_INTERVAL_S = 0.02
+_NOTHING = object()
 RPC_TIMEOUT_S = 5.0
 
 
@@ -67,6 +72,7 @@ class KVPublisher:
         self._stub = pb_grpc.KVServiceStub(dial(target))
         self.epoch = time.time_ns() // 1000  # microseconds: < 2**53, new on every start
         self.lease_ttl_s = 10.0
+        self.batch_interval_s = BATCH_INTERVAL_S
         self._seq = 0
         self._out: queue.Queue[pb.PublishEventsRequest | None] = queue.Queue()
         self._need_snapshot = threading.Event()
@@ -114,9 +120,6 @@ class KVPublisher:
 
     # -- internals -----------------------------------------------------------------------
     def _enqueue(self, req: pb.PublishEventsRequest) -> None:
-        with self._lock:
-            self._seq += 1
-            req.worker_id, req.epoch, req.seq = self._reg.worker_id, self.epoch, self._seq
         self._out.put(req)
 
     def _drain(self) -> None:
@@ -172,10 +175,31 @@ class KVPublisher:
             return
 
     def _requests(self, q: queue.Queue) -> Iterator[pb.PublishEventsRequest]:
+        """The stream's batches: queued step batches merged (up to a snapshot), numbered as sent."""
+        held: object = _NOTHING
+        last_sent = 0.0
         while True:
-            item = q.get()
+            item = q.get() if held is _NOTHING else held
+            held = _NOTHING
             if item is None or self._stop.is_set():
                 return
+            if not item.snapshot:
+                wait = last_sent + self.batch_interval_s - time.monotonic()
+                if wait > 0:
+                    self._stop.wait(wait)
+                while True:
+                    try:
+                        more = q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None or more.snapshot:
+                        held = more  # NOTE: a snapshot replaces all before it: never merged
+                        break
+                    item.events.extend(more.events)
+            with self._lock:
+                self._seq += 1
+                item.worker_id, item.epoch, item.seq = self._reg.worker_id, self.epoch, self._seq
+            last_sent = time.monotonic()
             yield item
 
     def _stream_loop(self) -> None:

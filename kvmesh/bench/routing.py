@@ -3,14 +3,15 @@
 For every policy: start Redis + kv_service + N simulated workers + a router with ``--policy P``
 (kvmesh.stack.LocalStack), replay the trace's requests at ``timestamp / speedup``, and measure
 from the client side (TTFT, output tok/s, hit rate from usage.cached_tokens, load per worker from
-served_by) plus each worker's simulated busy time (its ``kvmesh_sim_busy_seconds`` gauge) for
-utilisation. Times are reported in modelled seconds: wall / ``time_scale``.
+served_by) plus each worker's simulated busy time (its ``kvmesh_sim_busy_seconds`` gauge, polled every
+second) for utilisation over the arrival window. Times are reported in modelled seconds: wall / ``time_scale``.
 """
 
 from __future__ import annotations
 
 import random
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -85,6 +86,45 @@ def scrape_gauge(port: int, name: str, timeout: float = 2.0) -> float:
     return 0.0
 
 
+class BusySampler:
+    """Polls every worker's ``kvmesh_sim_busy_seconds`` once a second during a replay."""
+
+    def __init__(self, ports: Sequence[int], period_s: float = 1.0) -> None:
+        self.ports = list(ports)
+        self.period_s = period_s
+        self.samples: list[tuple[float, list[float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="busy-sampler", daemon=True)
+        self._t0 = 0.0
+
+    def start(self) -> BusySampler:
+        self._t0 = time.perf_counter()
+        self._sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _sample(self) -> None:
+        t = time.perf_counter() - self._t0
+        self.samples.append((t, [scrape_gauge(p, "kvmesh_sim_busy_seconds") for p in self.ports]))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._sample()
+
+    def utilisation(self, until_s: float, time_scale: float, mean: bool = False) -> list[float] | float:
+        """Per worker, modelled busy seconds / modelled seconds over [start, ``until_s`` wall s]."""
+        t0, b0 = self.samples[0]
+        end = next((smp for smp in self.samples if smp[0] >= until_s), self.samples[-1])
+        modelled = (end[0] - t0) / time_scale if time_scale else 0.0
+        util = [(b1 - b) / modelled if modelled else 0.0 for b, b1 in zip(b0, end[1], strict=True)]
+        return sum(util) / len(util) if mean else util
+
+
 def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchRequest]) -> dict:
     """One policy's stack, replay and figures."""
     from kvmesh.stack import LocalStack, StackConfig
@@ -110,19 +150,22 @@ def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchReq
     stack.start()
     try:
         time.sleep(1.5)  # NOTE: let every worker register and the router discover all of them
-        busy0 = [scrape_gauge(metrics_base + 2 + i, "kvmesh_sim_busy_seconds") for i in range(cfg.workers)]
+        sampler = BusySampler([metrics_base + 2 + i for i in range(cfg.workers)]).start()
         records, duration = serve.run(stack.endpoints["router"], requests, progress=cfg.progress)
-        busy1 = [scrape_gauge(metrics_base + 2 + i, "kvmesh_sim_busy_seconds") for i in range(cfg.workers)]
+        sampler.stop()
     finally:
         stack.stop()
     s = summarize(records, duration, cfg.time_scale, worker_ids)
-    modelled = duration / cfg.time_scale
-    util = [(b1 - b0) / modelled for b0, b1 in zip(busy0, busy1, strict=True)] if modelled else []
+    # NOTE: utilisation over the arrival window: after the last arrival the cluster only drains,
+    # and counting that tail would make a saturated cluster look idle.
+    window = (requests[-1].arrival_s or 0.0) if requests else 0.0
+    util = sampler.utilisation(window, cfg.time_scale)
     return {
         "ttft_mean_ms": s["ttft_ms"]["mean"], "ttft_p90_ms": s["ttft_ms"]["p90"],
         "ttft_p99_ms": s["ttft_ms"]["p99"], "output_tok_s": s["output_throughput"],
         "hit_rate": s["prefix_hit_rate"], "max_mean_load": s["max_mean_load"],
         "utilisation_mean": sum(util) / len(util) if util else 0.0, "utilisation_max": max(util, default=0.0),
+        "utilisation_whole_run": sampler.utilisation(duration, cfg.time_scale, mean=True),
         "completed": s["completed"], "failed": s["failed"], "duration_s": s["duration_s"],
         "wall_s": duration, "errors": s["errors"],
     }
@@ -171,5 +214,5 @@ def format_table(result: dict, baseline: str = "round-robin") -> str:
                      f"{r['utilisation_mean']:>6.2f}{r['completed']:>6d}{ttft_x:>8.1f}{tok_x:>8.2f}")
     lines.append(f"oracle hit rate (one LRU cache of the workers' total capacity): {oracle:.3f}")
     lines.append(f"TTFT÷ = {baseline} mean TTFT / policy's; tok/s× = policy's output tok/s / {baseline}'s; "
-                 "util = mean simulated busy time / modelled duration; times in modelled ms")
+                 "util = mean simulated busy time / modelled time until the last arrival; times in modelled ms")
     return "\n".join(lines)
