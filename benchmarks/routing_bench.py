@@ -1,7 +1,7 @@
 """Routing-policy comparison on a Mooncake trace with the issue's goal settings, goals checked.
 
     .venv/bin/python benchmarks/routing_bench.py [--trace ../shared/traces/conversation_trace.jsonl]
-        [--max-requests 1500] [--workers 8] [--speedup 8] [--sim-time-scale 0.5] [--json OUT]
+        [--max-requests 1500] [--workers 8] [--speedup 4] [--sim-time-scale 0.25] [--policies P,...] [--json OUT]
 
 Runs `kvmesh bench routing` (kvmesh/bench/routing.py) with every policy and prints its table,
 then each goal against round-robin: mean TTFT >= 25x lower, output tok/s >= 2x, hit rate >= 0.95x

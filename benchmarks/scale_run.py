@@ -130,7 +130,8 @@ def run_cluster(args: argparse.Namespace, n_routers: int, requests: list, log_di
         hosts = []
         for first in range(0, args.workers, args.per_process):
             count = min(args.per_process, args.workers - first)
-            hosts.append(spawn(f"workers{first}", [sys.executable, __file__, "--host-workers", "--first", str(first),
+            # NOTE: nice, as in `kvmesh bench routing`: the control plane keeps its CPU.
+            hosts.append(spawn(f"workers{first}", ["nice", "-n", "10", sys.executable, __file__, "--host-workers", "--first", str(first),
                                                    "--count", str(count), "--port", str(wbase + first),
                                                    "--kv", ",".join(kv_addrs), "--model", model,
                                                    "--sim-time-scale", str(args.sim_time_scale)]))

@@ -46,6 +46,10 @@ class StackConfig:
     """Children's logs go here (default: a new temp dir)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every child (e.g. KVMESH_ADMIN_TOKEN / KVMESH_API_TOKEN)."""
+    worker_nice: int = 0
+    """Start the workers this much nicer (``nice -n``). For simulated stacks on one small host: in
+    a real mesh every worker has its own machine, so Redis, kv_service and router should not queue
+    behind the workers' threads for a CPU."""
 
 
 def kvmesh_cmd(*args: str) -> list[str]:
@@ -114,7 +118,8 @@ class LocalStack:
             for i in range(c.workers):
                 port = c.worker_port + i
                 addr = f"{c.host}:{port}"
-                proc = self._spawn(f"worker-{i}", kvmesh_cmd(
+                nice = ["nice", "-n", str(c.worker_nice)] if c.worker_nice else []
+                proc = self._spawn(f"worker-{i}", nice + kvmesh_cmd(
                     "worker", "--model", c.model, "--host", c.host, "--port", str(port), "--kv-service", kv_addr,
                     "--worker-id", f"worker-{i}", "--advertise-address", addr, "--torch-threads", threads,
                     *self._metrics(2 + i), *(["--simulate"] if c.simulate else []), *c.worker_args))

@@ -34,13 +34,14 @@ class RoutingBenchConfig:
     workers: int = 8
     policies: Sequence[str] = DEFAULT_POLICIES
     max_requests: int | None = None
-    speedup: float = 8.0
+    speedup: float = 4.0
     """Trace time compression: request i is sent at timestamp_i / speedup wall seconds."""
     time_scale: float = 0.25
     """Wall seconds per modelled second in the workers; the modelled load is speedup x time_scale
-    times the trace's real rate. NOTE: 8 x 0.25 = 2x the conversation trace's rate puts 8
-    round-robin workers near saturation (~2,200 modelled GPU-s for its first 1,500 requests over
-    8 x 510 s at 1x: ~0.53 busy)."""
+    times the trace's real rate. NOTE: 4 x 0.25 = the conversation trace's own rate. Its first
+    1,500 requests need ~1,800 modelled GPU-s of prefill alone over 8 x 510 s, and a worker with
+    any request decoding is busy every step, so 8 round-robin workers run near saturation; at 2x
+    every policy drowns in its queues and the comparison measures only backlog."""
     num_blocks: int | None = None
     """Per worker; None = the simulator's H100 default (27,648 blocks of 16 tokens)."""
     block_size: int = 16
@@ -50,6 +51,10 @@ class RoutingBenchConfig:
     """Workers' multi-step decode window: the host schedules once per window, not per token."""
     stream_interval: int = 8
     """Workers' ``--stream-interval``: tokens per stream message after the first (TTFT unchanged)."""
+    worker_nice: int = 10
+    """The simulated workers run this much nicer than Redis, kv_service and router (see
+    StackConfig.worker_nice): on a 2-core host the control plane's Lookups otherwise miss their
+    50 ms deadline whenever eight busy workers hold the CPUs."""
     store: str = "redis"
     seed: int = 0
     worker_args: list[str] = field(default_factory=list)
@@ -135,6 +140,7 @@ def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchReq
     stack = LocalStack(StackConfig(
         model=cfg.model, workers=cfg.workers, router_port=base, kv_service_port=base + 1, worker_port=base + 4,
         metrics_port=metrics_base, store=cfg.store, simulate=True, router_tokenizer=False,
+        worker_nice=cfg.worker_nice,
         worker_args=["--sim-time-scale", str(cfg.time_scale), "--block-size", str(cfg.block_size),
                      "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
                      "--max-num-seqs", str(cfg.max_num_seqs),
@@ -190,7 +196,7 @@ def run_routing_bench(cfg: RoutingBenchConfig) -> dict:
         "time_scale": cfg.time_scale, "modelled_load_factor": cfg.speedup * cfg.time_scale,
         "num_blocks": blocks, "block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "max_num_seqs": cfg.max_num_seqs, "num_scheduler_steps": cfg.num_scheduler_steps,
-        "stream_interval": cfg.stream_interval, "store": cfg.store, "seed": cfg.seed,
+        "stream_interval": cfg.stream_interval, "worker_nice": cfg.worker_nice, "store": cfg.store, "seed": cfg.seed,
         "date": time.strftime("%Y-%m-%d %H:%M"), "host": socket.gethostname(),
     }
     return out
