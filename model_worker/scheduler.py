@@ -66,6 +66,10 @@ class ScheduledRequest:
         planned: copying every running request's table at every step would cost the scheduler
         O(context) per request per step, and a runner that needs no tables (the simulated one)
         never pays it.
+
+        Valid from ``schedule()`` until the next ``schedule()``: ``update_from_output()`` reads the
+        table of a request that finishes before freeing its blocks, so a finished request still
+        reports this step's table; a running request's table grows at the next ``schedule()``.
         """
         if self.tables is None:
             assert self.kv_cache_manager is not None, "a scheduled request without its KV cache manager"
@@ -350,6 +354,7 @@ class Scheduler:
                     new_ids.append(token)
                     status = self._check_stop(request)
                     if status is not None:
+                        _ = sched.block_tables  # NOTE: this step's table, read before the blocks go
                         self.running.remove(request)
                         self._finish(request, status)
                         break

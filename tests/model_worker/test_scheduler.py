@@ -154,6 +154,7 @@ def test_prefix_cache_hit_on_admission_sets_num_cached_tokens() -> None:
 def test_preemption_by_recompute_loses_nothing() -> None:
     # 8 usable blocks of 4 tokens; each request needs 6 blocks: both cannot run to the end.
     waiting_after: list[list[tuple[str, RequestStatus]]] = []
+    tables: list[list[list[int]]] = []
 
     def run(num_blocks: int) -> tuple[Scheduler, dict[str, RequestOutput], list[SchedulerOutput]]:
         waiting_after.clear()
@@ -161,10 +162,12 @@ def test_preemption_by_recompute_loses_nothing() -> None:
         s.add_request(make_request("A", 10, block_size=4, max_tokens=12))
         s.add_request(make_request("B", list(range(300, 310)), block_size=4, max_tokens=12))
         outs = []
+        tables.clear()
         merged: dict[str, RequestOutput] = {}
         while s.has_unfinished_requests():
             out, res = step(s)
             outs.append(out)
+            tables.append([sr.block_ids for sr in out.scheduled])  # valid until the next schedule()
             waiting_after.append([(r.request_id, r.status) for r in s.waiting])
             for o in res:
                 merged.setdefault(o.request_id, RequestOutput(o.request_id, [], False, None, 10, 0))
@@ -189,7 +192,7 @@ def test_preemption_by_recompute_loses_nothing() -> None:
     assert [batch(o) for o in outs[8:11]] == [[("A", 1, t, True)] for t in (17, 18, 19)]
     assert [o.finished_ids for o in outs[11:13]] == [[], ["A"]]
     assert batch(outs[12]) == [("B", 9, 8, True)]
-    assert outs[12].scheduled[0].block_ids == [4, 5, 6, 8, 7]
+    assert tables[12] == [[4, 5, 6, 8, 7]]
     assert s.num_preemptions == 1 and len(outs) == 17
     assert {rid: (o.new_token_ids, o.finish_reason) for rid, o in got.items()} == {
         rid: (o.new_token_ids, o.finish_reason) for rid, o in ref.items()
