@@ -123,20 +123,22 @@ def run_cluster(args: argparse.Namespace, n_routers: int, requests: list, log_di
             addr = f"127.0.0.1:{base + r}"
             kv_metrics.append(base + 2 + r)
             p = spawn(f"kv{r}", kvmesh_cmd("kv-service", "--host", "127.0.0.1", "--port", str(base + r),
-                                           "--redis-url", redis_srv.url, "--metrics-port", str(base + 2 + r)))
+                                           "--redis-url", redis_srv.url, "--metrics-port", str(base + 2 + r),
+                                           "--lease-ttl-ms", str(args.lease_ttl_ms)))
             wait_serving(addr, p, 30)
             kv_addrs.append(addr)
         wbase = free_port_base(args.workers)
-        hosts = []
         for first in range(0, args.workers, args.per_process):
             count = min(args.per_process, args.workers - first)
             # NOTE: nice, as in `kvmesh bench routing`: the control plane keeps its CPU.
-            hosts.append(spawn(f"workers{first}", ["nice", "-n", "10", sys.executable, __file__, "--host-workers", "--first", str(first),
-                                                   "--count", str(count), "--port", str(wbase + first),
-                                                   "--kv", ",".join(kv_addrs), "--model", model,
-                                                   "--sim-time-scale", str(args.sim_time_scale)]))
-        for i in range(args.workers):
-            wait_serving(f"127.0.0.1:{wbase + i}", hosts[i // args.per_process], 300)
+            host = spawn(f"workers{first}", ["nice", "-n", "10", sys.executable, __file__, "--host-workers",
+                                             "--first", str(first), "--count", str(count), "--port", str(wbase + first),
+                                             "--kv", ",".join(kv_addrs), "--model", model,
+                                             "--sim-time-scale", str(args.sim_time_scale)])
+            # NOTE: one host at a time: eight processes importing torch at once starve the
+            # heartbeats of the workers already registered on a 2-core machine.
+            for i in range(first, first + count):
+                wait_serving(f"127.0.0.1:{wbase + i}", host, 300)
         for r in range(n_routers):
             addr = f"127.0.0.1:{base + 4 + r}"
             router_metrics.append(base + 6 + r)
@@ -191,6 +193,8 @@ def main() -> int:
     ap.add_argument("--speedup", type=float, default=4.0)
     ap.add_argument("--sim-time-scale", type=float, default=0.5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--lease-ttl-ms", type=int, default=30_000,
+                    help="kv_service worker lease (default 30000: 64 nice'd workers on 2 cores heartbeat late)")
     ap.add_argument("--host-workers", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from kv_service.block_hash import SHA256_128, XXH3_128
 from kv_service.index import AllCleared, BlockIndex, Event, Load, Registration, Removed, Stored, WorkerMatch
 from kv_service.service import KVService, ServiceConfig, now_ms
-from kvmesh.errors import InvalidArgument
+from kvmesh.errors import InvalidArgument, ResourceExhausted
 from kvmesh.rpc import GrpcServer
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as pb
@@ -19,6 +19,10 @@ log = logging.getLogger("kvmesh.kv_service")
 
 ALGO_TO_PB = {SHA256_128: pb.HASH_ALGORITHM_SHA256_128, XXH3_128: pb.HASH_ALGORITHM_XXH3_128}
 PB_TO_ALGO = {v: k for k, v in ALGO_TO_PB.items()}
+DEFAULT_MAX_PUBLISHERS = 256
+"""Workers that may hold a PublishEvents stream on one replica at once."""
+UNARY_THREADS = 32
+"""Server threads beyond the publisher bound: Lookup, Heartbeat, RegisterWorker and admin calls."""
 
 
 def load_from_pb(m: common_pb2.WorkerLoad) -> Load:
@@ -60,8 +64,10 @@ def lookup_response(matches: list[WorkerMatch], block_size: int, n: int) -> pb.L
 
 
 class KVServiceServicer(pb_grpc.KVServiceServicer):
-    def __init__(self, service: KVService) -> None:
+    def __init__(self, service: KVService, max_publishers: int = DEFAULT_MAX_PUBLISHERS) -> None:
         self.svc = service
+        self.max_publishers = max_publishers
+        self._publishers = threading.BoundedSemaphore(max_publishers)
 
     def RegisterWorker(self, request, context):
         algo = PB_TO_ALGO.get(request.hash_algorithm)
@@ -78,6 +84,18 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         return pb.HeartbeatResponse(lease_ttl_ms=ttl)
 
     def PublishEvents(self, request_iterator, context) -> Iterator[pb.PublishEventsResponse]:
+        # NOTE: a publishing worker holds its stream, and so one server thread, for its whole
+        # life; a bounded number of them keeps threads free for Lookup, Heartbeat and admin calls.
+        if not self._publishers.acquire(blocking=False):
+            raise ResourceExhausted(
+                f"this kv_service replica already serves {self.max_publishers} publishing workers: "
+                "start it with a larger --max-publishers or point workers at another replica")
+        try:
+            yield from self._publish_stream(request_iterator)
+        finally:
+            self._publishers.release()
+
+    def _publish_stream(self, request_iterator) -> Iterator[pb.PublishEventsResponse]:
         for req in request_iterator:
             if req.snapshot:
                 if req.events:
@@ -137,10 +155,14 @@ class KVServiceServer:
     """The kv_service process: gRPC server + background reaper of expired workers."""
 
     def __init__(self, index: BlockIndex, host: str = "0.0.0.0", port: int = 50052,
-                 config: ServiceConfig | None = None, max_workers: int = 32) -> None:
+                 config: ServiceConfig | None = None, max_publishers: int = DEFAULT_MAX_PUBLISHERS) -> None:
+        if max_publishers < 1:
+            raise ValueError(f"max_publishers must be >= 1, got {max_publishers}")
         self.service = KVService(index, config)
-        self.grpc = GrpcServer(host, port, max_workers=max_workers)
-        pb_grpc.add_KVServiceServicer_to_server(KVServiceServicer(self.service), self.grpc.server)
+        # NOTE: sync gRPC runs each RPC on a pool thread and a PublishEvents stream keeps its
+        # thread; UNARY_THREADS more than the publisher bound are always left for unary calls.
+        self.grpc = GrpcServer(host, port, max_workers=max_publishers + UNARY_THREADS)
+        pb_grpc.add_KVServiceServicer_to_server(KVServiceServicer(self.service, max_publishers), self.grpc.server)
         self.grpc.add_service(pb.DESCRIPTOR.services_by_name["KVService"].full_name)
         self.port = self.grpc.port
         self._stop = threading.Event()

@@ -229,7 +229,8 @@ class KVPublisher:
                     self._registered.clear()
                     self._register()
                 else:
-                    self._stop.wait(0.5)
+                    # NOTE: a full replica (RESOURCE_EXHAUSTED) frees a slot only when a worker leaves.
+                    self._stop.wait(5.0 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else 0.5)
                 continue
             return
 

@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="Redis key hash tag; deployments sharing one Redis use different ones (default kvmesh)")
     p.add_argument("--lease-ttl-ms", type=int, default=10_000,
                    help="worker lease: no heartbeat for this long removes it from lookups (default 10000)")
+    p.add_argument("--max-publishers", type=int, default=256,
+                   help="workers that may stream block events to this replica at once; one more is refused "
+                        "with RESOURCE_EXHAUSTED (default 256)")
     p.add_argument("--metrics-port", type=int, default=9100, help="Prometheus /metrics port, 0 = off (default 9100)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
     add_security_args(p, serves="admin", calls=None)
@@ -63,8 +66,11 @@ def run(args: argparse.Namespace) -> int:
     if args.lease_ttl_ms < 100:
         log.error("--lease-ttl-ms must be >= 100")
         return 2
+    if args.max_publishers < 1:
+        log.error("--max-publishers must be >= 1")
+        return 2
     config = ServiceConfig(lease_ttl_ms=args.lease_ttl_ms, reap_interval_s=max(0.1, args.lease_ttl_ms / 2000))
-    server = KVServiceServer(index, args.host, args.port, config).start()
+    server = KVServiceServer(index, args.host, args.port, config, max_publishers=args.max_publishers).start()
     if args.metrics_port:
         start_metrics_server(args.metrics_port)
     log.info("kv_service listening on %s:%d (store=%s)", args.host, server.port, index.name)

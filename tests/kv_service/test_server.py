@@ -144,3 +144,72 @@ def test_bad_input_gets_clear_status_and_leaves_index_unchanged(kv):
     assert after == before == ([("w1", 3)], 3)
     # The stream that failed did not poison the next one.
     assert publish(stub, batch("w1", 2, stored(CHAIN[3:], CHAIN[2])))[0][1] == pb.PUBLISH_ACTION_ACK
+
+
+class _OpenStream:
+    """A PublishEvents stream held open, as a worker holds it for its whole life."""
+
+    def __init__(self, stub, wid: str) -> None:
+        import queue
+
+        self._q: queue.Queue = queue.Queue()
+        self._q.put(batch(wid, 1, pb.KVEvent(all_cleared=pb.AllBlocksCleared())))
+        self.call = stub.PublishEvents(iter(self._q.get, None), timeout=30)
+
+    def first_ack(self):
+        return next(self.call)
+
+    def close(self) -> None:
+        self._q.put(None)
+        list(self.call)
+
+
+def test_open_publisher_streams_past_32_leave_lookup_and_heartbeat_answered(redis_url, redis_namespace):
+    """40 workers streaming events at once (a sync server of 32 threads would have none left)."""
+    server = KVServiceServer(RedisIndex(redis_url, redis_namespace), "127.0.0.1", free_port()).start()
+    channel = dial(f"127.0.0.1:{server.port}")
+    stub = pb_grpc.KVServiceStub(channel)
+    try:
+        streams = []
+        for i in range(40):
+            register(stub, f"w{i}")
+            streams.append(_OpenStream(stub, f"w{i}"))
+            assert streams[-1].first_ack().action == pb.PUBLISH_ACTION_ACK
+        assert stub.Heartbeat(pb.HeartbeatRequest(worker_id="w39", epoch=7), timeout=5).lease_ttl_ms > 0
+        assert sorted(lookup(stub, CHAIN)) == sorted((f"w{i}", 0) for i in range(40))
+        assert len(stub.ListWorkers(pb.ListWorkersRequest(), timeout=5).workers) == 40
+        for s in streams:
+            s.close()
+    finally:
+        channel.close()
+        server.stop(0.5)
+
+
+def test_publishers_past_max_publishers_get_resource_exhausted_until_one_leaves(redis_url, redis_namespace):
+    server = KVServiceServer(RedisIndex(redis_url, redis_namespace), "127.0.0.1", free_port(),
+                             max_publishers=2).start()
+    channel = dial(f"127.0.0.1:{server.port}")
+    stub = pb_grpc.KVServiceStub(channel)
+    try:
+        for wid in ("a", "b", "c"):
+            register(stub, wid)
+        a, b = _OpenStream(stub, "a"), _OpenStream(stub, "b")
+        assert a.first_ack().seq == 1 and b.first_ack().seq == 1
+        code, details = _err(lambda: publish(stub, batch("c", 1, stored(CHAIN[:2]))))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "already serves 2 publishing workers" in details and "--max-publishers" in details
+        assert dict(lookup(stub, CHAIN)) == {"a": 0, "b": 0, "c": 0}  # unary calls still answered at the limit
+        a.close()
+        deadline = time.monotonic() + 5
+        while True:  # the slot comes back once the server has wound the closed stream down
+            try:
+                assert publish(stub, batch("c", 1, stored(CHAIN[:2]))) == [(1, pb.PUBLISH_ACTION_ACK, "")]
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                time.sleep(0.05)
+        assert dict(lookup(stub, CHAIN)) == {"a": 0, "b": 0, "c": 2}
+        b.close()
+    finally:
+        channel.close()
+        server.stop(0.5)
