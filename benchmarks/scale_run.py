@@ -162,8 +162,8 @@ def run_cluster(args: argparse.Namespace, n_routers: int, requests: list, log_di
         records, duration = asyncio.run(both())
         ev1 = sum(metric_sum(scrape(m), "kvmesh_kv_events_applied_total") for m in kv_metrics)
         cmd1 = redis_commands(redis_srv.port)
-        lookup_p99 = histogram_quantile([scrape(m) for m in router_metrics], "kvmesh_router_lookup_latency_seconds",
-                                        0.99)
+        router_scrapes = [scrape(m) for m in router_metrics]
+        lookup_p99 = histogram_quantile(router_scrapes, "kvmesh_router_lookup_latency_seconds", 0.99)
     finally:
         for p in reversed(procs):
             if p.poll() is None:
@@ -181,7 +181,9 @@ def run_cluster(args: argparse.Namespace, n_routers: int, requests: list, log_di
             "lookup_p99_ms_le": lookup_p99 * 1000, "events_per_s": (ev1 - ev0) / duration,
             "redis_ops_per_s": (cmd1 - cmd0) / duration, "hit_rate": s["prefix_hit_rate"],
             "ttft_mean_ms": s["ttft_ms"]["mean"], "ttft_p99_ms": s["ttft_ms"]["p99"],
-            "output_tok_s": s["output_throughput"], "max_mean_load": s["max_mean_load"]}
+            "output_tok_s": s["output_throughput"], "max_mean_load": s["max_mean_load"],
+            "lookups_failed": sum(metric_sum(t, "kvmesh_router_fallbacks_total") for t in router_scrapes),
+            "errors": s["errors"]}
 
 
 def main() -> int:
