@@ -253,7 +253,10 @@ class Router:
         budget = self.config.request_timeout_s if inp.timeout_s is None else min(inp.timeout_s,
                                                                                  self.config.request_timeout_s)
         deadline = time.monotonic() + budget
-        request = WorkerRequest(inp.request_id or uuid.uuid4().hex, plan.token_ids, inp.sampling, inp.cache_salt)
+        # NOTE: the client's id is only unique to that client; clients (or routers) sharing a
+        # worker may reuse one, so the worker gets it with a random suffix, as vLLM's engine does.
+        worker_rid = f"{inp.request_id}-{uuid.uuid4().hex[:12]}" if inp.request_id else uuid.uuid4().hex
+        request = WorkerRequest(worker_rid, plan.token_ids, inp.sampling, inp.cache_salt)
         remaining = list(plan.candidates)
         failures: list[tuple[str, WorkerError]] = []
         for attempt in range(self.config.max_attempts):

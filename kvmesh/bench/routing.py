@@ -91,6 +91,17 @@ def scrape_gauge(port: int, name: str, timeout: float = 2.0) -> float:
     return 0.0
 
 
+def scrape_counts(port: int, name: str, label: str, timeout: float = 2.0) -> dict[str, int]:
+    """A labelled counter from a /metrics page as {label value: count} (empty when absent)."""
+    out: dict[str, int] = {}
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + "{") and f'{label}="' in line:
+                value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+                out[value] = out.get(value, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
 class BusySampler:
     """Polls every worker's ``kvmesh_sim_busy_seconds`` once a second during a replay."""
 
@@ -159,6 +170,8 @@ def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchReq
         sampler = BusySampler([metrics_base + 2 + i for i in range(cfg.workers)]).start()
         records, duration = serve.run(stack.endpoints["router"], requests, progress=cfg.progress)
         sampler.stop()
+        # NOTE: why the router picked what it picked (prefix, load, balance, fallback, ...).
+        decisions = scrape_counts(metrics_base + 1, "kvmesh_router_decisions_total", "reason")
     finally:
         stack.stop()
     s = summarize(records, duration, cfg.time_scale, worker_ids)
@@ -173,7 +186,7 @@ def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchReq
         "utilisation_mean": sum(util) / len(util) if util else 0.0, "utilisation_max": max(util, default=0.0),
         "utilisation_whole_run": sampler.utilisation(duration, cfg.time_scale, mean=True),
         "completed": s["completed"], "failed": s["failed"], "duration_s": s["duration_s"],
-        "wall_s": duration, "errors": s["errors"],
+        "wall_s": duration, "errors": s["errors"], "decisions": decisions,
     }
 
 
@@ -218,6 +231,9 @@ def format_table(result: dict, baseline: str = "round-robin") -> str:
                      f"{r['output_tok_s']:>10.0f}{r['hit_rate']:>7.3f}"
                      f"{r['hit_rate'] / oracle if oracle else 0:>8.2f}{r['max_mean_load']:>9.2f}"
                      f"{r['utilisation_mean']:>6.2f}{r['completed']:>6d}{ttft_x:>8.1f}{tok_x:>8.2f}")
+    for p in policies:
+        if result[p].get("decisions"):
+            lines.append(f"{p} decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(result[p]["decisions"].items())))
     lines.append(f"oracle hit rate (one LRU cache of the workers' total capacity): {oracle:.3f}")
     lines.append(f"TTFT÷ = {baseline} mean TTFT / policy's; tok/s× = policy's output tok/s / {baseline}'s; "
                  "util = mean simulated busy time / modelled time until the last arrival; times in modelled ms")

@@ -40,6 +40,11 @@ def test_bench_routing_two_policies(tmp_path):
         assert (r["completed"], r["failed"]) == (20, 0)
         assert r["ttft_mean_ms"] > 0 and r["output_tok_s"] > 0 and 1.0 <= r["max_mean_load"] <= 2.0
         assert 0.0 < r["utilisation_mean"] <= 1.0
+    # the router's own account of its picks: one per request, by the policy's reasons
+    assert sum(doc["round-robin"]["decisions"].values()) == 20 and set(doc["round-robin"]["decisions"]) == {"round_robin"}
+    assert sum(doc["kv-aware"]["decisions"].values()) == 20
+    assert set(doc["kv-aware"]["decisions"]) <= {"prefix", "load", "balance", "fallback"}
+    assert "kv-aware decisions: " in proc.stdout
     # every request shares hash id 0 (512 tokens) with the first: both policies see hits
     assert 0 < doc["oracle_hit_rate"] < 1 and doc["kv-aware"]["hit_rate"] > 0
     assert "TTFT÷" in proc.stdout and "oracle hit rate" in proc.stdout

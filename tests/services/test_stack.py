@@ -103,6 +103,21 @@ def test_requests_succeed_with_kv_service_stopped(stack, kv_server):
         assert out.usage.completion_tokens == 3 and out.finish_reason == "length"
 
 
+def test_two_clients_reusing_one_request_id_on_one_worker_both_succeed(kv_server, start_worker, start_router):
+    kv_addr = f"127.0.0.1:{kv_server.port}"
+    start_worker("w1", kv_addr)
+    clients = [Client(f"127.0.0.1:{start_router(kv_addr).port}", timeout=60) for _ in range(2)]
+    try:
+        # both streams are open on the one worker at once: client ids are only unique per client
+        calls = [c.stream(PROMPTS[i], max_tokens=8, ignore_eos=True, request_id="req-1") for i, c in enumerate(clients)]
+        firsts = [next(call) for call in calls]
+        rests = [list(call) for call in calls]
+        assert [sum(len(m.token_ids) for m in [f, *r]) for f, r in zip(firsts, rests, strict=True)] == [8, 8]
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_client_cancel_frees_the_workers_blocks(stack):
     _, workers, _, client = stack
     call = client.stream(PROMPTS[0], max_tokens=400, ignore_eos=True)
