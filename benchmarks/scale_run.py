@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from kvmesh.bench import serve  # noqa: E402
 from kvmesh.bench.datasets import TokenRange  # noqa: E402
 from kvmesh.bench.report import summarize  # noqa: E402
-from kvmesh.bench.routing import free_port_base  # noqa: E402
+from kvmesh.bench.routing import free_port_base, scrape_counts  # noqa: E402
 from kvmesh.bench.trace import TraceSynthesizer, load_trace  # noqa: E402
 from kvmesh.make_model import ensure_default_model  # noqa: E402
 from kvmesh.stack import kvmesh_cmd, wait_serving  # noqa: E402
@@ -163,6 +163,11 @@ def run_cluster(args: argparse.Namespace, n_routers: int, requests: list, log_di
         ev1 = sum(metric_sum(scrape(m), "kvmesh_kv_events_applied_total") for m in kv_metrics)
         cmd1 = redis_commands(redis_srv.port)
         router_scrapes = [scrape(m) for m in router_metrics]
+        # NOTE: requests routed without the index, by cause (lookup_failed, breaker_open, ...).
+        fallbacks: dict[str, int] = {}
+        for m in router_metrics:
+            for cause, n in scrape_counts(m, "kvmesh_router_fallbacks_total", "cause").items():
+                fallbacks[cause] = fallbacks.get(cause, 0) + n
         lookup_p99 = histogram_quantile(router_scrapes, "kvmesh_router_lookup_latency_seconds", 0.99)
     finally:
         for p in reversed(procs):
@@ -182,7 +187,7 @@ def run_cluster(args: argparse.Namespace, n_routers: int, requests: list, log_di
             "redis_ops_per_s": (cmd1 - cmd0) / duration, "hit_rate": s["prefix_hit_rate"],
             "ttft_mean_ms": s["ttft_ms"]["mean"], "ttft_p99_ms": s["ttft_ms"]["p99"],
             "output_tok_s": s["output_throughput"], "max_mean_load": s["max_mean_load"],
-            "lookups_failed": sum(metric_sum(t, "kvmesh_router_fallbacks_total") for t in router_scrapes),
+            "fallbacks": fallbacks,
             "errors": s["errors"]}
 
 
