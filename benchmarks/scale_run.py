@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from kvmesh.bench import serve  # noqa: E402
 from kvmesh.bench.datasets import TokenRange  # noqa: E402
 from kvmesh.bench.report import summarize  # noqa: E402
-from kvmesh.bench.routing import free_port_base, scrape_counts  # noqa: E402
+from kvmesh.bench.routing import free_port_base, histogram_quantile, scrape, scrape_counts  # noqa: E402
 from kvmesh.bench.trace import TraceSynthesizer, load_trace  # noqa: E402
 from kvmesh.make_model import ensure_default_model  # noqa: E402
 from kvmesh.stack import kvmesh_cmd, wait_serving  # noqa: E402
@@ -71,30 +70,8 @@ def host_workers(args: argparse.Namespace) -> int:
     return 0
 
 
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        return r.read().decode()
-
-
 def metric_sum(text: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name) and not line.startswith("#"))
-
-
-def histogram_quantile(texts: list[str], name: str, q: float) -> float:
-    """The upper bound of the bucket holding quantile ``q`` over the histograms in ``texts``."""
-    buckets: dict[float, float] = {}
-    for text in texts:
-        for line in text.splitlines():
-            if line.startswith(f"{name}_bucket"):
-                le = line.split('le="')[1].split('"')[0]
-                buckets[float(le)] = buckets.get(float(le), 0.0) + float(line.split()[-1])
-    if not buckets:
-        return 0.0
-    total = buckets[max(buckets)]
-    for le in sorted(buckets):
-        if buckets[le] >= q * total:
-            return le
-    return float("inf")
 
 
 def redis_commands(redis_port: int) -> int:

@@ -91,6 +91,30 @@ def scrape_gauge(port: int, name: str, timeout: float = 2.0) -> float:
     return 0.0
 
 
+def scrape(port: int, timeout: float = 5.0) -> str:
+    """A /metrics page on localhost."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+        return r.read().decode()
+
+
+def histogram_quantile(texts: Sequence[str], name: str, q: float) -> float:
+    """The upper bound of the bucket holding quantile ``q`` over the histograms in ``texts``
+    (inf when it lies past the last finite bucket, 0.0 when nothing was observed)."""
+    buckets: dict[float, float] = {}
+    for text in texts:
+        for line in text.splitlines():
+            if line.startswith(f"{name}_bucket"):
+                le = line.split('le="')[1].split('"')[0]
+                buckets[float(le)] = buckets.get(float(le), 0.0) + float(line.split()[-1])
+    total = buckets.get(float("inf"), 0.0)
+    if not total:
+        return 0.0
+    for le in sorted(buckets):
+        if buckets[le] >= q * total:
+            return le
+    return float("inf")
+
+
 def scrape_counts(port: int, name: str, label: str, timeout: float = 2.0) -> dict[str, int]:
     """A labelled counter from a /metrics page as {label value: count} (empty when absent)."""
     out: dict[str, int] = {}
@@ -172,6 +196,10 @@ def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchReq
         sampler.stop()
         # NOTE: why the router picked what it picked (prefix, load, balance, fallback, ...).
         decisions = scrape_counts(metrics_base + 1, "kvmesh_router_decisions_total", "reason")
+        fallbacks = scrape_counts(metrics_base + 1, "kvmesh_router_fallbacks_total", "cause")
+        # NOTE: the same Lookups timed at both ends: the gap is the router's own queueing.
+        lookup_p99 = {"router": histogram_quantile([scrape(metrics_base + 1)], "kvmesh_router_lookup_latency_seconds", 0.99),
+                      "kv_service": histogram_quantile([scrape(metrics_base)], "kvmesh_kv_lookup_latency_seconds", 0.99)}
     finally:
         stack.stop()
     s = summarize(records, duration, cfg.time_scale, worker_ids)
@@ -187,6 +215,7 @@ def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchReq
         "utilisation_whole_run": sampler.utilisation(duration, cfg.time_scale, mean=True),
         "completed": s["completed"], "failed": s["failed"], "duration_s": s["duration_s"],
         "wall_s": duration, "errors": s["errors"], "decisions": decisions,
+        "index_fallbacks": fallbacks, "lookup_p99_ms_le": {k: v * 1000 for k, v in lookup_p99.items()},
     }
 
 
@@ -233,7 +262,14 @@ def format_table(result: dict, baseline: str = "round-robin") -> str:
                      f"{r['utilisation_mean']:>6.2f}{r['completed']:>6d}{ttft_x:>8.1f}{tok_x:>8.2f}")
     for p in policies:
         if result[p].get("decisions"):
-            lines.append(f"{p} decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(result[p]["decisions"].items())))
+            r = result[p]
+            line = f"{p} decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(r["decisions"].items()))
+            if r.get("index_fallbacks"):
+                line += "; routed without the index: " + ", ".join(
+                    f"{k} {v}" for k, v in sorted(r["index_fallbacks"].items()))
+            if p99 := r.get("lookup_p99_ms_le"):
+                line += f"; Lookup p99 <= {p99['router']:g} ms at the router, {p99['kv_service']:g} ms in kv_service"
+            lines.append(line)
     lines.append(f"oracle hit rate (one LRU cache of the workers' total capacity): {oracle:.3f}")
     lines.append(f"TTFT÷ = {baseline} mean TTFT / policy's; tok/s× = policy's output tok/s / {baseline}'s; "
                  "util = mean simulated busy time / modelled time until the last arrival; times in modelled ms")
