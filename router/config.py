@@ -37,6 +37,7 @@ class RouterConfig:
     max_attempts: int = 3
     """Workers tried before the first token (1 = no retry)."""
     decode_cost_tokens: int = 32
+    overlap_weight: float = 1.0
     balance_factor: float = 2.0
     balance_min_tokens: int = 2048
     fallback_prefix_blocks: int = 4
@@ -64,6 +65,8 @@ class RouterConfig:
             raise ValueError("--lookup-timeout-ms and --request-timeout must be > 0")
         if self.max_attempts < 1:
             raise ValueError(f"--max-attempts must be >= 1, got {self.max_attempts}")
+        if not self.overlap_weight >= 0:
+            raise ValueError(f"--overlap-weight must be >= 0, got {self.overlap_weight}")
         if self.balance_factor < 1.0:
             raise ValueError(f"--balance-factor must be >= 1.0, got {self.balance_factor}")
         if self.max_streams < 1 or self.max_prompt_tokens < 0 or self.max_tokens_limit < 0:

@@ -9,7 +9,7 @@ Score of a candidate, in tokens (docs/router.md):
     uncached = prompt_len - matched_blocks * block_size
     reported = load.queued_prefill_tokens + decode_cost * (load.num_running + load.num_waiting)
     own      = inflight_prefill_tokens + decode_cost * inflight_requests
-    score    = uncached + max(reported, own)
+    score    = overlap_weight * uncached + max(reported, own)
 
 This module imports neither grpc nor redis.
 """
@@ -33,6 +33,9 @@ class PolicyConfig:
 
     decode_cost_tokens: int = 32
     """Tokens of work charged per running or queued request for its decode steps."""
+    overlap_weight: float = 1.0
+    """kv-aware: weight of the uncached prefill against queued work (Dynamo's overlap score
+    weight). 1 = both in plain tokens; above 1 a cached prefix outweighs more queue."""
     balance_factor: float = 2.0
     """Hot-spot guard: a worker whose queued work exceeds this times the mean is overloaded ..."""
     balance_min_tokens: int = 2048
@@ -175,7 +178,8 @@ class KvAwarePolicy(RouterPolicy):
         if not query.index_ok and not any(c.matched_blocks for c in candidates):
             return self.rendezvous(query, candidates, "fallback")
         queued = [self._queued(c) for c in candidates]
-        scores = [uncached_tokens(c, query) + q for c, q in zip(candidates, queued, strict=True)]
+        w = self.config.overlap_weight
+        scores = [round(w * uncached_tokens(c, query)) + q for c, q in zip(candidates, queued, strict=True)]
         best = min(scores)
         i = self._choice_index([i for i, s in enumerate(scores) if s == best])
         chosen = candidates[i]

@@ -127,7 +127,8 @@ class Router:
         self.index = index
         self.tokenizer = tokenizer
         self.policy = policy or make_policy(config.policy, PolicyConfig(
-            decode_cost_tokens=config.decode_cost_tokens, balance_factor=config.balance_factor,
+            decode_cost_tokens=config.decode_cost_tokens, overlap_weight=config.overlap_weight,
+            balance_factor=config.balance_factor,
             balance_min_tokens=config.balance_min_tokens, fallback_prefix_blocks=config.fallback_prefix_blocks,
             seed=config.seed))
         self.speculative = speculative or SpeculativeIndex(config.speculative_ttl_s)

@@ -58,6 +58,8 @@ class RoutingBenchConfig:
     store: str = "redis"
     seed: int = 0
     worker_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    """Extra `kvmesh router` flags for every policy's router (e.g. --lookup-timeout-ms 200)."""
     progress: bool = True
     log_dir: str | None = None
 
@@ -185,7 +187,7 @@ def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchReq
         # NOTE: every request of the replay may be in flight at once when a policy falls behind;
         # the router must queue them, not refuse them, or the comparison would count refusals.
         router_args=["--policy", policy, "--log-level", "warning", "--first-token-timeout", "0",
-                     "--max-streams", str(max(256, len(requests) + 16))],
+                     "--max-streams", str(max(256, len(requests) + 16)), *cfg.router_args],
         log_dir=f"{cfg.log_dir}/{policy}" if cfg.log_dir else None))
     worker_ids = [f"worker-{i}" for i in range(cfg.workers)]
     stack.start()
@@ -239,6 +241,7 @@ def run_routing_bench(cfg: RoutingBenchConfig) -> dict:
         "num_blocks": blocks, "block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "max_num_seqs": cfg.max_num_seqs, "num_scheduler_steps": cfg.num_scheduler_steps,
         "stream_interval": cfg.stream_interval, "worker_nice": cfg.worker_nice, "store": cfg.store, "seed": cfg.seed,
+        "router_args": list(cfg.router_args),
         "date": time.strftime("%Y-%m-%d %H:%M"), "host": socket.gethostname(),
     }
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 
@@ -68,6 +69,9 @@ def _register_routing(bsub: argparse._SubParsersAction) -> None:
     r.add_argument("--stream-interval", type=int, default=d.stream_interval,
                    help=f"workers' tokens per stream message after the first (default {d.stream_interval})")
     r.add_argument("--store", choices=["redis", "memory"], default=d.store)
+    r.add_argument("--router-args", default="", metavar='"FLAGS"',
+                   help='extra `kvmesh router` flags for every policy, one quoted string '
+                        '(e.g. "--lookup-timeout-ms 200 --overlap-weight 2")')
     r.add_argument("--model", default=None, help="model dir for vocabulary/tokenizer (default: tiny demo model)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--json", default=None, metavar="OUT", help="write the results JSON here")
@@ -133,7 +137,7 @@ def run_routing(args: argparse.Namespace) -> int:
         policies=[p.strip() for p in args.policies.split(",") if p.strip()], max_requests=args.max_requests,
         speedup=args.speedup, time_scale=args.sim_time_scale, num_blocks=args.num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, num_scheduler_steps=args.num_scheduler_steps,
-        stream_interval=args.stream_interval,
+        stream_interval=args.stream_interval, router_args=shlex.split(args.router_args),
         store=args.store, seed=args.seed, progress=not args.no_progress, log_dir=args.log_dir)
     from router.policy import POLICIES
 

@@ -49,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="hot-spot guard's absolute margin in tokens (default 2048)")
     p.add_argument("--decode-cost", type=int, default=32,
                    help="tokens of work charged per running or queued request (default 32)")
+    p.add_argument("--overlap-weight", type=float, default=1.0,
+                   help="kv-aware: weight of uncached prompt tokens against queued tokens; above 1 favours "
+                        "cache hits over balance (default 1.0)")
     p.add_argument("--speculative-ttl", type=float, default=2.0,
                    help="seconds a routed prompt's blocks count as held by its worker, 0 = off (default 2.0)")
     p.add_argument("--max-streams", type=int, default=256,
@@ -73,7 +76,7 @@ def config_from_args(args: argparse.Namespace):
         policy=args.policy, block_size=args.block_size, hash_algorithm=args.hash_algorithm,
         lookup_timeout_ms=args.lookup_timeout_ms, request_timeout_s=args.request_timeout,
         first_token_timeout_s=args.first_token_timeout, max_attempts=args.max_attempts,
-        decode_cost_tokens=args.decode_cost, balance_factor=args.balance_factor,
+        decode_cost_tokens=args.decode_cost, overlap_weight=args.overlap_weight, balance_factor=args.balance_factor,
         balance_min_tokens=args.balance_min_tokens, speculative_ttl_s=args.speculative_ttl,
         max_streams=args.max_streams, max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,

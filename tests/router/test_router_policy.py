@@ -50,6 +50,16 @@ def test_much_more_loaded_holder_loses_to_idle_worker():
     assert (d.worker_id, d.reason, d.score) == ("b", "load", 1024)
 
 
+def test_overlap_weight_trades_queue_for_cache_hits():
+    cands = [cand("a", matched=48, queued_prefill=1000), cand("b")]
+    # weight 1: a = 256 + 1000 = 1256 > b = 1024; weight 2: a = 512 + 1000 = 1512 < b = 2048.
+    assert kv_aware(overlap_weight=1.0).pick(query(1024), cands).worker_id == "b"
+    d = kv_aware(overlap_weight=2.0).pick(query(1024), cands)
+    assert (d.worker_id, d.reason, d.score) == ("a", "prefix", 1512)
+    # weight 0: cache is ignored, pure least queued work
+    assert kv_aware(overlap_weight=0.0).pick(query(1024), [cand("a", matched=48, queued_prefill=1), cand("b")]).worker_id == "b"
+
+
 def test_queued_work_is_max_of_reported_and_own_view_not_sum():
     c = cand("a", queued_prefill=500, running=1, inflight_requests=1, inflight_prefill_tokens=1000)
     assert queued_tokens(c, 32) == 1032  # own view (1000 + 32) beats the report (500 + 32)
