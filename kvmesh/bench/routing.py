@@ -128,6 +128,21 @@ def scrape_counts(port: int, name: str, label: str, timeout: float = 2.0) -> dic
     return out
 
 
+def redis_script_stats(url: str | None, duration_s: float) -> dict:
+    """How busy the index's Redis was: its CPU seconds per wall second over the replay and the
+    script calls (EVALSHA) per second and mean microseconds per call; {} without a Redis."""
+    if not url:
+        return {}
+    import redis
+
+    info = redis.Redis.from_url(url).info("all")
+    ev = info.get("cmdstat_evalsha", {})
+    cpu = float(info.get("used_cpu_sys", 0.0)) + float(info.get("used_cpu_user", 0.0))
+    return {"cpu_s_per_s": cpu / duration_s if duration_s else 0.0,
+            "evalsha_per_s": ev.get("calls", 0) / duration_s if duration_s else 0.0,
+            "evalsha_usec_per_call": float(ev.get("usec_per_call", 0.0))}
+
+
 class BusySampler:
     """Polls every worker's ``kvmesh_sim_busy_seconds`` once a second during a replay."""
 
@@ -135,6 +150,7 @@ class BusySampler:
         self.ports = list(ports)
         self.period_s = period_s
         self.samples: list[tuple[float, list[float]]] = []
+        self.missed = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="busy-sampler", daemon=True)
         self._t0 = 0.0
@@ -156,7 +172,10 @@ class BusySampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            self._sample()
+            try:
+                self._sample()
+            except OSError:  # NOTE: a worker too busy to answer /metrics in time: skip this sample
+                self.missed += 1
 
     def utilisation(self, until_s: float, time_scale: float, mean: bool = False) -> list[float] | float:
         """Per worker, modelled busy seconds / modelled seconds over [start, ``until_s`` wall s]."""
@@ -199,6 +218,7 @@ def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchReq
         # NOTE: why the router picked what it picked (prefix, load, balance, fallback, ...).
         decisions = scrape_counts(metrics_base + 1, "kvmesh_router_decisions_total", "reason")
         fallbacks = scrape_counts(metrics_base + 1, "kvmesh_router_fallbacks_total", "cause")
+        redis_stats = redis_script_stats(stack.endpoints.get("redis"), duration)
         # NOTE: the same Lookups timed at both ends: the gap is the router's own queueing.
         lookup_p99 = {"router": histogram_quantile([scrape(metrics_base + 1)], "kvmesh_router_lookup_latency_seconds", 0.99),
                       "kv_service": histogram_quantile([scrape(metrics_base)], "kvmesh_kv_lookup_latency_seconds", 0.99)}
@@ -217,7 +237,7 @@ def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchReq
         "utilisation_whole_run": sampler.utilisation(duration, cfg.time_scale, mean=True),
         "completed": s["completed"], "failed": s["failed"], "duration_s": s["duration_s"],
         "wall_s": duration, "errors": s["errors"], "decisions": decisions,
-        "index_fallbacks": fallbacks, "lookup_p99_ms_le": {k: v * 1000 for k, v in lookup_p99.items()},
+        "index_fallbacks": fallbacks, "redis": redis_stats, "lookup_p99_ms_le": {k: v * 1000 for k, v in lookup_p99.items()},
     }
 
 
@@ -270,6 +290,9 @@ def format_table(result: dict, baseline: str = "round-robin") -> str:
             if r.get("index_fallbacks"):
                 line += "; routed without the index: " + ", ".join(
                     f"{k} {v}" for k, v in sorted(r["index_fallbacks"].items()))
+            if rs := r.get("redis"):
+                line += (f"; Redis {rs['cpu_s_per_s']:.2f} CPU s/s, {rs['evalsha_per_s']:.0f} scripts/s "
+                         f"of {rs['evalsha_usec_per_call']:.0f} us")
             if p99 := r.get("lookup_p99_ms_le"):
                 line += f"; Lookup p99 <= {p99['router']:g} ms at the router, {p99['kv_service']:g} ms in kv_service"
             lines.append(line)

@@ -45,6 +45,7 @@ def test_bench_routing_two_policies(tmp_path):
     assert sum(doc["kv-aware"]["decisions"].values()) == 20
     assert set(doc["kv-aware"]["decisions"]) <= {"prefix", "load", "balance", "fallback"}
     assert "kv-aware decisions: " in proc.stdout
+    assert doc["kv-aware"]["redis"]["evalsha_per_s"] > 0  # the index's Redis ran the event and lookup scripts
     p99 = doc["kv-aware"]["lookup_p99_ms_le"]  # kv-aware asked the index for every multi-block prompt
     assert p99["kv_service"] > 0 and p99["router"] > 0 and doc["round-robin"]["lookup_p99_ms_le"]["router"] == 0
     # every request shares hash id 0 (512 tokens) with the first: both policies see hits
