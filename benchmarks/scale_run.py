@@ -33,11 +33,14 @@ sys.path.insert(0, str(ROOT))
 from kvmesh.bench import serve  # noqa: E402
 from kvmesh.bench.datasets import TokenRange  # noqa: E402
 from kvmesh.bench.report import summarize  # noqa: E402
-from kvmesh.bench.routing import free_port_base, histogram_quantile, scrape, scrape_counts  # noqa: E402
+from kvmesh.bench.routing import RoutingBenchConfig, free_port_base, histogram_quantile, label_counts, scrape  # noqa: E402
 from kvmesh.bench.trace import TraceSynthesizer, load_trace  # noqa: E402
 from kvmesh.make_model import ensure_default_model  # noqa: E402
 from kvmesh.stack import kvmesh_cmd, wait_serving  # noqa: E402
 from kvmesh.testing import RedisServer  # noqa: E402
+
+BENCH = RoutingBenchConfig(trace="", model="")
+"""The engine settings of `kvmesh bench routing`, which the hosted workers share."""
 
 
 def host_workers(args: argparse.Namespace) -> int:
@@ -46,7 +49,7 @@ def host_workers(args: argparse.Namespace) -> int:
 
     from model_worker.llm_engine import LLMEngine
     from model_worker.server import WorkerServer
-    from model_worker.sim_runner import CostModel, SimRunner
+    from model_worker.sim_runner import DEFAULT_SIM_MAX_MODEL_LEN, CostModel, SimRunner
 
     servers = []
     kvs = args.kv.split(",")
@@ -56,12 +59,12 @@ def host_workers(args: argparse.Namespace) -> int:
         def factory(cfg, mc):
             return SimRunner(cfg, mc, CostModel(), args.sim_time_scale)
 
-        # NOTE: the same engine settings as `kvmesh bench routing` (kvmesh/bench/routing.py).
-        engine = LLMEngine(model=args.model, max_model_len=131072, max_num_batched_tokens=8192, max_num_seqs=256,
-                           num_scheduler_steps=8, device="cpu", runner_factory=factory)
+        engine = LLMEngine(model=args.model, max_model_len=DEFAULT_SIM_MAX_MODEL_LEN,
+                           max_num_batched_tokens=BENCH.max_num_batched_tokens, max_num_seqs=BENCH.max_num_seqs,
+                           num_scheduler_steps=BENCH.num_scheduler_steps, device="cpu", runner_factory=factory)
         port = args.port + k
         servers.append(WorkerServer(engine, f"worker-{i:02d}", "127.0.0.1", port, kvs[i % len(kvs)],
-                                    f"127.0.0.1:{port}", stream_interval=8).start())
+                                    f"127.0.0.1:{port}", stream_interval=BENCH.stream_interval).start())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
@@ -70,8 +73,9 @@ def host_workers(args: argparse.Namespace) -> int:
     return 0
 
 
-def metric_sum(text: str, name: str) -> float:
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name) and not line.startswith("#"))
+def events_applied(kv_ports: list[int]) -> int:
+    """Block events applied so far over the kv_service replicas."""
+    return sum(sum(label_counts(scrape(p), "kvmesh_kv_events_applied_total", "kind").values()) for p in kv_ports)
 
 
 def redis_commands(redis_port: int) -> int:
@@ -108,7 +112,7 @@ def run_cluster(args: argparse.Namespace, n_routers: int, requests: list, log_di
         for first in range(0, args.workers, args.per_process):
             count = min(args.per_process, args.workers - first)
             # NOTE: nice, as in `kvmesh bench routing`: the control plane keeps its CPU.
-            host = spawn(f"workers{first}", ["nice", "-n", "10", sys.executable, __file__, "--host-workers",
+            host = spawn(f"workers{first}", ["nice", "-n", str(BENCH.worker_nice), sys.executable, __file__, "--host-workers",
                                              "--first", str(first), "--count", str(count), "--port", str(wbase + first),
                                              "--kv", ",".join(kv_addrs), "--model", model,
                                              "--sim-time-scale", str(args.sim_time_scale)])
@@ -127,7 +131,7 @@ def run_cluster(args: argparse.Namespace, n_routers: int, requests: list, log_di
             wait_serving(addr, p, 60)
             router_addrs.append(addr)
         time.sleep(3.0)  # every worker registered and discovered
-        ev0 = sum(metric_sum(scrape(m), "kvmesh_kv_events_applied_total") for m in kv_metrics)
+        ev0 = events_applied(kv_metrics)
         cmd0 = redis_commands(redis_srv.port)
 
         async def both() -> tuple[list, float]:
@@ -137,13 +141,13 @@ def run_cluster(args: argparse.Namespace, n_routers: int, requests: list, log_di
             return [rec for recs, _ in parts for rec in recs], time.perf_counter() - t0
 
         records, duration = asyncio.run(both())
-        ev1 = sum(metric_sum(scrape(m), "kvmesh_kv_events_applied_total") for m in kv_metrics)
+        ev1 = events_applied(kv_metrics)
         cmd1 = redis_commands(redis_srv.port)
         router_scrapes = [scrape(m) for m in router_metrics]
         # NOTE: requests routed without the index, by cause (lookup_failed, breaker_open, ...).
         fallbacks: dict[str, int] = {}
-        for m in router_metrics:
-            for cause, n in scrape_counts(m, "kvmesh_router_fallbacks_total", "cause").items():
+        for page in router_scrapes:
+            for cause, n in label_counts(page, "kvmesh_router_fallbacks_total", "cause").items():
                 fallbacks[cause] = fallbacks.get(cause, 0) + n
         lookup_p99 = histogram_quantile(router_scrapes, "kvmesh_router_lookup_latency_seconds", 0.99)
     finally:

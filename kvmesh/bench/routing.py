@@ -84,19 +84,28 @@ def free_port_base(n: int, lo: int = 20000, hi: int = 60000) -> int:
     raise RuntimeError(f"no {n} consecutive free ports found")
 
 
-def scrape_gauge(port: int, name: str, timeout: float = 2.0) -> float:
-    """One unlabelled gauge from a Prometheus /metrics page (0.0 when absent)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return 0.0
-
-
 def scrape(port: int, timeout: float = 5.0) -> str:
     """A /metrics page on localhost."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
         return r.read().decode()
+
+
+def gauge(text: str, name: str) -> float:
+    """One unlabelled gauge of a /metrics page (0.0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def label_counts(text: str, name: str, label: str) -> dict[str, int]:
+    """A labelled counter of a /metrics page as {label value: count} (empty when absent)."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'{label}="' in line:
+            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[value] = out.get(value, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return out
 
 
 def histogram_quantile(texts: Sequence[str], name: str, q: float) -> float:
@@ -115,17 +124,6 @@ def histogram_quantile(texts: Sequence[str], name: str, q: float) -> float:
         if buckets[le] >= q * total:
             return le
     return float("inf")
-
-
-def scrape_counts(port: int, name: str, label: str, timeout: float = 2.0) -> dict[str, int]:
-    """A labelled counter from a /metrics page as {label value: count} (empty when absent)."""
-    out: dict[str, int] = {}
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + "{") and f'{label}="' in line:
-                value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
-                out[value] = out.get(value, 0) + int(float(line.rsplit(" ", 1)[1]))
-    return out
 
 
 def redis_script_stats(url: str | None, duration_s: float) -> dict:
@@ -168,7 +166,7 @@ class BusySampler:
 
     def _sample(self) -> None:
         t = time.perf_counter() - self._t0
-        self.samples.append((t, [scrape_gauge(p, "kvmesh_sim_busy_seconds") for p in self.ports]))
+        self.samples.append((t, [gauge(scrape(p, timeout=2.0), "kvmesh_sim_busy_seconds") for p in self.ports]))
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
@@ -215,15 +213,16 @@ def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchReq
         sampler = BusySampler([metrics_base + 2 + i for i in range(cfg.workers)]).start()
         records, duration = serve.run(stack.endpoints["router"], requests, progress=cfg.progress)
         sampler.stop()
-        # NOTE: why the router picked what it picked (prefix, load, balance, fallback, ...).
-        decisions = scrape_counts(metrics_base + 1, "kvmesh_router_decisions_total", "reason")
-        fallbacks = scrape_counts(metrics_base + 1, "kvmesh_router_fallbacks_total", "cause")
+        router_page, kv_page = scrape(metrics_base + 1), scrape(metrics_base)
         redis_stats = redis_script_stats(stack.endpoints.get("redis"), duration)
-        # NOTE: the same Lookups timed at both ends: the gap is the router's own queueing.
-        lookup_p99 = {"router": histogram_quantile([scrape(metrics_base + 1)], "kvmesh_router_lookup_latency_seconds", 0.99),
-                      "kv_service": histogram_quantile([scrape(metrics_base)], "kvmesh_kv_lookup_latency_seconds", 0.99)}
     finally:
         stack.stop()
+    # NOTE: why the router picked what it picked (prefix, load, balance, fallback, ...), and the
+    # same Lookups timed at both ends: the gap is the router's own queueing.
+    decisions = label_counts(router_page, "kvmesh_router_decisions_total", "reason")
+    fallbacks = label_counts(router_page, "kvmesh_router_fallbacks_total", "cause")
+    lookup_p99 = {"router": histogram_quantile([router_page], "kvmesh_router_lookup_latency_seconds", 0.99),
+                  "kv_service": histogram_quantile([kv_page], "kvmesh_kv_lookup_latency_seconds", 0.99)}
     s = summarize(records, duration, cfg.time_scale, worker_ids)
     # NOTE: utilisation over the arrival window: after the last arrival the cluster only drains,
     # and counting that tail would make a saturated cluster look idle.
