@@ -140,7 +140,7 @@ def main() -> int:
         print("kernel_bench: a CUDA GPU is needed for timings (none found); nothing measured.")
         return 0
 
-    from kernels.triton_attention import ragged_paged_attention_triton
+    from kvmesh.kernels.triton_attention import ragged_paged_attention_triton
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     scale = args.head_dim**-0.5

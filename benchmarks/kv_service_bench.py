@@ -30,9 +30,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kv_service.store_redis import RedisIndex  # noqa: E402
-from kvmesh.rpc import dial  # noqa: E402
-from kvmesh.testing import RedisServer, free_port  # noqa: E402
+from kvmesh.kv_service.store_redis import RedisIndex  # noqa: E402
+
+from kvmesh.loopback import RedisServer, free_port  # noqa: E402
+from kvmesh.transport.rpc import dial  # noqa: E402
 from kvmesh.v1 import kv_service_pb2 as pb  # noqa: E402
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc  # noqa: E402
 

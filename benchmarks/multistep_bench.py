@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 import torch
+from kvmesh.model_worker.llm_engine import LLMEngine
+from kvmesh.model_worker.scheduler import RequestOutput
 
+from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ModelSpec, ensure_default_model, make_model
-from model_worker.llm_engine import LLMEngine
-from model_worker.sampling_params import SamplingParams
-from model_worker.scheduler import RequestOutput
 
 MICRO = ModelSpec(layers=1, hidden_size=32, heads=2, kv_heads=1, intermediate_size=64, seed=5)
 

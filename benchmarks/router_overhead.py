@@ -24,16 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from kvmesh.router.config import RouterConfig  # noqa: E402
+from kvmesh.router.router import GenerateInput  # noqa: E402
+from kvmesh.router.server import RouterServer  # noqa: E402
 
+from kvmesh.contract.types import SamplingParams  # noqa: E402
+from kvmesh.loopback import RedisServer, free_port  # noqa: E402
 from kvmesh.make_model import CORPUS, train_tokenizer  # noqa: E402
-from kvmesh.rpc import dial  # noqa: E402
-from kvmesh.testing import RedisServer, free_port  # noqa: E402
+from kvmesh.transport.rpc import dial  # noqa: E402
 from kvmesh.v1 import kv_service_pb2 as pb  # noqa: E402
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc  # noqa: E402
-from model_worker.sampling_params import SamplingParams  # noqa: E402
-from router.config import RouterConfig  # noqa: E402
-from router.router import GenerateInput  # noqa: E402
-from router.server import RouterServer  # noqa: E402
 
 GOAL_P99_MS = 2.0
 ALGOS = {"sha256_128": pb.HASH_ALGORITHM_SHA256_128, "xxh3_128": pb.HASH_ALGORITHM_XXH3_128}

@@ -39,10 +39,10 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvmesh.client import Client  # noqa: E402
+from kvmesh.loopback import free_port  # noqa: E402
 from kvmesh.make_model import ensure_default_model  # noqa: E402
-from kvmesh.rpc import dial  # noqa: E402
 from kvmesh.stack import LocalStack, StackConfig  # noqa: E402
-from kvmesh.testing import free_port  # noqa: E402
+from kvmesh.transport.rpc import dial  # noqa: E402
 from kvmesh.v1 import kv_service_pb2 as kpb  # noqa: E402
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc  # noqa: E402
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402

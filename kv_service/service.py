@@ -11,21 +11,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kv_service import metrics
-from kv_service.block_hash import ALGORITHMS, HASH_LEN, BlockHasher
-from kv_service.index import (
-    Action,
-    AllCleared,
-    BlockIndex,
-    Event,
-    Load,
-    PublishResult,
-    Registration,
-    Removed,
-    Stored,
-    WorkerMatch,
-)
-from kvmesh.errors import InvalidArgument, NotFound
+from kvmesh.kv_service import metrics
+from kvmesh.kv_service.index import Action, BlockIndex, PublishResult, Registration, WorkerMatch
+
+from kvmesh.contract.block_hash import ALGORITHMS, HASH_LEN, BlockHasher
+from kvmesh.contract.errors import InvalidArgument, NotFound
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load
 
 MAX_CHAIN_BLOCKS = 65_536
 MAX_EPOCH = 2**53 - 1  # exact in a Lua double
@@ -104,16 +95,16 @@ class KVService:
         return self.config.lease_ttl_ms
 
     # -- events --------------------------------------------------------------------------
-    def publish(self, worker_id: str, epoch: int, seq: int, events: list[Event]) -> PublishResult:
+    def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent]) -> PublishResult:
         _check_id("worker_id", worker_id)
         _check_counter("epoch", epoch)
         _check_counter("seq", seq)
         for i, ev in enumerate(events):
-            if isinstance(ev, Stored):
+            if isinstance(ev, BlockStored):
                 _check_hashes(f"events[{i}].stored.block_hashes", ev.block_hashes)
-                if ev.parent is not None:
-                    _check_hashes(f"events[{i}].stored.parent_hash", [ev.parent])
-            elif isinstance(ev, Removed):
+                if ev.parent_block_hash is not None:
+                    _check_hashes(f"events[{i}].stored.parent_hash", [ev.parent_block_hash])
+            elif isinstance(ev, BlockRemoved):
                 _check_hashes(f"events[{i}].removed.block_hashes", ev.block_hashes)
         result = self.index.publish(worker_id, epoch, seq, events, now_ms())
         self._count(result, events)
@@ -128,15 +119,15 @@ class KVService:
         metrics.EVENTS_APPLIED.labels("snapshot").inc(len(hashes))
         return result
 
-    def _count(self, result: PublishResult, events: list[Event]) -> None:
+    def _count(self, result: PublishResult, events: list[KVCacheEvent]) -> None:
         if result.action == Action.RESYNC:
             metrics.RESYNCS.inc()
             with self._lock:
                 self.resyncs_total += 1
             return
         for ev in events:
-            kind = "stored" if isinstance(ev, Stored) else "removed" if isinstance(ev, Removed) else "all_cleared"
-            n = 1 if isinstance(ev, AllCleared) else len(ev.block_hashes)
+            kind = "stored" if isinstance(ev, BlockStored) else "removed" if isinstance(ev, BlockRemoved) else "all_cleared"
+            n = 1 if isinstance(ev, AllBlocksCleared) else len(ev.block_hashes)
             metrics.EVENTS_APPLIED.labels(kind).inc(n)
         with self._lock:
             self.events_applied_total += len(events)

@@ -16,18 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.convert import PB_TO_FINISH
-from kvmesh.rpc import dial
+from kvmesh.contract.convert import PB_TO_FINISH, usage_from_pb
+from kvmesh.contract.types import Usage
+from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -84,7 +78,7 @@ class Client:
             if msg.finish_reason:
                 out.finish_reason = PB_TO_FINISH.get(msg.finish_reason)
                 out.served_by = msg.served_by
-                out.usage = Usage(msg.usage.prompt_tokens, msg.usage.cached_tokens, msg.usage.completion_tokens)
+                out.usage = usage_from_pb(msg.usage)
         return out
 
     def close(self) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.rpc import dial
-from kvmesh.testing import RedisServer
+from kvmesh.loopback import RedisServer
+from kvmesh.transport.rpc import dial
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kv_service.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128, algorithm_name
+from kvmesh.contract.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128, algorithm_name
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _DTYPES = {
@@ -169,7 +169,7 @@ class EngineConfig:
     seed: int = 0
     """Seeds the generator of sampled requests that have no seed of their own."""
     model_id: str | None = None
-    """Identity for block hashing; None = the directory's name (kvmesh.modelinfo.model_id_for)."""
+    """Identity for block hashing; None = the directory's name (kvmesh.contract.modelinfo.model_id_for)."""
     num_scheduler_steps: int = 1
     """Decode steps per scheduler call when the batch is all decodes (multi-step decode); 1 = off."""
 

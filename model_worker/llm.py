@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from model_worker.llm_engine import LLMEngine
-from model_worker.sampling_params import SamplingParams
+from kvmesh.model_worker.llm_engine import LLMEngine
+
+from kvmesh.contract.types import SamplingParams
 
 
 @dataclass(slots=True)

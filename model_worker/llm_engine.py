@@ -11,16 +11,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kv_service.block_hash import BlockHasher
-from kvmesh.modelinfo import model_id_for
-from model_worker.config import EngineConfig, ModelConfig
-from model_worker.kv_cache_manager import KVCacheManager
-from model_worker.kv_cache_spec import KVCacheConfig
-from model_worker.kv_events import KVCacheEvent
-from model_worker.model_runner import ModelRunner
-from model_worker.request import Request
-from model_worker.sampling_params import SamplingParams
-from model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from kvmesh.model_worker.config import EngineConfig, ModelConfig
+from kvmesh.model_worker.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.kv_cache_spec import KVCacheConfig
+from kvmesh.model_worker.model_runner import ModelRunner
+from kvmesh.model_worker.request import Request
+from kvmesh.model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig
+
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.modelinfo import model_id_for
+from kvmesh.contract.types import KVCacheEvent, Load, SamplingParams
 
 
 @dataclass(slots=True)
@@ -36,6 +36,11 @@ class EngineStats:
     """Prompt tokens looked up in the prefix cache so far."""
     prefix_cache_hits: int
     """Of those, tokens found cached."""
+
+    @property
+    def load(self) -> Load:
+        return Load(self.num_running, self.num_waiting, self.num_free_blocks, self.num_total_blocks,
+                    self.queued_prefill_tokens)
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:

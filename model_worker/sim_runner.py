@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from model_worker.config import EngineConfig, ModelConfig
-from model_worker.request import Request
-from model_worker.scheduler import SchedulerOutput
+from kvmesh.model_worker.config import EngineConfig, ModelConfig
+from kvmesh.model_worker.request import Request
+from kvmesh.model_worker.scheduler import SchedulerOutput
 
 DEFAULT_SIM_NUM_BLOCKS = 27_648
 """KV blocks of 16 tokens of an H100-80GB serving Llama-3-8B in bf16: 128 KiB of KV per token

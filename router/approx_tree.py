@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.policy import POLICIES, Candidate, Decision, PolicyConfig, RouteQuery, RouterPolicy
+from kvmesh.router.policy import POLICIES, Candidate, Decision, PolicyConfig, RouteQuery, RouterPolicy
 
 
 @dataclass(slots=True)

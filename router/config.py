@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kv_service.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128
+from kvmesh.contract.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 The gRPC adapter (router/server.py) turns a GenerateRequest into a :class:`GenerateInput`, calls
 :meth:`Router.generate` and turns each :class:`GenerateOutput` into a GenerateResponse. Workers and
 the index are reached through router/upstream.py's protocols, so this module imports neither
-grpc nor redis; errors are kvmesh.errors, mapped to status codes by kvmesh/rpc.py.
+grpc nor redis; errors are kvmesh.contract.errors, mapped to status codes by kvmesh/rpc.py.
 """
 
 from __future__ import annotations
@@ -15,16 +15,11 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from tokenizers import Tokenizer
-
-from kv_service.block_hash import BlockHasher
-from kvmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
-from model_worker.sampling_params import SamplingParams
-from router import metrics
-from router.config import RouterConfig
-from router.detokenize import IncrementalDetokenizer
-from router.inflight import InFlight
-from router.policy import (
+from kvmesh.router import metrics
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.detokenize import IncrementalDetokenizer
+from kvmesh.router.inflight import InFlight
+from kvmesh.router.policy import (
     Candidate,
     Decision,
     PolicyConfig,
@@ -33,19 +28,22 @@ from router.policy import (
     make_policy,
     uncached_tokens,
 )
-from router.speculative import SpeculativeIndex
-from router.upstream import (
+from kvmesh.router.speculative import SpeculativeIndex
+from kvmesh.router.upstream import (
     RETRIABLE,
     Failure,
     IndexUnavailable,
-    ModelSpec,
     PrefixIndex,
-    Usage,
     WorkerEndpoint,
     WorkerError,
     WorkerPool,
     WorkerRequest,
 )
+from tokenizers import Tokenizer
+
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvmesh.contract.types import ModelSpec, SamplingParams, Usage
 
 log = logging.getLogger("kvmesh.router")
 

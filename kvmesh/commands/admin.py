@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _stub(args: argparse.Namespace):
-    from kvmesh.rpc import dial
+    from kvmesh.transport.rpc import dial
 
     apply_security(args)
     from kvmesh.v1 import kv_service_pb2_grpc
@@ -147,13 +147,13 @@ def _token_ids(args: argparse.Namespace) -> list[int]:
             raise ValueError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
     if not args.model:
         raise ValueError("--text needs --model DIR to tokenize with")
-    from kvmesh.modelinfo import load_tokenizer
+    from kvmesh.contract.modelinfo import load_tokenizer
 
     return load_tokenizer(args.model).encode(args.text, add_special_tokens=True).ids
 
 
 def lookup(args: argparse.Namespace) -> int:
-    from kvmesh.modelinfo import model_id_for
+    from kvmesh.contract.modelinfo import model_id_for
     from kvmesh.v1 import kv_service_pb2 as pb
 
     def go():

@@ -92,7 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvmesh.bench import datasets as ds
     from kvmesh.bench import serve
     from kvmesh.bench.report import format_report, save_result, summarize, write_plots
-    from model_worker.config import ModelConfig
+    from kvmesh.model_worker.config import ModelConfig
 
     tokens = ds.TokenRange.for_vocab(ModelConfig.from_dir(_model(args.model)).vocab_size)
     n = args.num_prompts
@@ -139,7 +139,7 @@ def run_routing(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, num_scheduler_steps=args.num_scheduler_steps,
         stream_interval=args.stream_interval, router_args=shlex.split(args.router_args),
         store=args.store, seed=args.seed, progress=not args.no_progress, log_dir=args.log_dir)
-    from router.policy import POLICIES
+    from kvmesh.router.policy import POLICIES
 
     unknown = [p for p in cfg.policies if p not in POLICIES]
     if unknown:

@@ -39,8 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kv_service.server import KVServiceServer
-    from kv_service.service import ServiceConfig
+    from kvmesh.kv_service.server import KVServiceServer
+    from kvmesh.kv_service.service import ServiceConfig
 
     setup_logging(args.log_level)
     log = logging.getLogger("kvmesh.kv_service")
@@ -50,11 +50,11 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     if args.store == "memory":
-        from kv_service.store_memory import MemoryIndex
+        from kvmesh.kv_service.store_memory import MemoryIndex
 
         index = MemoryIndex()
     else:
-        from kv_service.store_redis import RedisIndex
+        from kvmesh.kv_service.store_redis import RedisIndex
 
         url = args.redis_url or "redis://127.0.0.1:6379/0"
         index = RedisIndex(url, namespace=args.namespace)

@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def parse_line(text: str, where: str) -> tuple[list[int] | str, Any]:
     """One input line -> (prompt, SamplingParams); raises ValueError prefixed with ``where``."""
-    from model_worker.sampling_params import SamplingParams
+    from kvmesh.contract.types import SamplingParams
 
     try:
         obj = json.loads(text)
@@ -83,7 +83,7 @@ def parse_line(text: str, where: str) -> tuple[list[int] | str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.make_model import ensure_default_model
-    from model_worker.llm import LLM
+    from kvmesh.model_worker.llm import LLM
 
     try:
         with open(args.input, encoding="utf-8") as f:

@@ -15,7 +15,7 @@ from kvmesh.commands.common import (
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from router.policy import POLICIES
+    from kvmesh.router.policy import POLICIES
 
     p = sub.add_parser("router", help="run the KV-cache-aware router (gRPC)",
                        description="Route each request to the worker with the least tokens of work: "
@@ -68,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from router.config import RouterConfig
+    from kvmesh.router.config import RouterConfig
 
     return RouterConfig(
         host=args.host, port=args.port, kv_service=args.kv_service or None, model_dir=args.model,
@@ -84,8 +84,8 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kv_service.block_hash import algorithm_name
-    from router.server import RouterServer
+    from kvmesh.contract.block_hash import algorithm_name
+    from kvmesh.router.server import RouterServer
 
     setup_logging(args.log_level)
     log = logging.getLogger("kvmesh.router")

@@ -76,7 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def add_sim_args(p: argparse.ArgumentParser) -> None:
     """`--simulate` and the cost model's constants (model_worker/sim_runner.py, docs/benchmarks.md)."""
-    from model_worker.sim_runner import CostModel
+    from kvmesh.model_worker.sim_runner import CostModel
 
     c = CostModel()
     g = p.add_argument_group("simulation (no weights, no KV tensors; the forward pass is a cost model)")
@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
     if args.stream_interval < 1:
         log.error("--stream-interval must be >= 1, got %d", args.stream_interval)
         return 2
-    from model_worker.llm_engine import LLMEngine
-    from model_worker.server import WorkerServer
+    from kvmesh.model_worker.llm_engine import LLMEngine
+    from kvmesh.model_worker.server import WorkerServer
 
     if args.torch_threads:
         import torch
@@ -126,11 +126,16 @@ def run(args: argparse.Namespace) -> int:
         log.info("no --model given: using the tiny demo model at %s (its output is noise)", model)
     kwargs = engine_kwargs(args)
     if args.simulate:
-        from model_worker.config import EngineConfig
-        from model_worker.sim_runner import DEFAULT_SIM_MAX_MODEL_LEN, CostModel, SimRunner, export_metrics
+        from kvmesh.model_worker.config import EngineConfig
+        from kvmesh.model_worker.sim_runner import (
+            DEFAULT_SIM_MAX_MODEL_LEN,
+            CostModel,
+            SimRunner,
+            export_metrics,
+        )
 
         cost = CostModel(**{f: getattr(args, f"sim_{f}") for f in CostModel.__dataclass_fields__})
-        from model_worker.sim_runner import DEFAULT_SIM_NUM_BLOCKS
+        from kvmesh.model_worker.sim_runner import DEFAULT_SIM_NUM_BLOCKS
 
         blocks = kwargs["num_blocks"] or DEFAULT_SIM_NUM_BLOCKS
         kwargs["max_model_len"] = kwargs["max_model_len"] or min(DEFAULT_SIM_MAX_MODEL_LEN,

@@ -14,9 +14,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kv_service.block_hash import BlockHasher
-from kvmesh.rpc import dial
-from kvmesh.testing import free_port
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.loopback import free_port
+from kvmesh.transport.rpc import dial
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-
-from kv_service.index import Load
-from router.policy import (
+from kvmesh.router.policy import (
     POLICIES,
     Candidate,
     KvAwarePolicy,
@@ -18,6 +16,8 @@ from router.policy import (
     queued_tokens,
     rendezvous_weight,
 )
+
+from kvmesh.contract.types import Load
 
 BS = 16
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-
-from router.speculative import SpeculativeIndex
+from kvmesh.router.speculative import SpeculativeIndex
 
 
 class Clock:

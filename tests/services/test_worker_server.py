@@ -6,16 +6,16 @@ import itertools
 
 import grpc
 import pytest
+from kvmesh.model_worker.llm import LLM
 
-from kvmesh.rpc import dial
+from kvmesh.contract.types import SamplingParams
 from kvmesh.testing import wait_until
+from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
 from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc
-from model_worker.llm import LLM
-from model_worker.sampling_params import SamplingParams
 
 PROMPTS = [[(7 * i + 3) % 200 + 5 for i in range(n)] for n in (40, 70, 23)]
 
