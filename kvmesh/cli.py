@@ -18,6 +18,7 @@ COMMAND_MODULES: dict[str, str] = {
     "generate": "kvmesh.commands.generate",
     "up": "kvmesh.commands.up",
     "bench": "kvmesh.commands.bench",
+    "simulate": "kvmesh.commands.simulate",
 }
 
 

@@ -87,7 +87,8 @@ class LLMEngine:
         runner_factory: builds the runner from the checked configs (default ModelRunner); it must
             offer ``num_blocks`` and ``execute(SchedulerOutput)``, as model_worker/sim_runner.py does.
             A runner without ``execute_window`` runs one decode step per ``step()`` whatever
-            ``num_scheduler_steps`` says.
+            ``num_scheduler_steps`` says; one with ``batch_windows`` set returns a whole window's
+            tokens from ``execute_window_batch`` (the simulator's runner).
     """
 
     def __init__(self, config: EngineConfig | None = None, *,
@@ -143,18 +144,22 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         cache_salt: str = "",
         block_hashes: list[bytes] | None = None,
+        validate_tokens: bool = True,
     ) -> None:
         """Queues a request; it starts at the next ``step()``.
 
         ``block_hashes`` are the prompt's full-block hashes when the caller has them already (the
         simulator hashes each prompt once per trace); they must be this engine's hashes of this prompt.
+        ``validate_tokens=False`` skips the per-token vocabulary check, for in-process callers that
+        made the ids themselves (the simulator: its runner reads no token id, and the check is a
+        Python loop over the prompt); lengths are checked either way.
 
         Raises:
             ValueError: the request is malformed or can never fit; nothing else is affected.
         """
         params = copy.deepcopy(sampling_params) if sampling_params is not None else SamplingParams()
         params.validate()
-        self.check_prompt(prompt_token_ids)
+        self.check_prompt(prompt_token_ids, validate_tokens)
         extra_eos = self.eos_token_ids[1:]
         if extra_eos and not params.ignore_eos:
             params = replace(params, stop_token_ids=[*params.stop_token_ids, *extra_eos])
@@ -173,7 +178,7 @@ class LLMEngine:
             self._live.add(request_id)
             self._inbox.append(("add", request))
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+    def check_prompt(self, prompt_token_ids: list[int], validate_tokens: bool = True) -> None:
         """Raises ValueError naming the problem: empty, too long for max_model_len, or an id outside the vocabulary."""
         n = len(prompt_token_ids)
         if n == 0:
@@ -185,6 +190,8 @@ class LLMEngine:
                 f"the prompt has {n} tokens but max_model_len is {max_len}; shorten it to at most "
                 f"{max_len - 1} tokens to leave room for one generated token"
             )
+        if not validate_tokens:
+            return
         vocab = self.model_config.vocab_size
         for i, t in enumerate(prompt_token_ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
@@ -241,16 +248,30 @@ class LLMEngine:
             if not out.is_empty:
                 self._work.add(out.work())
                 self._steps += 1
+        elif getattr(runner, "batch_windows", False):
+            sampled = runner.execute_window_batch(out)
+            work = self._work
+            for s in out.scheduled:
+                m = len(sampled.get(s.request.request_id, ()))
+                work.decode_seqs += m
+                work.decode_context_tokens += m * (s.start + 1) + m * (m - 1) // 2
+            self._steps += max(map(len, sampled.values()), default=0)
+            commit(self.scheduler.update_from_window(out, sampled))
+            self._drain_inbox()
         else:
             num_done = 0
             starts = {s.request.request_id: s.start + 1 for s in out.scheduled}
             work = self._work
+            rows, base = len(starts), sum(starts.values())
 
             def on_step(tokens: dict[str, int]) -> list[str]:
-                nonlocal num_done
-                # NOTE: inner step k decodes every listed row at context start + 1 + k.
-                work.decode_seqs += len(tokens)
-                work.decode_context_tokens += sum(starts[rid] for rid in tokens) + num_done * len(tokens)
+                nonlocal num_done, rows, base
+                # NOTE: inner step k decodes every listed row at context start + 1 + k; the rows
+                # only shrink, so their sum is recomputed only when one left.
+                if len(tokens) != rows:
+                    rows, base = len(tokens), sum(starts[rid] for rid in tokens)
+                work.decode_seqs += rows
+                work.decode_context_tokens += base + num_done * rows
                 num_done += 1
                 commit(self.scheduler.update_from_output(out, {rid: [t] for rid, t in tokens.items()}))
                 # NOTE: aborts take effect between inner steps; adds only queue until the next schedule().
@@ -283,6 +304,11 @@ class LLMEngine:
             num_waiting=snap.num_waiting + len(queued),
             queued_prefill_tokens=snap.queued_prefill_tokens + sum(r.num_tokens for r in queued),
         )
+
+    @property
+    def last_step_stats(self) -> EngineStats:
+        """The load as of the end of the last step, without requests queued since."""
+        return self._stats
 
     def _snapshot(self) -> EngineStats:
         # NOTE: taken on the step thread only: the scheduler's queues are not thread-safe.

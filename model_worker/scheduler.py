@@ -8,6 +8,8 @@ Multi-step decode: when every scheduled request decodes and no waiting request c
 batch with ``num_steps > 1``; the runner then runs that many forward passes without coming back
 here. After each inner step ``update_from_output()`` commits that step's tokens (stop rules apply
 per token, so a request can finish mid-window) and ``prepare_window_step()`` readies the next one.
+A runner that returns a whole window's tokens at once (the virtual-time simulator's) has them
+committed by ``update_from_window()``, which is equivalent to those per-step calls.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvmesh.model_worker.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.kv_cache_spec import FullAttentionSpec
 from kvmesh.model_worker.request import Request, RequestStatus
 
 
@@ -53,6 +56,9 @@ class ScheduledRequest:
     """num_computed_tokens before this step: the position of the first new token."""
     sample: bool
     """This step reaches the end of all_token_ids, so the model samples a token for it."""
+    window_steps: int = 1
+    """In a multi-step window, the inner steps this request has lookahead slots for (it may
+    finish sooner); 1 outside windows."""
     kv_cache_manager: KVCacheManager | None = field(default=None, repr=False)
     """Where :attr:`block_tables` comes from, on first use."""
     tables: list[list[int]] | None = field(default=None, repr=False)
@@ -181,6 +187,10 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        # NOTE: with full attention only, an inner window step changes the block tables only when
+        # its token completes a block (then it is cached); sliding windows also free blocks.
+        self._full_attention_only = all(isinstance(g.spec, FullAttentionSpec)
+                                        for g in kv_cache_manager.kv_cache_config.groups)
 
     @property
     def num_running(self) -> int:
@@ -309,6 +319,7 @@ class Scheduler:
         if max(steps) == 1 or extra_blocks > kv.num_free_blocks:
             return  # nothing to gain, or too few free blocks for the lookahead: one step
         for s, k in zip(out.scheduled, steps, strict=True):
+            s.window_steps = k
             if k > 1:
                 got = kv.allocate_slots(s.request, 1, num_lookahead_tokens=k - 1)
                 assert got is not None, "lookahead blocks were counted as free"
@@ -322,11 +333,16 @@ class Scheduler:
         a one-step batch, so block events and the prefix cache equal those of one-step decoding.
         """
         kv = self.kv_cache_manager
+        bs = kv.block_size
+        lazy = self._full_attention_only
         active: list[str] = []
         for s in output.scheduled:
             r = s.request
             if r.status != RequestStatus.RUNNING:
                 continue  # finished or aborted mid-window: it leaves the batch
+            if lazy and r.num_tokens % bs:
+                active.append(r.request_id)  # no block completes at this token: nothing to cache
+                continue
             # NOTE: the window's lookahead covers every step the request can still take, so this
             # allocates nothing; it only caches newly full blocks, as schedule() would.
             assert kv.num_request_blocks(r.request_id) * kv.block_size >= r.num_tokens, "inner step past the lookahead slots"
@@ -411,6 +427,102 @@ class Scheduler:
                     )
                 )
         return results
+
+    def update_from_window(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[RequestOutput]:
+        """Commits a whole multi-step window at once.
+
+        Equivalent to ``update_from_output`` with each inner step's tokens followed by
+        ``prepare_window_step`` between steps: the same tokens, stop rules per token, blocks cached
+        as they complete, and finished requests freed in step order (then batch order), so the free
+        queue, the prefix cache and the set of block events are the same. Only the order of block
+        events within the window differs (request by request instead of step by step).
+
+        Args:
+            output: the window ``schedule()`` returned (``num_steps > 1``).
+            sampled: request id -> its tokens, one per inner step it ran (at most its ``window_steps``).
+
+        Returns:
+            One RequestOutput per request that got tokens or finished, in batch order, carrying all
+            of its tokens of the window.
+        """
+        kv = self.kv_cache_manager
+        bs = kv.block_size
+        lazy = self._full_attention_only
+        results: list[RequestOutput] = []
+        finishing: list[tuple[int, int, Request, RequestStatus, ScheduledRequest]] = []
+        for pos, sched in enumerate(output.scheduled):
+            request = sched.request
+            if request.is_finished:  # aborted after schedule()
+                continue
+            tokens = list(sampled.get(request.request_id, ()))
+            last = len(tokens) - 1
+            if lazy:
+                new_ids, status = self._commit_tokens(request, tokens, bs)
+                if status is not None:
+                    finishing.append((len(new_ids) - 1, pos, request, status, sched))
+            else:
+                new_ids = []
+                for k, token in enumerate(tokens):
+                    # NOTE: every inner step computes the one token the step before sampled.
+                    request.num_computed_tokens += 1
+                    request.append_output_token_ids(token)
+                    new_ids.append(token)
+                    status = self._check_stop(request)
+                    if status is not None:
+                        finishing.append((k, pos, request, status, sched))
+                        break
+                    if k < last:
+                        got = kv.allocate_slots(request, 1)  # frees out-of-window blocks, caches full ones
+                        assert got == [], "an inner step needed a block outside its window's lookahead"
+            if new_ids:
+                results.append(RequestOutput(request.request_id, new_ids, False, None,
+                                             request.num_prompt_tokens, request.num_cached_tokens))
+        # NOTE: frees in step order, as the per-step path would: the free queue's order decides evictions.
+        finishing.sort(key=lambda f: (f[0], f[1]))
+        done: dict[str, Request] = {}
+        for _, _, request, status, sched in finishing:
+            _ = sched.block_tables  # NOTE: this step's table, read before the blocks go
+            self.running.remove(request)
+            self._finish(request, status)
+            done[request.request_id] = request
+        for i, out in enumerate(results):
+            request = done.get(out.request_id)
+            if request is not None:
+                results[i] = RequestOutput(out.request_id, out.new_token_ids, True, request.finish_reason,
+                                           out.num_prompt_tokens, out.num_cached_tokens)
+        return results
+
+    def _commit_tokens(self, request: Request, tokens: list[int], bs: int) -> tuple[list[int], RequestStatus | None]:
+        """A window's tokens of one full-attention request, committed a block at a time.
+
+        The same stop rules as ``_check_stop`` token by token (a stop token wins over the length
+        limit on the same token), and the same caching: between inner steps a block is cached when
+        the token just appended completes it; after the last inner step, or at a finish, nothing.
+        """
+        params = request.sampling_params
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos and request.eos_token_id is not None:
+            stops.add(request.eos_token_id)
+        take, status = len(tokens), None
+        if stops and not stops.isdisjoint(tokens):
+            take = next(i for i, t in enumerate(tokens) if t in stops) + 1
+            status = RequestStatus.FINISHED_STOPPED
+        room = min(params.max_tokens - request.num_output_tokens, self.config.max_model_len - request.num_tokens)
+        if room < take or (room == take and status is None):
+            take, status = room, RequestStatus.FINISHED_LENGTH
+        kv, last = self.kv_cache_manager, len(tokens) - 1
+        pos = 0
+        while pos < take:
+            # tokens[pos:boundary + 1] bring num_tokens to the next multiple of the block size
+            boundary = pos + (bs - request.num_tokens % bs) - 1
+            end = min(take, boundary + 1)
+            request.num_computed_tokens += end - pos
+            request.append_output_token_ids(tokens[pos:end])
+            if end - 1 == boundary and boundary < last and not (status is not None and end == take):
+                got = kv.allocate_slots(request, 1)  # caches the block this token completed
+                assert got == [], "an inner step needed a block outside its window's lookahead"
+            pos = end
+        return tokens[:take], status
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         # NOTE: a stop token wins over the length limit when both hold on the same token.

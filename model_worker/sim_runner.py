@@ -24,6 +24,7 @@ context (``context_before`` of the first chunk is the cache hit).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import time
@@ -106,13 +107,34 @@ class SimStats:
     decode_tokens: int = 0
 
 
+@functools.lru_cache(maxsize=8192)
+def _request_seed(request_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
+
+
+_TOKEN_STRIDE = 40_503
+"""Odd, so consecutive positions of a request walk through the whole vocabulary."""
+
+
 def sim_token_id(request_id: str, position: int, vocab_size: int, avoid: AbstractSet[int]) -> int:
-    """A deterministic token for a request's position, never one of ``avoid`` (EOS, stop ids)."""
-    digest = hashlib.blake2b(f"{request_id}:{position}".encode(), digest_size=8).digest()
-    token = int.from_bytes(digest, "little") % vocab_size
+    """A deterministic token for a request's position, never one of ``avoid`` (EOS, stop ids).
+
+    One hash per request (cached), then arithmetic per position: the simulator draws ~10^6 tokens
+    per run, and nothing reads their values beyond hashing the blocks they fill.
+    """
+    token = (_request_seed(request_id) + position * _TOKEN_STRIDE) % vocab_size
     while token in avoid:
         token = (token + 1) % vocab_size
     return token
+
+
+def sim_token_ids(request_id: str, start: int, n: int, vocab_size: int, avoid: AbstractSet[int]) -> list[int]:
+    """``sim_token_id`` of positions ``start .. start + n - 1``."""
+    seed = _request_seed(request_id)
+    out = [(seed + p * _TOKEN_STRIDE) % vocab_size for p in range(start, start + n)]
+    if not avoid.isdisjoint(out):
+        out = [sim_token_id(request_id, p, vocab_size, avoid) for p in range(start, start + n)]
+    return out
 
 
 class SimRunner:
@@ -143,9 +165,16 @@ class SimRunner:
         self.step_elapsed_s = 0.0
         """Modelled seconds since the current step began; inside a window, when the inner step whose
         tokens ``on_step`` is given ended."""
-        self.stop_window: Callable[[float], bool] | None = None
-        """Asked after each inner step of a window with ``step_elapsed_s``; True ends the window there
-        (the virtual-time simulator ends windows at the next arrival, see kvmesh/sim/mesh.py)."""
+        self.window_deadline_s = float("inf")
+        """A multi-step window ends after the first inner step that ends at or past this many
+        seconds since the window began (the simulator sets it to the next arrival)."""
+        self.stop_window_on_exit: Callable[[], bool] | None = None
+        """Asked when a row leaves a window (it finished); True ends the window there (the simulator:
+        when requests wait for the freed slot). With the deadline, windows end where one-step
+        scheduling would admit a request (kvmesh/sim/mesh.py)."""
+        self.batch_windows = False
+        """Run multi-step windows with :meth:`execute_window_batch` (the simulator sets it)."""
+        self.row_elapsed_s: dict[str, float] = {}
         self._lock = threading.Lock()
         # NOTE: back-to-back steps are paced against a running deadline, so up to
         # _ABSORB_S of host overhead between them is absorbed instead of added (a GPU overlaps
@@ -155,6 +184,7 @@ class SimRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         """Sleeps for the batch's modelled time; returns request id -> one token for the rows that sample."""
         self.step_elapsed_s = 0.0
+        self.row_elapsed_s = {}
         if out.is_empty:
             self.last_step_s = 0.0
             return {}
@@ -173,6 +203,7 @@ class SimRunner:
         """
         rows = {s.request.request_id: s for s in out.scheduled}
         self.step_elapsed_s = 0.0
+        self.row_elapsed_s = {}
         base = sum(s.start + 1 for s in rows.values())
         cost = self.cost
         try:
@@ -185,14 +216,78 @@ class SimRunner:
                     keep = set(active)
                     rows = {rid: s for rid, s in rows.items() if rid in keep}
                     base = sum(s.start + 1 for s in rows.values())
-                if not rows or (self.stop_window is not None and self.stop_window(self.step_elapsed_s)):
+                if not rows or self.step_elapsed_s >= self.window_deadline_s:
+                    return
+                if len(active) != n and self.stop_window_on_exit is not None and self.stop_window_on_exit():
                     return
         finally:
             self.last_step_s = self.step_elapsed_s
 
+    def execute_window_batch(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """A whole multi-step window in one call, for the virtual-time simulator.
+
+        The same inner steps as :meth:`execute_window` (each costed with the rows still in it, a
+        row leaving after its ``window_steps``), but every row's tokens come back at once, for
+        ``Scheduler.update_from_window``: no per-token round trip through the engine. The window
+        ends early as ``window_deadline_s`` / ``stop_window_on_exit`` say; every row then has the
+        tokens of the steps run. ``row_elapsed_s`` gives, per row, when its last token was ready
+        (seconds since the window began).
+        """
+        rows = out.scheduled
+        self.step_elapsed_s = 0.0
+        self.row_elapsed_s = {}
+        if not rows:
+            self.last_step_s = 0.0
+            return {}
+        c = self.cost
+        c0, cs, ck = c.step_overhead_s, c.decode_seq_s, c.decode_kv_token_s
+        deadline, on_exit = self.window_deadline_s, self.stop_window_on_exit
+        # NOTE: rows ordered by how many steps they take; the batch shrinks as they run out, and
+        # ``base`` (the contexts at step 0 of the rows still in) drops by theirs.
+        ends = sorted(s.window_steps for s in rows)
+        by_end: dict[int, int] = {}
+        for s in rows:
+            by_end[s.window_steps] = by_end.get(s.window_steps, 0) + s.start + 1
+        n, base = len(rows), sum(by_end.values())
+        at_step: list[float] = []
+        elapsed, seqs, i, step, last = 0.0, 0, 0, 0, ends[-1]
+        while step < last:
+            elapsed += c0 + cs * n + ck * (base + step * n)
+            seqs += n
+            at_step.append(elapsed)
+            step += 1
+            left = 0
+            while i < len(ends) and ends[i] == step:
+                i += 1
+                left += 1
+            if left:
+                n -= left
+                base -= by_end[step]
+            if n == 0 or elapsed >= deadline or (left and on_exit is not None and on_exit()):
+                break
+        with self._lock:
+            self.stats.busy_s += elapsed
+            self.stats.steps += step
+            self.stats.decode_tokens += seqs
+        self.step_elapsed_s = self.last_step_s = elapsed
+        tokens: dict[str, list[int]] = {}
+        row_elapsed = self.row_elapsed_s
+        for s in rows:
+            m = min(s.window_steps, step)
+            r = s.request
+            rid = r.request_id
+            stop = r.sampling_params.stop_token_ids
+            tokens[rid] = sim_token_ids(rid, r.num_tokens, m, self.vocab_size,
+                                        self._eos.union(stop) if stop else self._eos)
+            row_elapsed[rid] = at_step[m - 1]
+        return tokens
+
     def _token(self, r: Request) -> int:
+        return self._token_at(r, r.num_tokens)
+
+    def _token_at(self, r: Request, position: int) -> int:
         stop = r.sampling_params.stop_token_ids
-        return sim_token_id(r.request_id, r.num_tokens, self.vocab_size, self._eos.union(stop) if stop else self._eos)
+        return sim_token_id(r.request_id, position, self.vocab_size, self._eos.union(stop) if stop else self._eos)
 
     def _run(self, t: float, prefill_tokens: int, decode_tokens: int) -> None:
         """Accounts one step of ``t`` modelled seconds and sleeps it, scaled and paced."""

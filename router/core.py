@@ -171,7 +171,7 @@ class RoutingCore:
     # -- 3. the candidates ----------------------------------------------------------------------
     def build(self, spec: ModelSpec, token_ids: Sequence[int], chain: list[bytes],
               endpoints: Iterable[WorkerEndpoint], answer: Sequence[IndexMatch] | None, index_ok: bool, *,
-              adopt: bool, healthy: Callable[[str], bool] = lambda _w: True) -> RoutePlan:
+              adopt: bool, healthy: Callable[[str], bool] = lambda _w: True, max_tokens: int = 0) -> RoutePlan:
         """The candidates of one request.
 
         Args:
@@ -180,6 +180,7 @@ class RoutingCore:
             adopt: a worker the Lookup names that discovery has not listed yet joins the candidates
                 (discovery from the index); False with a static worker list.
             healthy: whether a worker is free of a recent failure mark.
+            max_tokens: the request's max_tokens, for policies that cost its decode.
         """
         eps = {e.worker_id: e for e in endpoints}
         matched: dict[str, int] = {}
@@ -204,12 +205,13 @@ class RoutingCore:
             candidates.append(Candidate(e.worker_id, e.address, matched.get(e.worker_id, 0), e.load, requests, prefill))
         usable = [c for c in candidates if healthy(c.worker_id)]
         # NOTE: unhealthy marks are hints: when every worker carries one, try them all anyway.
-        return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok),
+        return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok, max_tokens),
                          usable or candidates, eps)
 
     def plan(self, spec: ModelSpec, token_ids: Sequence[int], endpoints: Iterable[WorkerEndpoint],
              index: PrefixIndex | None, *, cache_salt: str = "", adopt: bool = True,
-             healthy: Callable[[str], bool] = lambda _w: True, chain: list[bytes] | None = None) -> RoutePlan:
+             healthy: Callable[[str], bool] = lambda _w: True, chain: list[bytes] | None = None,
+             max_tokens: int = 0) -> RoutePlan:
         """Chain + at most one Lookup + candidates, with a synchronous index.
 
         ``chain`` may be passed when the caller already has the prompt's hashes (the simulator
@@ -231,7 +233,8 @@ class RoutingCore:
                     index_ok = False
                 else:
                     self.lookup_succeeded(self.clock() - t0)
-        return self.build(spec, token_ids, chain, endpoints, answer, index_ok, adopt=adopt, healthy=healthy)
+        return self.build(spec, token_ids, chain, endpoints, answer, index_ok, adopt=adopt, healthy=healthy,
+                          max_tokens=max_tokens)
 
     # -- 4. the pick ----------------------------------------------------------------------------
     def pick(self, plan: RoutePlan, candidates: Sequence[Candidate] | None = None) -> Decision:

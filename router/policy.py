@@ -71,6 +71,8 @@ class RouteQuery:
     block_hashes: Sequence[bytes]
     index_ok: bool = True
     """False when the prefix index could not be asked: matched_blocks are not to be trusted."""
+    max_tokens: int = 0
+    """The request's max_tokens (0 = not known): what its decode may cost."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -144,10 +144,11 @@ class Router:
         # NOTE: add_special_tokens=True, as the worker's offline path encodes, so both hash the same ids.
         return self.tokenizer.encode(inp.text, add_special_tokens=True).ids
 
-    def plan(self, token_ids: list[int], cache_salt: str = "") -> RoutePlan:
+    def plan(self, token_ids: list[int], cache_salt: str = "", max_tokens: int = 0) -> RoutePlan:
         """Hashes the prompt, asks the index once and builds the candidates (router/core.py)."""
         return self.core.plan(self.pool.model_spec(), token_ids, self.pool.endpoints(), self.index,
-                              cache_salt=cache_salt, adopt=self.pool.discovers_from_index, healthy=self.pool.healthy)
+                              cache_salt=cache_salt, adopt=self.pool.discovers_from_index, healthy=self.pool.healthy,
+                              max_tokens=max_tokens)
 
     def decide(self, inp: GenerateInput) -> tuple[RoutePlan, Decision]:
         """Tokenize + hash + lookup + pick, and the speculative record: all the server does
@@ -155,7 +156,7 @@ class Router:
         t0 = time.perf_counter()
         token_ids = self.tokenize(inp)
         self._check_limits(len(token_ids), inp.sampling.max_tokens)
-        plan = self.plan(token_ids, inp.cache_salt)
+        plan = self.plan(token_ids, inp.cache_salt, inp.sampling.max_tokens)
         if not plan.candidates:
             raise Unavailable(self._no_worker_message())
         decision = self.core.pick(plan)

@@ -15,15 +15,21 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import repeat
 
 
 class SpeculativeIndex:
-    """block hash -> {worker_id: expiry}, entries live ``ttl_s`` seconds.
+    """Per worker, block hash -> expiry; entries live ``ttl_s`` seconds.
 
     Args:
         ttl_s: how long a recorded block counts as held (a few heartbeat/event intervals).
         max_entries: bound on (block, worker) entries; the oldest go first when it is hit.
-        clock: monotonic seconds; injected by tests.
+        clock: monotonic seconds; injected by tests and the simulator.
+
+    NOTE: block hashes are chained, so a worker that holds a chain's block i (recorded with some
+    prompt) was recorded with the same blocks 0..i-1, at that time or later: along a chain the
+    expiries never increase. ``matches`` therefore finds a worker's leading run by bisection
+    (O(log n) lookups, not one per block) and ``record`` is one C-level dict update.
     """
 
     def __init__(self, ttl_s: float = 2.0, max_entries: int = 200_000,
@@ -33,14 +39,15 @@ class SpeculativeIndex:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._clock = clock
-        self._holders: dict[bytes, dict[str, float]] = {}
-        # NOTE: the TTL is constant and the clock monotonic, so expiries are appended in order and
-        # the oldest entry is always at the left.
-        self._order: deque[tuple[float, bytes, str]] = deque()
+        self._by_worker: dict[str, dict[bytes, float]] = {}
+        # NOTE: the TTL is constant and the clock monotonic, so records are appended in expiry
+        # order; each is [expiry, worker, chain, first index not yet dropped].
+        self._records: deque[list] = deque()
+        self._count = 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._order)
+        return self._count
 
     def record(self, block_hashes: Sequence[bytes], worker_id: str) -> None:
         """The worker is expected to hold ``block_hashes`` for the next ``ttl_s`` seconds."""
@@ -50,44 +57,55 @@ class SpeculativeIndex:
         expiry = now + self.ttl_s
         with self._lock:
             self._expire(now)
-            for h in block_hashes:
-                self._holders.setdefault(h, {})[worker_id] = expiry
-                self._order.append((expiry, h, worker_id))
-            while len(self._order) > self.max_entries:
-                self._drop_oldest()
+            held = self._by_worker.setdefault(worker_id, {})
+            before = len(held)
+            held.update(zip(block_hashes, repeat(expiry)))
+            self._count += len(held) - before
+            self._records.append([expiry, worker_id, block_hashes, 0])
+            while self._count > self.max_entries:
+                self._drop_oldest(self._count - self.max_entries)
 
     def matches(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """Per worker, how many leading blocks of the chain it speculatively holds (0s omitted)."""
         if not block_hashes:
             return {}
         now = self._clock()
+        out: dict[str, int] = {}
+        first = block_hashes[0]
         with self._lock:
-            first = self._holders.get(block_hashes[0])
-            if not first:
-                return {}
-            alive = {w for w, exp in first.items() if exp > now}
-            out = dict.fromkeys(alive, 1)
-            for h in block_hashes[1:]:
-                holders = self._holders.get(h)
-                if not holders:
-                    break
-                alive = {w for w in alive if holders.get(w, 0.0) > now}
-                if not alive:
-                    break
-                for w in alive:
-                    out[w] += 1
-            return out
+            for worker, held in self._by_worker.items():
+                if held.get(first, 0.0) <= now:
+                    continue
+                lo, hi = 1, len(block_hashes)  # lo blocks held for sure; is block hi - 1?
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if held.get(block_hashes[mid - 1], 0.0) > now:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                out[worker] = lo
+        return out
 
     def _expire(self, now: float) -> None:
-        while self._order and self._order[0][0] <= now:
-            self._drop_oldest()
+        while self._records and self._records[0][0] <= now:
+            self._drop_oldest(None)
 
-    def _drop_oldest(self) -> None:
-        expiry, h, worker = self._order.popleft()
-        holders = self._holders.get(h)
-        # NOTE: a later record of the same (block, worker) moved its expiry; only the entry that
-        # carries the current expiry may remove it.
-        if holders is not None and holders.get(worker) == expiry:
-            del holders[worker]
-            if not holders:
-                del self._holders[h]
+    def _drop_oldest(self, limit: int | None) -> None:
+        """Drops the oldest record's entries, or only ``limit`` of them (the oldest blocks first)."""
+        rec = self._records[0]
+        expiry, worker, chain, start = rec
+        held = self._by_worker[worker]
+        end = len(chain) if limit is None else min(len(chain), start + limit)
+        before = len(held)
+        for h in chain[start:end]:
+            # NOTE: a later record of the same (block, worker) moved its expiry; only the record
+            # that carries the current expiry may remove it.
+            if held.get(h) == expiry:
+                del held[h]
+        self._count -= before - len(held)
+        if end == len(chain):
+            self._records.popleft()
+            if not held:
+                del self._by_worker[worker]
+        else:
+            rec[3] = end

@@ -1,0 +1,1 @@
+"""The virtual-time mesh simulator (`kvmesh simulate`): kvmesh/sim/mesh.py."""

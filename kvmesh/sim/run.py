@@ -1,0 +1,340 @@
+"""Runs of the simulated mesh: one (policy, rate), a rate sweep, the capacity search, the oracle.
+
+Results are plain dicts of rounded numbers (no wall clock in them), so the same seed gives the same
+JSON byte for byte. Sweeps can run in several processes (``jobs``); results are assembled in a fixed
+order, so the JSON does not depend on ``jobs`` either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvmesh.contract.block_hash import XXH3_128, BlockHasher
+from kvmesh.sim.mesh import MODEL_ID, Mesh, RequestRecord, SimConfig
+from kvmesh.sim.workload import Workload
+
+ROUND = 6
+"""Decimals kept in the JSON (virtual times are exact; rounding keeps the file readable)."""
+
+
+def _r(x: float) -> float:
+    return round(float(x), ROUND)
+
+
+def sim_model_dir() -> Path:
+    """A config-only model directory (vocabulary and EOS ids; no weights, no tokenizer to load)."""
+    from kvmesh.make_model import cache_dir, ensure_default_model
+
+    target = cache_dir() / "models" / "sim-config"
+    if (target / "config.json").is_file():
+        return target
+    src = ensure_default_model()
+    tmp = Path(tempfile.mkdtemp(prefix="sim-config.", dir=target.parent))
+    for name in ("config.json", "generation_config.json"):
+        if (src / name).is_file():
+            shutil.copy(src / name, tmp / name)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def chains_for(workload: Workload, block_size: int) -> list[list[bytes]]:
+    """The workload's block chains under the simulated workers' hash spec (xxh3_128, cached)."""
+    return workload.chains(BlockHasher(MODEL_ID, block_size, XXH3_128))
+
+
+def oracle_hit_rate(workload: Workload, cfg: SimConfig) -> float:
+    """Cached / prompt tokens through one LRU cache of all workers' blocks (no policy can beat it).
+
+    The same rule as kvmesh/bench/oracle.py, on the simulated block size: only leading hits count,
+    the last prompt token is always computed, a chain's tail is evicted before its head.
+    """
+    chains = chains_for(workload, cfg.block_size)
+    capacity = cfg.workers * (cfg.blocks_per_worker() - 1)
+    bs = cfg.block_size
+    cache: OrderedDict[bytes, None] = OrderedDict()
+    hit = total = 0
+    for r, chain in zip(workload.requests, chains, strict=True):
+        total += r.prompt_len
+        n = 0
+        for h in chain[: (r.prompt_len - 1) // bs]:
+            if h not in cache:
+                break
+            n += 1
+        hit += n * bs
+        for h in reversed(chain):
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > capacity:
+            cache.popitem(last=False)
+    return hit / total if total else 0.0
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else 0.0
+
+
+def summarize(mesh: Mesh, records: Sequence[RequestRecord]) -> dict:
+    """One run's figures (virtual seconds)."""
+    cfg = mesh.cfg
+    done = [r for r in records if r.finish is not None and not r.failed]
+    ttft = [r.ttft for r in records if r.ttft is not None and not r.failed]
+    tpot = [t for r in done if (t := r.tpot) is not None]
+    e2e = [r.finish - r.arrival for r in done]
+    start = records[0].arrival if records else 0.0
+    end = max((r.finish for r in done), default=start)
+    span = max(end - start, 1e-9)
+    prompt = sum(r.prompt_len for r in done)
+    served: dict[str, int] = {w.worker_id: 0 for w in mesh.workers}
+    for r in done:
+        served[r.worker] += r.prompt_len + r.completion_tokens
+    mean_load = sum(served.values()) / len(served) if served else 0.0
+    met = sum(1 for r in records if r.slo_ok)
+    decisions: dict[str, int] = {}
+    fallbacks: dict[str, int] = {}
+    for router in mesh.routers:
+        for k, v in router.observer.decisions.items():
+            decisions[k] = decisions.get(k, 0) + v
+        for k, v in router.observer.fallbacks.items():
+            fallbacks[k] = fallbacks.get(k, 0) + v
+    return {
+        "policy": cfg.policy, "rate": _r(cfg.rate),
+        "ttft_mean_s": _r(np.mean(ttft)) if ttft else 0.0, "ttft_p50_s": _r(_pct(ttft, 50)),
+        "ttft_p90_s": _r(_pct(ttft, 90)), "ttft_p99_s": _r(_pct(ttft, 99)),
+        "tpot_p50_s": _r(_pct(tpot, 50)), "tpot_p99_s": _r(_pct(tpot, 99)),
+        "e2e_mean_s": _r(np.mean(e2e)) if e2e else 0.0, "e2e_p50_s": _r(_pct(e2e, 50)), "e2e_p99_s": _r(_pct(e2e, 99)),
+        "input_tok_s": _r(prompt / span), "output_tok_s": _r(sum(r.completion_tokens for r in done) / span),
+        "hit_rate": _r(sum(r.cached_tokens for r in done) / prompt) if prompt else 0.0,
+        "slo_attainment": _r(met / len(records)) if records else 0.0,
+        "max_mean_load": _r(max(served.values()) / mean_load) if mean_load else 0.0,
+        "completed": len(done), "failed": sum(1 for r in records if r.failed),
+        "unfinished": sum(1 for r in records if r.finish is None and not r.failed),
+        "stopped_early": mesh.stopped_early,
+        "busy_s_per_worker": _r(sum(w.busy_s for w in mesh.workers) / len(mesh.workers)),
+        "virtual_s": _r(mesh.q.now),
+        "decisions": dict(sorted(decisions.items())), "index_fallbacks": dict(sorted(fallbacks.items())),
+        "lost_event_batches": mesh.lost_batches, "resyncs": sum(w.resyncs for w in mesh.workers),
+    }
+
+
+@dataclass
+class Sim:
+    """A workload and the settings every run of a sweep shares."""
+
+    workload: Workload
+    base: SimConfig
+
+    def config(self, policy: str, rate: float, **changes) -> SimConfig:
+        return dataclasses.replace(self.base, policy=policy, rate=rate, **changes)
+
+    def run(self, policy: str, rate: float, *, stop_early: bool = False,
+            progress: Callable[[float], None] | None = None) -> dict:
+        """One run; with ``stop_early`` it ends once attainment can no longer reach the SLO target."""
+        cfg = self.config(policy, rate, stop_when_slo_lost=stop_early)
+        chains = chains_for(self.workload, cfg.block_size)
+        gc.collect()
+        gc.freeze()  # NOTE: the chains and the workload never die: keep the collector off them
+        mesh = Mesh(cfg, self.workload, sim_model_dir(), chains, progress)
+        t0 = time.perf_counter()
+        records = mesh.run()
+        out = summarize(mesh, records)
+        out["_wall_s"] = time.perf_counter() - t0  # NOTE: dropped from the JSON (not deterministic)
+        return out
+
+    def passes(self, result: dict) -> bool:
+        return not result["stopped_early"] and result["slo_attainment"] >= self.base.slo_target
+
+    def capacity(self, policy: str, start: float = 1.0, precision: float = 0.02,
+                 on_run: Callable[[dict], None] | None = None) -> tuple[float, list[dict]]:
+        """The highest rate with attainment >= the target, by bisection (in log rate) to ``precision``.
+
+        Returns the capacity (0.0 when even the lowest rate tried fails) and every run made.
+        """
+        runs: list[dict] = []
+
+        def ok(rate: float) -> bool:
+            res = self.run(policy, rate, stop_early=True)
+            runs.append(res)
+            if on_run is not None:
+                on_run(res)
+            return self.passes(res)
+
+        lo = hi = None
+        rate = start
+        for _ in range(12):  # bracket: up or down by 1.5x
+            if ok(rate):
+                lo = rate
+                if hi is not None:
+                    break
+                rate *= 1.5
+            else:
+                hi = rate
+                if lo is not None:
+                    break
+                rate /= 1.5
+            if lo is not None and hi is not None:
+                break
+        if lo is None:
+            return 0.0, runs
+        if hi is None:
+            return lo, runs
+        while hi / lo > 1 + precision:
+            mid = math.sqrt(lo * hi)
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid
+        return _r(lo), runs
+
+
+# -- sweeps in worker processes ------------------------------------------------------------------
+_SIM: Sim | None = None
+
+
+def _init(sim: Sim) -> None:
+    global _SIM
+    _SIM = sim
+
+
+def _job(kind: str, policy: str, rate: float) -> tuple[str, str, float, object]:
+    assert _SIM is not None
+    if kind == "capacity":
+        return kind, policy, rate, _SIM.capacity(policy, start=rate)
+    return kind, policy, rate, _SIM.run(policy, rate)
+
+
+class Progress:
+    """One line on stderr: a bar over the runs done, the last run's figures."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self.total = max(1, total)
+        self.done = 0
+        self.enabled = enabled and sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+
+    def add_total(self, n: int) -> None:
+        self.total += n
+
+    def tick(self, res: dict) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        frac = min(1.0, self.done / self.total)
+        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+        verdict = "stopped" if res["stopped_early"] else f"attain {res['slo_attainment']:.3f}"
+        sys.stderr.write(f"\r[{bar}] {self.done:>3} runs  {time.perf_counter() - self.t0:6.0f}s  "
+                         f"{res['policy']:<13} rate {res['rate']:<8.4g} {verdict:<14}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def sweep(sim: Sim, policies: Sequence[str], rates: Sequence[float] = (), *, capacity: bool = True,
+          relative: Sequence[float] = (), baseline: str = "round-robin", jobs: int = 1,
+          progress: bool = True) -> dict:
+    """Every policy's capacity, full runs at ``rates`` and at ``relative`` x the baseline's capacity.
+
+    Returns the JSON document (see docs/cli.md, ``kvmesh simulate --json``).
+    """
+    bar = Progress(len(policies) * (8 if capacity else 0) + len(policies) * (len(rates) + len(relative)),
+                   progress)
+    runs: list[dict] = []
+    caps: dict[str, float] = {}
+    search: dict[str, list[dict]] = {}
+    pool = ProcessPoolExecutor(jobs, initializer=_init, initargs=(sim,)) if jobs > 1 else None
+    try:
+        def submit_all(items: list[tuple[str, str, float]]) -> list[tuple[str, str, float, object]]:
+            if pool is None:
+                out = []
+                for kind, policy, rate in items:
+                    if kind == "capacity":
+                        out.append((kind, policy, rate, sim.capacity(policy, start=rate, on_run=bar.tick)))
+                    else:
+                        res = sim.run(policy, rate)
+                        bar.tick(res)
+                        out.append((kind, policy, rate, res))
+                return out
+            futures = [pool.submit(_job, *it) for it in items]
+            out = []
+            for f in futures:
+                item = f.result()
+                if item[0] == "capacity":
+                    for res in item[3][1]:  # type: ignore[index]
+                        bar.tick(res)
+                else:
+                    bar.tick(item[3])  # type: ignore[arg-type]
+                out.append(item)
+            return out
+
+        if capacity:
+            for _, policy, _, (cap, tried) in submit_all([("capacity", p, 1.0) for p in policies]):  # type: ignore[misc]
+                caps[policy] = cap
+                search[policy] = tried
+        full = [(p, r) for p in policies for r in rates]
+        if relative:
+            ref = caps.get(baseline)
+            if ref is None:
+                raise ValueError(f"relative rates need the capacity of {baseline!r}: add it to --policies")
+            full += [(p, _r(x * ref)) for p in policies for x in relative]
+        for _, _, _, res in submit_all([("run", p, r) for p, r in full]):
+            runs.append(res)  # type: ignore[arg-type]
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        bar.close()
+    wall = sum(r.pop("_wall_s", 0.0) for r in runs) + sum(r.pop("_wall_s", 0.0) for t in search.values() for r in t)
+    doc = {
+        "oracle_hit_rate": _r(oracle_hit_rate(sim.workload, sim.base)),
+        "capacity": caps,
+        "runs": runs,
+        "capacity_search": search,
+        "workload": {"name": sim.workload.name, "requests": len(sim.workload), "description": sim.workload.description,
+                     "duration_s_at_rate_1": _r(sim.workload.duration_s)},
+        "settings": settings_of(sim.base, baseline=baseline, relative=list(relative)),
+    }
+    doc["_wall_s"] = wall
+    return doc
+
+
+def settings_of(cfg: SimConfig, **extra) -> dict:
+    out = {}
+    for f in dataclasses.fields(cfg):
+        if f.name in ("policy", "rate", "stop_when_slo_lost"):
+            continue
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            v = dataclasses.asdict(v)
+        elif isinstance(v, tuple):
+            v = list(v)
+        out[f.name] = v
+    out["blocks_per_worker"] = cfg.blocks_per_worker()
+    out.update(extra)
+    return out
+
+
+def dump(doc: dict) -> str:
+    """The JSON text (keys in a fixed order, no wall-clock fields)."""
+    return json.dumps({k: v for k, v in doc.items() if not k.startswith("_")}, indent=1, sort_keys=False) + "\n"
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,0 +1,258 @@
+"""What the simulated mesh serves: Mooncake traces and four generators, with prompts as segments.
+
+A request's prompt is a sequence of *segments* ``(segment id, tokens)``; equal ids are equal
+tokens, so equal leading segments are a shareable prefix. A Mooncake trace line is its
+``hash_ids`` as segments of 512 tokens, the last one cut to ``input_length`` (as
+kvmesh/bench/trace.py synthesizes it for the live bench); lines with too few ids are padded with
+segments private to the request (negative ids). Segment ``s``'s tokens are
+the SHAKE-128 stream of ``(seed, s)`` mapped to [2, 256) (the live bench draws other token values
+for the same ids; only which blocks are equal matters to routing).
+
+Block hashes are what the index, the router and the engines compare, so each prompt's chain is
+computed once per workload and block spec (:meth:`Workload.chains`) and reused by every run of a
+sweep. Chains are memoised per segment boundary: a segment's full blocks depend only on the chain
+before it and its own tokens, so a prefix shared by many prompts is hashed once. Every segment but
+a prompt's last must therefore be a multiple of the block size (the generators round to it; 512 is
+a multiple of every power-of-two block size up to 512).
+
+Generators (``--workload NAME``), each deterministic for a seed; at ``--rate 1`` they offer the
+``base_rate`` given here (requests/s):
+
+- ``shared-prefix``: llm-d's prefix benchmark shape: groups of prompts behind one 8k-token prefix
+  (the group's system prompt / document) plus a private question; groups interleave.
+- ``multi-turn``: chat sessions with think time; turn k's prompt is the session's system prompt
+  plus every earlier user message and reply plus the new message, so the context grows.
+- ``hot-prompt``: one system prompt shared by every user, plus a private message (the hot spot of
+  Dynamo issue #737: a pure prefix router sends everyone to one worker).
+- ``no-reuse``: nothing shared (the control: a cache-aware router should lose nothing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvmesh.contract.block_hash import BlockHasher
+
+TRACE_BLOCK_TOKENS = 512
+TOKEN_LOW, TOKEN_HIGH = 2, 256
+"""Synthetic token ids: above BOS/EOS of the demo vocabulary, below 256 so a prompt list holds
+CPython's shared small ints (a 3,000-request replay would otherwise allocate ~36M int objects)."""
+
+
+@dataclass(slots=True)
+class SimRequest:
+    index: int
+    arrival_s: float
+    """At ``--rate 1``; a run at rate r sends it at ``arrival_s / r``."""
+    prompt_len: int
+    output_len: int
+    segments: tuple[tuple[int, int], ...]
+    """(segment id, tokens) in prompt order; their lengths sum to ``prompt_len``."""
+
+
+@dataclass
+class Workload:
+    name: str
+    requests: list[SimRequest]
+    seed: int = 0
+    description: str = ""
+    _chains: dict[tuple[str, int, str], list[list[bytes]]] = field(default_factory=dict, repr=False)
+    _segment_tokens: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def duration_s(self) -> float:
+        return self.requests[-1].arrival_s - self.requests[0].arrival_s if self.requests else 0.0
+
+    def first(self, n: int | None) -> Workload:
+        """The first ``n`` requests (all when None)."""
+        if n is None or n >= len(self.requests):
+            return self
+        return Workload(self.name, self.requests[:n], self.seed, self.description)
+
+    # -- tokens and chains ----------------------------------------------------------------------
+    def segment(self, seg_id: int, n: int) -> np.ndarray:
+        """The first ``n`` tokens of a segment (uint8).
+
+        NOTE: SHAKE's output is a stream: the first ``n`` bytes of a longer digest equal a digest of
+        ``n``, so a segment's tokens never depend on how much of it is asked for.
+        """
+        arr = self._segment_tokens.get(seg_id)
+        if arr is None or len(arr) < n:
+            # NOTE: SHAKE-128 as the stream (a numpy Generator costs ~50 us to seed, per segment).
+            raw = hashlib.shake_128(f"kvmesh-sim:{self.seed}:{seg_id}".encode()).digest(n)
+            arr = np.frombuffer(raw, dtype=np.uint8) % (TOKEN_HIGH - TOKEN_LOW) + TOKEN_LOW
+            arr = arr.astype(np.uint8)
+            if seg_id >= 0:  # NOTE: private segments are used once; keeping them would only cost memory
+                self._segment_tokens[seg_id] = arr
+        return arr[:n]
+
+    def prompt(self, r: SimRequest) -> list[int]:
+        """The request's token ids."""
+        return np.concatenate([self.segment(s, n) for s, n in r.segments]).tolist()
+
+    def chains(self, hasher: BlockHasher) -> list[list[bytes]]:
+        """Every request's block hashes under ``hasher`` (computed once, then cached)."""
+        key = (hasher.model_id, hasher.block_size, hasher.algorithm)
+        got = self._chains.get(key)
+        if got is None:
+            got = self._chains[key] = self._compute_chains(hasher)
+        return got
+
+    def _compute_chains(self, hasher: BlockHasher) -> list[list[bytes]]:
+        bs = hasher.block_size
+        root = hasher.root()
+        # (chain hash before the segment, segment id) -> hashes of the segment's full blocks
+        memo: dict[tuple[bytes, int], list[bytes]] = {}
+        out: list[list[bytes]] = []
+        for r in self.requests:
+            chain: list[bytes] = []
+            parent = root
+            for i, (seg, n) in enumerate(r.segments):
+                last = i == len(r.segments) - 1
+                if not last and n % bs:
+                    raise ValueError(f"request {r.index}: segment {seg} has {n} tokens, not a multiple of "
+                                     f"block size {bs} (only a prompt's last segment may end mid-block)")
+                full = n // bs
+                if full == 0:
+                    continue
+                key = (parent, seg)
+                hashes = memo.get(key)
+                if hashes is None or len(hashes) < full:
+                    # NOTE: a segment id is one token stream, whatever length a prompt cuts it to,
+                    # so the first k block hashes never change: keep the longest computed.
+                    hashes = hasher.hash_prompt(self.segment(seg, full * bs).tolist(), parent=parent)
+                    if seg >= 0:
+                        memo[key] = hashes
+                chain.extend(hashes[:full])
+                parent = chain[-1]
+                if full * bs != n:
+                    break  # a partial block ends the chain
+            out.append(chain)
+        return out
+
+
+# -- Mooncake traces -----------------------------------------------------------------------------
+def load_trace(path: str | Path, max_requests: int | None = None, seed: int = 0) -> Workload:
+    """A Mooncake JSONL trace (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``)."""
+    reqs: list[SimRequest] = []
+    t0: float | None = None
+    with open(path) as f:
+        for line in f:
+            if max_requests is not None and len(reqs) >= max_requests:
+                break
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            ts = float(d["timestamp"]) / 1000.0
+            t0 = ts if t0 is None else t0
+            n_in, ids = int(d["input_length"]), list(d["hash_ids"])
+            need = -(-n_in // TRACE_BLOCK_TOKENS)
+            i = len(reqs)
+            # NOTE: the same private padding ids as kvmesh/bench/trace.py, so both replays agree.
+            ids = ids[:need] + [-(i * 1_000_003 + k + 1) for k in range(need - len(ids))]
+            segs = [(h, TRACE_BLOCK_TOKENS) for h in ids]
+            if segs:
+                last = n_in - TRACE_BLOCK_TOKENS * (need - 1)
+                segs[-1] = (segs[-1][0], last)
+            reqs.append(SimRequest(i, ts - t0, n_in, max(1, int(d["output_length"])), tuple(segs)))
+    return Workload(Path(path).stem, reqs, seed, f"Mooncake trace {path}")
+
+
+# -- generators ----------------------------------------------------------------------------------
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _poisson_times(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
+    return np.cumsum(rng.exponential(1.0 / rate, n)) - 0.0
+
+
+def shared_prefix(num_requests: int = 3000, groups: int = 150, prefix_len: int = 8192, question_len: int = 1024,
+                  output_len: int = 256, base_rate: float = 4.0, seed: int = 0) -> Workload:
+    """Groups of prompts behind one ``prefix_len`` prefix (llm-d's sizing); requests pick a group at
+    random, so each group's prompts arrive spread over the run."""
+    rng = np.random.default_rng([seed, 1])
+    t = _poisson_times(rng, num_requests, base_rate)
+    group = rng.integers(0, groups, num_requests)
+    reqs = []
+    for i in range(num_requests):
+        segs = ((1_000_000 + int(group[i]), prefix_len), (-(i + 1), question_len))
+        reqs.append(SimRequest(i, float(t[i]), prefix_len + question_len, output_len, segs))
+    return Workload("shared-prefix", reqs, seed,
+                    f"{groups} groups x 1 prefix of {prefix_len} tokens + {question_len}-token questions, "
+                    f"{output_len} output tokens, Poisson {base_rate:g} req/s at rate 1")
+
+
+def multi_turn(num_requests: int = 3000, system_len: int = 1024, user_len: int = 256, reply_len: int = 256,
+               turns: int = 10, think_s: float = 20.0, base_rate: float = 2.0, seed: int = 0) -> Workload:
+    """Chat sessions: sessions start as a Poisson process; turn k+1 follows turn k after the reply's
+    (unknown) latency plus ``think_s`` (exponential), modelled at the arrival times (open loop).
+
+    Turn k's prompt: system prompt + (user message, reply) of every earlier turn + the new message.
+    The replies are segments the engine never generated (a simulated worker's tokens differ), so a
+    turn hits at most the previous turn's prompt, as with re-tokenised replies.
+    """
+    rng = np.random.default_rng([seed, 2])
+    system_len, user_len, reply_len = (_round_up(x, 64) for x in (system_len, user_len, reply_len))
+    sessions = -(-num_requests // turns)
+    starts = _poisson_times(rng, sessions, base_rate / turns)
+    pending: list[tuple[float, int, int]] = []
+    for s in range(sessions):
+        t = float(starts[s])
+        for k in range(turns):
+            pending.append((t, s, k))
+            t += float(rng.exponential(think_s)) + 1.0
+    pending.sort()
+    reqs = []
+    for t, s, k in pending[:num_requests]:
+        segs = [(2_000_000 + s * 100_000, system_len)]
+        for j in range(k):
+            segs += [(2_000_000 + s * 100_000 + 2 * j + 1, user_len), (2_000_000 + s * 100_000 + 2 * j + 2, reply_len)]
+        segs.append((2_000_000 + s * 100_000 + 2 * k + 1, user_len))
+        reqs.append(SimRequest(len(reqs), t, sum(n for _, n in segs), reply_len, tuple(segs)))
+    return Workload("multi-turn", reqs, seed,
+                    f"sessions of {turns} turns, system {system_len} + {user_len} per message + {reply_len} per reply, "
+                    f"think time {think_s:g} s, {base_rate:g} req/s at rate 1")
+
+
+def hot_prompt(num_requests: int = 3000, system_len: int = 4096, user_len: int = 512, output_len: int = 256,
+               base_rate: float = 8.0, seed: int = 0) -> Workload:
+    """One system prompt for every user plus a private message."""
+    rng = np.random.default_rng([seed, 3])
+    t = _poisson_times(rng, num_requests, base_rate)
+    reqs = [SimRequest(i, float(t[i]), system_len + user_len, output_len, ((3_000_000, system_len), (-(i + 1), user_len)))
+            for i in range(num_requests)]
+    return Workload("hot-prompt", reqs, seed,
+                    f"one {system_len}-token system prompt + {user_len}-token messages, {output_len} output tokens, "
+                    f"Poisson {base_rate:g} req/s at rate 1")
+
+
+def no_reuse(num_requests: int = 3000, input_len: int = 4096, output_len: int = 256, base_rate: float = 8.0,
+             seed: int = 0) -> Workload:
+    """Private prompts only: no policy can hit the cache."""
+    rng = np.random.default_rng([seed, 4])
+    t = _poisson_times(rng, num_requests, base_rate)
+    lens = rng.integers(input_len // 2, input_len * 3 // 2, num_requests)
+    reqs = [SimRequest(i, float(t[i]), int(lens[i]), output_len, ((-(i + 1), int(lens[i])),)) for i in range(num_requests)]
+    return Workload("no-reuse", reqs, seed, f"private prompts of {input_len // 2}-{input_len * 3 // 2} tokens, "
+                                            f"{output_len} output tokens, Poisson {base_rate:g} req/s at rate 1")
+
+
+GENERATORS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "hot-prompt": hot_prompt, "no-reuse": no_reuse}
+
+
+def make_workload(name: str, num_requests: int | None = None, seed: int = 0) -> Workload:
+    """A generator's workload by name (``--workload``); ``num_requests`` None = its default size."""
+    try:
+        gen = GENERATORS[name]
+    except KeyError:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(GENERATORS)}") from None
+    return gen(seed=seed) if num_requests is None else gen(num_requests=num_requests, seed=seed)
