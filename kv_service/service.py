@@ -11,12 +11,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmesh.kv_service import metrics
-from kvmesh.kv_service.index import Action, BlockIndex, PublishResult, Registration, WorkerMatch
-
 from kvmesh.contract.block_hash import ALGORITHMS, HASH_LEN, BlockHasher
 from kvmesh.contract.errors import InvalidArgument, NotFound
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load
+from kvmesh.kv_service import metrics
+from kvmesh.kv_service.index import Action, BlockIndex, PublishResult, Registration, WorkerMatch
 
 MAX_CHAIN_BLOCKS = 65_536
 MAX_EPOCH = 2**53 - 1  # exact in a Lua double

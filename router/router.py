@@ -15,6 +15,11 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
+from tokenizers import Tokenizer
+
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvmesh.contract.types import ModelSpec, SamplingParams, Usage
 from kvmesh.router import metrics
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.detokenize import IncrementalDetokenizer
@@ -39,11 +44,6 @@ from kvmesh.router.upstream import (
     WorkerPool,
     WorkerRequest,
 )
-from tokenizers import Tokenizer
-
-from kvmesh.contract.block_hash import BlockHasher
-from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
-from kvmesh.contract.types import ModelSpec, SamplingParams, Usage
 
 log = logging.getLogger("kvmesh.router")
 
