@@ -89,7 +89,7 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
 
     def LookupTokens(self, request, context):
         bs, matches = self.svc.lookup_tokens(request.model_id, request.token_ids, request.cache_salt)
-        return lookup_response(matches, bs, len(request.token_ids) // bs)
+        return lookup_response(matches, bs, len(request.token_ids) // bs if bs else 0)
 
     def GetStats(self, request, context):
         st = self.svc.index.stats(now_ms())

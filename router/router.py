@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
-from kvmesh.contract.types import ModelSpec, SamplingParams, Usage
+from kvmesh.contract.types import DEFAULT_MAX_TOKENS, ModelSpec, SamplingParams, Usage
 from kvmesh.router import metrics
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.detokenize import IncrementalDetokenizer
@@ -221,13 +221,13 @@ class Router:
         metrics.DECISION_LATENCY.observe(time.perf_counter() - t0)
         return plan, decision
 
-    def _check_limits(self, prompt_tokens: int, max_tokens: int) -> None:
+    def _check_limits(self, prompt_tokens: int, max_tokens: int | None) -> None:
         cfg = self.config
         if cfg.max_prompt_tokens and prompt_tokens > cfg.max_prompt_tokens:
             raise ResourceExhausted(f"the prompt has {prompt_tokens} tokens; this router accepts at most "
                                     f"{cfg.max_prompt_tokens} (--max-prompt-tokens)")
-        if cfg.max_tokens_limit and max_tokens > cfg.max_tokens_limit:
-            raise ResourceExhausted(f"max_tokens {max_tokens} is over this router's limit of "
+        if cfg.max_tokens_limit and (max_tokens or DEFAULT_MAX_TOKENS) > cfg.max_tokens_limit:
+            raise ResourceExhausted(f"max_tokens {max_tokens or DEFAULT_MAX_TOKENS} is over this router's limit of "
                                     f"{cfg.max_tokens_limit} (--max-tokens-limit)")
 
     def _no_worker_message(self) -> str:
