@@ -13,6 +13,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import grpc
+
+from kvmesh.contract.block_hash import algorithm_name
+from kvmesh.contract.convert import PB_TO_ALGO, PB_TO_FINISH, load_from_pb, sampling_to_pb, usage_from_pb
+from kvmesh.contract.errors import Unavailable
+from kvmesh.contract.types import ModelSpec
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.upstream import (
     Failure,
@@ -23,11 +28,6 @@ from kvmesh.router.upstream import (
     WorkerError,
     WorkerRequest,
 )
-
-from kvmesh.contract.block_hash import algorithm_name
-from kvmesh.contract.convert import PB_TO_ALGO, PB_TO_FINISH, load_from_pb, sampling_to_pb, usage_from_pb
-from kvmesh.contract.errors import Unavailable
-from kvmesh.contract.types import ModelSpec
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import kv_service_pb2 as kv_pb
 from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc

@@ -6,13 +6,13 @@ import logging
 from collections.abc import Iterator
 
 import grpc
+
+from kvmesh.contract.convert import FINISH_TO_PB, sampling_from_pb, usage_to_pb
+from kvmesh.contract.modelinfo import load_tokenizer, model_id_for
 from kvmesh.router import metrics
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.discovery import GrpcWorkerPool, KVServiceClient
 from kvmesh.router.router import CancelScope, GenerateInput, Router
-
-from kvmesh.contract.convert import FINISH_TO_PB, sampling_from_pb, usage_to_pb
-from kvmesh.contract.modelinfo import load_tokenizer, model_id_for
 from kvmesh.transport.rpc import GrpcServer
 from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
