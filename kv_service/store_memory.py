@@ -140,13 +140,29 @@ class MemoryIndex(BlockIndex):
             resync = self._check_order(w, epoch, seq)
             if resync is not None:
                 return resync
+            # NOTE: _add / _drop inlined: a busy worker sends thousands of hashes per second.
+            lru, blocks, wid = w.lru, self._blocks, w.reg.worker_id
             for ev in events:
                 if isinstance(ev, BlockStored):
                     for h in ev.block_hashes:
-                        self._add(w, h)
+                        if h in lru:
+                            lru.move_to_end(h)
+                        else:
+                            lru[h] = None
+                            holders = blocks.get(h)
+                            if holders is None:
+                                blocks[h] = {wid}
+                            else:
+                                holders.add(wid)
                 elif isinstance(ev, BlockRemoved):
                     for h in ev.block_hashes:
-                        self._drop(w, h)
+                        if h in lru:
+                            del lru[h]
+                            holders = blocks.get(h)
+                            if holders is not None:
+                                holders.discard(wid)
+                                if not holders:
+                                    del blocks[h]
                 elif isinstance(ev, AllBlocksCleared):
                     self._clear(w)
             self._cap(w)
@@ -164,9 +180,22 @@ class MemoryIndex(BlockIndex):
                 raise FailedPrecondition(
                     f"seq regression for worker {worker_id!r}: snapshot seq {seq}, last applied {w.last_seq}"
                 )
-            self._clear(w)
-            for h in hashes:
-                self._add(w, h)
+            # NOTE: only the difference touches the holder sets (a resync re-sends a whole cache
+            # of which most is unchanged); the new set's order is the snapshot's.
+            fresh: OrderedDict[bytes, None] = OrderedDict.fromkeys(hashes)
+            wid, blocks = w.reg.worker_id, self._blocks
+            for h in w.lru:
+                if h not in fresh:
+                    holders = blocks.get(h)
+                    if holders is not None:
+                        holders.discard(wid)
+                        if not holders:
+                            del blocks[h]
+            old = w.lru
+            for h in fresh:
+                if h not in old:
+                    blocks.setdefault(h, set()).add(wid)
+            w.lru = fresh
             self._cap(w)
             if epoch != w.reg.epoch:
                 w.reg = dataclasses.replace(w.reg, epoch=epoch)

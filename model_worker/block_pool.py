@@ -66,7 +66,21 @@ class FreeBlockQueue:
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} free blocks, {self.num_free_blocks} free")
-        return [self.popleft() for _ in range(n)]
+        # NOTE: one walk that unlinks the head run, instead of n popleft() calls (a long prompt
+        # allocates hundreds of blocks at once).
+        out: list[KVCacheBlock] = []
+        block = self._head.next_free
+        for _ in range(n):
+            assert block is not None and block is not self._tail
+            out.append(block)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        assert block is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        self.num_free_blocks -= n
+        return out
 
     def remove(self, block: KVCacheBlock) -> None:
         if block.prev_free is None or block.next_free is None:

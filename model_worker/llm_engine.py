@@ -156,7 +156,9 @@ class LLMEngine:
         Raises:
             ValueError: the request is malformed or can never fit; nothing else is affected.
         """
-        params = copy.deepcopy(sampling_params) if sampling_params is not None else SamplingParams()
+        # NOTE: a copy the caller cannot change under us (its only mutable field is the stop list).
+        params = (replace(sampling_params, stop_token_ids=copy.copy(sampling_params.stop_token_ids))
+                  if sampling_params is not None else SamplingParams())
         params.validate()
         self.check_prompt(prompt_token_ids, validate_tokens)
         room = self.config.max_model_len - len(prompt_token_ids)

@@ -200,8 +200,9 @@ class RoutingCore:
                     matched[worker_id] = n
         candidates = []
         for e in eps.values():
-            requests, prefill = self.inflight.view(e.worker_id)
-            candidates.append(Candidate(e.worker_id, e.address, matched.get(e.worker_id, 0), e.load, requests, prefill))
+            f = self.inflight.of(e.worker_id)
+            candidates.append(Candidate(e.worker_id, e.address, matched.get(e.worker_id, 0), e.load, f.requests,
+                                        f.prefill_tokens, f.waiting, f.blocks))
         usable = [c for c in candidates if healthy(c.worker_id)]
         # NOTE: unhealthy marks are hints: when every worker carries one, try them all anyway.
         return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok, max_tokens),
@@ -247,7 +248,9 @@ class RoutingCore:
     # -- 5. in-flight accounting ----------------------------------------------------------------
     def start(self, plan: RoutePlan, worker_id: str) -> Ticket:
         """The request is sent to ``worker_id``: its uncached tokens wait for prefill there."""
-        return self.inflight.start(worker_id, uncached_tokens(plan.candidate(worker_id), plan.query))
+        q = plan.query
+        blocks = -(-q.prompt_len // q.block_size) if q.block_size else 0
+        return self.inflight.start(worker_id, uncached_tokens(plan.candidate(worker_id), q), blocks)
 
     def prefilled(self, ticket: Ticket) -> None:
         """Its first token arrived."""

@@ -18,30 +18,51 @@ class Ticket:
 
     worker_id: str
     prefill_tokens: int
+    blocks: int = 0
     prefilled: bool = False
     finished: bool = False
 
 
+@dataclass(slots=True, frozen=True)
+class WorkerInFlight:
+    """This router's work on one worker."""
+
+    requests: int = 0
+    """Sent and not finished."""
+    prefill_tokens: int = 0
+    """Uncached prompt tokens of those not yet past their first token."""
+    waiting: int = 0
+    """Requests not yet past their first token."""
+    blocks: int = 0
+    """KV blocks their prompts take (the worker holds them while they run)."""
+
+
 class InFlight:
-    """Per worker: requests not finished, and uncached prompt tokens not yet prefilled."""
+    """Per worker: requests not finished, their blocks, and those (and their uncached prompt
+    tokens) not yet prefilled."""
 
     def __init__(self) -> None:
-        self._requests: dict[str, int] = {}
-        self._prefill: dict[str, int] = {}
+        # worker -> [requests, prefill tokens, waiting requests, blocks]
+        self._w: dict[str, list[int]] = {}
         self._lock = threading.Lock()
 
-    def start(self, worker_id: str, prefill_tokens: int) -> Ticket:
+    def start(self, worker_id: str, prefill_tokens: int, blocks: int = 0) -> Ticket:
         with self._lock:
-            self._requests[worker_id] = self._requests.get(worker_id, 0) + 1
-            self._prefill[worker_id] = self._prefill.get(worker_id, 0) + prefill_tokens
-        return Ticket(worker_id, prefill_tokens)
+            c = self._w.setdefault(worker_id, [0, 0, 0, 0])
+            c[0] += 1
+            c[1] += prefill_tokens
+            c[2] += 1
+            c[3] += blocks
+        return Ticket(worker_id, prefill_tokens, blocks)
 
     def prefilled(self, t: Ticket) -> None:
         """The first token arrived: the prompt no longer waits for prefill."""
         with self._lock:
             if not t.prefilled and not t.finished:
                 t.prefilled = True
-                self._prefill[t.worker_id] -= t.prefill_tokens
+                c = self._w[t.worker_id]
+                c[1] -= t.prefill_tokens
+                c[2] -= 1
 
     def finish(self, t: Ticket) -> None:
         """Idempotent; call it on every exit path."""
@@ -50,14 +71,20 @@ class InFlight:
             if t.finished:
                 return
             t.finished = True
-            n = self._requests[t.worker_id] - 1
-            if n:
-                self._requests[t.worker_id] = n
-            else:  # NOTE: no entry for idle workers, so the maps stay bounded by busy workers
-                del self._requests[t.worker_id]
-                del self._prefill[t.worker_id]
+            c = self._w[t.worker_id]
+            c[0] -= 1
+            c[3] -= t.blocks
+            if not c[0]:  # NOTE: no entry for idle workers, so the map stays bounded by busy workers
+                del self._w[t.worker_id]
 
     def view(self, worker_id: str) -> tuple[int, int]:
         """(requests, prefill_tokens) in flight on the worker."""
         with self._lock:
-            return self._requests.get(worker_id, 0), self._prefill.get(worker_id, 0)
+            c = self._w.get(worker_id)
+            return (c[0], c[1]) if c else (0, 0)
+
+    def of(self, worker_id: str) -> WorkerInFlight:
+        """Every counter of the worker."""
+        with self._lock:
+            c = self._w.get(worker_id)
+            return WorkerInFlight(*c) if c else WorkerInFlight()

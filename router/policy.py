@@ -20,11 +20,13 @@ import abc
 import hashlib
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvmesh.contract.types import Load
+from kvmesh.router.cost import StepCost, StepCostLearner
 
 
 @dataclass(slots=True)
@@ -44,6 +46,13 @@ class PolicyConfig:
     """Rendezvous key: the hash of this many leading blocks (or all, when fewer)."""
     seed: int | None = None
     """Seeds the tie-break RNG (tests); None = nondeterministic."""
+    default_step_tokens: int = 2048
+    """A worker's token budget per step when its load does not report one (an older worker)."""
+    decode_harm_weight: float = 0.5
+    """kv-aware: weight of the delay its prefill adds to the requests already decoding on the
+    worker (each of them waits for it) against its own time to first token."""
+    clock: Callable[[], float] = time.monotonic
+    """Monotonic seconds, for policies with a time window (the simulator's virtual clock)."""
 
 
 @dataclass(slots=True)
@@ -60,6 +69,10 @@ class Candidate:
     """Requests this router sent to the worker that have not finished."""
     inflight_prefill_tokens: int = 0
     """Uncached prompt tokens of this router's requests to the worker not yet past prefill."""
+    inflight_waiting: int = 0
+    """This router's requests to the worker not yet past their first token."""
+    inflight_blocks: int = 0
+    """KV blocks the prompts of this router's unfinished requests to the worker take."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -170,24 +183,99 @@ def rendezvous_weight(key: bytes, worker_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(key + worker_id.encode(), digest_size=8).digest(), "big")
 
 
+def queued_prefill(c: Candidate) -> int:
+    """Prompt tokens waiting for prefill at the worker: its report or this router's view, the larger."""
+    return max(c.load.queued_prefill_tokens, c.inflight_prefill_tokens)
+
+
+def busy_requests(c: Candidate) -> int:
+    """Requests at the worker (running or waiting): its report or this router's view, the larger."""
+    return max(c.load.num_running + c.load.num_waiting, c.inflight_requests)
+
+
+def used_blocks(c: Candidate) -> int:
+    """KV blocks held by the worker's requests: its report or this router's view, the larger."""
+    reported = c.load.num_total_blocks - c.load.num_free_blocks if c.load.num_total_blocks else 0
+    return max(reported, c.inflight_blocks)
+
+
 class KvAwarePolicy(RouterPolicy):
-    """Least tokens of work (uncached prefill + queued), hot-spot guard, rendezvous when blind."""
+    """Least predicted time to first token; hot-spot guard; rendezvous when blind.
+
+    The prediction for worker w (docs/router.md, "kv-aware"):
+
+        Q = prompt tokens queued for prefill at w, u = this prompt's tokens w does not hold,
+        h = those it holds, D = requests running at w, C = context they hold (tokens),
+        B = w's token budget per step, S = ceil((Q + u) / B) prefill steps until ours is done:
+
+        ttft = prefill_token_s * (Q + u)
+             + prefill_pair_s * (u * h + u * (u + 1) / 2 + Q * pairs_per_prefill_token)
+             + S * (step_s + decode_seq_s * D + decode_context_token_s * C)
+
+    i.e. the queued prefill ahead of it, its own uncached prefill (attention over the cached part
+    included), and the decodes that share every one of those steps. The coefficients are learned
+    online from the workers' reports (router/cost.py); until there are enough, the score is the
+    token count ``uncached + queued`` of the previous kv-aware policy.
+    """
 
     name = "kv-aware"
     uses_index = True
 
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        super().__init__(config)
+        self.cost = StepCostLearner()
+
     def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
+        for c in candidates:
+            self.cost.observe(c.worker_id, c.load)
         if not query.index_ok and not any(c.matched_blocks for c in candidates):
             return self.rendezvous(query, candidates, "fallback")
-        queued = [self._queued(c) for c in candidates]
-        w = self.config.overlap_weight
-        scores = [round(w * uncached_tokens(c, query)) + q for c, q in zip(candidates, queued, strict=True)]
-        best = min(scores)
-        i = self._choice_index([i for i, s in enumerate(scores) if s == best])
+        model = self.cost.estimate()
+        if model is None:
+            # NOTE: too few reports to know the workers' step time yet: the token count of the
+            # previous kv-aware policy, with its hot-spot guard.
+            w = self.config.overlap_weight
+            queued = [self._queued(c) for c in candidates]
+            scores = [w * uncached_tokens(c, query) + q for c, q in zip(candidates, queued, strict=True)]
+            i = self._argmin_index(scores)
+            if self.overloaded(queued[i], queued):
+                return self.least_loaded(candidates, "balance")
+            chosen = candidates[i]
+            return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks else "load", round(scores[i]))
+        lam = self.config.decode_harm_weight
+        scores = []
+        for c in candidates:
+            ttft, own = predicted_ttft(model, query, c, self.config.default_step_tokens)
+            scores.append(ttft + lam * decoders(c) * own)
+        i = self._argmin_index(scores)
         chosen = candidates[i]
-        if self.overloaded(queued[i], queued):
-            return self.least_loaded(candidates, "balance")
-        return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks else "load", best)
+        # NOTE: no token-count guard here: a hot spot's queue is in its predicted time already.
+        return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks else "load", round(scores[i] * 1000))
+
+    def _argmin_index(self, scores: Sequence[float]) -> int:
+        best = min(scores)
+        return self._choice_index([i for i, s in enumerate(scores) if s == best])
+
+
+def decoders(c: Candidate) -> int:
+    """Requests at the worker that share its steps: its report or this router's view, the larger."""
+    return max(c.load.num_running, c.inflight_requests)
+
+
+def predicted_ttft(m: StepCost, q: RouteQuery, c: Candidate, default_step_tokens: int = 2048) -> tuple[float, float]:
+    """(seconds until this request's first token on the candidate, seconds its own prefill adds
+    to the worker's steps) (see KvAwarePolicy)."""
+    u = uncached_tokens(c, q)
+    h = q.prompt_len - u
+    queue = queued_prefill(c)
+    budget = c.load.max_num_batched_tokens or default_step_tokens
+    steps = max(1, -(-(queue + u) // budget))
+    own_steps = -(-u // budget)
+    per_step = m.step_s + m.decode_seq_s * decoders(c) + m.decode_context_token_s * used_blocks(c) * q.block_size
+    own = m.prefill_token_s * u + m.prefill_pair_s * (u * h + u * (u + 1) / 2) + own_steps * per_step
+    ttft = (m.prefill_token_s * queue + m.prefill_pair_s * queue * m.pairs_per_prefill_token
+            + own + (steps - own_steps) * per_step)
+    return ttft, own
 
 
 class RoundRobinPolicy(RouterPolicy):
@@ -243,3 +331,4 @@ def make_policy(name: str, config: PolicyConfig | None = None) -> RouterPolicy:
     return cls(config)
 
 import kvmesh.router.approx_tree  # noqa: E402,F401 - registers "approx-tree" (it subclasses RouterPolicy)
+import kvmesh.router.field_policies  # noqa: E402,F401 - registers dynamo, llm-d, preble, lmetric

@@ -142,6 +142,8 @@ class RequestRecord:
     failed: str = ""
     attempts: int = 0
     slo_ok: bool | None = None
+    counted_miss: bool = False
+    """Already counted as an SLO miss (its TTFT deadline passed before its first token)."""
 
     @property
     def ttft(self) -> float | None:
@@ -431,6 +433,7 @@ class SimRouter:
         cfg = mesh.cfg
         pc = PolicyConfig(**{f: getattr(cfg.policy_config, f) for f in PolicyConfig.__dataclass_fields__})
         pc.seed = cfg.seed * 1000 + index
+        pc.clock = lambda: mesh.q.now
         self.observer = CountingObserver()
         self.core = RoutingCore(make_policy(cfg.policy, pc), speculative_ttl_s=cfg.speculative_ttl_s,
                                 index_retry_s=cfg.index_retry_s, clock=lambda: mesh.q.now, observer=self.observer)
@@ -566,6 +569,8 @@ class Mesh:
         self._next = i + 1
         self._schedule_next_arrival()
         rec = self.records[i]
+        if self.cfg.stop_when_slo_lost:
+            self.q.after(self.ttft_limit(rec.prompt_len), self._ttft_deadline, rec)
         self.routers[i % len(self.routers)].route(rec)
         if self._progress is not None and i % 50 == 0:
             self._progress(i / len(self.records))
@@ -577,10 +582,19 @@ class Mesh:
     def request_done(self, rec: RequestRecord) -> None:
         self.done += 1
         rec.slo_ok = self.meets_slo(rec)
-        if not rec.slo_ok:
-            self.slo_missed += 1
-            if self.cfg.stop_when_slo_lost and self.slo_missed > (1 - self.cfg.slo_target) * len(self.records):
-                self.stopped_early = True
+        if not rec.slo_ok and not rec.counted_miss:
+            self._miss(rec)
+
+    def _ttft_deadline(self, rec: RequestRecord) -> None:
+        """Early stop: a request without its first token at its TTFT limit has missed the SLO."""
+        if rec.first_token is None and not rec.counted_miss and rec.slo_ok is None:
+            self._miss(rec)
+
+    def _miss(self, rec: RequestRecord) -> None:
+        rec.counted_miss = True
+        self.slo_missed += 1
+        if self.cfg.stop_when_slo_lost and self.slo_missed > (1 - self.cfg.slo_target) * len(self.records):
+            self.stopped_early = True
 
     def cold_prefill_s(self, prompt_len: int) -> float:
         """The request's prefill alone on an idle worker, chunked as the engine chunks it."""
@@ -591,10 +605,13 @@ class Mesh:
             start += n
         return t
 
+    def ttft_limit(self, prompt_len: int) -> float:
+        return self.cfg.slo_ttft_s + self.cfg.slo_ttft_prefill_x * self.cold_prefill_s(prompt_len)
+
     def meets_slo(self, rec: RequestRecord) -> bool:
         if rec.failed or rec.ttft is None:
             return False
-        if rec.ttft > self.cfg.slo_ttft_s + self.cfg.slo_ttft_prefill_x * self.cold_prefill_s(rec.prompt_len):
+        if rec.ttft > self.ttft_limit(rec.prompt_len):
             return False
         tpot = rec.tpot
         return tpot is None or tpot <= self.cfg.slo_tpot_s

@@ -146,6 +146,7 @@ def test_round_robin_and_least_loaded():
 
 
 def test_registry_names_and_unknown_policy():
-    assert list(POLICIES) == ["kv-aware", "round-robin", "least-loaded", "prefix-hash", "approx-tree"]
+    assert list(POLICIES) == ["kv-aware", "round-robin", "least-loaded", "prefix-hash", "approx-tree", "dynamo", "llm-d",
+                             "preble", "lmetric"]
     with pytest.raises(ValueError, match="unknown policy 'random'; choose one of kv-aware, round-robin"):
         make_policy("random")
