@@ -445,35 +445,18 @@ class Scheduler:
             One RequestOutput per request that got tokens or finished, in batch order, carrying all
             of its tokens of the window.
         """
-        kv = self.kv_cache_manager
-        bs = kv.block_size
-        lazy = self._full_attention_only
+        if not self._full_attention_only:
+            return self._window_step_by_step(output, sampled)
+        bs = self.kv_cache_manager.block_size
         results: list[RequestOutput] = []
         finishing: list[tuple[int, int, Request, RequestStatus, ScheduledRequest]] = []
         for pos, sched in enumerate(output.scheduled):
             request = sched.request
             if request.is_finished:  # aborted after schedule()
                 continue
-            tokens = list(sampled.get(request.request_id, ()))
-            last = len(tokens) - 1
-            if lazy:
-                new_ids, status = self._commit_tokens(request, tokens, bs)
-                if status is not None:
-                    finishing.append((len(new_ids) - 1, pos, request, status, sched))
-            else:
-                new_ids = []
-                for k, token in enumerate(tokens):
-                    # NOTE: every inner step computes the one token the step before sampled.
-                    request.num_computed_tokens += 1
-                    request.append_output_token_ids(token)
-                    new_ids.append(token)
-                    status = self._check_stop(request)
-                    if status is not None:
-                        finishing.append((k, pos, request, status, sched))
-                        break
-                    if k < last:
-                        got = kv.allocate_slots(request, 1)  # frees out-of-window blocks, caches full ones
-                        assert got == [], "an inner step needed a block outside its window's lookahead"
+            new_ids, status = self._commit_tokens(request, list(sampled.get(request.request_id, ())), bs)
+            if status is not None:
+                finishing.append((len(new_ids) - 1, pos, request, status, sched))
             if new_ids:
                 results.append(RequestOutput(request.request_id, new_ids, False, None,
                                              request.num_prompt_tokens, request.num_cached_tokens))
@@ -491,6 +474,24 @@ class Scheduler:
                 results[i] = RequestOutput(out.request_id, out.new_token_ids, True, request.finish_reason,
                                            out.num_prompt_tokens, out.num_cached_tokens)
         return results
+
+    def _window_step_by_step(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[RequestOutput]:
+        """``update_from_window`` for sliding-window groups: their inner steps free blocks in step
+        order, so the window is replayed through the per-step path (one output per request)."""
+        merged: dict[str, RequestOutput] = {}
+        steps = max(map(len, sampled.values()), default=0)
+        for k in range(steps):
+            tokens = {rid: [t[k]] for rid, t in sampled.items() if len(t) > k}
+            for o in self.update_from_output(output, tokens):
+                prev = merged.get(o.request_id)
+                if prev is not None:
+                    o = RequestOutput(o.request_id, prev.new_token_ids + o.new_token_ids, o.finished, o.finish_reason,
+                                      o.num_prompt_tokens, o.num_cached_tokens)
+                merged[o.request_id] = o
+            if k < steps - 1:
+                self.prepare_window_step(output)
+        order = {s.request.request_id: i for i, s in enumerate(output.scheduled)}
+        return sorted(merged.values(), key=lambda o: order[o.request_id])
 
     def _commit_tokens(self, request: Request, tokens: list[int], bs: int) -> tuple[list[int], RequestStatus | None]:
         """A window's tokens of one full-attention request, committed a block at a time.

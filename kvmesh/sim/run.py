@@ -322,7 +322,7 @@ def settings_of(cfg: SimConfig, **extra) -> dict:
             continue
         v = getattr(cfg, f.name)
         if dataclasses.is_dataclass(v):
-            v = dataclasses.asdict(v)
+            v = {k: x for k, x in dataclasses.asdict(v).items() if not callable(x) and k != "seed"}
         elif isinstance(v, tuple):
             v = list(v)
         out[f.name] = v

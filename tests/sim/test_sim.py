@@ -1,0 +1,90 @@
+"""The virtual-time simulator (kvmesh/sim/): determinism, a cache win by construction, the capacity
+search on a toy cost model with a known answer, faults and several routers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvmesh.model_worker.sim_runner import CostModel
+from kvmesh.sim.mesh import Mesh, SimConfig
+from kvmesh.sim.run import Sim, chains_for, oracle_hit_rate, sim_model_dir
+from kvmesh.sim.workload import SimRequest, Workload, load_trace, make_workload, shared_prefix
+
+
+def simulate(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvmesh.cli", "simulate", *args], capture_output=True, text=True,
+                          timeout=170, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.timeout(180)
+def test_same_seed_gives_byte_identical_json_across_processes(tmp_path):
+    args = ["--workload", "hot-prompt", "--max-requests", "60", "--workers", "3", "--routers", "2",
+            "--policies", "kv-aware,round-robin,preble", "--rates", "4", "--relative-rates", "", "--no-capacity",
+            "--event-loss", "0.2", "--no-progress"]
+    outs = []
+    for n, hashseed in enumerate(("1", "2")):
+        out = tmp_path / f"{n}.json"
+        proc = simulate([*args, "--json", str(out)], {"PYTHONHASHSEED": hashseed})
+        assert proc.returncode == 0, proc.stderr
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+    # a different seed is a different run (tokens, tie-breaks, lost batches)
+    other = Sim(make_workload("hot-prompt", 60, seed=1), SimConfig(workers=3, routers=2, event_loss=0.2))
+    assert other.run("kv-aware", 4.0)["lost_event_batches"] != 0
+
+
+def test_kv_aware_hits_the_shared_prefixes_round_robin_scatters():
+    # 4 groups behind 2048-token prefixes, slow arrivals: a cache-aware router sends every group's
+    # requests to the worker that computed its prefix; round robin spreads each group over all 4.
+    w = shared_prefix(num_requests=48, groups=4, prefix_len=2048, question_len=128, output_len=4, base_rate=0.5)
+    sim = Sim(w, SimConfig(workers=4))
+    kv, rr = sim.run("kv-aware", 1.0), sim.run("round-robin", 1.0)
+    oracle = oracle_hit_rate(w, sim.base)
+    assert kv["hit_rate"] >= 0.9 * oracle
+    assert rr["hit_rate"] < 0.8 * kv["hit_rate"]
+    assert (kv["completed"], rr["completed"], kv["failed"]) == (48, 48, 0)
+
+
+def test_capacity_search_finds_the_rate_a_toy_worker_saturates_at():
+    # One worker, one 1000-token request per second, 1 output token, prefill only costed:
+    # 0.8 s per request, one request per step. Requests queue once the gap 1/rate < 0.8 s, so the
+    # SLO (TTFT <= 1 ms + 1 x the cold prefill) holds for >= 90 % exactly up to rate 1 / 0.8 = 1.25
+    # (queueing grows ~0.8 ms per request just above it).
+    reqs = [SimRequest(i, float(i), 1000, 1, ((-(i + 1), 1000),)) for i in range(100)]
+    cost = CostModel(step_overhead_s=0.0, prefill_token_s=8e-4, attn_pair_s=0.0, decode_seq_s=0.0, decode_kv_token_s=0.0)
+    sim = Sim(Workload("toy", reqs), SimConfig(workers=1, max_num_batched_tokens=1000, cost=cost, slo_ttft_s=0.001,
+                                               slo_ttft_prefill_x=1.0, network_s=0.0, lookup_latency_s=0.0))
+    capacity, runs = sim.capacity("round-robin")
+    assert 1.25 / 1.02 <= capacity <= 1.2511
+    assert len(runs) <= 10 and any(r["stopped_early"] for r in runs)
+
+
+def test_event_loss_restart_and_three_routers_finish_and_resync():
+    w = load_trace_or_generated()
+    cfg = SimConfig(workers=4, routers=3, event_loss=0.3, restart_at=(0.5,), restart_down_s=1.0, seed=3)
+    mesh = Mesh(cfg, w, sim_model_dir(), chains_for(w, cfg.block_size))
+    records = mesh.run()
+    assert all(r.finish is not None or r.failed for r in records)
+    failed = [r for r in records if r.failed]
+    # only streams cut by the restart fail (those before their first token were retried elsewhere)
+    assert all("mid-stream" in r.failed for r in failed) and len(failed) < 0.1 * len(records)
+    assert mesh.lost_batches > 0 and sum(x.resyncs for x in mesh.workers) > 0
+    assert mesh.workers[0].epoch == 2 and sum(len(r.observer.decisions) > 0 for r in mesh.routers) == 3
+    assert sum(r.cached_tokens for r in records) > 0  # the index stayed useful through the losses
+    # the index holds what worker 0's new incarnation reported: never a block of its old cache
+    svc = mesh.index.svc
+    info = {i.registration.worker_id: i for i in svc.index.workers(int(mesh.q.now * 1000))}
+    assert info["worker-000"].registration.epoch == 2
+
+
+def load_trace_or_generated() -> Workload:
+    from pathlib import Path
+
+    trace = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
+    if trace.exists():
+        return load_trace(trace, 200)
+    return make_workload("multi-turn", 200)
