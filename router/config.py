@@ -45,6 +45,9 @@ class RouterConfig:
     decode_harm_weight: float = 0.5
     """kv-aware: weight of the delay a request's prefill adds to the requests decoding on the worker, against
     its own predicted time to first token."""
+    work_weight: float = 1.0
+    """kv-aware: weight of the prefill work a request adds to the mesh (capacity a recomputed prefix costs),
+    against its own predicted time to first token."""
     balance_factor: float = 2.0
     """Hot-spot guard: a worker queued over this x the mean (and over the least loaded by --balance-min-tokens)
     gets no prefix-affine traffic."""
@@ -79,8 +82,9 @@ class RouterConfig:
             raise ValueError(f"--max-attempts must be >= 1, got {self.max_attempts}")
         if not self.overlap_weight >= 0:
             raise ValueError(f"--overlap-weight must be >= 0, got {self.overlap_weight}")
-        if not self.decode_harm_weight >= 0:
-            raise ValueError(f"--decode-harm-weight must be >= 0, got {self.decode_harm_weight}")
+        if not self.decode_harm_weight >= 0 or not self.work_weight >= 0:
+            raise ValueError(f"--decode-harm-weight and --work-weight must be >= 0, got {self.decode_harm_weight}, "
+                             f"{self.work_weight}")
         if self.balance_factor < 1.0:
             raise ValueError(f"--balance-factor must be >= 1.0, got {self.balance_factor}")
         if self.max_streams < 1 or self.max_prompt_tokens < 0 or self.max_tokens_limit < 0:

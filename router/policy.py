@@ -51,6 +51,9 @@ class PolicyConfig:
     decode_harm_weight: float = 0.5
     """kv-aware: weight of the delay its prefill adds to the requests already decoding on the
     worker (each of them waits for it) against its own time to first token."""
+    work_weight: float = 1.0
+    """kv-aware: weight of the work (its own prefill time) a request adds to the mesh, beyond its
+    latency: what the mesh loses of its capacity when a prompt is recomputed instead of reused."""
     clock: Callable[[], float] = time.monotonic
     """Monotonic seconds, for policies with a time window (the simulator's virtual clock)."""
 
@@ -200,7 +203,7 @@ def used_blocks(c: Candidate) -> int:
 
 
 class KvAwarePolicy(RouterPolicy):
-    """Least predicted time to first token; hot-spot guard; rendezvous when blind.
+    """Least predicted time to first token plus what the request costs the others; rendezvous when blind.
 
     The prediction for worker w (docs/router.md, "kv-aware"):
 
@@ -213,9 +216,12 @@ class KvAwarePolicy(RouterPolicy):
              + S * (step_s + decode_seq_s * D + decode_context_token_s * C)
 
     i.e. the queued prefill ahead of it, its own uncached prefill (attention over the cached part
-    included), and the decodes that share every one of those steps. The coefficients are learned
-    online from the workers' reports (router/cost.py); until there are enough, the score is the
-    token count ``uncached + queued`` of the previous kv-aware policy.
+    included), and the decodes that share every one of those steps. The score adds
+    ``(decode_harm_weight * D + work_weight) * own``, ``own`` being the time its own prefill takes:
+    the D requests decoding on w wait for it, and a recomputed prefix is capacity lost to everyone.
+    The coefficients are learned online from the workers' reports (router/cost.py); until there
+    are enough, the score is the token count ``uncached + queued`` of the previous kv-aware policy,
+    with its hot-spot guard.
     """
 
     name = "kv-aware"
@@ -243,10 +249,11 @@ class KvAwarePolicy(RouterPolicy):
             chosen = candidates[i]
             return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks else "load", round(scores[i]))
         lam = self.config.decode_harm_weight
+        kappa = self.config.work_weight
         scores = []
         for c in candidates:
             ttft, own = predicted_ttft(model, query, c, self.config.default_step_tokens)
-            scores.append(ttft + lam * decoders(c) * own)
+            scores.append(ttft + (lam * decoders(c) + kappa) * own)
         i = self._argmin_index(scores)
         chosen = candidates[i]
         # NOTE: no token-count guard here: a hot spot's queue is in its predicted time already.

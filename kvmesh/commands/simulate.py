@@ -89,6 +89,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("policy knobs (router/policy.py PolicyConfig)")
     g.add_argument("--decode-cost", type=int, default=pc.decode_cost_tokens)
     g.add_argument("--overlap-weight", type=float, default=pc.overlap_weight)
+    g.add_argument("--decode-harm-weight", type=float, default=pc.decode_harm_weight)
+    g.add_argument("--work-weight", type=float, default=pc.work_weight)
     g.add_argument("--balance-factor", type=float, default=pc.balance_factor)
     g.add_argument("--balance-min-tokens", type=int, default=pc.balance_min_tokens)
     g = p.add_argument_group("faults")
@@ -116,6 +118,7 @@ def config_from(args: argparse.Namespace):
         index_retry_s=args.index_retry_s, network_s=args.network_ms / 1000, speculative_ttl_s=args.speculative_ttl_s,
         max_attempts=args.max_attempts,
         policy_config=PolicyConfig(decode_cost_tokens=args.decode_cost, overlap_weight=args.overlap_weight,
+                                   decode_harm_weight=args.decode_harm_weight, work_weight=args.work_weight,
                                    balance_factor=args.balance_factor, balance_min_tokens=args.balance_min_tokens),
         event_loss=args.event_loss, restart_at=tuple(_floats(args.restart_at)), restart_down_s=args.restart_down_s,
         slo_ttft_s=args.slo_ttft, slo_ttft_prefill_x=args.slo_ttft_prefill_x, slo_tpot_s=args.slo_tpot,
