@@ -265,3 +265,13 @@ def test_concurrent_publishers_keep_exact_state(index):
     assert index.holders(shared[0], T0) == workers
     st = index.stats(T0)
     assert (st.indexed_blocks, st.block_replicas) == (4 * 20 + 5, 4 * 25)
+
+
+def test_load_encoding_round_trips_and_reads_the_older_five_field_form():
+    load = Load(2, 1, 90, 100, 300, busy_s=1.25, steps=7, prefill_tokens=512, prefill_pairs=10**12,
+                decode_tokens=40, decode_context_tokens=9000, max_num_batched_tokens=8192)
+    assert Load.decode(load.encode()) == load
+    assert Load.decode(b"2,1,90,100,300") == Load(2, 1, 90, 100, 300)
+    from kvmesh.contract.convert import load_from_pb, load_to_pb
+
+    assert load_from_pb(load_to_pb(load)) == load
