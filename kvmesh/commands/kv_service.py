@@ -28,9 +28,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="Redis key hash tag; deployments sharing one Redis use different ones (default kvmesh)")
     p.add_argument("--lease-ttl-ms", type=int, default=10_000,
                    help="worker lease: no heartbeat for this long removes it from lookups (default 10000)")
-    p.add_argument("--max-publishers", type=int, default=256,
+    p.add_argument("--max-publishers", type=int, default=1024,
                    help="workers that may stream block events to this replica at once; one more is refused "
-                        "with RESOURCE_EXHAUSTED (default 256)")
+                        "with RESOURCE_EXHAUSTED (default 1024)")
+    p.add_argument("--max-blocks-per-call", type=int, default=256,
+                   help="block hashes one Redis event-apply script carries at most; a bigger batch is applied in "
+                        "several calls so a Lookup never waits behind a whole batch (default 256)")
+    p.add_argument("--redis-connections", type=int, default=64,
+                   help="size of the Redis connection pool (default 64)")
     p.add_argument("--metrics-port", type=int, default=9100, help="Prometheus /metrics port, 0 = off (default 9100)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
     add_security_args(p, serves="admin", calls=None)
@@ -39,8 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvmesh.contract.errors import Unavailable
     from kvmesh.kv_service.server import KVServiceServer
     from kvmesh.kv_service.service import ServiceConfig
+    from kvmesh.transport.rpc import wait_for_termination_signal
 
     setup_logging(args.log_level)
     log = logging.getLogger("kvmesh.kv_service")
@@ -49,6 +56,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
+    if args.lease_ttl_ms < 100:
+        log.error("--lease-ttl-ms must be >= 100")
+        return 2
+    if args.max_publishers < 1 or args.max_blocks_per_call < 1 or args.redis_connections < 1:
+        log.error("--max-publishers, --max-blocks-per-call and --redis-connections must be >= 1")
+        return 2
+    url = args.redis_url or "redis://127.0.0.1:6379/0"
     if args.store == "memory":
         from kvmesh.kv_service.store_memory import MemoryIndex
 
@@ -56,23 +70,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         from kvmesh.kv_service.store_redis import RedisIndex
 
-        url = args.redis_url or "redis://127.0.0.1:6379/0"
-        index = RedisIndex(url, namespace=args.namespace)
-        try:
-            index.ping()
-        except Exception as exc:  # noqa: BLE001 - one actionable line instead of a traceback
-            log.error("cannot reach Redis at %s (%s); start one or pass --store memory", url, exc)
-            return 2
-    if args.lease_ttl_ms < 100:
-        log.error("--lease-ttl-ms must be >= 100")
-        return 2
-    if args.max_publishers < 1:
-        log.error("--max-publishers must be >= 1")
-        return 2
+        index = RedisIndex(url, namespace=args.namespace, max_blocks_per_call=args.max_blocks_per_call,
+                           max_connections=args.redis_connections)
     config = ServiceConfig(lease_ttl_ms=args.lease_ttl_ms, reap_interval_s=max(0.1, args.lease_ttl_ms / 2000))
-    server = KVServiceServer(index, args.host, args.port, config, max_publishers=args.max_publishers).start()
+    try:
+        server = KVServiceServer(index, args.host, args.port, config, max_publishers=args.max_publishers).start()
+    except Unavailable as exc:
+        log.error("cannot reach Redis at %s (%s); start one or pass --store memory", url, exc)
+        return 2
+    except OSError as exc:
+        log.error("%s", exc)
+        return 2
     if args.metrics_port:
-        start_metrics_server(args.metrics_port)
+        start_metrics_server(args.metrics_port, server.metrics.registry)
     log.info("kv_service listening on %s:%d (store=%s)", args.host, server.port, index.name)
-    server.grpc.wait_for_termination_signal(args.grace, on_stop=index.close)
+    wait_for_termination_signal(server.stop, args.grace)
     return 0
