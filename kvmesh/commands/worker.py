@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from kvmesh.model_worker.llm_engine import LLMEngine
     from kvmesh.model_worker.server import WorkerServer
+    from kvmesh.transport.rpc import wait_for_termination_signal
 
     if args.torch_threads:
         import torch
@@ -155,15 +156,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     worker_id = args.worker_id or socket.gethostname()
     kv = None if args.kv_service.lower() == "none" else args.kv_service
-    server = WorkerServer(engine, worker_id, args.host, args.port, kv,
-                          args.advertise_address or default_advertise(args.host, args.port),
-                          args.max_queued_requests, args.stream_interval).start()
-    if args.metrics_port:
-        start_metrics_server(args.metrics_port)
+    try:
+        server = WorkerServer(engine, worker_id, args.host, args.port, kv,
+                              args.advertise_address or default_advertise(args.host, args.port),
+                              args.max_queued_requests, args.stream_interval).start()
+    except OSError as exc:
+        log.error("%s", exc)
+        return 2
     if args.simulate:
-        export_metrics(sim[0])
+        export_metrics(sim[0], server.metrics.registry)
         log.info("simulated worker: %s, time scale %g", cost, args.sim_time_scale)
+    if args.metrics_port:
+        start_metrics_server(args.metrics_port, server.metrics.registry)
     log.info("worker %s serving %s on %s:%d (%d KV blocks of %d tokens)", worker_id, engine.model_id, args.host,
              server.port, engine.kv_cache_manager.num_blocks, engine.config.block_size)
-    server.grpc.wait_for_termination_signal(args.grace, on_stop=lambda: server.stop(0))
+    wait_for_termination_signal(server.stop, args.grace)
     return 0
