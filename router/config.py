@@ -48,8 +48,9 @@ class RouterConfig:
     """A worker that failed a call is skipped this long (unless every worker is)."""
     rpc_timeout_s: float = 2.0
     """Deadline of discovery calls (ListWorkers, GetLoad)."""
-    max_streams: int = 256
-    """Concurrent RPCs; more are refused with RESOURCE_EXHAUSTED."""
+    max_streams: int = 1024
+    """Concurrent Generate streams; more are refused with RESOURCE_EXHAUSTED naming --max-streams
+    (health checks are never refused)."""
     max_prompt_tokens: int = 0
     """Longer prompts are refused with RESOURCE_EXHAUSTED; 0 = no limit (the worker's max_model_len still applies)."""
     max_tokens_limit: int = 0

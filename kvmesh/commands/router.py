@@ -54,8 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "cache hits over balance (default 1.0)")
     p.add_argument("--speculative-ttl", type=float, default=2.0,
                    help="seconds a routed prompt's blocks count as held by its worker, 0 = off (default 2.0)")
-    p.add_argument("--max-streams", type=int, default=256,
-                   help="concurrent RPCs; more get RESOURCE_EXHAUSTED (default 256)")
+    p.add_argument("--max-streams", type=int, default=1024,
+                   help="concurrent Generate streams; more get RESOURCE_EXHAUSTED (default 1024)")
     p.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="refuse longer prompts with RESOURCE_EXHAUSTED, 0 = no limit (default 0)")
     p.add_argument("--max-tokens-limit", type=int, default=0,
@@ -86,6 +86,7 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from kvmesh.contract.block_hash import algorithm_name
     from kvmesh.router.server import RouterServer
+    from kvmesh.transport.rpc import wait_for_termination_signal
 
     setup_logging(args.log_level)
     log = logging.getLogger("kvmesh.router")
@@ -97,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     if args.metrics_port:
-        start_metrics_server(args.metrics_port)
+        start_metrics_server(args.metrics_port, server.metrics.registry)
     source = f"workers {args.workers}" if args.workers else f"kv_service {args.kv_service}"
     log.info("router listening on %s:%d (policy %s, %s)", args.host, server.port, args.policy, source)
-    server.grpc.wait_for_termination_signal(args.grace, on_stop=server.pool.stop)
+    wait_for_termination_signal(server.stop, args.grace)
     return 0
