@@ -13,6 +13,7 @@ so events and snapshots keep their order. No grpc import here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -255,10 +256,9 @@ class EngineLoop:
                 assert stream.loop is not None and stream.reader is not None
                 by_loop.setdefault(stream.loop, []).append((stream.reader, batch))
         for loop, items in by_loop.items():
-            try:
+            # NOTE: RuntimeError = the server's loop is closed (shutting down): no reader is left.
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_push_all, items)
-            except RuntimeError:  # the server's loop is closed (shutting down): no reader left
-                pass
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
         ready: list[tuple[_Stream, list[TokenEvent]]] = []
