@@ -37,6 +37,7 @@ from kvmesh.kv_service.index import (
     WorkerMatch,
 )
 
+from kvmesh.contract.block_hash import HASH_LEN
 from kvmesh.contract.errors import FailedPrecondition, NotFound, Unavailable
 from kvmesh.contract.types import AllBlocksCleared, BlockStored, KVCacheEvent, Load, ModelSpec
 
@@ -199,7 +200,7 @@ class RedisIndex(BlockIndex):
         return await self._publish(worker_id, epoch, seq, now_ms, True, parts)
 
     async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
-        live, pairs = await self._call("lookup", model_id, now_ms, *hashes)
+        live, pairs = await self._call("lookup", model_id, now_ms, HASH_LEN, b"".join(hashes))
         matched = {pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
         info = await self._worker_info(model_id, live)
         return [WorkerMatch(wid, addr, matched.get(raw, 0), load, bs) for raw in live
