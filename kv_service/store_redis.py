@@ -58,8 +58,9 @@ def _s(raw: bytes | str | None) -> str:
 
 
 def split_payload(events: list[KVCacheEvent], limit: int) -> list[list]:
-    """The publish script's payload ('S' n h.. | 'R' n h.. | 'C') in parts of at most ``limit``
-    hashes each, in event order; a long event is cut across parts."""
+    """The publish script's payload ('S' hashes | 'R' hashes | 'C'; the hashes of one event as one
+    concatenated string) in parts of at most ``limit`` hashes each, in event order; a long event
+    is cut across parts."""
     parts: list[list] = []
     cur: list = []
     size = 0
@@ -75,7 +76,7 @@ def split_payload(events: list[KVCacheEvent], limit: int) -> list[list]:
                 parts.append(cur)
                 cur, size = [], 0
             chunk = hashes[i:i + limit - size]
-            cur += [op, len(chunk), *chunk]
+            cur += [op, b"".join(chunk)]
             size += len(chunk)
             i += len(chunk)
     parts.append(cur)
@@ -196,7 +197,7 @@ class RedisIndex(BlockIndex):
 
     async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int) -> PublishResult:
         n = self.max_blocks_per_call
-        parts = [list(hashes[i:i + n]) for i in range(0, len(hashes), n)] or [[]]
+        parts = [[b"".join(hashes[i:i + n])] for i in range(0, len(hashes), n)] or [[]]
         return await self._publish(worker_id, epoch, seq, now_ms, True, parts)
 
     async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:

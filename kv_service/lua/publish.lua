@@ -1,6 +1,6 @@
 -- ARGV: pre, wid, epoch, seq, now, snapshot(0/1), part, last(0/1), then
---   snapshot: the hashes (oldest first);
---   events:   a sequence of 'S' n h1..hn | 'R' n h1..hn | 'C'.
+--   snapshot: one string of hashes (oldest first);
+--   events:   a sequence of 'S' hashes | 'R' hashes | 'C' (hashes: one string, split_hashes).
 -- NOTE: one batch may come in parts 0..k (store_redis.py bounds the hashes per call, so Redis is
 -- never busy with one batch for long while Lookups wait). Part 0 checks the order (a snapshot
 -- also clears the worker and adopts the epoch); a later part applies only if the worker's pending
@@ -33,7 +33,8 @@ else
   end
 end
 if snapshot then
-  add_blocks(wid, num, ARGV, 9, #ARGV)
+  local hashes = split_hashes(ARGV[9] or '')
+  add_blocks(wid, num, hashes, 1, #hashes)
 else
   local i = 9
   while i <= #ARGV do
@@ -42,13 +43,13 @@ else
       clear_worker(wid, num)
       i = i + 1
     else
-      local n = tonumber(ARGV[i + 1])
+      local hashes = split_hashes(ARGV[i + 1])
       if op == 'S' then
-        add_blocks(wid, num, ARGV, i + 2, i + 1 + n)
+        add_blocks(wid, num, hashes, 1, #hashes)
       else
-        drop_blocks(wid, num, ARGV, i + 2, i + 1 + n)
+        drop_blocks(wid, num, hashes, 1, #hashes)
       end
-      i = i + 2 + n
+      i = i + 2
     end
   end
 end

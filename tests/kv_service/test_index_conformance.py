@@ -294,7 +294,7 @@ async def test_a_batch_in_parts_lets_a_lookup_in_between_and_a_stray_part_resync
         assert await matches(idx, h) == {"w1": 10, "w2": 2}
         assert (await idx.workers(T0))[0].last_seq == 1
         # A part that does not continue the pending batch is answered with RESYNC, nothing applied.
-        res = await idx._call("publish", "w1", 1, 2, T0, 0, 1, 1, "S", 1, chain(1, start=500)[0])
+        res = await idx._call("publish", "w1", 1, 2, T0, 0, 1, 1, "S", chain(1, start=500)[0])
         assert [x.decode() if isinstance(x, bytes) else x for x in res][0] == "RESYNC"
         assert await matches(idx, chain(1, start=500)) == {"w1": 0, "w2": 0}
     finally:
