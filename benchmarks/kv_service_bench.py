@@ -220,7 +220,7 @@ async def load_curve(address: str, queries: list[list[bytes]], seconds: float, m
         lat: list[float] = []
         end = time.perf_counter() + seconds
 
-        async def caller(k: int) -> None:
+        async def caller(k: int, c: int, end: float, lat: list[float]) -> None:
             cycle = itertools.cycle(queries[k::c] or queries)
             while time.perf_counter() < end:
                 t0 = time.perf_counter()
@@ -228,7 +228,7 @@ async def load_curve(address: str, queries: list[list[bytes]], seconds: float, m
                 lat.append((time.perf_counter() - t0) * 1e6)
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(caller(k) for k in range(c)))
+        await asyncio.gather(*(caller(k, c, end, lat) for k in range(c)))
         rows.append({"callers": c, "lookups_per_s": len(lat) / (time.perf_counter() - t0),
                      "p50_us": statistics.median(lat), "p99_us": pct(lat, 99)})
         if rows[-1]["p99_us"] > P99_BUDGET_US:
