@@ -32,41 +32,18 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kvmesh.kv_service.store_redis import RedisIndex  # noqa: E402
-
-from kvmesh.loopback import RedisServer, free_port  # noqa: E402
-from kvmesh.transport.rpc import EVENT_LOOP_ENV, dial, dial_aio, new_event_loop  # noqa: E402
-from kvmesh.v1 import kv_service_pb2 as pb  # noqa: E402
-from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc  # noqa: E402
+from kvmesh.bench.processes import start_kv_service
+from kvmesh.bench.report import percentile as pct
+from kvmesh.kv_service.store_redis import RedisIndex
+from kvmesh.loopback import RedisServer
+from kvmesh.transport.rpc import EVENT_LOOP_ENV, dial, dial_aio, new_event_loop
+from kvmesh.v1 import kv_service_pb2 as pb
+from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 
 SYSTEM_PROMPT_BLOCKS = 16
 P99_BUDGET_US = 2000.0
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
-
-def start_kv(redis_url: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    exe = str(Path(sys.executable).parent / "kvmesh")
-    proc = subprocess.Popen([exe, "kv-service", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
-                             "--lease-ttl-ms", "3600000", "--log-level", "warning", "--redis-url", redis_url, *extra])
-    address = f"127.0.0.1:{port}"
-    health = health_pb2_grpc.HealthStub(dial(address))
-    for _ in range(200):
-        try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                return proc, address
-        except grpc.RpcError:
-            time.sleep(0.05)
-    raise RuntimeError("kv-service did not become healthy")
 
 
 def populate(stub, workers: int, blocks: int, chain: int, batch: int, threads: int) -> tuple[float, dict]:
@@ -261,7 +238,7 @@ def main() -> int:
 
     loop = new_event_loop()  # $KVMESH_EVENT_LOOP: asyncio or uvloop, for the client and (inherited) the server
     with RedisServer() as redis:
-        kv_proc, address = start_kv(redis.url, shlex.split(a.kv_args))
+        kv_proc, address = start_kv_service("--redis-url", redis.url, *shlex.split(a.kv_args))
         try:
             stub = pb_grpc.KVServiceStub(dial(address))
             rate, chains = populate(stub, a.workers, a.blocks, a.chain, a.batch, a.threads)

@@ -17,27 +17,17 @@ import asyncio
 import json
 import sys
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kvmesh.loopback import free_port  # noqa: E402
-from kvmesh.make_model import ensure_default_model  # noqa: E402
-from kvmesh.stack import LocalStack, StackConfig  # noqa: E402
-from kvmesh.transport.rpc import dial_aio  # noqa: E402
-from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
-
-
-def gauge(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[-1])
-    return 0.0
+from kvmesh.bench.scrape import gauge, scrape
+from kvmesh.loopback import free_port
+from kvmesh.make_model import ensure_default_model
+from kvmesh.stack import LocalStack, StackConfig
+from kvmesh.transport.rpc import dial_aio
+from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
 async def run(router: str, n: int, max_tokens: int, prompt_len: int, metrics_port: int) -> dict:
@@ -62,7 +52,8 @@ async def run(router: str, n: int, max_tokens: int, prompt_len: int, metrics_por
     async def sample() -> None:
         nonlocal peak
         while not done.is_set():
-            peak = max(peak, await asyncio.to_thread(gauge, metrics_port, "kvmesh_router_inflight_requests"))
+            page = await asyncio.to_thread(scrape, metrics_port)
+            peak = max(peak, gauge(page, "kvmesh_router_inflight_requests"))
             await asyncio.sleep(0.2)
 
     sampler = asyncio.create_task(sample())

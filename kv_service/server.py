@@ -6,10 +6,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from kvmesh.kv_service.index import BlockIndex, Registration, WorkerMatch
-from kvmesh.kv_service.metrics import KVMetrics
-from kvmesh.kv_service.service import KVService, ServiceConfig, now_ms
-
 from kvmesh.contract.convert import (
     algorithm_from_pb,
     algorithm_to_pb,
@@ -18,6 +14,9 @@ from kvmesh.contract.convert import (
     load_to_pb,
 )
 from kvmesh.contract.errors import InvalidArgument, ResourceExhausted
+from kvmesh.kv_service.index import BlockIndex, Registration, WorkerMatch
+from kvmesh.kv_service.metrics import KVMetrics
+from kvmesh.kv_service.service import KVService, ServiceConfig, now_ms
 from kvmesh.transport.rpc import AioServer, LoopThread
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc

@@ -14,12 +14,11 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvmesh.kv_service.index import Action, BlockIndex, PublishResult, Registration, WorkerMatch
-from kvmesh.kv_service.metrics import KVMetrics
-
 from kvmesh.contract.block_hash import ALGORITHMS, HASH_LEN, BlockHasher
 from kvmesh.contract.errors import InvalidArgument, NotFound
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load
+from kvmesh.kv_service.index import Action, BlockIndex, PublishResult, Registration, WorkerMatch
+from kvmesh.kv_service.metrics import KVMetrics
 
 MAX_CHAIN_BLOCKS = 65_536
 MAX_EPOCH = 2**53 - 1  # exact in a Lua double

@@ -11,6 +11,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvmesh.contract.errors import FailedPrecondition, NotFound
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load, ModelSpec
 from kvmesh.kv_service.index import (
     Action,
     BlockIndex,
@@ -20,9 +22,6 @@ from kvmesh.kv_service.index import (
     WorkerInfo,
     WorkerMatch,
 )
-
-from kvmesh.contract.errors import FailedPrecondition, NotFound
-from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load, ModelSpec
 
 
 @dataclass(slots=True)

@@ -27,6 +27,10 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+
+from kvmesh.contract.block_hash import HASH_LEN
+from kvmesh.contract.errors import FailedPrecondition, NotFound, Unavailable
+from kvmesh.contract.types import AllBlocksCleared, BlockStored, KVCacheEvent, Load, ModelSpec
 from kvmesh.kv_service.index import (
     Action,
     BlockIndex,
@@ -36,10 +40,6 @@ from kvmesh.kv_service.index import (
     WorkerInfo,
     WorkerMatch,
 )
-
-from kvmesh.contract.block_hash import HASH_LEN
-from kvmesh.contract.errors import FailedPrecondition, NotFound, Unavailable
-from kvmesh.contract.types import AllBlocksCleared, BlockStored, KVCacheEvent, Load, ModelSpec
 
 _LUA_DIR = Path(__file__).parent / "lua"
 

@@ -11,16 +11,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.modelinfo import model_id_for
+from kvmesh.contract.types import KVCacheEvent, Load, SamplingParams
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.model_runner import ModelRunner
 from kvmesh.model_worker.request import Request
 from kvmesh.model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig
-
-from kvmesh.contract.block_hash import BlockHasher
-from kvmesh.contract.modelinfo import model_id_for
-from kvmesh.contract.types import KVCacheEvent, Load, SamplingParams
 
 
 @dataclass(slots=True)

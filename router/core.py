@@ -31,14 +31,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.errors import InvalidArgument
+from kvmesh.contract.types import ModelSpec
 from kvmesh.router.inflight import InFlight, Ticket
 from kvmesh.router.policy import Candidate, Decision, RouteQuery, RouterPolicy, uncached_tokens
 from kvmesh.router.speculative import SpeculativeIndex
 from kvmesh.router.upstream import IndexMatch, IndexUnavailable, PrefixIndex, WorkerEndpoint
-
-from kvmesh.contract.block_hash import BlockHasher
-from kvmesh.contract.errors import InvalidArgument
-from kvmesh.contract.types import ModelSpec
 
 log = logging.getLogger("kvmesh.router")
 

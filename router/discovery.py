@@ -15,6 +15,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
+
+from kvmesh.contract.block_hash import algorithm_name
+from kvmesh.contract.convert import PB_TO_ALGO, PB_TO_FINISH, load_from_pb, sampling_to_pb, usage_from_pb
+from kvmesh.contract.errors import Unavailable
+from kvmesh.contract.types import ModelSpec
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.upstream import (
     Failure,
@@ -25,11 +30,6 @@ from kvmesh.router.upstream import (
     WorkerError,
     WorkerRequest,
 )
-
-from kvmesh.contract.block_hash import algorithm_name
-from kvmesh.contract.convert import PB_TO_ALGO, PB_TO_FINISH, load_from_pb, sampling_to_pb, usage_from_pb
-from kvmesh.contract.errors import Unavailable
-from kvmesh.contract.types import ModelSpec
 from kvmesh.transport.rpc import dial_aio
 from kvmesh.transport.security import call_metadata
 from kvmesh.v1 import kv_service_pb2 as kv_pb

@@ -21,6 +21,10 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from tokenizers import Tokenizer
+
+from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvmesh.contract.types import SamplingParams, Usage
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RoutePlan, RoutingCore
 from kvmesh.router.detokenize import IncrementalDetokenizer
@@ -39,10 +43,6 @@ from kvmesh.router.upstream import (
     WorkerPool,
     WorkerRequest,
 )
-from tokenizers import Tokenizer
-
-from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
-from kvmesh.contract.types import SamplingParams, Usage
 
 log = logging.getLogger("kvmesh.router")
 

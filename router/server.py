@@ -7,14 +7,14 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-from kvmesh.router.config import RouterConfig
-from kvmesh.router.discovery import GrpcWorkerPool, KVServiceClient
-from kvmesh.router.metrics import RouterMetrics
-from kvmesh.router.router import GenerateInput, Router
 
 from kvmesh.contract.convert import FINISH_TO_PB, sampling_from_pb, usage_to_pb
 from kvmesh.contract.errors import ResourceExhausted
 from kvmesh.contract.modelinfo import load_tokenizer, model_id_for
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.discovery import GrpcWorkerPool, KVServiceClient
+from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.router import GenerateInput, Router
 from kvmesh.transport.rpc import AioServer, LoopThread
 from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc

@@ -45,9 +45,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def test_outputs_in_input_order_and_token_exact(model_dir: Path, tmp_path: Path) -> None:
-    from kvmesh.model_worker.llm import LLM
-
     from kvmesh.contract.types import SamplingParams
+    from kvmesh.model_worker.llm import LLM
 
     shared = list(range(100, 148))  # 3 full blocks shared by rows 0 and 2
     rows = [

@@ -11,7 +11,6 @@ import grpc
 from kvmesh.commands.common import add_security_args, apply_security
 
 DEFAULT_KV = "127.0.0.1:50052"
-ALGO_NAMES = {1: "sha256_128", 2: "xxh3_128"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,11 +52,25 @@ def _stub(args: argparse.Namespace):
     return kv_service_pb2_grpc.KVServiceStub(dial(args.kv_service))
 
 
-def _load(m) -> dict:
-    return {
-        "num_running": m.num_running, "num_waiting": m.num_waiting, "num_free_blocks": m.num_free_blocks,
-        "num_total_blocks": m.num_total_blocks, "queued_prefill_tokens": m.queued_prefill_tokens,
-    }
+def _as_dict(message) -> dict:
+    """A response as JSON-ready dict: field names as in the proto, every field, 64-bit ints as numbers,
+    hash algorithms by their kvmesh names."""
+    from google.protobuf import json_format
+
+    from kvmesh.contract.convert import PB_TO_ALGO
+
+    data = json_format.MessageToDict(message, always_print_fields_with_no_presence=True,
+                                     preserving_proto_field_name=True, use_integers_for_enums=True,
+                                     unquote_int64_if_possible=True)
+
+    def names(node):
+        if isinstance(node, dict):
+            return {k: PB_TO_ALGO.get(v, "?") if k == "hash_algorithm" else names(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [names(v) for v in node]
+        return node
+
+    return names(data)
 
 
 def _table(rows: list[list], header: list[str]) -> str:
@@ -84,20 +97,12 @@ def stats(args: argparse.Namespace) -> int:
     from kvmesh.v1 import kv_service_pb2 as pb
 
     def go():
-        r = _stub(args).GetStats(pb.GetStatsRequest(), timeout=args.timeout)
-        models = [
-            {"model_id": m.model_id, "block_size": m.block_size, "hash_algorithm": ALGO_NAMES.get(m.hash_algorithm, "?"),
-             "live_workers": m.live_workers}
-            for m in r.models
-        ]
-        data = {
-            "store": r.store, "live_workers": r.live_workers, "indexed_blocks": r.indexed_blocks,
-            "block_replicas": r.block_replicas, "lookups_total": r.lookups_total,
-            "events_applied_total": r.events_applied_total, "resyncs_total": r.resyncs_total, "models": models,
-        }
+        data = _as_dict(_stub(args).GetStats(pb.GetStatsRequest(), timeout=args.timeout))
+        models = data["models"]
         text = _table([[k, v] for k, v in data.items() if k != "models"], ["stat", "value"])
         if models:
-            text += "\n\n" + _table([list(m.values()) for m in models], ["model", "block_size", "hash", "live_workers"])
+            text += "\n\n" + _table([[m["model_id"], m["block_size"], m["hash_algorithm"], m["live_workers"]]
+                                      for m in models], ["model", "block_size", "hash", "live_workers"])
         return data, text
 
     return _call(args, go)
@@ -108,13 +113,7 @@ def workers(args: argparse.Namespace) -> int:
 
     def go():
         r = _stub(args).ListWorkers(pb.ListWorkersRequest(include_expired=args.all), timeout=args.timeout)
-        data = [
-            {"worker_id": w.worker_id, "address": w.address, "model_id": w.model_id, "block_size": w.block_size,
-             "hash_algorithm": ALGO_NAMES.get(w.hash_algorithm, "?"), "num_blocks": w.num_blocks, "epoch": w.epoch,
-             "last_seq": w.last_seq, "blocks_indexed": w.blocks_indexed, "load": _load(w.load),
-             "lease_remaining_ms": w.lease_remaining_ms, "live": w.live}
-            for w in r.workers
-        ]
+        data = _as_dict(r)["workers"]
         rows = [[d["worker_id"], d["address"], d["model_id"], d["blocks_indexed"], d["num_blocks"],
                  d["load"]["num_running"], d["load"]["num_waiting"], d["lease_remaining_ms"],
                  "yes" if d["live"] else "no"] for d in data]
@@ -164,12 +163,9 @@ def lookup(args: argparse.Namespace) -> int:
         r = _stub(args).LookupTokens(
             pb.LookupTokensRequest(model_id=model_id, token_ids=ids, cache_salt=args.cache_salt), timeout=args.timeout
         )
-        data = {
-            "model_id": model_id, "num_tokens": len(ids), "block_size": r.block_size,
-            "num_blocks_queried": r.num_blocks_queried,
-            "workers": [{"worker_id": m.worker_id, "address": m.address, "matched_blocks": m.matched_blocks,
-                         "matched_tokens": m.matched_blocks * r.block_size, "load": _load(m.load)} for m in r.workers],
-        }
+        data = {"model_id": model_id, "num_tokens": len(ids)} | _as_dict(r)
+        for w in data["workers"]:
+            w["matched_tokens"] = w["matched_blocks"] * r.block_size
         rows = [[w["worker_id"], w["address"], w["matched_blocks"], w["matched_tokens"], w["load"]["num_running"],
                  w["load"]["num_waiting"]] for w in data["workers"]]
         text = f"{len(ids)} tokens, {r.num_blocks_queried} full blocks of {r.block_size}\n"
@@ -183,7 +179,7 @@ def flush(args: argparse.Namespace) -> int:
 
     def go():
         r = _stub(args).FlushWorker(pb.FlushWorkerRequest(worker_id=args.worker_id), timeout=args.timeout)
-        return {"worker_id": args.worker_id, "blocks_removed": r.blocks_removed}, (
+        return {"worker_id": args.worker_id} | _as_dict(r), (
             f"removed {r.blocks_removed} blocks of {args.worker_id} from the index")
 
     return _call(args, go)

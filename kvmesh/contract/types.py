@@ -85,6 +85,13 @@ class Load:
         return cls(*(int(x) for x in raw.split(",")))
 
 
+H100_8B_KV_BLOCKS = 27_648
+"""KV blocks of 16 tokens of an H100-80GB serving Llama-3-8B in bf16: 128 KiB of KV per token
+(2 x 32 layers x 8 KV heads x 128 x 2 B), 0.9 x 80 GB minus 16 GB weights and ~3 GB activations
+= ~54 GiB = 442,368 tokens. The simulated worker's pool, and the router's guess of a worker's
+capacity when its load does not report one."""
+
+
 @dataclass(slots=True, frozen=True)
 class ModelSpec:
     """What makes block hashes of one model comparable: its id, block size and hash algorithm."""

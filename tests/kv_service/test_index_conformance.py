@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvmesh.kv_service.index import Action, Registration
-from kvmesh.kv_service.store_memory import MemoryIndex
-from kvmesh.kv_service.store_redis import RedisIndex
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import FailedPrecondition, NotFound
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, Load
+from kvmesh.kv_service.index import Action, Registration
+from kvmesh.kv_service.store_memory import MemoryIndex
+from kvmesh.kv_service.store_redis import RedisIndex
 
 TTL = 10_000
 T0 = 1_000_000

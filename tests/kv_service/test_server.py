@@ -7,11 +7,11 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.kv_service.server import KVServiceServer
 from kvmesh.kv_service.service import ServiceConfig
 from kvmesh.kv_service.store_redis import RedisIndex
-
-from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.loopback import free_port
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import kv_service_pb2 as pb

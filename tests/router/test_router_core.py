@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.types import Load, ModelSpec
 from kvmesh.router.core import CountingObserver, RoutingCore
 from kvmesh.router.policy import PolicyConfig, make_policy
 from kvmesh.router.upstream import IndexMatch, IndexUnavailable, WorkerEndpoint
-
-from kvmesh.contract.block_hash import BlockHasher
-from kvmesh.contract.types import Load, ModelSpec
 
 SPEC = ModelSpec("m", 4, "sha256_128")
 PROMPT = list(range(1, 33))  # 8 blocks of 4

@@ -7,15 +7,15 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.kv_service.server import KVServiceServer
 from kvmesh.kv_service.service import ServiceConfig
 from kvmesh.kv_service.store_redis import RedisIndex
-from kvmesh.router.config import RouterConfig
-from kvmesh.router.server import RouterServer
-
-from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.loopback import free_port
 from kvmesh.make_model import train_tokenizer
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.server import RouterServer
 from kvmesh.transport.rpc import AioServer, LoopThread, dial
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.v1 import kv_service_pb2 as kv_pb

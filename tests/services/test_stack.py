@@ -9,13 +9,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from kvmesh.model_worker.llm import LLM
-from kvmesh.router.config import RouterConfig
-from kvmesh.router.server import RouterServer
 
 from kvmesh.client import Client
 from kvmesh.contract.types import SamplingParams
 from kvmesh.loopback import free_port
+from kvmesh.model_worker.llm import LLM
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.server import RouterServer
 from kvmesh.stack import wait_serving
 from kvmesh.testing import wait_until
 from kvmesh.transport.rpc import dial

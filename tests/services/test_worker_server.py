@@ -6,9 +6,9 @@ import itertools
 
 import grpc
 import pytest
-from kvmesh.model_worker.llm import LLM
 
 from kvmesh.contract.types import SamplingParams
+from kvmesh.model_worker.llm import LLM
 from kvmesh.testing import wait_until
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2
