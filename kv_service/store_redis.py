@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import re
 from collections.abc import Awaitable
 from pathlib import Path
@@ -83,6 +84,60 @@ def split_payload(events: list[KVCacheEvent], limit: int) -> list[list]:
     return parts
 
 
+class ScriptConnections:
+    """The index's scripts (and PING) on connections of our own: at most ``size`` calls at once,
+    each on an idle connection (LIFO), one command and one reply per call.
+
+    NOTE: every Lookup and event batch is one script call, so this path is the kv_service's
+    Redis latency. redis-py's pools add ~30-60 us a call here (a lock or condition, retry and
+    observability hooks); a plain Connection's send_command/read_response is the round trip
+    and nothing else. Everything else (admin reads, pipelines) uses redis-py's client.
+    """
+
+    def __init__(self, pool: aioredis.ConnectionPool, size: int) -> None:
+        self._pool = pool
+        self._size = size
+        self._free: list[aioredis.Connection] = []
+        self._slots: asyncio.Semaphore | None = None
+        self._shas: dict[str, str] = {}
+
+    async def command(self, *args: Any) -> Any:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self._size)
+        async with self._slots:
+            conn = self._free.pop() if self._free else self._pool.make_connection()
+            try:
+                await conn.send_command(*args)
+                reply = await conn.read_response()
+            except redis.ResponseError:
+                self._free.append(conn)  # an error reply: the connection is in step
+                raise
+            except BaseException:
+                # NOTE: timed out, broken or cancelled mid-reply: never reuse a connection whose
+                # reply may still arrive (the next call would read it).
+                with contextlib.suppress(Exception):
+                    await conn.disconnect()
+                raise
+            self._free.append(conn)
+            return reply
+
+    async def script(self, source: str, keys: list[str], args: list[Any]) -> Any:
+        sha = self._shas.get(source)
+        if sha is None:
+            sha = self._shas[source] = hashlib.sha1(source.encode()).hexdigest()
+        try:
+            return await self.command("EVALSHA", sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:  # a Redis that restarted (or another node) lost it
+            await self.command("SCRIPT", "LOAD", source)
+            return await self.command("EVALSHA", sha, len(keys), *keys, *args)
+
+    async def close(self) -> None:
+        free, self._free = self._free, []
+        for conn in free:
+            with contextlib.suppress(Exception):
+                await conn.disconnect()
+
+
 class RedisIndex(BlockIndex):
     """Args:
     url: ``redis://[:password@]host:port/db`` (``rediss://`` for TLS).
@@ -111,17 +166,15 @@ class RedisIndex(BlockIndex):
             url, max_connections=max_connections, timeout=socket_timeout, socket_timeout=socket_timeout,
             socket_connect_timeout=socket_timeout)
         self._r = aioredis.Redis(connection_pool=pool)
+        self._fast = ScriptConnections(pool, max_connections)
         self.prefix = f"kvm:{{{namespace}}}:"
         self._key = self.prefix + "workers"  # the KEYS[1] that routes every script to the slot
         self._info: dict[str, dict[bytes, tuple[str, str, int, Load]]] = {}
         self._refresher: asyncio.Task | None = None
-        self._scripts = {
-            n: self._r.register_script(_script_source(n))
-            for n in ("register", "heartbeat", "publish", "lookup", "admin")
-        }
+        self._scripts = {n: _script_source(n) for n in ("register", "heartbeat", "publish", "lookup", "admin")}
 
     async def _call(self, script: str, *args: Any) -> Any:
-        return await self._redis(self._scripts[script](keys=[self._key], args=[self.prefix, *args]))
+        return await self._redis(self._fast.script(self._scripts[script], [self._key], [self.prefix, *args]))
 
     async def _redis(self, call: Awaitable[Any]) -> Any:
         try:
@@ -130,7 +183,8 @@ class RedisIndex(BlockIndex):
             raise Unavailable(f"the index's Redis is unreachable: {exc}") from None
 
     async def ping(self) -> None:
-        await self._redis(self._r.ping())
+        """One PING round trip on the path every script call takes."""
+        await self._redis(self._fast.command("PING"))
 
     @staticmethod
     def _not_found(worker_id: str) -> NotFound:
@@ -298,4 +352,5 @@ class RedisIndex(BlockIndex):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._refresher
             self._refresher = None
+        await self._fast.close()
         await self._r.aclose()
