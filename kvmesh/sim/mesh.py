@@ -10,7 +10,8 @@ What runs is the production code; only the forward pass and the wire are modelle
   every ``event_batch_s``, numbered per epoch, delivered ``event_delay_s`` later; a RESYNC answer
   makes the worker send a snapshot of its cached blocks as its next message; a heartbeat every
   ``heartbeat_s`` carries the engine's load (what the router sees of load is that stale).
-- **index**: the kv_service core, :class:`KVService` over the in-memory store (the same
+- **index**: the kv_service core, :class:`KVService` over the in-memory store (its coroutines
+  never suspend there, so ``run_now`` drives them without an event loop; the same
   semantics as the Redis store: refcounts, per-worker LRU caps, leases, epochs, Lookup), on the
   virtual clock.
 - **routers**: :class:`RoutingCore` (router/core.py) with the registered policy classes: the same
@@ -43,7 +44,7 @@ from pathlib import Path
 from kvmesh.contract.block_hash import XXH3_128
 from kvmesh.contract.types import AllBlocksCleared, KVCacheEvent, SamplingParams
 from kvmesh.kv_service.index import Action, Registration
-from kvmesh.kv_service.service import KVService, ServiceConfig
+from kvmesh.kv_service.service import KVService, ServiceConfig, run_now
 from kvmesh.kv_service.store_memory import MemoryIndex
 from kvmesh.model_worker.config import EngineConfig
 from kvmesh.model_worker.llm_engine import LLMEngine
@@ -196,13 +197,14 @@ class SimIndex:
     def lookup(self, model_id: str, chain: Sequence[bytes]) -> list[IndexMatch]:
         if self.cfg.lookup_latency_s > self.cfg.lookup_timeout_s:
             raise IndexUnavailable("Lookup past its deadline (simulated)")
-        return [IndexMatch(m.worker_id, m.address, m.matched_blocks, m.load) for m in self.svc.lookup(model_id, chain)]
+        return [IndexMatch(m.worker_id, m.address, m.matched_blocks, m.load)
+                for m in run_now(self.svc.lookup(model_id, chain))]
 
     def endpoints(self) -> list[WorkerEndpoint]:
         """ListWorkers: the live workers of the model, with their last reported load."""
         now_ms = int(self.q.now * 1000)
         return [WorkerEndpoint(w.registration.worker_id, w.registration.address, w.load)
-                for w in self.svc.index.workers(now_ms) if w.registration.model_id == MODEL_ID]
+                for w in run_now(self.svc.index.workers(now_ms)) if w.registration.model_id == MODEL_ID]
 
 
 # -- workers --------------------------------------------------------------------------------------
@@ -269,8 +271,8 @@ class SimWorker:
         self.queued = []
         self.need_snapshot = False
         svc = self.mesh.index.svc
-        svc.register(Registration(self.worker_id, self.address, MODEL_ID, cfg.block_size, XXH3_128,
-                                  self.engine.kv_cache_manager.num_blocks, self.epoch))
+        run_now(svc.register(Registration(self.worker_id, self.address, MODEL_ID, cfg.block_size, XXH3_128,
+                                          self.engine.kv_cache_manager.num_blocks, self.epoch)))
         # NOTE: seq 1 of a new registration: the index starts empty for this epoch (kv_publisher).
         self._enqueue([AllBlocksCleared()])
 
@@ -382,7 +384,7 @@ class SimWorker:
         mesh.q.after(mesh.cfg.event_delay_s, self._deliver, self.epoch, self.seq, events)
 
     def _deliver(self, epoch: int, seq: int, events: list[KVCacheEvent]) -> None:
-        result = self.mesh.index.svc.publish(self.worker_id, epoch, seq, events)
+        result = run_now(self.mesh.index.svc.publish(self.worker_id, epoch, seq, events))
         if result.action == Action.RESYNC and epoch == self.epoch and self.up:
             self.resyncs += 1
             # NOTE: the ack travels back; then the engine loop takes the snapshot at its next sync.
@@ -407,7 +409,7 @@ class SimWorker:
 
     def _deliver_snapshot(self, epoch: int, seq: int, hashes: list[bytes]) -> None:
         if epoch == self.epoch:
-            self.mesh.index.svc.snapshot(self.worker_id, epoch, seq, hashes)
+            run_now(self.mesh.index.svc.snapshot(self.worker_id, epoch, seq, hashes))
 
     def heartbeat(self) -> None:
         if self.up and self.engine is not None:
@@ -420,7 +422,7 @@ class SimWorker:
                 stats = replace(pre, num_waiting=pre.num_waiting + stats.num_waiting - post.num_waiting,
                                 queued_prefill_tokens=pre.queued_prefill_tokens + stats.queued_prefill_tokens
                                 - post.queued_prefill_tokens)
-            self.mesh.index.svc.heartbeat(self.worker_id, self.epoch, stats.load)
+            run_now(self.mesh.index.svc.heartbeat(self.worker_id, self.epoch, stats.load))
         self.mesh.q.after(self.mesh.cfg.heartbeat_s, self.heartbeat)
 
 

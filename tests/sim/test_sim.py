@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from kvmesh.kv_service.service import run_now
 from kvmesh.model_worker.sim_runner import CostModel
 from kvmesh.sim.mesh import Mesh, SimConfig
 from kvmesh.sim.run import Sim, chains_for, oracle_hit_rate, sim_model_dir
@@ -77,7 +78,7 @@ def test_event_loss_restart_and_three_routers_finish_and_resync():
     assert sum(r.cached_tokens for r in records) > 0  # the index stayed useful through the losses
     # the index holds what worker 0's new incarnation reported: never a block of its old cache
     svc = mesh.index.svc
-    info = {i.registration.worker_id: i for i in svc.index.workers(int(mesh.q.now * 1000))}
+    info = {i.registration.worker_id: i for i in run_now(svc.index.workers(int(mesh.q.now * 1000)))}
     assert info["worker-000"].registration.epoch == 2
 
 
