@@ -267,6 +267,7 @@ def sweep(sim: Sim, policies: Sequence[str], rates: Sequence[float] = (), *, cap
     runs: list[dict] = []
     caps: dict[str, float] = {}
     search: dict[str, list[dict]] = {}
+    chains_for(sim.workload, sim.base.block_size)  # NOTE: once, before the workers fork: they share it
     pool = ProcessPoolExecutor(jobs, initializer=_init, initargs=(sim,)) if jobs > 1 else None
     try:
         def submit_all(items: list[tuple[str, str, float]]) -> list[tuple[str, str, float, object]]:
