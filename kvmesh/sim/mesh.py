@@ -317,6 +317,10 @@ class SimWorker:
             self.runner.window_deadline_s = self.mesh.next_delivery - now
         engine.step(on_output=self._on_output)
         d = engine.last_step_s
+        if d <= 0 and engine.has_unfinished_requests():
+            # NOTE: the scheduler always makes progress while it has work; a step that ran nothing
+            # would spin at one virtual instant forever.
+            raise RuntimeError(f"{self.worker_id}: a step scheduled nothing with requests pending")
         self.busy_s += d
         self.busy_until = now + d
         self.mesh.q.at(self.busy_until, self._step_done, self.epoch)
@@ -384,6 +388,8 @@ class SimWorker:
         mesh.q.after(mesh.cfg.event_delay_s, self._deliver, self.epoch, self.seq, events)
 
     def _deliver(self, epoch: int, seq: int, events: list[KVCacheEvent]) -> None:
+        if epoch != self.epoch:
+            return  # NOTE: a killed incarnation's stream died with it
         result = run_now(self.mesh.index.svc.publish(self.worker_id, epoch, seq, events))
         if result.action == Action.RESYNC and epoch == self.epoch and self.up:
             self.resyncs += 1
