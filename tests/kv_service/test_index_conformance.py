@@ -219,11 +219,12 @@ async def test_lookup_is_per_model_and_reports_load(index):
     await join(index, "w1")
     await join(index, "x1", model="other")
     await index.publish("x1", 1, 1, [BlockStored(h)], T0)
-    await index.heartbeat("w1", 1, Load(2, 1, 90, 100, 300), TTL, T0)
+    # NOTE: the work counters too (routers learn step costs from them), through either store
+    load = Load(2, 1, 90, 100, 300, busy_s=12.5, steps=900, prefill_tokens=40_000, prefill_pairs=3 * 10**11,
+                decode_tokens=700, decode_context_tokens=2 * 10**6, max_num_batched_tokens=8192)
+    await index.heartbeat("w1", 1, load, TTL, T0)
     got = await index.lookup("m", h, T0)
-    assert [(m.worker_id, m.matched_blocks, m.load, m.block_size) for m in got] == [
-        ("w1", 0, Load(2, 1, 90, 100, 300), 4)
-    ]
+    assert [(m.worker_id, m.matched_blocks, m.load, m.block_size) for m in got] == [("w1", 0, load, 4)]
     assert await index.lookup("nobody", h, T0) == []
 
 
