@@ -249,7 +249,10 @@ class KvAwarePolicy(RouterPolicy):
             chosen = candidates[i]
             return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks else "load", round(scores[i]))
         lam = self.config.decode_harm_weight
-        kappa = self.config.work_weight
+        # NOTE: work delays everyone who arrives while the mesh is backlogged: the more requests
+        # wait at the workers, the more a recomputed prefix costs beyond this request's latency.
+        waiting = sum(max(c.load.num_waiting, c.inflight_waiting) for c in candidates) / len(candidates)
+        kappa = self.config.work_weight * (1.0 + waiting)
         scores = []
         for c in candidates:
             ttft, own = predicted_ttft(model, query, c, self.config.default_step_tokens)

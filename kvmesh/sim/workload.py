@@ -176,7 +176,7 @@ def _poisson_times(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
 
 
 def shared_prefix(num_requests: int = 3000, groups: int = 150, prefix_len: int = 8192, question_len: int = 1024,
-                  output_len: int = 256, base_rate: float = 4.0, seed: int = 0) -> Workload:
+                  output_len: int = 512, base_rate: float = 10.0, seed: int = 0) -> Workload:
     """Groups of prompts behind one ``prefix_len`` prefix (llm-d's sizing); requests pick a group at
     random, so each group's prompts arrive spread over the run."""
     rng = np.random.default_rng([seed, 1])
@@ -191,8 +191,8 @@ def shared_prefix(num_requests: int = 3000, groups: int = 150, prefix_len: int =
                     f"{output_len} output tokens, Poisson {base_rate:g} req/s at rate 1")
 
 
-def multi_turn(num_requests: int = 3000, system_len: int = 1024, user_len: int = 256, reply_len: int = 256,
-               turns: int = 10, think_s: float = 20.0, base_rate: float = 2.0, seed: int = 0) -> Workload:
+def multi_turn(num_requests: int = 3000, system_len: int = 2048, user_len: int = 512, reply_len: int = 512,
+               turns: int = 6, think_s: float = 10.0, base_rate: float = 12.0, seed: int = 0) -> Workload:
     """Chat sessions: sessions start as a Poisson process; turn k+1 follows turn k after the reply's
     (unknown) latency plus ``think_s`` (exponential), modelled at the arrival times (open loop).
 
@@ -223,8 +223,8 @@ def multi_turn(num_requests: int = 3000, system_len: int = 1024, user_len: int =
                     f"think time {think_s:g} s, {base_rate:g} req/s at rate 1")
 
 
-def hot_prompt(num_requests: int = 3000, system_len: int = 4096, user_len: int = 512, output_len: int = 256,
-               base_rate: float = 8.0, seed: int = 0) -> Workload:
+def hot_prompt(num_requests: int = 3000, system_len: int = 4096, user_len: int = 1024, output_len: int = 512,
+               base_rate: float = 12.0, seed: int = 0) -> Workload:
     """One system prompt for every user plus a private message."""
     rng = np.random.default_rng([seed, 3])
     t = _poisson_times(rng, num_requests, base_rate)
@@ -235,7 +235,7 @@ def hot_prompt(num_requests: int = 3000, system_len: int = 4096, user_len: int =
                     f"Poisson {base_rate:g} req/s at rate 1")
 
 
-def no_reuse(num_requests: int = 3000, input_len: int = 4096, output_len: int = 256, base_rate: float = 8.0,
+def no_reuse(num_requests: int = 3000, input_len: int = 4096, output_len: int = 512, base_rate: float = 6.0,
              seed: int = 0) -> Workload:
     """Private prompts only: no policy can hit the cache."""
     rng = np.random.default_rng([seed, 4])
