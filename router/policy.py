@@ -217,8 +217,9 @@ class KvAwarePolicy(RouterPolicy):
 
     i.e. the queued prefill ahead of it, its own uncached prefill (attention over the cached part
     included), and the decodes that share every one of those steps. The score adds
-    ``(decode_harm_weight * D + work_weight) * own``, ``own`` being the time its own prefill takes:
-    the D requests decoding on w wait for it, and a recomputed prefix is capacity lost to everyone.
+    ``(decode_harm_weight * D + work_weight * (1 + W)) * own``, ``own`` being the time its own
+    prefill takes: the D requests decoding on w wait for it, and a recomputed prefix is capacity
+    lost to everyone, the more so the more requests wait (W: the mean waiting per worker).
     The coefficients are learned online from the workers' reports (router/cost.py); until there
     are enough, the score is the token count ``uncached + queued`` of the previous kv-aware policy,
     with its hot-spot guard.
