@@ -164,7 +164,7 @@ class PreblePolicy(RouterPolicy):
                 holders = [i for i in everyone if missed[i] == least]
                 i = self._pick_min(holders, [loads[j] for j in holders])
                 reason = "exploit"
-                if self.overloaded(loads[i], loads) if max(loads) > 0 else False:
+                if self._hot(loads[i], loads):
                     i = self._pick_min(everyone, loads)
                     reason = "balance"
             else:
@@ -178,9 +178,10 @@ class PreblePolicy(RouterPolicy):
             sent[1] += decode
         return Decision(chosen.worker_id, reason, round(loads[i] * 1000))
 
-    def overloaded(self, load: float, all_loads: Sequence[float]) -> bool:
+    def _hot(self, load: float, all_loads: Sequence[float]) -> bool:
+        """The hot-spot test on windowed loads: above ``balance_factor`` x their mean."""
         mean = sum(all_loads) / len(all_loads)
-        return load > self.config.balance_factor * mean
+        return mean > 0 and load > self.config.balance_factor * mean
 
 
 class LmetricPolicy(RouterPolicy):
