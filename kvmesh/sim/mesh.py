@@ -296,9 +296,15 @@ class SimWorker:
         # NOTE: the chain is the real one (the workload's tokens hashed once per sweep); the ids
         # handed to the engine are placeholders of the right length: a simulated forward pass reads
         # none, and they only ever feed the hashes of generated blocks, which no prompt shares.
-        self.engine.add_request(a.request_id, [PLACEHOLDER_TOKEN] * r.prompt_len,
-                                SamplingParams(max_tokens=r.output_len, ignore_eos=True),
-                                block_hashes=self.mesh.chains[r.index], validate_tokens=False)
+        try:
+            self.engine.add_request(a.request_id, [PLACEHOLDER_TOKEN] * r.prompt_len,
+                                    SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                                    block_hashes=self.mesh.chains[r.index], validate_tokens=False)
+        except ValueError as exc:
+            # NOTE: what a live worker answers INVALID_ARGUMENT to (e.g. longer than max_model_len):
+            # the router does not retry it, the request fails.
+            self.mesh.q.after(self.mesh.cfg.network_s, a.router.refused, a, str(exc))
+            return
         self.attempts[a.request_id] = a
         if not self.stepping:
             self._step()
@@ -483,6 +489,12 @@ class SimRouter:
 
     def finished(self, a: _Attempt) -> None:
         self.core.finish(a.ticket)
+        self.mesh.request_done(a.record)
+
+    def refused(self, a: _Attempt, why: str) -> None:
+        """INVALID_ARGUMENT from the worker: never retried."""
+        self.core.finish(a.ticket)
+        a.record.failed = f"refused: {why}"
         self.mesh.request_done(a.record)
 
     def worker_failed(self, a: _Attempt, worker_id: str) -> None:

@@ -82,6 +82,13 @@ def test_event_loss_restart_and_three_routers_finish_and_resync():
     assert info["worker-000"].registration.epoch == 2
 
 
+def test_a_prompt_longer_than_the_engines_accept_fails_without_stopping_the_run():
+    reqs = [SimRequest(i, float(i), n, 4, ((-(i + 1), n),)) for i, n in enumerate((1000, 5000, 1000))]
+    sim = Sim(Workload("long", reqs), SimConfig(workers=2, max_model_len=4096))
+    res = sim.run("kv-aware", 1.0)
+    assert (res["completed"], res["failed"]) == (2, 1)
+
+
 def load_trace_or_generated() -> Workload:
     from pathlib import Path
 
