@@ -221,8 +221,7 @@ class KvAwarePolicy(RouterPolicy):
     prefill takes: the D requests decoding on w wait for it, and a recomputed prefix is capacity
     lost to everyone, the more so the more requests wait (W: the mean waiting per worker).
     The coefficients are learned online from the workers' reports (router/cost.py); until there
-    are enough, the score is the token count ``uncached + queued`` of the previous kv-aware policy,
-    with its hot-spot guard.
+    are enough, the same prediction runs in token units (a prefill token costs 1).
     """
 
     name = "kv-aware"
@@ -237,18 +236,9 @@ class KvAwarePolicy(RouterPolicy):
             self.cost.observe(c.worker_id, c.load)
         if not query.index_ok and not any(c.matched_blocks for c in candidates):
             return self.rendezvous(query, candidates, "fallback")
-        model = self.cost.estimate()
-        if model is None:
-            # NOTE: too few reports to know the workers' step time yet: the token count of the
-            # previous kv-aware policy, with its hot-spot guard.
-            w = self.config.overlap_weight
-            queued = [self._queued(c) for c in candidates]
-            scores = [w * uncached_tokens(c, query) + q for c, q in zip(candidates, queued, strict=True)]
-            i = self._argmin_index(scores)
-            if self.overloaded(queued[i], queued):
-                return self.least_loaded(candidates, "balance")
-            chosen = candidates[i]
-            return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks else "load", round(scores[i]))
+        # NOTE: until the workers' reports have taught the step cost, the same prediction in
+        # token units: a prefill token costs 1, nothing else is known.
+        model = self.cost.estimate() or NOMINAL_COST
         lam = self.config.decode_harm_weight
         # NOTE: work delays everyone who arrives while the mesh is backlogged: the more requests
         # wait at the workers, the more a recomputed prefix costs beyond this request's latency.
@@ -260,12 +250,18 @@ class KvAwarePolicy(RouterPolicy):
             scores.append(ttft + (lam * decoders(c) + kappa) * own)
         i = self._argmin_index(scores)
         chosen = candidates[i]
-        # NOTE: no token-count guard here: a hot spot's queue is in its predicted time already.
-        return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks else "load", round(scores[i] * 1000))
+        # NOTE: no token-count guard: a hot spot's queue is in its predicted time already.
+        return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks else "load",
+                        round(scores[i] * (1000 if model is not NOMINAL_COST else 1)))
 
     def _argmin_index(self, scores: Sequence[float]) -> int:
         best = min(scores)
         return self._choice_index([i for i, s in enumerate(scores) if s == best])
+
+
+NOMINAL_COST = StepCost(step_s=0.0, prefill_token_s=1.0, prefill_pair_s=0.0, decode_seq_s=0.0,
+                        decode_context_token_s=0.0, pairs_per_prefill_token=0.0)
+"""kv-aware's step cost before any is learned: time in prefill tokens."""
 
 
 def decoders(c: Candidate) -> int:
