@@ -82,7 +82,7 @@ def warm(mesh: Mesh, ids: list[int]) -> str:
 @pytest.mark.timeout(60)
 def test_lookup_slower_than_its_deadline_routes_by_fallback(mesh: Mesh):
     router = RouterServer(RouterConfig(host="127.0.0.1", port=0, kv_service=mesh.kv_c.address,
-                                       model_dir=str(mesh.cluster.model), lookup_timeout_ms=50,
+                                       model_dirs=[str(mesh.cluster.model)], lookup_timeout_ms=50,
                                        discovery_interval_s=0.2, first_token_timeout_s=5, seed=0)).start()
     try:
         wait_serving(f"127.0.0.1:{router.port}", timeout=20)

@@ -58,7 +58,7 @@ def stack(redis_url, redis_namespace, model_dir):
     started: list = []
 
     def start_router(**kw) -> router_pb2_grpc.RouterStub:
-        cfg = RouterConfig(host="127.0.0.1", port=0, kv_service=f"127.0.0.1:{kv.port}", model_dir=str(model_dir),
+        cfg = RouterConfig(host="127.0.0.1", port=0, kv_service=f"127.0.0.1:{kv.port}", model_dirs=[str(model_dir)],
                            discovery_interval_s=0.1, seed=0, **kw)
         r = RouterServer(cfg).start()
         ch = dial(f"127.0.0.1:{r.port}")
@@ -143,7 +143,7 @@ def test_bad_input_is_invalid_argument(stack):
     stub, _, _ = start_router()
     cases = [
         (dict(text=""), "text is empty: send a non-empty prompt"),
-        (dict(), "the request sets no input: set text or token_ids"),
+        (dict(), "the request sets no input: set text, token_ids or chat"),
         (dict(token_ids=router_pb2.TokenIds(ids=[])), "token_ids is empty: send at least one prompt token"),
         (dict(text="hi", sampling=common_pb2.SamplingParams(temperature=-1.0)),
          "temperature must be a finite number >= 0 (0 = greedy), got -1.0"),

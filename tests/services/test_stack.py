@@ -32,7 +32,7 @@ def start_router(model_dir):
     started: list[RouterServer] = []
 
     def start(kv_address: str, **kw) -> RouterServer:
-        cfg = RouterConfig(host="127.0.0.1", port=free_port(), kv_service=kv_address, model_dir=str(model_dir),
+        cfg = RouterConfig(host="127.0.0.1", port=free_port(), kv_service=kv_address, model_dirs=[str(model_dir)],
                            discovery_interval_s=0.2, seed=0, **kw)
         server = RouterServer(cfg).start()
         started.append(server)
