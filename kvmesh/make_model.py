@@ -219,6 +219,20 @@ def make_model(out_dir: str | os.PathLike[str], spec: ModelSpec | None = None) -
     return out
 
 
+def add_chat_template(model_dir: Path) -> bool:
+    """Writes ``CHAT_TEMPLATE`` into a checkpoint made before make-model wrote one (the cached
+    default model of an older kvmesh); True when it did. Atomic: a temp file renamed over the old."""
+    path = model_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    if config.get("chat_template") is not None or (model_dir / "chat_template.jinja").exists():
+        return False
+    config["chat_template"] = CHAT_TEMPLATE
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    tmp.replace(path)
+    return True
+
+
 def cache_dir() -> Path:
     """``$KVMESH_CACHE_DIR`` or ``~/.cache/kvmesh``."""
     return Path(os.environ.get("KVMESH_CACHE_DIR") or Path.home() / ".cache" / "kvmesh")
@@ -228,6 +242,7 @@ def ensure_default_model() -> Path:
     """The default model of ``make run``: made once under the cache dir, then reused."""
     target = cache_dir() / "models" / "default"
     if (target / "config.json").exists() and (target / "tokenizer.json").exists():
+        add_chat_template(target)
         return target
     # NOTE: build in a sibling dir and rename, so a crash never leaves a half-written default.
     tmp = target.with_name(f"default.tmp-{os.getpid()}")
