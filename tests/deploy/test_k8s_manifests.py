@@ -218,7 +218,10 @@ def test_service_selects_its_pods_and_ports_line_up(stack: Stack, component: str
 @pytest.mark.parametrize("component", ["kv-service", "router", "worker"])
 def test_container_ports_equal_the_cli_ports(stack: Stack, component: str) -> None:
     args = stack.cli_args(component)
-    assert container_ports(stack.container(component)) == {"grpc": args.port, "metrics": args.metrics_port}
+    want = {"grpc": args.port, "metrics": args.metrics_port}
+    if component == "router":
+        want["http"] = args.http_port  # the OpenAI-compatible API (docs/openai.md), 8000 as `kvmesh up`
+    assert container_ports(stack.container(component)) == want
     defaults = build_parser(only=COMMANDS[component]).parse_args([COMMANDS[component]])
     assert (args.port, args.metrics_port) == (defaults.port, defaults.metrics_port), "ports follow CLI defaults"
     annotations = stack.workload(component)["spec"]["template"]["metadata"]["annotations"]
