@@ -1,7 +1,8 @@
 """The request path: validate, tokenize, hash, look up, pick, forward, stream back.
 
-The gRPC adapter (router/server.py) turns a GenerateRequest into a :class:`GenerateInput`, iterates
-:meth:`Router.generate` and turns each :class:`GenerateOutput` into a GenerateResponse. Workers and
+The gRPC adapter (router/server.py) and the OpenAI HTTP adapter (router/openai_api.py) turn a
+request into a :class:`GenerateInput`, iterate :meth:`Router.generate` (through router/frontend.py,
+which picks the model's Router) and turn each :class:`GenerateOutput` into their messages. Workers and
 the index are reached through router/upstream.py's protocols, so this module imports neither
 grpc nor redis; errors are kvmesh.contract.errors, mapped to status codes by kvmesh/transport/rpc.py.
 
@@ -97,7 +98,7 @@ class GenerateOutput:
 
 
 class Router:
-    """The request path; one per process, on the server's event loop.
+    """The request path of one model, on the server's event loop.
 
     One Router serves one model (router/models.py keeps one per model): its own pool, tokenizer,
     chat template, speculative map and in-flight view, so models never share routing state.
