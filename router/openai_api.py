@@ -66,8 +66,13 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-class _BodyLimit:
-    """Refuses request bodies over MAX_BODY_BYTES with 413 before the app reads them into memory."""
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes gets 413 before the app holds it in memory.
+
+    A declared ``content-length`` over the limit is refused before the app runs; a chunked body is
+    counted as it arrives, and at the limit the 413 goes out, the app is told the client left and
+    whatever it still sends is dropped.
+    """
 
     def __init__(self, app: Any, limit: int = http.MAX_BODY_BYTES) -> None:
         self.app, self.limit = app, limit
@@ -77,30 +82,36 @@ class _BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
-            return await self._refuse(scope, receive, send)
+            return await self._refuse(send)
         seen = 0
+        refused = False
 
         async def limited() -> dict:
-            nonlocal seen
+            nonlocal seen, refused
             message = await receive()
-            if message["type"] == "http.request":
+            if message["type"] == "http.request" and not refused:
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise _TooLarge
+                    refused = True
+                    await self._refuse(send)
+                    return {"type": "http.disconnect"}
             return message
 
+        async def guarded(message: dict) -> None:
+            if not refused:
+                await send(message)
+
         try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._refuse(scope, receive, send)
+            await self.app(scope, limited, guarded)
+        except Exception:
+            if not refused:
+                raise  # NOTE: after a 413 the app's complaint about the vanished body is moot
 
-    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
-        msg = f"the request body is over {self.limit // (1024 * 1024)} MiB"
-        await JSONResponse(http.error_body(413, msg), status_code=413)(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
+    async def _refuse(self, send: Any) -> None:
+        body = json.dumps(http.error_body(413, f"the request body is over {self.limit} bytes")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 class OpenAIApi:
@@ -121,7 +132,7 @@ class OpenAIApi:
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         self.fastapi = app
-        self.app = _BodyLimit(app)
+        self.app = BodyLimit(app)
         self._created = int(time.time())
 
     # -- errors ---------------------------------------------------------------------------------

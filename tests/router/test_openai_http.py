@@ -71,3 +71,48 @@ def test_completion_prompts():
         CompletionRequest(prompt=["a", "b"]).to_input("r")
     with pytest.raises(errors.InvalidArgument, match="echo is not supported"):
         CompletionRequest(prompt="a", echo=True).to_input("r")
+
+
+async def _call(app, headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> tuple[int, bytes, bool]:
+    """Runs one HTTP request through an ASGI app; (status, body, whether the app read the whole body)."""
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": headers}
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    return start["status"], b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"), \
+        not messages
+
+
+@pytest.mark.anyio
+async def test_body_limit_refuses_declared_and_chunked_bodies_over_it():
+    from kvmesh.router.openai_api import BodyLimit
+
+    read: list[int] = []
+
+    async def app(scope, receive, send) -> None:
+        body = b""
+        while True:
+            m = await receive()
+            if m["type"] == "http.disconnect":
+                raise ConnectionError("client gone")  # what a framework does when the body vanishes
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        read.append(len(body))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    limited = BodyLimit(app, limit=10)
+    assert await _call(limited, [(b"content-length", b"4")], [b"abcd"]) == (200, b"ok", True)
+    status, body, _ = await _call(limited, [(b"content-length", b"11")], [b"x" * 11])
+    assert status == 413 and b"over 10 bytes" in body and read == [4]  # refused before the app ran
+    status, body, _ = await _call(limited, [], [b"x" * 6, b"x" * 6, b"x" * 6])
+    assert (status, read) == (413, [4])  # chunked: refused at the limit, the app never finished reading
