@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -9,10 +10,37 @@ import tempfile
 import time
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+            return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(lo: int = 20000, hi: int = 32000) -> int:
+    """A loopback TCP port that is free now, drawn at random from ``[lo, hi)``.
+
+    NOTE: the range lies below the kernel's ephemeral range (32768+ on Linux), which the
+    kernel hands out to every outgoing connection and every bind to port 0. A port taken from
+    there (bind 0, close, hand the number on) can be grabbed by some other process's client
+    socket before our server binds it, or after a killed server's restart on the same port; on
+    a busy shared host both happened. Only an explicit bind of the same number can collide here.
+    """
+    eph_lo, eph_hi = _ephemeral_range()
+    if lo < eph_hi and hi > eph_lo:  # an unusual ephemeral range: stay clear of it if we can
+        lo, hi = (1024, eph_lo) if eph_lo - 1024 >= 2000 else (eph_hi + 1, 65536)
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(lo, hi)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in [{lo}, {hi})")
 
 
 class RedisServer:
