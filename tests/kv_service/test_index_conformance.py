@@ -265,3 +265,72 @@ def test_concurrent_publishers_keep_exact_state(index):
     assert index.holders(shared[0], T0) == workers
     st = index.stats(T0)
     assert (st.indexed_blocks, st.block_replicas) == (4 * 20 + 5, 4 * 25)
+
+
+# --- duplicate events: a worker holds a block or not; there is no count per worker --------------
+
+def state(index, hashes: list[bytes], now: int = T0) -> tuple[list[list[str]], dict[str, int], tuple[int, int]]:
+    """Each block's holders (GetBlock's refcount is their number), each live worker's indexed
+    blocks, and the store's (distinct blocks, replicas)."""
+    st = index.stats(now)
+    return ([index.holders(h, now) for h in hashes],
+            {w.registration.worker_id: w.blocks_indexed for w in index.workers(now)},
+            (st.indexed_blocks, st.block_replicas))
+
+
+def test_a_block_stored_twice_in_one_batch_is_held_once(index):
+    h = chain(3)
+    join(index, "w1")
+    assert index.publish("w1", 1, 1, [BlockStored([h[0], h[1], h[0]]), BlockStored(h[:2])], T0).action == Action.ACK
+    assert state(index, h) == ([["w1"], ["w1"], []], {"w1": 2}, (2, 2))
+    assert matches(index, h) == {"w1": 2}
+    # One removal takes it away, however often it was stored.
+    index.publish("w1", 1, 2, [BlockRemoved([h[0]])], T0)
+    assert state(index, h) == ([[], ["w1"], []], {"w1": 1}, (1, 1))
+    assert matches(index, h) == {"w1": 0}
+
+
+def test_removed_after_a_duplicate_stored(index):
+    h = chain(3)
+    join(index, "w1")
+    # In one batch: stored, stored again, removed -> gone.
+    index.publish("w1", 1, 1, [BlockStored(h[:2]), BlockStored([h[1]]), BlockRemoved([h[1]])], T0)
+    assert state(index, h) == ([["w1"], [], []], {"w1": 1}, (1, 1))
+    # Across batches: stored twice, then one removal, then a duplicate removal changes nothing.
+    index.publish("w1", 1, 2, [BlockStored([h[2]])], T0)
+    index.publish("w1", 1, 3, [BlockStored([h[2]])], T0)
+    index.publish("w1", 1, 4, [BlockRemoved([h[2]])], T0)
+    assert state(index, h) == ([["w1"], [], []], {"w1": 1}, (1, 1))
+    index.publish("w1", 1, 5, [BlockRemoved([h[2], h[2]])], T0)
+    assert state(index, h) == ([["w1"], [], []], {"w1": 1}, (1, 1))
+
+
+def test_the_same_block_from_two_workers_then_removed_by_one(index):
+    h = chain(2)
+    join(index, "w1")
+    join(index, "w2")
+    index.publish("w1", 1, 1, [BlockStored(h), BlockStored(h)], T0)
+    index.publish("w2", 1, 1, [BlockStored(h + h)], T0)  # duplicates of blocks another worker holds
+    assert state(index, h) == ([["w1", "w2"], ["w1", "w2"]], {"w1": 2, "w2": 2}, (2, 4))
+    index.publish("w1", 1, 2, [BlockRemoved([h[0], h[0]])], T0)
+    assert state(index, h) == ([["w2"], ["w1", "w2"]], {"w1": 1, "w2": 2}, (2, 3))
+    assert matches(index, h) == {"w1": 0, "w2": 2}
+    index.publish("w2", 1, 2, [BlockRemoved(h)], T0)
+    assert state(index, h) == ([[], ["w1"]], {"w1": 1, "w2": 0}, (1, 1))
+
+
+def test_duplicates_keep_the_lru_order_under_the_cap(index):
+    h = chain(3)
+    join(index, "w1", nb=2)
+    index.publish("w1", 1, 1, [BlockStored([h[0], h[1], h[0]])], T0)  # h0 stored last: the most recent
+    index.publish("w1", 1, 2, [BlockStored([h[2]])], T0)  # 3 distinct > cap 2: h1 goes
+    assert state(index, h) == ([["w1"], [], ["w1"]], {"w1": 2}, (2, 2))
+
+
+def test_a_snapshot_with_duplicates_holds_each_block_once(index):
+    h = chain(2)
+    join(index, "w1")
+    assert index.snapshot("w1", 1, 1, [h[0], h[0], h[1], h[0]], T0).action == Action.ACK
+    assert state(index, h) == ([["w1"], ["w1"]], {"w1": 2}, (2, 2))
+    index.publish("w1", 1, 2, [BlockRemoved([h[0]])], T0)
+    assert state(index, h) == ([[], ["w1"]], {"w1": 1}, (1, 1))
