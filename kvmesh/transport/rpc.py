@@ -103,6 +103,77 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
             handler.request_deserializer, handler.response_serializer)
 
 
+class DrainGate(grpc.ServerInterceptor):
+    """Counts the RPCs in flight; once closed (the server is stopping), refuses new ones with
+    UNAVAILABLE. Health and reflection pass untouched: probes see NOT_SERVING while it drains.
+
+    NOTE: grpc's own ``stop(grace)`` refuses new calls too, but one that arrives on an open
+    connection is answered CANCELLED (a code clients do not retry, and a lie: nobody cancelled),
+    and one on a new connection meets a closed port. Refusing here says what happened.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._active = 0
+        self._closed = False
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Waits until no counted RPC is in flight; False if ``timeout`` passed first."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._active == 0, timeout)
+
+    def _leave(self) -> None:
+        with self._cv:
+            self._active -= 1
+            if not self._active:
+                self._cv.notify_all()
+
+    def _enter(self, context: grpc.ServicerContext) -> None:
+        with self._cv:
+            refuse = self._closed
+            if not refuse:
+                self._active += 1
+        if refuse:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this server is shutting down: retry on another replica")
+        # NOTE: the callback runs when the RPC ends for any reason (done, cancelled, deadline),
+        # also for a stream whose generator grpc never closes.
+        if not context.add_callback(self._leave):
+            self._leave()
+
+    def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(security.OPEN_SERVICES):
+            return handler
+
+        def unary(fn: Callable) -> Callable:
+            def gated(request: Any, context: grpc.ServicerContext) -> Any:
+                self._enter(context)
+                return fn(request, context)
+            return gated
+
+        def stream(fn: Callable) -> Callable:
+            def gated(request: Any, context: grpc.ServicerContext) -> Iterable[Any]:
+                self._enter(context)
+                yield from fn(request, context)
+            return gated
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(
+            stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
+
+
 class GrpcServer:
     """A grpc server with health, reflection, the error interceptor and graceful stop."""
 
@@ -111,9 +182,10 @@ class GrpcServer:
                  max_concurrent_rpcs: int | None = None) -> None:
         sec = security.current()
         auth = [security.BearerTokenInterceptor(sec.server_token, token_name)] if sec.server_token else []
+        self._gate = DrainGate()
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-            interceptors=[*auth, *(interceptors or []), ErrorMappingInterceptor()],
+            interceptors=[*auth, self._gate, *(interceptors or []), ErrorMappingInterceptor()],
             options=CHANNEL_OPTIONS,
             maximum_concurrent_rpcs=max_concurrent_rpcs,
         )
@@ -144,13 +216,15 @@ class GrpcServer:
             self.health.set(name, status)
 
     def stop(self, grace: float = 5.0) -> None:
+        """NOT_SERVING, new RPCs refused with UNAVAILABLE, those in flight get up to ``grace``
+        seconds to finish; then whatever is left is cancelled (UNAVAILABLE at the client)."""
         if self._stopped.is_set():
             return
         self._stopped.set()
         self.set_serving(False)
-        self.server.stop(grace).wait(grace + 1)
-        # NOTE: once drained, stop(0) ends grpc's grace timer too; without it the process lingers
-        # for the whole grace period at exit (a non-daemon grpc thread waits it out).
+        self._gate.close()
+        if not self._gate.wait_idle(grace):
+            log.warning("%.1fs grace over with RPCs still in flight: cancelling them", grace)
         self.server.stop(0)
 
     def wait_for_termination_signal(self, grace: float = 5.0, on_stop: Callable[[], None] | None = None) -> None:
