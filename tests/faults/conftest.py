@@ -98,26 +98,29 @@ class Cluster:
             wait_serving(address, proc.popen, 60)
         return proc
 
-    def kv_service(self, name: str, port: int | None = None) -> Proc:
-        assert self.redis is not None
+    def kv_service(self, name: str, port: int | None = None, *args: str, lease_ms: int = LEASE_MS) -> Proc:
+        """A kv_service on this cluster's Redis (or with ``--store memory`` among ``args``)."""
         port = port or free_port()
+        store = [] if "--store" in args else ["--redis-url", self.redis.url] if self.redis else ["--store", "memory"]
         return self._spawn(name, f"127.0.0.1:{port}", kvmesh_cmd(
-            "kv-service", "--host", "127.0.0.1", "--port", str(port), "--redis-url", self.redis.url,
-            "--lease-ttl-ms", str(LEASE_MS), "--metrics-port", "0"))
+            "kv-service", "--host", "127.0.0.1", "--port", str(port), *store,
+            "--lease-ttl-ms", str(lease_ms), "--metrics-port", "0", *args))
 
-    def worker(self, worker_id: str, kv: str, port: int | None = None, wait: bool = True) -> Proc:
+    def worker(self, worker_id: str, kv: str, port: int | None = None, wait: bool = True, *args: str,
+               grace: float = 0) -> Proc:
         port = port or free_port()
         addr = f"127.0.0.1:{port}"
         return self._spawn(worker_id, addr, kvmesh_cmd(
             "worker", "--simulate", "--model", str(self.model), "--host", "127.0.0.1", "--port", str(port),
             "--kv-service", kv, "--worker-id", worker_id, "--advertise-address", addr, "--metrics-port", "0",
-            "--num-blocks", "4096", "--max-model-len", "2048", "--grace", "0"), wait)
+            "--num-blocks", "4096", "--max-model-len", "2048", "--grace", str(grace), *args), wait)
 
-    def router(self, kv: str, metrics_port: int, *args: str) -> Proc:
+    def router(self, kv: str, metrics_port: int, *args: str, name: str = "router", grace: float = 0,
+               wait: bool = True) -> Proc:
         port = free_port()
-        return self._spawn("router", f"127.0.0.1:{port}", kvmesh_cmd(
+        return self._spawn(name, f"127.0.0.1:{port}", kvmesh_cmd(
             "router", "--host", "127.0.0.1", "--port", str(port), "--kv-service", kv, "--model", str(self.model),
-            "--metrics-port", str(metrics_port), "--grace", "0", *args))
+            "--metrics-port", str(metrics_port), "--grace", str(grace), *args), wait)
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
