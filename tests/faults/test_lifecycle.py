@@ -34,9 +34,11 @@ PROMPT = [(7 * i + 3) % 300 + 5 for i in range(40)]
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-@pytest.fixture(scope="module")
-def kv(cluster: Cluster) -> Proc:
-    return cluster.kv_service("kv", None, "--store", "memory")
+@pytest.fixture
+def kv(cluster: Cluster, request) -> Proc:
+    """A kv_service of the test's own: no worker of another test (dead, its lease still running)
+    is in its index."""
+    return cluster.kv_service(f"kv-{request.node.name[:40]}", None, "--store", "memory")
 
 
 def worker_stream(address: str, max_tokens: int) -> Iterator[pb.WorkerGenerateResponse]:
