@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 import torch
-from kvmesh.model_worker.config import ModelConfig
-from kvmesh.model_worker.llm import LLM
 
 from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ensure_default_model
+from kvmesh.model_worker.config import ModelConfig
+from kvmesh.model_worker.llm import LLM
 
 
 def random_tokens(n: int, gen: torch.Generator, vocab: int) -> list[int]:

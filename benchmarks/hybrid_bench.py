@@ -31,13 +31,12 @@ import argparse
 import random
 from dataclasses import dataclass
 
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.request import Request
 from kvmesh.model_worker.scheduler import Scheduler, SchedulerConfig
-
-from kvmesh.contract.block_hash import BlockHasher
-from kvmesh.contract.types import SamplingParams
 
 BS = 16
 OUTPUT = 128

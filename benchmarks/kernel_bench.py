@@ -16,11 +16,8 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 
 @dataclass(frozen=True)

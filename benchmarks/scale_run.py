@@ -27,17 +27,17 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvmesh.bench import serve
+from kvmesh.bench.datasets import TokenRange
+from kvmesh.bench.report import summarize
+from kvmesh.bench.routing import RoutingBenchConfig, free_port_base
+from kvmesh.bench.scrape import histogram_quantile, label_counts, scrape
+from kvmesh.bench.trace import TraceSynthesizer, load_trace
+from kvmesh.loopback import RedisServer
+from kvmesh.make_model import ensure_default_model
+from kvmesh.stack import kvmesh_cmd, wait_serving
 
-from kvmesh.bench import serve  # noqa: E402
-from kvmesh.bench.datasets import TokenRange  # noqa: E402
-from kvmesh.bench.report import summarize  # noqa: E402
-from kvmesh.bench.routing import RoutingBenchConfig, free_port_base, histogram_quantile, label_counts, scrape  # noqa: E402
-from kvmesh.bench.trace import TraceSynthesizer, load_trace  # noqa: E402
-from kvmesh.loopback import RedisServer  # noqa: E402
-from kvmesh.make_model import ensure_default_model  # noqa: E402
-from kvmesh.stack import kvmesh_cmd, wait_serving  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 BENCH = RoutingBenchConfig(trace="", model="")
 """The engine settings of `kvmesh bench routing`, which the hosted workers share."""

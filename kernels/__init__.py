@@ -9,6 +9,7 @@ only when the Triton backend is first used, so CPU-only processes never import i
 from __future__ import annotations
 
 import torch
+
 from kvmesh.kernels.dispatch import attention_backend
 from kvmesh.kernels.reference import ragged_paged_attention_ref, write_kv_cache_ref
 from kvmesh.kernels.torch_attention import ragged_paged_attention_torch

@@ -9,6 +9,7 @@ reference. Same arguments, same results (tests/kernels/test_torch_attention.py).
 from __future__ import annotations
 
 import torch
+
 from kvmesh.kernels.reference import ragged_paged_attention_ref
 
 

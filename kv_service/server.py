@@ -6,9 +6,6 @@ import logging
 import threading
 from collections.abc import Iterator
 
-from kvmesh.kv_service.index import BlockIndex, Registration, WorkerMatch
-from kvmesh.kv_service.service import KVService, ServiceConfig, now_ms
-
 from kvmesh.contract.convert import (
     algorithm_from_pb,
     algorithm_to_pb,
@@ -17,6 +14,8 @@ from kvmesh.contract.convert import (
     load_to_pb,
 )
 from kvmesh.contract.errors import InvalidArgument, ResourceExhausted
+from kvmesh.kv_service.index import BlockIndex, Registration, WorkerMatch
+from kvmesh.kv_service.service import KVService, ServiceConfig, now_ms
 from kvmesh.transport.rpc import GrpcServer
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
@@ -90,7 +89,7 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
 
     def LookupTokens(self, request, context):
         bs, matches = self.svc.lookup_tokens(request.model_id, request.token_ids, request.cache_salt)
-        return lookup_response(matches, bs, len(request.token_ids) // bs)
+        return lookup_response(matches, bs, len(request.token_ids) // bs if bs else 0)
 
     def GetStats(self, request, context):
         st = self.svc.index.stats(now_ms())

@@ -7,6 +7,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvmesh.contract.errors import FailedPrecondition, NotFound
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load, ModelSpec
 from kvmesh.kv_service.index import (
     Action,
     BlockIndex,
@@ -16,9 +18,6 @@ from kvmesh.kv_service.index import (
     WorkerInfo,
     WorkerMatch,
 )
-
-from kvmesh.contract.errors import FailedPrecondition, NotFound
-from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load, ModelSpec
 
 
 @dataclass(slots=True)

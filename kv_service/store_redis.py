@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
+from kvmesh.contract.errors import FailedPrecondition, NotFound, Unavailable
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load, ModelSpec
 from kvmesh.kv_service.index import (
     Action,
     BlockIndex,
@@ -34,9 +37,6 @@ from kvmesh.kv_service.index import (
     WorkerInfo,
     WorkerMatch,
 )
-
-from kvmesh.contract.errors import FailedPrecondition, NotFound, Unavailable
-from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load, ModelSpec
 
 _LUA_DIR = Path(__file__).parent / "lua"
 

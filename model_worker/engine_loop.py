@@ -17,10 +17,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from kvmesh.contract.types import KVCacheEvent, SamplingParams
 from kvmesh.model_worker.llm_engine import LLMEngine
 from kvmesh.model_worker.scheduler import RequestOutput
-
-from kvmesh.contract.types import KVCacheEvent, SamplingParams
 
 log = logging.getLogger("kvmesh.worker.engine")
 

@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable, Iterator
 
 import grpc
-from kvmesh.model_worker.llm_engine import EngineStats
 
 from kvmesh.contract.convert import algorithm_to_pb, event_to_pb, load_to_pb
 from kvmesh.contract.types import KVCacheEvent
+from kvmesh.model_worker.llm_engine import EngineStats
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc

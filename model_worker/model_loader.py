@@ -7,10 +7,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from kvmesh.model_worker.config import ModelConfig
-from kvmesh.model_worker.models import model_class
 from safetensors import safe_open
 from torch import nn
+
+from kvmesh.model_worker.config import ModelConfig
+from kvmesh.model_worker.models import model_class
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:

@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 
 import torch
+
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.model_loader import load_model

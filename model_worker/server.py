@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 import uuid
 
+from kvmesh.contract.convert import FINISH_TO_PB, load_to_pb, sampling_from_pb, usage_to_pb
+from kvmesh.contract.errors import ResourceExhausted, Unavailable
+from kvmesh.contract.types import Usage
 from kvmesh.model_worker import metrics
 from kvmesh.model_worker.engine_loop import EngineLoop, TokenEvent, _Stream
 from kvmesh.model_worker.kv_publisher import KVPublisher, registration
 from kvmesh.model_worker.llm_engine import LLMEngine
-
-from kvmesh.contract.convert import FINISH_TO_PB, load_to_pb, sampling_from_pb, usage_to_pb
-from kvmesh.contract.errors import ResourceExhausted, Unavailable
-from kvmesh.contract.types import Usage
 from kvmesh.transport.rpc import GrpcServer
 from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc

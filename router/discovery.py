@@ -13,6 +13,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import grpc
+
+from kvmesh.contract.block_hash import algorithm_name
+from kvmesh.contract.convert import PB_TO_ALGO, PB_TO_FINISH, load_from_pb, sampling_to_pb, usage_from_pb
+from kvmesh.contract.errors import Unavailable
+from kvmesh.contract.types import ModelSpec
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.upstream import (
     Failure,
@@ -23,11 +28,6 @@ from kvmesh.router.upstream import (
     WorkerError,
     WorkerRequest,
 )
-
-from kvmesh.contract.block_hash import algorithm_name
-from kvmesh.contract.convert import PB_TO_ALGO, PB_TO_FINISH, load_from_pb, sampling_to_pb, usage_from_pb
-from kvmesh.contract.errors import Unavailable
-from kvmesh.contract.types import ModelSpec
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import kv_service_pb2 as kv_pb
 from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc
@@ -50,33 +50,22 @@ EMPTY_GRACE_S = 5.0
 
 
 class KVServiceClient:
-    """Lookup with a short deadline and a breaker: after a failure, skip the index for ``retry_s``.
+    """Lookup with a short deadline; a failure raises IndexUnavailable (router/core.py's breaker then
+    skips the index for a while)."""
 
-    NOTE: without the breaker a blackholed kv_service would add the full lookup deadline to every
-    request; with it, one request per ``retry_s`` pays it while the others route by rendezvous.
-    """
-
-    def __init__(self, target: str, lookup_timeout_s: float = 0.05, retry_s: float = 1.0,
-                 rpc_timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, target: str, lookup_timeout_s: float = 0.05, rpc_timeout_s: float = 2.0) -> None:
         self.target = target
         self.lookup_timeout_s = lookup_timeout_s
-        self.retry_s = retry_s
         self.rpc_timeout_s = rpc_timeout_s
-        self._clock = clock
         self._channel = dial(target)
         self._stub = kv_grpc.KVServiceStub(self._channel)
-        self._down_until = 0.0
 
     def lookup(self, model_id: str, block_hashes: Sequence[bytes]) -> list[IndexMatch]:
-        if self._clock() < self._down_until:
-            raise IndexUnavailable(f"kv_service at {self.target} failed recently", "index_down")
         try:
             answer = self._stub.Lookup(kv_pb.LookupRequest(model_id=model_id, block_hashes=block_hashes),
                                        timeout=self.lookup_timeout_s)
         except grpc.RpcError as exc:
-            self._down_until = self._clock() + self.retry_s
             raise IndexUnavailable(f"kv_service at {self.target}: {exc.code().name}: {exc.details()}") from None
-        self._down_until = 0.0
         return [IndexMatch(m.worker_id, m.address, m.matched_blocks, load_from_pb(m.load)) for m in answer.workers]
 
     def list_workers(self) -> list[kv_pb.WorkerInfo]:

@@ -17,3 +17,16 @@ FALLBACKS = Counter("kvmesh_router_fallbacks_total", "Requests routed without th
 RETRIES = Counter("kvmesh_router_retries_total", "Retries on another worker before the first token", ["failure"])
 REQUESTS = Counter("kvmesh_router_requests_total", "Generate requests by outcome", ["outcome"])
 INFLIGHT = Gauge("kvmesh_router_inflight_requests", "Generate streams open")
+
+
+class PrometheusObserver:
+    """router/core.py's DecisionObserver on these metrics."""
+
+    def decision(self, policy: str, reason: str) -> None:
+        DECISIONS.labels(policy, reason).inc()
+
+    def fallback(self, cause: str) -> None:
+        FALLBACKS.labels(cause).inc()
+
+    def lookup_latency(self, seconds: float) -> None:
+        LOOKUP_LATENCY.observe(seconds)

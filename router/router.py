@@ -13,37 +13,29 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from tokenizers import Tokenizer
+
+from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvmesh.contract.types import DEFAULT_MAX_TOKENS, SamplingParams, Usage
 from kvmesh.router import metrics
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.core import RoutePlan, RoutingCore
 from kvmesh.router.detokenize import IncrementalDetokenizer
 from kvmesh.router.inflight import InFlight
-from kvmesh.router.policy import (
-    Candidate,
-    Decision,
-    PolicyConfig,
-    RouteQuery,
-    RouterPolicy,
-    make_policy,
-    uncached_tokens,
-)
+from kvmesh.router.metrics import PrometheusObserver
+from kvmesh.router.policy import Decision, PolicyConfig, RouterPolicy, make_policy
 from kvmesh.router.speculative import SpeculativeIndex
 from kvmesh.router.upstream import (
     RETRIABLE,
     Failure,
-    IndexUnavailable,
     PrefixIndex,
     WorkerEndpoint,
     WorkerError,
     WorkerPool,
     WorkerRequest,
 )
-from tokenizers import Tokenizer
-
-from kvmesh.contract.block_hash import BlockHasher
-from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
-from kvmesh.contract.types import ModelSpec, SamplingParams, Usage
 
 log = logging.getLogger("kvmesh.router")
 
@@ -68,16 +60,6 @@ class GenerateOutput:
     finish_reason: str | None = None
     usage: Usage | None = None
     served_by: str = ""
-
-
-@dataclass(slots=True)
-class RoutePlan:
-    """A request's tokens, chain and candidates; the first pick and every retry choose from it."""
-
-    token_ids: list[int]
-    query: RouteQuery
-    candidates: list[Candidate]
-    endpoints: dict[str, WorkerEndpoint]
 
 
 class CancelScope:
@@ -124,14 +106,27 @@ class Router:
         self.pool = pool
         self.index = index
         self.tokenizer = tokenizer
-        self.policy = policy or make_policy(config.policy, PolicyConfig(
+        policy = policy or make_policy(config.policy, PolicyConfig(
             decode_cost_tokens=config.decode_cost_tokens, overlap_weight=config.overlap_weight,
             balance_factor=config.balance_factor,
             balance_min_tokens=config.balance_min_tokens, fallback_prefix_blocks=config.fallback_prefix_blocks,
             seed=config.seed))
-        self.speculative = speculative or SpeculativeIndex(config.speculative_ttl_s)
-        self.inflight = InFlight()
-        self._hashers: dict[ModelSpec, BlockHasher] = {}
+        self.core = RoutingCore(policy, speculative_ttl_s=config.speculative_ttl_s,
+                                index_retry_s=config.index_retry_s, observer=PrometheusObserver())
+        if speculative is not None:
+            self.core.speculative = speculative
+
+    @property
+    def policy(self) -> RouterPolicy:
+        return self.core.policy
+
+    @property
+    def speculative(self) -> SpeculativeIndex:
+        return self.core.speculative
+
+    @property
+    def inflight(self) -> InFlight:
+        return self.core.inflight
 
     # -- decision path (tokenize + hash + lookup + pick) ------------------------------------
     def tokenize(self, inp: GenerateInput) -> list[int]:
@@ -149,62 +144,10 @@ class Router:
         # NOTE: add_special_tokens=True, as the worker's offline path encodes, so both hash the same ids.
         return self.tokenizer.encode(inp.text, add_special_tokens=True).ids
 
-    def hasher(self, spec: ModelSpec) -> BlockHasher:
-        h = self._hashers.get(spec)
-        if h is None:
-            h = self._hashers[spec] = BlockHasher(spec.model_id, spec.block_size, spec.hash_algorithm)
-        return h
-
     def plan(self, token_ids: list[int], cache_salt: str = "") -> RoutePlan:
-        """Hashes the prompt, asks the index once and builds the candidates."""
-        spec = self.pool.model_spec()
-        try:
-            chain = self.hasher(spec).hash_prompt(token_ids, cache_salt)
-        except ValueError as exc:
-            raise InvalidArgument(f"token_ids: {exc}") from None
-        endpoints = {e.worker_id: e for e in self.pool.endpoints()}
-        matched: dict[str, int] = {}
-        index_ok = True
-        if self.policy.uses_index and chain:
-            index_ok = self._lookup(spec.model_id, chain, endpoints, matched)
-            for worker_id, n in self.speculative.matches(chain).items():
-                if worker_id in endpoints and n > matched.get(worker_id, 0):
-                    matched[worker_id] = n
-        candidates = []
-        for e in endpoints.values():
-            requests, prefill = self.inflight.view(e.worker_id)
-            candidates.append(Candidate(e.worker_id, e.address, matched.get(e.worker_id, 0), e.load, requests, prefill))
-        healthy = [c for c in candidates if self.pool.healthy(c.worker_id)]
-        # NOTE: unhealthy marks are hints: when every worker carries one, try them all anyway.
-        return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok),
-                         healthy or candidates, endpoints)
-
-    def _lookup(self, model_id: str, chain: list[bytes], endpoints: dict[str, WorkerEndpoint],
-                matched: dict[str, int]) -> bool:
-        if self.index is None:
-            metrics.FALLBACKS.labels("no_index").inc()
-            return False
-        t0 = time.perf_counter()
-        try:
-            answer = self.index.lookup(model_id, chain)
-        except IndexUnavailable as exc:
-            metrics.FALLBACKS.labels(exc.cause).inc()
-            if exc.cause == "lookup_failed":
-                log.warning("kv_service lookup failed, routing by rendezvous hash: %s", exc)
-            return False
-        metrics.LOOKUP_LATENCY.observe(time.perf_counter() - t0)
-        adopt = self.pool.discovers_from_index
-        for m in answer:
-            known = endpoints.get(m.worker_id)
-            if known is not None:
-                # NOTE: the Lookup's load is fresher than the last discovery poll.
-                endpoints[m.worker_id] = replace(known, load=m.load)
-            elif adopt:  # registered since the last poll
-                endpoints[m.worker_id] = WorkerEndpoint(m.worker_id, m.address, m.load)
-            else:  # static --workers: a worker outside the list is not ours to use
-                continue
-            matched[m.worker_id] = m.matched_blocks
-        return True
+        """Hashes the prompt, asks the index once and builds the candidates (router/core.py)."""
+        return self.core.plan(self.pool.model_spec(), token_ids, self.pool.endpoints(), self.index,
+                              cache_salt=cache_salt, adopt=self.pool.discovers_from_index, healthy=self.pool.healthy)
 
     def decide(self, inp: GenerateInput) -> tuple[RoutePlan, Decision]:
         """Tokenize + hash + lookup + pick, and the speculative record: all the server does
@@ -215,19 +158,17 @@ class Router:
         plan = self.plan(token_ids, inp.cache_salt)
         if not plan.candidates:
             raise Unavailable(self._no_worker_message())
-        decision = self.policy.pick(plan.query, plan.candidates)
-        self.speculative.record(plan.query.block_hashes, decision.worker_id)
-        metrics.DECISIONS.labels(self.policy.name, decision.reason).inc()
+        decision = self.core.pick(plan)
         metrics.DECISION_LATENCY.observe(time.perf_counter() - t0)
         return plan, decision
 
-    def _check_limits(self, prompt_tokens: int, max_tokens: int) -> None:
+    def _check_limits(self, prompt_tokens: int, max_tokens: int | None) -> None:
         cfg = self.config
         if cfg.max_prompt_tokens and prompt_tokens > cfg.max_prompt_tokens:
             raise ResourceExhausted(f"the prompt has {prompt_tokens} tokens; this router accepts at most "
                                     f"{cfg.max_prompt_tokens} (--max-prompt-tokens)")
-        if cfg.max_tokens_limit and max_tokens > cfg.max_tokens_limit:
-            raise ResourceExhausted(f"max_tokens {max_tokens} is over this router's limit of "
+        if cfg.max_tokens_limit and (max_tokens or DEFAULT_MAX_TOKENS) > cfg.max_tokens_limit:
+            raise ResourceExhausted(f"max_tokens {max_tokens or DEFAULT_MAX_TOKENS} is over this router's limit of "
                                     f"{cfg.max_tokens_limit} (--max-tokens-limit)")
 
     def _no_worker_message(self) -> str:
@@ -262,9 +203,7 @@ class Router:
             if attempt:
                 if not remaining or scope.cancelled:
                     break
-                decision = self.policy.pick(plan.query, remaining)
-                self.speculative.record(plan.query.block_hashes, decision.worker_id)
-                metrics.DECISIONS.labels(self.policy.name, decision.reason).inc()
+                decision = self.core.pick(plan, remaining)
             remaining = [c for c in remaining if c.worker_id != decision.worker_id]
             endpoint = plan.endpoints[decision.worker_id]
             left = deadline - time.monotonic()
@@ -296,8 +235,7 @@ class Router:
     def _stream(self, endpoint: WorkerEndpoint, plan: RoutePlan, request: WorkerRequest, timeout_s: float,
                 scope: CancelScope) -> Iterator[GenerateOutput]:
         """One attempt. Raises WorkerError only before the first chunk has been yielded."""
-        cand = next(c for c in plan.candidates if c.worker_id == endpoint.worker_id)
-        ticket = self.inflight.start(endpoint.worker_id, uncached_tokens(cand, plan.query))
+        ticket = self.core.start(plan, endpoint.worker_id)
         detok = IncrementalDetokenizer(self._decode) if self.tokenizer is not None else None
         started = False
         call = None
@@ -318,7 +256,7 @@ class Router:
                     started = True
                     if timer is not None:
                         timer.cancel()
-                    self.inflight.prefilled(ticket)
+                    self.core.prefilled(ticket)
                 text = detok.push(chunk.token_ids) if detok is not None else ""
                 if chunk.finish_reason is not None:
                     if detok is not None:
@@ -339,7 +277,7 @@ class Router:
             if timer is not None:
                 timer.cancel()
             scope.attach(None)
-            self.inflight.finish(ticket)
+            self.core.finish(ticket)
             if call is not None and scope.cancelled:
                 call.cancel()
 

@@ -6,13 +6,13 @@ import logging
 from collections.abc import Iterator
 
 import grpc
+
+from kvmesh.contract.convert import FINISH_TO_PB, sampling_from_pb, usage_to_pb
+from kvmesh.contract.modelinfo import load_tokenizer, model_id_for
 from kvmesh.router import metrics
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.discovery import GrpcWorkerPool, KVServiceClient
 from kvmesh.router.router import CancelScope, GenerateInput, Router
-
-from kvmesh.contract.convert import FINISH_TO_PB, sampling_from_pb, usage_to_pb
-from kvmesh.contract.modelinfo import load_tokenizer, model_id_for
 from kvmesh.transport.rpc import GrpcServer
 from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
@@ -73,8 +73,8 @@ class RouterServer:
         if config.model_dir:
             tokenizer = load_tokenizer(config.model_dir)
             config.model_id = model_id_for(config.model_dir, config.model_id)
-        self.kv = (KVServiceClient(config.kv_service, config.lookup_timeout_ms / 1000, config.index_retry_s,
-                                   config.rpc_timeout_s) if config.kv_service else None)
+        self.kv = (KVServiceClient(config.kv_service, config.lookup_timeout_ms / 1000, config.rpc_timeout_s)
+                   if config.kv_service else None)
         # NOTE: a few threads beyond max_streams keep health checks answered at the limit.
         self.grpc = GrpcServer(config.host, config.port, max_workers=config.max_streams + 8,
                                max_concurrent_rpcs=config.max_streams, token_name="api token")

@@ -7,9 +7,9 @@ import subprocess
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from kvmesh.kv_service.server import KVServiceServer
 from kvmesh.kv_service.store_memory import MemoryIndex
-
 from kvmesh.loopback import free_port
 from kvmesh.transport import security
 from kvmesh.transport.rpc import dial
@@ -111,9 +111,8 @@ def test_tls_and_mutual_tls(configured, pki):
 
 
 def test_redis_password_is_required_and_used():
-    from kvmesh.kv_service.store_redis import RedisIndex
-
     from kvmesh.contract.errors import Unavailable
+    from kvmesh.kv_service.store_redis import RedisIndex
     from kvmesh.loopback import RedisServer
 
     with RedisServer(password="pw-789") as redis:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kvmesh.kernels import ragged_paged_attention, write_kv_cache
 from torch import nn
+
+from kvmesh.kernels import ragged_paged_attention, write_kv_cache
 
 
 @dataclass(slots=True)

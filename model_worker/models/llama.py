@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch import nn
+
 from kvmesh.model_worker.config import ModelConfig
 from kvmesh.model_worker.models.attention import AttentionMetadata, PagedAttention
 from kvmesh.model_worker.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
-from torch import nn
 
 
 class LlamaAttention(nn.Module):

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from kvmesh.contract.types import Load
 from kvmesh.router.approx_tree import ApproxPrefixTree, ApproxTreeConfig, ApproxTreePolicy
 from kvmesh.router.policy import POLICIES, Candidate, PolicyConfig, RouteQuery, make_policy
-
-from kvmesh.contract.types import Load
 
 
 def _q(*hashes: bytes, prompt_len: int | None = None) -> RouteQuery:

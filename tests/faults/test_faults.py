@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from kvmesh.router.config import RouterConfig
-from kvmesh.router.server import RouterServer
 from prometheus_client import REGISTRY
 
 from kvmesh.client import Client
 from kvmesh.loopback import free_port
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.server import RouterServer
 from kvmesh.stack import wait_serving
 from kvmesh.testing import wait_until
 from kvmesh.v1 import kv_service_pb2 as kpb

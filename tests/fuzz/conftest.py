@@ -9,17 +9,17 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from kvmesh.kv_service.server import KVServiceServer
 from kvmesh.kv_service.service import ServiceConfig
 from kvmesh.kv_service.store_memory import MemoryIndex
 from kvmesh.kv_service.store_redis import RedisIndex
+from kvmesh.loopback import free_port
+from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.model_worker.llm_engine import LLMEngine
 from kvmesh.model_worker.server import WorkerServer
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.server import RouterServer
-
-from kvmesh.loopback import free_port
-from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.stack import wait_serving
 from kvmesh.transport.rpc import dial
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvmesh.kernels.dispatch import BACKEND_ENV, attention_backend, resolve_attention_backend
 
 from kvmesh import kernels
+from kvmesh.kernels.dispatch import BACKEND_ENV, attention_backend, resolve_attention_backend
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

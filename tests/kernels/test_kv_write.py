@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvmesh.kernels.reference import write_kv_cache_ref
 from kvmesh.kernels.testing import import_kernel_module
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from kvmesh.kernels.reference import ragged_paged_attention_ref
-from kvmesh.kernels.testing import import_kernel_module
 
 from kvmesh import kernels
+from kvmesh.kernels.reference import ragged_paged_attention_ref
+from kvmesh.kernels.testing import import_kernel_module
 
 HAS_CUDA = torch.cuda.is_available()
 

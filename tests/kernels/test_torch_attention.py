@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvmesh.kernels.reference import ragged_paged_attention_ref
 from kvmesh.kernels.torch_attention import ragged_paged_attention_torch
 

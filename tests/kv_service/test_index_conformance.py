@@ -5,13 +5,13 @@ from __future__ import annotations
 import threading
 
 import pytest
-from kvmesh.kv_service.index import Action, Registration
-from kvmesh.kv_service.store_memory import MemoryIndex
-from kvmesh.kv_service.store_redis import RedisIndex
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import FailedPrecondition, NotFound
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, Load
+from kvmesh.kv_service.index import Action, Registration
+from kvmesh.kv_service.store_memory import MemoryIndex
+from kvmesh.kv_service.store_redis import RedisIndex
 
 TTL = 10_000
 T0 = 1_000_000
@@ -265,6 +265,16 @@ def test_concurrent_publishers_keep_exact_state(index):
     assert index.holders(shared[0], T0) == workers
     st = index.stats(T0)
     assert (st.indexed_blocks, st.block_replicas) == (4 * 20 + 5, 4 * 25)
+
+
+def test_load_encoding_round_trips_and_reads_the_older_five_field_form():
+    load = Load(2, 1, 90, 100, 300, busy_s=1.25, steps=7, prefill_tokens=512, prefill_pairs=10**12,
+                decode_tokens=40, decode_context_tokens=9000, max_num_batched_tokens=8192)
+    assert Load.decode(load.encode()) == load
+    assert Load.decode(b"2,1,90,100,300") == Load(2, 1, 90, 100, 300)
+    from kvmesh.contract.convert import load_from_pb, load_to_pb
+
+    assert load_from_pb(load_to_pb(load)) == load
 
 
 # --- duplicate events: a worker holds a block or not; there is no count per worker --------------

@@ -9,6 +9,9 @@ from __future__ import annotations
 import random
 
 import pytest
+
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.types import BlockRemoved, BlockStored, SamplingParams
 from kvmesh.model_worker.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.kv_cache_spec import (
     FullAttentionSpec,
@@ -18,9 +21,6 @@ from kvmesh.model_worker.kv_cache_spec import (
 )
 from kvmesh.model_worker.request import Request
 from kvmesh.model_worker.scheduler import Scheduler, SchedulerConfig
-
-from kvmesh.contract.block_hash import BlockHasher
-from kvmesh.contract.types import BlockRemoved, BlockStored, SamplingParams
 
 BS, W = 2, 4
 HASHER = BlockHasher("test-model", block_size=BS)

@@ -8,12 +8,12 @@ import threading
 from pathlib import Path
 
 import pytest
-from kvmesh.model_worker.llm import LLM
-from kvmesh.model_worker.llm_engine import LLMEngine
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.block_hash import algorithm_name as _alg
 from kvmesh.contract.types import BlockStored, SamplingParams
+from kvmesh.model_worker.llm import LLM
+from kvmesh.model_worker.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 

@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from kvmesh.model_worker.llm import LLM
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from kvmesh.cli import main
 from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ensure_default_model
+from kvmesh.model_worker.llm import LLM
 
 SMALL = [
     "--layers",

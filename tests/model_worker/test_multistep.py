@@ -12,13 +12,13 @@ from functools import cache
 from pathlib import Path
 
 import torch
+
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.llm_engine import LLMEngine
 from kvmesh.model_worker.request import Request
 from kvmesh.model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig
-
-from kvmesh.contract.block_hash import BlockHasher
-from kvmesh.contract.types import SamplingParams
 
 BS = 16
 

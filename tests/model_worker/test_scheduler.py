@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from kvmesh.model_worker.kv_cache_manager import KVCacheManager
-from kvmesh.model_worker.request import Request, RequestStatus
-from kvmesh.model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import SamplingParams
+from kvmesh.model_worker.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.request import Request, RequestStatus
+from kvmesh.model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 
 BS = 16
 HASHER = BlockHasher("test-model", block_size=BS)

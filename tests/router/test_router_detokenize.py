@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from kvmesh.router.detokenize import IncrementalDetokenizer
 
 from kvmesh.make_model import train_tokenizer
+from kvmesh.router.detokenize import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

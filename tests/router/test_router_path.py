@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvmesh.contract.types import Load, ModelSpec, SamplingParams, Usage
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.router import CancelScope, GenerateInput, Router
 from kvmesh.router.upstream import (
@@ -16,10 +20,6 @@ from kvmesh.router.upstream import (
     WorkerError,
     WorkerRequest,
 )
-
-from kvmesh.contract.block_hash import BlockHasher
-from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
-from kvmesh.contract.types import Load, ModelSpec, SamplingParams, Usage
 
 SPEC = ModelSpec("m", 4, "sha256_128")
 PROMPT = list(range(1, 33))  # 8 blocks of 4

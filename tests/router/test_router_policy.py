@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+
+from kvmesh.contract.types import Load
 from kvmesh.router.policy import (
     POLICIES,
     Candidate,
@@ -16,8 +18,6 @@ from kvmesh.router.policy import (
     queued_tokens,
     rendezvous_weight,
 )
-
-from kvmesh.contract.types import Load
 
 BS = 16
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from kvmesh.model_worker.llm import LLM
-
 from kvmesh.contract.types import SamplingParams
+from kvmesh.model_worker.llm import LLM
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import worker_pb2 as pb

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from kvmesh.model_worker.llm import LLM
-from kvmesh.router.config import RouterConfig
-from kvmesh.router.server import RouterServer
 from tokenizers import Tokenizer
 
 from kvmesh.client import Client
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import SamplingParams
 from kvmesh.loopback import free_port
+from kvmesh.model_worker.llm import LLM
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.server import RouterServer
 from kvmesh.stack import wait_serving
 from kvmesh.testing import wait_until
 from kvmesh.transport.rpc import dial
@@ -161,7 +161,7 @@ def test_client_cancel_frees_the_workers_blocks(stack):
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"temperature": -0.5}, "temperature must be >= 0"),
+    ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
     ({"top_p": 1.5}, "top_p must be in (0, 1]"),
     ({"top_k": -1}, "top_k must be an integer >= 0"),
     ({"prompt": [3] * 600}, "max_model_len is 512"),
