@@ -11,7 +11,6 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvmesh.bench.scrape import samples, scrape
 from kvmesh.client import Client
 from kvmesh.loopback import RedisServer, free_port
 from kvmesh.make_model import ModelSpec, make_model
@@ -147,13 +147,12 @@ def matched(kv: kpb_grpc.KVServiceStub, model_id: str, ids: list[int]) -> dict[s
 
 
 def metric(port: int, name: str, **labels: str) -> float:
-    """One sample of a Prometheus text page on 127.0.0.1:``port`` (0.0 when absent)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
-    for line in text.splitlines():
-        if line.startswith(want + " "):
-            return float(line.rsplit(" ", 1)[1])
+    """The sample ``name`` with exactly ``labels`` of the /metrics page on 127.0.0.1:``port``
+    (0.0 when absent). ``name`` is the sample's: ``..._total``, ``..._count``."""
+    family = name.removesuffix("_total").removesuffix("_count").removesuffix("_sum")
+    for s in samples(scrape(port), family):
+        if s.name == name and s.labels == labels:
+            return s.value
     return 0.0
 
 

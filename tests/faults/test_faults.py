@@ -13,12 +13,9 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from prometheus_client import REGISTRY
 
 from kvmesh.client import Client
 from kvmesh.loopback import free_port
-from kvmesh.router.config import RouterConfig
-from kvmesh.router.server import RouterServer
 from kvmesh.stack import wait_serving
 from kvmesh.testing import wait_until
 from kvmesh.v1 import kv_service_pb2 as kpb
@@ -80,56 +77,52 @@ def warm(mesh: Mesh, ids: list[int]) -> str:
     return out.served_by
 
 
-def sample(name: str, **labels: str) -> float:
-    """A sample of this process's Prometheus registry (the in-process router's metrics)."""
-    return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
 @pytest.mark.timeout(90)
 def test_lookup_slower_than_its_deadline_routes_by_fallback(mesh: Mesh):
-    # NOTE: the breaker stays open 3 s (index_retry_s), far longer than the five requests below
+    # NOTE: the breaker stays open 3 s (--index-retry), far longer than the five requests below
     # take even on a loaded host, so exactly one of them pays the deadline. The speculative map is
     # off: a prefix decision after the breaker closes can only come from the index.
-    router = RouterServer(RouterConfig(host="127.0.0.1", port=0, kv_service=mesh.kv_c.address,
-                                       model_dir=str(mesh.cluster.model), lookup_timeout_ms=50, index_retry_s=3.0,
-                                       speculative_ttl_s=0, discovery_interval_s=0.2, first_token_timeout_s=5,
-                                       seed=0)).start()
+    port = free_port()
+    router = mesh.cluster.router(mesh.kv_c.address, port, "--lookup-timeout-ms", "50", "--index-retry", "3",
+                                 "--speculative-ttl", "0", "--first-token-timeout", "5", name="router-c")
     fallbacks = "kvmesh_router_fallbacks_total"
     try:
-        wait_serving(f"127.0.0.1:{router.port}", timeout=20)
         ids = prompt(7, 1)
         holder = warm(mesh, ids)
-        before = {cause: sample(fallbacks, cause=cause) for cause in ("lookup_failed", "index_down")}
+        before = {cause: metric(port, fallbacks, cause=cause) for cause in ("lookup_failed", "index_down")}
         mesh.kv_c.signal(signal.SIGSTOP)  # the Lookup now waits until its 50 ms deadline
         try:
-            with Client(f"127.0.0.1:{router.port}", timeout=20) as c:
+            with Client(router.address, timeout=20) as c:
                 outs = [c.generate(prompt(7, 100 + n), max_tokens=2, ignore_eos=True) for n in range(5)]
         finally:
             mesh.kv_c.signal(signal.SIGCONT)
-        after = {cause: sample(fallbacks, cause=cause) for cause in before}
+        after = {cause: metric(port, fallbacks, cause=cause) for cause in before}
         assert [o.finish_reason for o in outs] == ["length"] * 5
         # The first request pays the deadline; the breaker makes the next ones skip the index.
         assert after["lookup_failed"] - before["lookup_failed"] == 1
         assert after["index_down"] - before["index_down"] == 4
         # Once the breaker closes, the index is asked again (a Lookup answers; requests of another
         # prefix family, so nothing routed here touches the holder's prefix) ...
-        answered = sample("kvmesh_router_lookup_latency_seconds_count")
-        with Client(f"127.0.0.1:{router.port}", timeout=20) as c:
+        lookups = "kvmesh_router_lookup_latency_seconds_count"
+        answered = metric(port, lookups)
+        with Client(router.address, timeout=20) as c:
             other = iter(range(1000))
 
             def index_answers() -> bool:
                 c.generate(prompt(70, next(other)), max_tokens=2, ignore_eos=True)
-                return sample("kvmesh_router_lookup_latency_seconds_count") > answered
+                return metric(port, lookups) > answered
 
             wait_until(index_answers, 15, "a Lookup answered after the kv_service resumed")
             # ... and one request on the cached prefix goes to its holder, as a prefix decision.
-            prefix_picks = sample("kvmesh_router_decisions_total", policy="kv-aware", reason="prefix")
+            decisions = "kvmesh_router_decisions_total"
+            prefix_picks = metric(port, decisions, policy="kv-aware", reason="prefix")
             out = c.generate(ids, max_tokens=2, ignore_eos=True)
         assert (out.served_by, out.usage.cached_tokens) == (holder, len(ids) // BLOCK * BLOCK)
-        assert sample("kvmesh_router_decisions_total", policy="kv-aware", reason="prefix") == prefix_picks + 1
-        assert sample(fallbacks, cause="lookup_failed") == after["lookup_failed"]
+        assert metric(port, decisions, policy="kv-aware", reason="prefix") == prefix_picks + 1
+        assert metric(port, fallbacks, cause="lookup_failed") == after["lookup_failed"]
     finally:
-        router.stop(0.5)
+        router.stop()
+        mesh.cluster.procs.remove(router)
 
 
 @pytest.mark.timeout(60)
