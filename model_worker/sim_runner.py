@@ -30,11 +30,15 @@ import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvmesh.contract.types import H100_8B_KV_BLOCKS
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.request import Request
 from kvmesh.model_worker.scheduler import SchedulerOutput, StepWork
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 DEFAULT_SIM_NUM_BLOCKS = H100_8B_KV_BLOCKS
 
@@ -214,8 +218,8 @@ class SimRunner:
             return SimStats(s.busy_s, s.steps, s.prefill_tokens, s.decode_tokens)
 
 
-def export_metrics(runner: SimRunner) -> None:
-    """Publishes the runner's counters on the process's Prometheus registry (`/metrics`)."""
+def export_metrics(runner: SimRunner, registry: CollectorRegistry) -> None:
+    """Publishes the runner's counters on the worker's Prometheus registry (`/metrics`)."""
     from prometheus_client import Gauge
 
     fields = {"busy_seconds": "modelled seconds of GPU work (unscaled)", "steps": "engine steps run",
@@ -223,5 +227,5 @@ def export_metrics(runner: SimRunner) -> None:
     attrs = {"busy_seconds": "busy_s"}
     for name, doc in fields.items():
         attr = attrs.get(name, name)
-        Gauge(f"kvmesh_sim_{name}", f"Simulated worker: {doc}").set_function(
+        Gauge(f"kvmesh_sim_{name}", f"Simulated worker: {doc}", registry=registry).set_function(
             lambda a=attr: float(getattr(runner.snapshot(), a)))
