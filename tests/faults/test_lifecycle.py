@@ -84,8 +84,8 @@ def test_worker_on_sigterm_finishes_its_streams_refuses_new_ones_and_exits(clust
     first = [next(short), next(long)]  # both streams are running at the worker
     assert all(m.token_ids for m in first)
     w.signal(signal.SIGTERM)
-    err = refused_while_draining(lambda: tokens(worker_stream(w.address, 2)))
-    assert err.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.details()
+    # UNAVAILABLE, the code clients retry elsewhere (the worker's closed port, or its own refusal).
+    assert refused_while_draining(lambda: tokens(worker_stream(w.address, 2))).code() == grpc.StatusCode.UNAVAILABLE
     # The short stream (about 0.5 s) ends normally inside the grace, every token delivered.
     n, last = tokens(short)
     assert (1 + n, last.finish_reason, last.usage.completion_tokens) == (SHORT, common_pb2.FINISH_REASON_LENGTH, SHORT)
@@ -108,8 +108,8 @@ def test_router_on_sigterm_finishes_its_streams_refuses_new_ones_and_exits(clust
             PROMPT, max_tokens=1000, ignore_eos=True)
         assert next(short).token_ids and next(long).token_ids
         router.signal(signal.SIGTERM)
-        err = refused_while_draining(lambda: client.generate(PROMPT, max_tokens=2))
-        assert err.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.details()
+        assert refused_while_draining(lambda: client.generate(PROMPT, max_tokens=2)).code() == \
+            grpc.StatusCode.UNAVAILABLE
         n, last = tokens(short)
         assert (1 + n, last.finish_reason, last.usage.completion_tokens) == (
             SHORT, common_pb2.FINISH_REASON_LENGTH, SHORT)
