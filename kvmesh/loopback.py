@@ -2,40 +2,27 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 
-_PR_SET_PDEATHSIG = 1
-# NOTE: libc is loaded here, in the parent: loading a library between fork and exec can deadlock.
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+# NOTE: util-linux's setpriv sets PR_SET_PDEATHSIG and execs the command. It replaces a
+# preexec_fn: Python code between fork and exec in a process with grpc threads can deadlock (a
+# lock such as malloc's held by another thread at the fork), and a test run hung so in Popen.
+_SETPRIV = shutil.which("setpriv") if sys.platform == "linux" else None
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get ``sig`` when this process dies, SIGKILL included.
+def die_with_parent(sig: str = "TERM") -> list[str]:
+    """A command prefix that makes the child get SIG``sig`` when the thread that starts it dies
+    (this process, SIGKILL included): ``setpriv --pdeathsig``; empty where setpriv is missing.
 
-    Linux's PR_SET_PDEATHSIG; None elsewhere. The signal follows the thread that starts the child,
-    so start children from a thread that lives as long as they should (the main thread).
+    Start children from a thread that lives as long as they should (the main thread).
     """
-    if _LIBC is None:
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl: nobody would signal us
-            os._exit(1)
-
-    return preexec
+    return [_SETPRIV, "--pdeathsig", sig, "--"] if _SETPRIV else []
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -82,12 +69,11 @@ class RedisServer:
         self.password = password
         self._dir = tempfile.mkdtemp(prefix="kvmesh-redis-")
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [*die_with_parent(), exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self._dir, "--daemonize", "no", *(["--requirepass", password] if password else []),
              *extra_args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=die_with_parent(),
         )
         self._wait_ready()
 

@@ -21,7 +21,7 @@ import pytest
 
 from kvmesh.bench.scrape import samples, scrape
 from kvmesh.client import Client
-from kvmesh.loopback import RedisServer, free_port
+from kvmesh.loopback import RedisServer, die_with_parent, free_port
 from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.stack import kvmesh_cmd, wait_serving
 from kvmesh.transport.rpc import dial
@@ -49,10 +49,9 @@ class Proc:
 
     def start(self) -> Proc:
         with open(self.log, "a") as out:
-            # NOTE: no preexec_fn (die_with_parent): this process has grpc threads by now, and a
-            # child running Python between fork and exec hung for good in one test run.
-            self.popen = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            # NOTE: die_with_parent: a test run that is killed leaves no server behind.
+            self.popen = subprocess.Popen([*die_with_parent(), *self.cmd], stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         return self
 
     @property
