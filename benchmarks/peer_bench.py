@@ -102,8 +102,8 @@ def run_vllm(args: argparse.Namespace, model: str, out_dir: Path) -> dict:
            "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048", "--enable-prefix-caching",
            "--kv-cache-memory-bytes", str(1 << 30), "--seed", "0", "--disable-log-stats"]
     print(f"== vllm serve: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=peer_env(args),
-                            start_new_session=True, preexec_fn=die_with_parent())
+    proc = subprocess.Popen([*die_with_parent(), *cmd], stdout=log, stderr=subprocess.STDOUT, env=peer_env(args),
+                            start_new_session=True)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc, args.vllm_start_timeout)
         return bench(args, "vllm", port, model, Path(model).name, out_dir)
