@@ -83,17 +83,19 @@ class DrainGate:
         self.closed = False
         self.expired = False
 
-    def enter(self) -> bool:
-        """Counts the calling RPC's task in; False when closed (refuse it)."""
+    def enter(self) -> asyncio.Task | None:
+        """Counts the calling RPC's task in and returns it; None when closed (refuse the RPC)."""
         if self.closed:
-            return False
+            return None
         task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-        return True
+        assert task is not None  # grpc.aio runs every RPC in a task
+        self._tasks.add(task)
+        return task
 
-    def leave(self) -> None:
-        self._tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
+    def leave(self, task: asyncio.Task) -> None:
+        # NOTE: the task that entered, not current_task(): a stream whose client went away may
+        # be closed (its finally run) from the loop's async-generator finalizer, in another task.
+        self._tasks.discard(task)
         if not self._tasks and self._idle is not None:
             self._idle.set()
 
@@ -120,7 +122,8 @@ async def _refuse_or_cut(context: grpc.aio.ServicerContext, gate: DrainGate) -> 
 
 def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, gate: DrainGate) -> Callable[..., Awaitable[Any]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if not gate.enter():
+        task = gate.enter()
+        if task is None:
             await _refuse_or_cut(context, gate)
         try:
             return await fn(request, context)
@@ -133,14 +136,15 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, gate: DrainGate)
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never a traceback
             await _abort(context, exc, method)
         finally:
-            gate.leave()
+            gate.leave(task)  # type: ignore[arg-type]
 
     return handler
 
 
 def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str, gate: DrainGate) -> Callable[..., AsyncIterator[Any]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        if not gate.enter():
+        task = gate.enter()
+        if task is None:
             await _refuse_or_cut(context, gate)
         try:
             async for item in fn(request, context):
@@ -154,7 +158,7 @@ def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str, gate: Drain
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc, method)
         finally:
-            gate.leave()
+            gate.leave(task)  # type: ignore[arg-type]
 
     return handler
 
@@ -285,7 +289,9 @@ class AioServer:
         self._stopped = True
         await self.set_serving(False)
         await self.gate.drain(grace)
-        await self.server.stop(0)
+        # NOTE: a short grace of grpc's own, so the statuses of the RPCs the gate just ended reach
+        # the wire before the connections close (else clients read "Cancelling all calls").
+        await self.server.stop(0.2)
 
 
 def wait_for_termination_signal(stop: Callable[[float], None], grace: float = 5.0) -> None:
