@@ -121,7 +121,7 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
 
     async def LookupTokens(self, request, context):
         bs, matches = await self.svc.lookup_tokens(request.model_id, request.token_ids, request.cache_salt)
-        return self._replies.response(matches, bs, len(request.token_ids) // bs)
+        return self._replies.response(matches, bs, len(request.token_ids) // bs if bs else 0)
 
     async def GetStats(self, request, context):
         st = await self.svc.index.stats(now_ms())

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvmesh.contract.block_hash import ALGORITHMS, HASH_LEN, BlockHasher
-from kvmesh.contract.errors import InvalidArgument, NotFound
+from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load
 from kvmesh.kv_service.index import Action, BlockIndex, PublishResult, Registration, WorkerMatch
 from kvmesh.kv_service.metrics import KVMetrics
 
 MAX_CHAIN_BLOCKS = 65_536
+MAX_TOKEN_ID = 2**31
 MAX_EPOCH = 2**53 - 1  # exact in a Lua double
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
 HASH_IN_THREAD_TOKENS = 16_384
@@ -71,6 +72,11 @@ def _check_hashes(what: str, hashes: Sequence[bytes], *, allow_empty: bool = Tru
                 f"{what}[{i}] is {len(h)} bytes; block hashes are {HASH_LEN} bytes (docs/block-hashing.md)"
             )
     return list(hashes)
+
+
+def _check_hash(what: str, h: bytes) -> None:
+    if len(h) != HASH_LEN:
+        raise InvalidArgument(f"{what} is {len(h)} bytes; block hashes are {HASH_LEN} bytes (docs/block-hashing.md)")
 
 
 def _check_counter(what: str, value: int) -> None:
@@ -126,7 +132,7 @@ class KVService:
             if isinstance(ev, BlockStored):
                 _check_hashes(f"events[{i}].stored.block_hashes", ev.block_hashes)
                 if ev.parent_block_hash is not None:
-                    _check_hashes(f"events[{i}].stored.parent_hash", [ev.parent_block_hash])
+                    _check_hash(f"events[{i}].stored.parent_hash", ev.parent_block_hash)
             elif isinstance(ev, BlockRemoved):
                 _check_hashes(f"events[{i}].removed.block_hashes", ev.block_hashes)
         result = await self.index.publish(worker_id, epoch, seq, events, now_ms())
@@ -168,10 +174,19 @@ class KVService:
         return sorted(found, key=lambda m: (-m.matched_blocks, m.worker_id))
 
     async def lookup_tokens(self, model_id: str, token_ids: Sequence[int], cache_salt: str = "") -> tuple[int, list[WorkerMatch]]:
-        """Hashes ``token_ids`` with the model's registered spec; returns (block_size, matches)."""
+        """Hashes ``token_ids`` with the model's registered spec; returns (block_size, matches).
+
+        A model no live worker serves answers (0, []), as ``lookup`` answers [] for it.
+        """
+        if not model_id:
+            raise InvalidArgument("model_id is empty: name the model the tokens are for")
+        bad = next((i for i, t in enumerate(token_ids) if t >= MAX_TOKEN_ID), None)
+        if bad is not None:
+            raise InvalidArgument(f"token_ids[{bad}] is {token_ids[bad]}; token ids are < 2**31 "
+                                  "(hashed as int32, docs/block-hashing.md)")
         spec = await self.index.model_spec(model_id)
         if spec is None:
-            raise NotFound(f"no worker is registered for model {model_id!r}")
+            return 0, []
         hasher = BlockHasher(model_id, spec.block_size, spec.hash_algorithm)
         ids = list(token_ids)
         if len(ids) > HASH_IN_THREAD_TOKENS:
@@ -185,7 +200,7 @@ class KVService:
         return spec.block_size, await self.lookup(model_id, hashes)
 
     async def get_block(self, block_hash: bytes) -> list[str]:
-        _check_hashes("block_hash", [block_hash])
+        _check_hash("block_hash", block_hash)
         return await self.index.holders(block_hash, now_ms())
 
     async def flush(self, worker_id: str) -> int:

@@ -39,13 +39,13 @@ class Completion:
                           "completion_tokens": self.usage.completion_tokens}}
 
 
-def make_request(prompt: str | Sequence[int], *, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop_token_ids: Sequence[int] = (),
-                 ignore_eos: bool = False, cache_salt: str = "", request_id: str = "") -> pb.GenerateRequest:
+def make_request(prompt: str | Sequence[int], *, max_tokens: int | None = None, temperature: float = 0.0,
+                 top_p: float | None = None, top_k: int = 0, seed: int | None = None,
+                 stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, cache_salt: str = "",
+                 request_id: str = "") -> pb.GenerateRequest:
+    """A GenerateRequest; ``None`` leaves a field unset (the server's default)."""
     sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                         stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
-    if seed is not None:
-        sampling.seed = seed
+                                         seed=seed, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
     req = pb.GenerateRequest(sampling=sampling, cache_salt=cache_salt, request_id=request_id)
     if isinstance(prompt, str):
         req.text = prompt

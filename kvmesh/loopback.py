@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
+
+_PR_SET_PDEATHSIG = 1
+# NOTE: libc is loaded here, in the parent: loading a library between fork and exec can deadlock.
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get ``sig`` when this process dies, SIGKILL included.
+
+    Linux's PR_SET_PDEATHSIG; None elsewhere. The signal follows the thread that starts the child,
+    so start children from a thread that lives as long as they should (the main thread).
+    """
+    if _LIBC is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl: nobody would signal us
+            os._exit(1)
+
+    return preexec
 
 
 def free_port() -> int:
@@ -31,6 +59,7 @@ class RedisServer:
              *extra_args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(),
         )
         self._wait_ready()
 

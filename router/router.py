@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
-from kvmesh.contract.types import SamplingParams, Usage
+from kvmesh.contract.types import DEFAULT_MAX_TOKENS, SamplingParams, Usage
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RoutePlan, RoutingCore
 from kvmesh.router.detokenize import IncrementalDetokenizer
@@ -167,13 +167,13 @@ class Router:
         self.metrics.decision_latency_s.observe(time.perf_counter() - t0)
         return plan, decision
 
-    def _check_limits(self, prompt_tokens: int, max_tokens: int) -> None:
+    def _check_limits(self, prompt_tokens: int, max_tokens: int | None) -> None:
         cfg = self.config
         if cfg.max_prompt_tokens and prompt_tokens > cfg.max_prompt_tokens:
             raise ResourceExhausted(f"the prompt has {prompt_tokens} tokens; this router accepts at most "
                                     f"{cfg.max_prompt_tokens} (--max-prompt-tokens)")
-        if cfg.max_tokens_limit and max_tokens > cfg.max_tokens_limit:
-            raise ResourceExhausted(f"max_tokens {max_tokens} is over this router's limit of "
+        if cfg.max_tokens_limit and (max_tokens or DEFAULT_MAX_TOKENS) > cfg.max_tokens_limit:
+            raise ResourceExhausted(f"max_tokens {max_tokens or DEFAULT_MAX_TOKENS} is over this router's limit of "
                                     f"{cfg.max_tokens_limit} (--max-tokens-limit)")
 
     def _no_worker_message(self) -> str:

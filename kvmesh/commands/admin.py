@@ -30,14 +30,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     b = cmds.add_parser("block", parents=[common], help="who holds one block")
     b.add_argument("block_hash", help="the block hash in hex (32 characters)")
     b.set_defaults(func=block)
-    lk = cmds.add_parser("lookup", parents=[common], help="which workers hold a prompt's prefix")
-    src = lk.add_mutually_exclusive_group(required=True)
+    prompt = argparse.ArgumentParser(add_help=False)
+    src = prompt.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")
     src.add_argument("--text", help="text, tokenized with --model's tokenizer")
-    lk.add_argument("--model", help="model directory (tokenizer and model id)")
-    lk.add_argument("--model-id", help="model id as the workers registered it (default: --model's directory name)")
-    lk.add_argument("--cache-salt", default="", help="tenant salt the prompt was sent with")
+    prompt.add_argument("--model", help="model directory (tokenizer and model id)")
+    prompt.add_argument("--model-id", help="model id as the workers registered it (default: --model's directory "
+                                           "name, else the one model the kv_service knows)")
+    prompt.add_argument("--cache-salt", default="", help="tenant salt the prompt was sent with")
+    lk = cmds.add_parser("lookup", parents=[common, prompt], help="which workers hold a prompt's prefix")
     lk.set_defaults(func=lookup)
+    h = cmds.add_parser("hash", parents=[common, prompt],
+                        help="a prompt's block hashes, as workers and routers compute them (for `admin block`)")
+    h.add_argument("--block-size", type=int, default=None,
+                   help="tokens per block (default: the model's, from the kv_service)")
+    h.add_argument("--hash-algorithm", default=None, choices=["sha256_128", "xxh3_128"],
+                   help="block hash (default: the model's, from the kv_service)")
+    h.set_defaults(func=hash_prompt)
     f = cmds.add_parser("flush", parents=[common], help="drop every block of one worker from the index")
     f.add_argument("worker_id")
     f.set_defaults(func=flush)
@@ -151,14 +160,30 @@ def _token_ids(args: argparse.Namespace) -> list[int]:
     return load_tokenizer(args.model).encode(args.text, add_special_tokens=True).ids
 
 
-def lookup(args: argparse.Namespace) -> int:
+def _models(args: argparse.Namespace) -> list[dict]:
+    from kvmesh.v1 import kv_service_pb2 as pb
+
+    return _as_dict(_stub(args).GetStats(pb.GetStatsRequest(), timeout=args.timeout))["models"]
+
+
+def _model_id(args: argparse.Namespace, models: list[dict] | None = None) -> str:
+    """--model-id, else --model's directory name, else the one model the kv_service knows."""
     from kvmesh.contract.modelinfo import model_id_for
+
+    if args.model or args.model_id:
+        return model_id_for(args.model or "", args.model_id)
+    models = _models(args) if models is None else models
+    if len(models) != 1:
+        known = ", ".join(m["model_id"] for m in models) or "none"
+        raise ValueError(f"the kv_service serves {len(models)} models ({known}): name one with --model-id or --model")
+    return models[0]["model_id"]
+
+
+def lookup(args: argparse.Namespace) -> int:
     from kvmesh.v1 import kv_service_pb2 as pb
 
     def go():
-        if not (args.model or args.model_id):
-            raise ValueError("lookup needs --model DIR or --model-id ID")
-        model_id = model_id_for(args.model or "", args.model_id)
+        model_id = _model_id(args)
         ids = _token_ids(args)
         r = _stub(args).LookupTokens(
             pb.LookupTokensRequest(model_id=model_id, token_ids=ids, cache_salt=args.cache_salt), timeout=args.timeout
@@ -168,8 +193,31 @@ def lookup(args: argparse.Namespace) -> int:
             w["matched_tokens"] = w["matched_blocks"] * r.block_size
         rows = [[w["worker_id"], w["address"], w["matched_blocks"], w["matched_tokens"], w["load"]["num_running"],
                  w["load"]["num_waiting"]] for w in data["workers"]]
+        if not r.block_size:
+            return data, f"no live worker serves model {model_id!r}"
         text = f"{len(ids)} tokens, {r.num_blocks_queried} full blocks of {r.block_size}\n"
         return data, text + _table(rows, ["worker", "address", "blocks", "tokens", "running", "waiting"])
+
+    return _call(args, go)
+
+
+def hash_prompt(args: argparse.Namespace) -> int:
+    from kvmesh.contract.block_hash import BlockHasher
+
+    def go():
+        models = None if args.block_size and args.hash_algorithm and (args.model or args.model_id) else _models(args)
+        model_id = _model_id(args, models)
+        spec = next((m for m in models or [] if m["model_id"] == model_id), {})
+        block_size = args.block_size or spec.get("block_size")
+        algorithm = args.hash_algorithm or spec.get("hash_algorithm")
+        if not (block_size and algorithm):
+            raise ValueError(f"no live worker serves model {model_id!r}: give --block-size and --hash-algorithm")
+        ids = _token_ids(args)
+        hashes = [h.hex() for h in BlockHasher(model_id, block_size, algorithm).hash_prompt(ids, args.cache_salt)]
+        data = {"model_id": model_id, "block_size": block_size, "hash_algorithm": algorithm, "num_tokens": len(ids),
+                "block_hashes": hashes}
+        head = f"{len(ids)} tokens, {len(hashes)} full blocks of {block_size} ({model_id}, {algorithm})\n"
+        return data, head + _table([[i, h] for i, h in enumerate(hashes)], ["block", "hash"])
 
     return _call(args, go)
 

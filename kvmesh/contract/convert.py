@@ -22,8 +22,6 @@ from kvmesh.contract.types import (
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as kv_pb
 
-DEFAULT_MAX_TOKENS = 16
-
 FINISH_TO_PB: dict[FinishReason, int] = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
@@ -36,11 +34,11 @@ PB_TO_ALGO: dict[int, str] = {v: k for k, v in ALGO_TO_PB.items()}
 
 
 def sampling_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
-    """Proto defaults: max_tokens 0 -> 16, top_p 0 -> 1.0. Raises ValueError on bad values."""
+    """Unset optional fields take their defaults; set values are checked. Raises ValueError naming the field."""
     params = SamplingParams(
-        max_tokens=m.max_tokens or DEFAULT_MAX_TOKENS,
+        max_tokens=m.max_tokens if m.HasField("max_tokens") else None,
         temperature=m.temperature,
-        top_p=m.top_p if m.top_p != 0.0 else 1.0,
+        top_p=m.top_p if m.HasField("top_p") else 1.0,
         top_k=m.top_k,
         seed=m.seed if m.HasField("seed") else None,
         stop_token_ids=list(m.stop_token_ids),
@@ -52,11 +50,9 @@ def sampling_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     m = common_pb2.SamplingParams(
-        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
         stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
     )
-    if p.seed is not None:
-        m.seed = p.seed
     return m
 
 
@@ -73,11 +69,16 @@ def load_to_pb(load: Load) -> common_pb2.WorkerLoad:
     return common_pb2.WorkerLoad(
         num_running=load.num_running, num_waiting=load.num_waiting, num_free_blocks=load.num_free_blocks,
         num_total_blocks=load.num_total_blocks, queued_prefill_tokens=load.queued_prefill_tokens,
+        busy_seconds=load.busy_s, steps_total=load.steps, prefill_tokens_total=load.prefill_tokens,
+        prefill_attention_pairs_total=load.prefill_pairs, decode_tokens_total=load.decode_tokens,
+        decode_context_tokens_total=load.decode_context_tokens, max_num_batched_tokens=load.max_num_batched_tokens,
     )
 
 
 def load_from_pb(m: common_pb2.WorkerLoad) -> Load:
-    return Load(m.num_running, m.num_waiting, m.num_free_blocks, m.num_total_blocks, m.queued_prefill_tokens)
+    return Load(m.num_running, m.num_waiting, m.num_free_blocks, m.num_total_blocks, m.queued_prefill_tokens,
+                m.busy_seconds, m.steps_total, m.prefill_tokens_total, m.prefill_attention_pairs_total,
+                m.decode_tokens_total, m.decode_context_tokens_total, m.max_num_batched_tokens)
 
 
 def algorithm_to_pb(name: str) -> int:
@@ -88,7 +89,8 @@ def algorithm_from_pb(value: int) -> str:
     """Raises InvalidArgument for an unset or unknown enum value."""
     name = PB_TO_ALGO.get(value)
     if name is None:
-        raise InvalidArgument("hash_algorithm is unset: use HASH_ALGORITHM_SHA256_128 or HASH_ALGORITHM_XXH3_128")
+        what = "unset" if value == kv_pb.HASH_ALGORITHM_UNSPECIFIED else f"{value}, which is not a known algorithm"
+        raise InvalidArgument(f"hash_algorithm is {what}: use HASH_ALGORITHM_SHA256_128 or HASH_ALGORITHM_XXH3_128")
     return name
 
 

@@ -6,8 +6,12 @@ protobuf messages and back.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
+
+DEFAULT_MAX_TOKENS = 16
+"""max_tokens of a request that sets none (fewer when the prompt leaves less room)."""
 
 FinishReason = Literal["stop", "length", "abort"]
 """Why a request ended: a stop condition, max_tokens / max_model_len, or cancelled."""
@@ -15,8 +19,9 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_tokens: int = 16
-    """Tokens to generate at most; >= 1."""
+    max_tokens: int | None = None
+    """Tokens to generate at most, >= 1; None = 16, or fewer when the prompt leaves less room in
+    max_model_len (a value set explicitly must fit: the engine refuses it otherwise)."""
     temperature: float = 0.0
     """0 = greedy; >= 0."""
     top_p: float = 1.0
@@ -32,12 +37,12 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises ValueError with a message a user can act on."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 (leave it unset for the default), got {self.max_tokens!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"top_p must be in (0, 1] (leave it unset for 1), got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
@@ -62,18 +67,42 @@ class Usage:
 
 @dataclass(slots=True, frozen=True)
 class Load:
-    """A worker's load as it reports it (heartbeat, GetLoad) and the router sees it."""
+    """A worker's load as it reports it (heartbeat, GetLoad) and the router sees it.
+
+    The first five fields are the worker's state now. The counters after them are cumulative since
+    the worker started: what its steps computed and how long they took. A router learns the
+    worker's step-time coefficients from their deltas between two reports (router/cost.py). A worker
+    that does not report them (an older one) leaves them 0.
+    """
 
     num_running: int = 0
     num_waiting: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     queued_prefill_tokens: int = 0
+    busy_s: float = 0.0
+    """Seconds spent running steps (modelled seconds on a simulated worker)."""
+    steps: int = 0
+    """Forward passes run."""
+    prefill_tokens: int = 0
+    """Prompt (and recomputed) tokens computed."""
+    prefill_pairs: int = 0
+    """Attention pairs of prefill: sum over chunks of new * (context before + (new + 1) / 2)."""
+    decode_tokens: int = 0
+    """Decode sequence-steps (one per sequence per forward pass)."""
+    decode_context_tokens: int = 0
+    """Context tokens read by those decodes."""
+    max_num_batched_tokens: int = 0
+    """The worker's token budget per step (0 = not reported)."""
 
     def encode(self) -> str:
+        # NOTE: comma-separated, in field order; decode() reads strings of older workers (the first
+        # five fields only) too.
         return (
             f"{self.num_running},{self.num_waiting},{self.num_free_blocks},"
-            f"{self.num_total_blocks},{self.queued_prefill_tokens}"
+            f"{self.num_total_blocks},{self.queued_prefill_tokens},{self.busy_s!r},{self.steps},"
+            f"{self.prefill_tokens},{self.prefill_pairs},{self.decode_tokens},{self.decode_context_tokens},"
+            f"{self.max_num_batched_tokens}"
         )
 
     @classmethod
@@ -82,7 +111,8 @@ class Load:
             return cls()
         if isinstance(raw, bytes):
             raw = raw.decode()
-        return cls(*(int(x) for x in raw.split(",")))
+        parts = raw.split(",")
+        return cls(*(float(x) if i == 5 else int(x) for i, x in enumerate(parts)))
 
 
 H100_8B_KV_BLOCKS = 27_648

@@ -271,6 +271,16 @@ async def test_concurrent_publishers_keep_exact_state(index):
     assert (st.indexed_blocks, st.block_replicas) == (4 * 20 + 5, 4 * 25)
 
 
+def test_load_encoding_round_trips_and_reads_the_older_five_field_form():
+    load = Load(2, 1, 90, 100, 300, busy_s=1.25, steps=7, prefill_tokens=512, prefill_pairs=10**12,
+                decode_tokens=40, decode_context_tokens=9000, max_num_batched_tokens=8192)
+    assert Load.decode(load.encode()) == load
+    assert Load.decode(b"2,1,90,100,300") == Load(2, 1, 90, 100, 300)
+    from kvmesh.contract.convert import load_from_pb, load_to_pb
+
+    assert load_from_pb(load_to_pb(load)) == load
+
+
 async def test_a_batch_in_parts_lets_a_lookup_in_between_and_a_stray_part_resyncs(redis_url, redis_namespace):
     idx = RedisIndex(redis_url, namespace=redis_namespace, max_blocks_per_call=4)
     try:

@@ -80,7 +80,7 @@ def test_client_cancel_frees_blocks(start_worker):
     ([1] * 600, {}, "max_model_len is 512"),
     ([5, 99999], {}, "outside the vocabulary"),
     ([], {}, "prompt is empty"),
-    ([5, 6], {"temperature": -1.0}, "temperature must be >= 0"),
+    ([5, 6], {"temperature": -1.0}, "temperature must be a finite number >= 0"),
     ([5, 6], {"top_p": 1.5}, "top_p must be in (0, 1]"),
     ([5, 6], {"top_k": -2}, "top_k must be an integer >= 0"),
 ])
