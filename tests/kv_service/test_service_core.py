@@ -42,8 +42,13 @@ def test_lookup_replies_from_cached_wire_bytes_equal_the_field_by_field_message(
     from kvmesh.v1 import kv_service_pb2 as pb
 
     replies = LookupReplies()
-    for round_ in range(3):  # the second and third rounds come from the cache
-        matches = [WorkerMatch(f"w{i}", f"10.0.0.{i}:50061", (i * 37 + round_) % 300, Load(i, round_, 90, 2**20, 2**40 + i), 16)
+    # Rounds 0 and 1: new loads (rebuilt); 2: equal loads in new objects; 3: the same objects;
+    # 4: a worker moved to another address.
+    loads: list[Load] = []
+    for round_ in range(5):
+        if round_ != 3:
+            loads = [Load(i, min(round_, 1), 90, 2**20, 2**40 + i) for i in range(40)]
+        matches = [WorkerMatch(f"w{i}", f"10.0.0.{i + (round_ == 4)}:50061", (i * 37 + round_) % 300, loads[i], 16)
                    for i in range(40)]
         want = pb.LookupResponse(
             workers=[pb.WorkerMatch(worker_id=m.worker_id, address=m.address, matched_blocks=m.matched_blocks,
