@@ -30,6 +30,7 @@ run: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(PY) scripts/lint_imports.py
 
 protos: setup
 	$(PY) -m kvmesh.protogen

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
+from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ensure_default_model
-from model_worker.config import ModelConfig
-from model_worker.llm import LLM
-from model_worker.sampling_params import SamplingParams
+from kvmesh.model_worker.config import ModelConfig
+from kvmesh.model_worker.llm import LLM
 
 
 def random_tokens(n: int, gen: torch.Generator, vocab: int) -> list[int]:

@@ -31,12 +31,12 @@ import argparse
 import random
 from dataclasses import dataclass
 
-from kv_service.block_hash import BlockHasher
-from model_worker.kv_cache_manager import KVCacheManager
-from model_worker.kv_cache_spec import KVCacheConfig
-from model_worker.request import Request
-from model_worker.sampling_params import SamplingParams
-from model_worker.scheduler import Scheduler, SchedulerConfig
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.types import SamplingParams
+from kvmesh.model_worker.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.kv_cache_spec import KVCacheConfig
+from kvmesh.model_worker.request import Request
+from kvmesh.model_worker.scheduler import Scheduler, SchedulerConfig
 
 BS = 16
 OUTPUT = 128

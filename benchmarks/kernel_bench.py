@@ -16,11 +16,8 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 
 @dataclass(frozen=True)
@@ -140,7 +137,7 @@ def main() -> int:
         print("kernel_bench: a CUDA GPU is needed for timings (none found); nothing measured.")
         return 0
 
-    from kernels.triton_attention import ragged_paged_attention_triton
+    from kvmesh.kernels.triton_attention import ragged_paged_attention_triton
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     scale = args.head_dim**-0.5

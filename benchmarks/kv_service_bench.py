@@ -19,29 +19,23 @@ import argparse
 import itertools
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kv_service.store_redis import RedisIndex  # noqa: E402
-from kvmesh.rpc import dial  # noqa: E402
-from kvmesh.testing import RedisServer, free_port  # noqa: E402
-from kvmesh.v1 import kv_service_pb2 as pb  # noqa: E402
-from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc  # noqa: E402
+from kvmesh.bench.processes import start_kv_service
+from kvmesh.bench.report import percentile
+from kvmesh.kv_service.store_redis import RedisIndex
+from kvmesh.loopback import RedisServer
+from kvmesh.transport.rpc import dial
+from kvmesh.v1 import kv_service_pb2 as pb
+from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 
 SYSTEM_PROMPT_BLOCKS = 16
 
 
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
 def timed(fn, n: int) -> list[float]:
@@ -53,20 +47,6 @@ def timed(fn, n: int) -> list[float]:
     return out
 
 
-def start_kv(args: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    exe = str(Path(sys.executable).parent / "kvmesh")
-    proc = subprocess.Popen([exe, "kv-service", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
-                             "--lease-ttl-ms", "3600000", "--log-level", "warning", *args])
-    address = f"127.0.0.1:{port}"
-    health = health_pb2_grpc.HealthStub(dial(address))
-    for _ in range(200):
-        try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                return proc, address
-        except grpc.RpcError:
-            time.sleep(0.05)
-    raise RuntimeError("kv-service did not become healthy")
 
 
 def populate(stub, workers: int, blocks: int, chain: int, batch: int, threads: int) -> tuple[float, dict]:
@@ -113,7 +93,7 @@ def populate(stub, workers: int, blocks: int, chain: int, batch: int, threads: i
 
 
 def bench_store(name: str, kv_args: list[str], a, redis_url: str | None) -> dict:
-    proc, address = start_kv(kv_args)
+    proc, address = start_kv_service(*kv_args)
     try:
         channel = dial(address)
         stub = pb_grpc.KVServiceStub(channel)
@@ -181,18 +161,18 @@ def main() -> int:
         print(f"\n[{r['store']}] indexed blocks {r['indexed_blocks']:,} (replicas {r['block_replicas']:,})")
         print(f"  ingest: {r['ingest_blocks_per_s']:,.0f} blocks/s  (goal >= 200,000/s)")
         line = "  {:<34} p50 {:8.1f} us   p99 {:8.1f} us"
-        print(line.format("grpc health Check", statistics.median(r["grpc_health"]), pct(r["grpc_health"], 99)))
+        print(line.format("grpc health Check", statistics.median(r["grpc_health"]), percentile(r["grpc_health"], 99)))
         for w in ("unique", "shared"):
             rows = [(f"grpc Lookup [{w}]", r[f"grpc_lookup_{w}"])]
             if f"redis_rtt_{w}" in r:
                 rows += [(f"redis PING rtt [{w}]", r[f"redis_rtt_{w}"]),
                          (f"store lookup, 1 EVALSHA [{w}]", r[f"store_lookup_{w}"])]
             for label, xs in rows:
-                print(line.format(label, statistics.median(xs), pct(xs, 99)))
+                print(line.format(label, statistics.median(xs), percentile(xs, 99)))
             if f"redis_rtt_{w}" in r:
-                ratio = pct(r[f"store_lookup_{w}"], 99) / pct(r[f"redis_rtt_{w}"], 99)
+                ratio = percentile(r[f"store_lookup_{w}"], 99) / percentile(r[f"redis_rtt_{w}"], 99)
                 print(f"  [{w}] lookup_p99 / redis_rtt_p99 = {ratio:.2f}  (goal <= 1.5)")
-            g = pct(r[f"grpc_lookup_{w}"], 99) / pct(r["grpc_health"], 99)
+            g = percentile(r[f"grpc_lookup_{w}"], 99) / percentile(r["grpc_health"], 99)
             print(f"  [{w}] grpc_lookup_p99 / grpc_health_p99 = {g:.2f}  (service cost over a bare gRPC hop)")
     return 0
 

@@ -25,17 +25,15 @@ from pathlib import Path
 
 import torch
 
+from kvmesh.bench.report import percentile
+from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ModelSpec, ensure_default_model, make_model
-from model_worker.llm_engine import LLMEngine
-from model_worker.sampling_params import SamplingParams
-from model_worker.scheduler import RequestOutput
+from kvmesh.model_worker.llm_engine import LLMEngine
+from kvmesh.model_worker.scheduler import RequestOutput
 
 MICRO = ModelSpec(layers=1, hidden_size=32, heads=2, kv_heads=1, intermediate_size=64, seed=5)
 
 
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 def run_once(model: str, n: int, args: argparse.Namespace) -> dict[str, float]:
@@ -75,8 +73,8 @@ def run_once(model: str, n: int, args: argparse.Namespace) -> dict[str, float]:
     ttft = [times[f"r{i}"][0] - t0 for i in range(args.num_requests)]
     itl = [b - a for i in range(args.num_requests) for a, b in zip(times[f"r{i}"], times[f"r{i}"][1:], strict=False)]
     return {"tok_s": total / elapsed, "req_s": args.num_requests / elapsed,
-            "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
-            "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99),
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+            "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99),
             "probe_ttft": times["probe"][0] - added["probe"]}
 
 

@@ -14,52 +14,29 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import grpc  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-
-from kvmesh.make_model import CORPUS, train_tokenizer  # noqa: E402
-from kvmesh.rpc import dial  # noqa: E402
-from kvmesh.testing import RedisServer, free_port  # noqa: E402
-from kvmesh.v1 import kv_service_pb2 as pb  # noqa: E402
-from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc  # noqa: E402
-from model_worker.sampling_params import SamplingParams  # noqa: E402
-from router.config import RouterConfig  # noqa: E402
-from router.router import GenerateInput  # noqa: E402
-from router.server import RouterServer  # noqa: E402
+from kvmesh.bench.processes import start_kv_service
+from kvmesh.bench.report import percentile
+from kvmesh.contract.types import SamplingParams
+from kvmesh.loopback import RedisServer
+from kvmesh.make_model import CORPUS, train_tokenizer
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.router import GenerateInput
+from kvmesh.router.server import RouterServer
+from kvmesh.transport.rpc import dial
+from kvmesh.v1 import kv_service_pb2 as pb
+from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 
 GOAL_P99_MS = 2.0
 ALGOS = {"sha256_128": pb.HASH_ALGORITHM_SHA256_128, "xxh3_128": pb.HASH_ALGORITHM_XXH3_128}
 
 
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-def start_kv(redis_url: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    exe = str(Path(sys.executable).parent / "kvmesh")
-    proc = subprocess.Popen([exe, "kv-service", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
-                             "--redis-url", redis_url, "--namespace", "bench", "--lease-ttl-ms", "3600000",
-                             "--log-level", "warning"])
-    address = f"127.0.0.1:{port}"
-    health = health_pb2_grpc.HealthStub(dial(address))
-    for _ in range(200):
-        try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                return proc, address
-        except grpc.RpcError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("kv-service did not become healthy")
 
 
 def prompts_of(tok, n_tokens: int, count: int) -> list[str]:
@@ -99,7 +76,7 @@ def bench(router, router_server, spec, label: str, n_tokens: int, inputs: list[G
         t4 = time.perf_counter()
         for name, a, b in (("tokenize", t0, t1), ("hash", t1, t2), ("lookup", t2, t3), ("pick", t3, t4)):
             stages[name].append((b - a) * 1e3)
-    p99 = pct(total, 99)
+    p99 = percentile(total, 99)
     print(f"{label:>6} {n_tokens:>6} {len(plan.query.block_hashes):>6} {statistics.median(total):>8.3f} {p99:>8.3f} | "
           f"{'':>13} " + " ".join(f"{statistics.median(stages[s]):>{w}.3f}"
                                     for s, w in (("tokenize", 8), ("hash", 6), ("lookup", 6), ("pick", 6))))
@@ -120,7 +97,7 @@ def main() -> int:
     tok.save(str(tmp / "tokenizer.json"))
 
     with RedisServer() as redis:
-        kv_proc, kv_address = start_kv(redis.url)
+        kv_proc, kv_address = start_kv_service("--redis-url", redis.url, "--namespace", "bench")
         stub = pb_grpc.KVServiceStub(dial(kv_address))
         for w in range(args.workers):
             stub.RegisterWorker(pb.RegisterWorkerRequest(

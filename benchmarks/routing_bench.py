@@ -15,11 +15,10 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvmesh.bench.routing import DEFAULT_POLICIES, RoutingBenchConfig, format_table, run_routing_bench
+from kvmesh.make_model import ensure_default_model
 
-from kvmesh.bench.routing import DEFAULT_POLICIES, RoutingBenchConfig, format_table, run_routing_bench  # noqa: E402
-from kvmesh.make_model import ensure_default_model  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def goals(result: dict, policy: str = "kv-aware", baseline: str = "round-robin") -> list[tuple[str, float, str, bool]]:

@@ -27,17 +27,17 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvmesh.bench import serve
+from kvmesh.bench.datasets import TokenRange
+from kvmesh.bench.report import summarize
+from kvmesh.bench.routing import RoutingBenchConfig, free_port_base
+from kvmesh.bench.scrape import histogram_quantile, label_counts, scrape
+from kvmesh.bench.trace import TraceSynthesizer, load_trace
+from kvmesh.loopback import RedisServer
+from kvmesh.make_model import ensure_default_model
+from kvmesh.stack import kvmesh_cmd, wait_serving
 
-from kvmesh.bench import serve  # noqa: E402
-from kvmesh.bench.datasets import TokenRange  # noqa: E402
-from kvmesh.bench.report import summarize  # noqa: E402
-from kvmesh.bench.routing import RoutingBenchConfig, free_port_base, histogram_quantile, label_counts, scrape  # noqa: E402
-from kvmesh.bench.trace import TraceSynthesizer, load_trace  # noqa: E402
-from kvmesh.make_model import ensure_default_model  # noqa: E402
-from kvmesh.stack import kvmesh_cmd, wait_serving  # noqa: E402
-from kvmesh.testing import RedisServer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 BENCH = RoutingBenchConfig(trace="", model="")
 """The engine settings of `kvmesh bench routing`, which the hosted workers share."""
@@ -47,9 +47,9 @@ def host_workers(args: argparse.Namespace) -> int:
     """Child mode: ``--count`` simulated workers in this process until SIGTERM."""
     import threading
 
-    from model_worker.llm_engine import LLMEngine
-    from model_worker.server import WorkerServer
-    from model_worker.sim_runner import DEFAULT_SIM_MAX_MODEL_LEN, CostModel, SimRunner
+    from kvmesh.model_worker.llm_engine import LLMEngine
+    from kvmesh.model_worker.server import WorkerServer
+    from kvmesh.model_worker.sim_runner import DEFAULT_SIM_MAX_MODEL_LEN, CostModel, SimRunner
 
     servers = []
     kvs = args.kv.split(",")
@@ -192,7 +192,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.host_workers:
         return host_workers(args)
-    from model_worker.config import ModelConfig
+    from kvmesh.model_worker.config import ModelConfig
 
     model = str(ensure_default_model())
     synth = TraceSynthesizer(0, TokenRange.for_vocab(ModelConfig.from_dir(model).vocab_size))

@@ -36,29 +36,20 @@ from pathlib import Path
 import grpc
 import redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kvmesh.client import Client  # noqa: E402
-from kvmesh.make_model import ensure_default_model  # noqa: E402
-from kvmesh.rpc import dial  # noqa: E402
-from kvmesh.stack import LocalStack, StackConfig  # noqa: E402
-from kvmesh.testing import free_port  # noqa: E402
-from kvmesh.v1 import kv_service_pb2 as kpb  # noqa: E402
-from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc  # noqa: E402
-from kvmesh.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from kvmesh.bench.processes import rss_kib
+from kvmesh.client import Client
+from kvmesh.loopback import free_port
+from kvmesh.make_model import ensure_default_model
+from kvmesh.stack import LocalStack, StackConfig
+from kvmesh.transport.rpc import dial
+from kvmesh.v1 import kv_service_pb2 as kpb
+from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
+from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 NAMESPACE = "kvmesh"  # the kv_service default, which LocalStack uses
 PREFIX = f"kvm:{{{NAMESPACE}}}:"
 
 
-def rss_kib(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 class Load:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import attention_backend
-from kernels.reference import ragged_paged_attention_ref, write_kv_cache_ref
-from kernels.torch_attention import ragged_paged_attention_torch
+from kvmesh.kernels.dispatch import attention_backend
+from kvmesh.kernels.reference import ragged_paged_attention_ref, write_kv_cache_ref
+from kvmesh.kernels.torch_attention import ragged_paged_attention_torch
 
 
 def ragged_paged_attention(
@@ -28,7 +28,7 @@ def ragged_paged_attention(
 ) -> torch.Tensor:
     """Attention of packed queries ``[T, Hq, D]`` over a paged KV cache; see kernels/reference.py."""
     if attention_backend(q.device) == "triton":
-        from kernels.triton_attention import ragged_paged_attention_triton
+        from kvmesh.kernels.triton_attention import ragged_paged_attention_triton
 
         return ragged_paged_attention_triton(
             q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, scale, sliding_window, softcap
@@ -47,7 +47,7 @@ def write_kv_cache(
 ) -> None:
     """Writes ``key``/``value`` ``[T, Hkv, D]`` into the caches at flat slots; negative slots skip."""
     if attention_backend(key.device) == "triton":
-        from kernels.triton_kv_write import write_kv_cache_triton
+        from kvmesh.kernels.triton_kv_write import write_kv_cache_triton
 
         write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
         return

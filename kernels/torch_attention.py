@@ -27,7 +27,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import ragged_paged_attention_ref
+from kvmesh.kernels.reference import ragged_paged_attention_ref
 
 
 def _einsum_decode(

@@ -19,33 +19,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvmesh.contract.types import KVCacheEvent, Load, ModelSpec
+
 
 class Action(enum.IntEnum):
     ACK = 1
     RESYNC = 2
-
-
-@dataclass(slots=True, frozen=True)
-class Load:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    queued_prefill_tokens: int = 0
-
-    def encode(self) -> str:
-        return (
-            f"{self.num_running},{self.num_waiting},{self.num_free_blocks},"
-            f"{self.num_total_blocks},{self.queued_prefill_tokens}"
-        )
-
-    @classmethod
-    def decode(cls, raw: str | bytes | None) -> Load:
-        if not raw:
-            return cls()
-        if isinstance(raw, bytes):
-            raw = raw.decode()
-        return cls(*(int(x) for x in raw.split(",")))
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,27 +36,6 @@ class Registration:
     hash_algorithm: str
     num_blocks: int
     epoch: int
-
-
-@dataclass(slots=True, frozen=True)
-class Stored:
-    """Newly cached full blocks in chain order; ``parent`` is None at the chain root."""
-
-    block_hashes: list[bytes]
-    parent: bytes | None = None
-
-
-@dataclass(slots=True, frozen=True)
-class Removed:
-    block_hashes: list[bytes]
-
-
-@dataclass(slots=True, frozen=True)
-class AllCleared:
-    pass
-
-
-Event = Stored | Removed | AllCleared
 
 
 @dataclass(slots=True, frozen=True)
@@ -108,13 +66,6 @@ class WorkerInfo:
         return self.lease_expiry_ms > now_ms
 
 
-@dataclass(slots=True, frozen=True)
-class ModelSpec:
-    model_id: str
-    block_size: int
-    hash_algorithm: str
-
-
 @dataclass(slots=True)
 class IndexStats:
     live_workers: int
@@ -124,7 +75,7 @@ class IndexStats:
 
 
 class BlockIndex(abc.ABC):
-    """Where the index lives. Raises kvmesh.errors types; never returns partial updates."""
+    """Where the index lives. Raises kvmesh.contract.errors types; never returns partial updates."""
 
     name: str
 
@@ -143,7 +94,7 @@ class BlockIndex(abc.ABC):
 
     @abc.abstractmethod
     def publish(
-        self, worker_id: str, epoch: int, seq: int, events: list[Event], now_ms: int
+        self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent], now_ms: int
     ) -> PublishResult:
         """Applies one batch if ``seq`` is the next one of the live epoch, else asks for a resync.
 

@@ -6,49 +6,26 @@ import logging
 import threading
 from collections.abc import Iterator
 
-from kv_service.block_hash import SHA256_128, XXH3_128
-from kv_service.index import AllCleared, BlockIndex, Event, Load, Registration, Removed, Stored, WorkerMatch
-from kv_service.service import KVService, ServiceConfig, now_ms
-from kvmesh.errors import InvalidArgument, ResourceExhausted
-from kvmesh.rpc import GrpcServer
-from kvmesh.v1 import common_pb2
+from kvmesh.contract.convert import (
+    algorithm_from_pb,
+    algorithm_to_pb,
+    events_from_pb,
+    load_from_pb,
+    load_to_pb,
+)
+from kvmesh.contract.errors import InvalidArgument, ResourceExhausted
+from kvmesh.kv_service.index import BlockIndex, Registration, WorkerMatch
+from kvmesh.kv_service.service import KVService, ServiceConfig, now_ms
+from kvmesh.transport.rpc import GrpcServer
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvmesh.kv_service")
 
-ALGO_TO_PB = {SHA256_128: pb.HASH_ALGORITHM_SHA256_128, XXH3_128: pb.HASH_ALGORITHM_XXH3_128}
-PB_TO_ALGO = {v: k for k, v in ALGO_TO_PB.items()}
 DEFAULT_MAX_PUBLISHERS = 256
 """Workers that may hold a PublishEvents stream on one replica at once."""
 UNARY_THREADS = 32
 """Server threads beyond the publisher bound: Lookup, Heartbeat, RegisterWorker and admin calls."""
-
-
-def load_from_pb(m: common_pb2.WorkerLoad) -> Load:
-    return Load(m.num_running, m.num_waiting, m.num_free_blocks, m.num_total_blocks, m.queued_prefill_tokens)
-
-
-def load_to_pb(load: Load) -> common_pb2.WorkerLoad:
-    return common_pb2.WorkerLoad(
-        num_running=load.num_running, num_waiting=load.num_waiting, num_free_blocks=load.num_free_blocks,
-        num_total_blocks=load.num_total_blocks, queued_prefill_tokens=load.queued_prefill_tokens,
-    )
-
-
-def events_from_pb(events) -> list[Event]:
-    out: list[Event] = []
-    for i, ev in enumerate(events):
-        kind = ev.WhichOneof("event")
-        if kind == "stored":
-            out.append(Stored(list(ev.stored.block_hashes), ev.stored.parent_hash or None))
-        elif kind == "removed":
-            out.append(Removed(list(ev.removed.block_hashes)))
-        elif kind == "all_cleared":
-            out.append(AllCleared())
-        else:
-            raise InvalidArgument(f"events[{i}] sets no event: use stored, removed or all_cleared")
-    return out
 
 
 def lookup_response(matches: list[WorkerMatch], block_size: int, n: int) -> pb.LookupResponse:
@@ -70,9 +47,7 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         self._publishers = threading.BoundedSemaphore(max_publishers)
 
     def RegisterWorker(self, request, context):
-        algo = PB_TO_ALGO.get(request.hash_algorithm)
-        if algo is None:
-            raise InvalidArgument("hash_algorithm is unset: use HASH_ALGORITHM_SHA256_128 or HASH_ALGORITHM_XXH3_128")
+        algo = algorithm_from_pb(request.hash_algorithm)
         reg = Registration(request.worker_id, request.address, request.model_id, request.block_size, algo,
                            request.num_blocks, request.epoch)
         ttl = self.svc.register(reg)
@@ -114,7 +89,7 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
 
     def LookupTokens(self, request, context):
         bs, matches = self.svc.lookup_tokens(request.model_id, request.token_ids, request.cache_salt)
-        return lookup_response(matches, bs, len(request.token_ids) // bs)
+        return lookup_response(matches, bs, len(request.token_ids) // bs if bs else 0)
 
     def GetStats(self, request, context):
         st = self.svc.index.stats(now_ms())
@@ -123,7 +98,7 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
             store=self.svc.index.name,
             models=[
                 pb.ModelStats(model_id=spec.model_id, block_size=spec.block_size,
-                              hash_algorithm=ALGO_TO_PB[spec.hash_algorithm], live_workers=n)
+                              hash_algorithm=algorithm_to_pb(spec.hash_algorithm), live_workers=n)
                 for spec, n in st.models
             ],
             lookups_total=self.svc.lookups_total, events_applied_total=self.svc.events_applied_total,
@@ -137,7 +112,7 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
             r = info.registration
             out.append(pb.WorkerInfo(
                 worker_id=r.worker_id, address=r.address, model_id=r.model_id, block_size=r.block_size,
-                hash_algorithm=ALGO_TO_PB[r.hash_algorithm], num_blocks=r.num_blocks, epoch=r.epoch,
+                hash_algorithm=algorithm_to_pb(r.hash_algorithm), num_blocks=r.num_blocks, epoch=r.epoch,
                 last_seq=info.last_seq, blocks_indexed=info.blocks_indexed, load=load_to_pb(info.load),
                 lease_remaining_ms=info.lease_expiry_ms - now, live=info.live(now),
             ))

@@ -11,23 +11,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kv_service import metrics
-from kv_service.block_hash import ALGORITHMS, HASH_LEN, BlockHasher
-from kv_service.index import (
-    Action,
-    AllCleared,
-    BlockIndex,
-    Event,
-    Load,
-    PublishResult,
-    Registration,
-    Removed,
-    Stored,
-    WorkerMatch,
-)
-from kvmesh.errors import InvalidArgument, NotFound
+from kvmesh.contract.block_hash import ALGORITHMS, HASH_LEN, BlockHasher
+from kvmesh.contract.errors import InvalidArgument
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load
+from kvmesh.kv_service import metrics
+from kvmesh.kv_service.index import Action, BlockIndex, PublishResult, Registration, WorkerMatch
 
 MAX_CHAIN_BLOCKS = 65_536
+MAX_TOKEN_ID = 2**31
 MAX_EPOCH = 2**53 - 1  # exact in a Lua double
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
 
@@ -62,6 +53,11 @@ def _check_hashes(what: str, hashes: Sequence[bytes], *, allow_empty: bool = Tru
                 f"{what}[{i}] is {len(h)} bytes; block hashes are {HASH_LEN} bytes (docs/block-hashing.md)"
             )
     return list(hashes)
+
+
+def _check_hash(what: str, h: bytes) -> None:
+    if len(h) != HASH_LEN:
+        raise InvalidArgument(f"{what} is {len(h)} bytes; block hashes are {HASH_LEN} bytes (docs/block-hashing.md)")
 
 
 def _check_counter(what: str, value: int) -> None:
@@ -104,16 +100,16 @@ class KVService:
         return self.config.lease_ttl_ms
 
     # -- events --------------------------------------------------------------------------
-    def publish(self, worker_id: str, epoch: int, seq: int, events: list[Event]) -> PublishResult:
+    def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent]) -> PublishResult:
         _check_id("worker_id", worker_id)
         _check_counter("epoch", epoch)
         _check_counter("seq", seq)
         for i, ev in enumerate(events):
-            if isinstance(ev, Stored):
+            if isinstance(ev, BlockStored):
                 _check_hashes(f"events[{i}].stored.block_hashes", ev.block_hashes)
-                if ev.parent is not None:
-                    _check_hashes(f"events[{i}].stored.parent_hash", [ev.parent])
-            elif isinstance(ev, Removed):
+                if ev.parent_block_hash is not None:
+                    _check_hash(f"events[{i}].stored.parent_hash", ev.parent_block_hash)
+            elif isinstance(ev, BlockRemoved):
                 _check_hashes(f"events[{i}].removed.block_hashes", ev.block_hashes)
         result = self.index.publish(worker_id, epoch, seq, events, now_ms())
         self._count(result, events)
@@ -128,15 +124,15 @@ class KVService:
         metrics.EVENTS_APPLIED.labels("snapshot").inc(len(hashes))
         return result
 
-    def _count(self, result: PublishResult, events: list[Event]) -> None:
+    def _count(self, result: PublishResult, events: list[KVCacheEvent]) -> None:
         if result.action == Action.RESYNC:
             metrics.RESYNCS.inc()
             with self._lock:
                 self.resyncs_total += 1
             return
         for ev in events:
-            kind = "stored" if isinstance(ev, Stored) else "removed" if isinstance(ev, Removed) else "all_cleared"
-            n = 1 if isinstance(ev, AllCleared) else len(ev.block_hashes)
+            kind = "stored" if isinstance(ev, BlockStored) else "removed" if isinstance(ev, BlockRemoved) else "all_cleared"
+            n = 1 if isinstance(ev, AllBlocksCleared) else len(ev.block_hashes)
             metrics.EVENTS_APPLIED.labels(kind).inc(n)
         with self._lock:
             self.events_applied_total += len(events)
@@ -156,10 +152,19 @@ class KVService:
         return sorted(found, key=lambda m: (-m.matched_blocks, m.worker_id))
 
     def lookup_tokens(self, model_id: str, token_ids: Sequence[int], cache_salt: str = "") -> tuple[int, list[WorkerMatch]]:
-        """Hashes ``token_ids`` with the model's registered spec; returns (block_size, matches)."""
+        """Hashes ``token_ids`` with the model's registered spec; returns (block_size, matches).
+
+        A model no live worker serves answers (0, []), as ``lookup`` answers [] for it.
+        """
+        if not model_id:
+            raise InvalidArgument("model_id is empty: name the model the tokens are for")
+        bad = next((i for i, t in enumerate(token_ids) if t >= MAX_TOKEN_ID), None)
+        if bad is not None:
+            raise InvalidArgument(f"token_ids[{bad}] is {token_ids[bad]}; token ids are < 2**31 "
+                                  "(hashed as int32, docs/block-hashing.md)")
         spec = self.index.model_spec(model_id)
         if spec is None:
-            raise NotFound(f"no worker is registered for model {model_id!r}")
+            return 0, []
         hasher = BlockHasher(model_id, spec.block_size, spec.hash_algorithm)
         hashes = hasher.hash_prompt(list(token_ids), cache_salt)
         if not hashes:
@@ -169,7 +174,7 @@ class KVService:
         return spec.block_size, self.lookup(model_id, hashes)
 
     def get_block(self, block_hash: bytes) -> list[str]:
-        _check_hashes("block_hash", [block_hash])
+        _check_hash("block_hash", block_hash)
         return self.index.holders(block_hash, now_ms())
 
     def flush(self, worker_id: str) -> int:

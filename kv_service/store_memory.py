@@ -7,22 +7,17 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kv_service.index import (
+from kvmesh.contract.errors import FailedPrecondition, NotFound
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load, ModelSpec
+from kvmesh.kv_service.index import (
     Action,
-    AllCleared,
     BlockIndex,
-    Event,
     IndexStats,
-    Load,
-    ModelSpec,
     PublishResult,
     Registration,
-    Removed,
-    Stored,
     WorkerInfo,
     WorkerMatch,
 )
-from kvmesh.errors import FailedPrecondition, NotFound
 
 
 @dataclass(slots=True)
@@ -139,20 +134,20 @@ class MemoryIndex(BlockIndex):
             w.load = load
             w.lease_expiry_ms = now_ms + lease_ttl_ms
 
-    def publish(self, worker_id: str, epoch: int, seq: int, events: list[Event], now_ms: int) -> PublishResult:
+    def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent], now_ms: int) -> PublishResult:
         with self._lock:
             w = self._live(worker_id, now_ms)
             resync = self._check_order(w, epoch, seq)
             if resync is not None:
                 return resync
             for ev in events:
-                if isinstance(ev, Stored):
+                if isinstance(ev, BlockStored):
                     for h in ev.block_hashes:
                         self._add(w, h)
-                elif isinstance(ev, Removed):
+                elif isinstance(ev, BlockRemoved):
                     for h in ev.block_hashes:
                         self._drop(w, h)
-                elif isinstance(ev, AllCleared):
+                elif isinstance(ev, AllBlocksCleared):
                     self._clear(w)
             self._cap(w)
             w.last_seq = seq

@@ -26,22 +26,17 @@ from typing import Any
 
 import redis
 
-from kv_service.index import (
+from kvmesh.contract.errors import FailedPrecondition, NotFound, Unavailable
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load, ModelSpec
+from kvmesh.kv_service.index import (
     Action,
-    AllCleared,
     BlockIndex,
-    Event,
     IndexStats,
-    Load,
-    ModelSpec,
     PublishResult,
     Registration,
-    Removed,
-    Stored,
     WorkerInfo,
     WorkerMatch,
 )
-from kvmesh.errors import FailedPrecondition, NotFound, Unavailable
 
 _LUA_DIR = Path(__file__).parent / "lua"
 
@@ -141,14 +136,14 @@ class RedisIndex(BlockIndex):
             raise FailedPrecondition(f"{what} {epoch} of worker {worker_id!r}: the live epoch is {_s(res[1])}")
         raise FailedPrecondition(f"seq regression for worker {worker_id!r}: got {seq}, last applied {_s(res[1])}")
 
-    def publish(self, worker_id: str, epoch: int, seq: int, events: list[Event], now_ms: int) -> PublishResult:
+    def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent], now_ms: int) -> PublishResult:
         payload: list = []
         for ev in events:
-            if isinstance(ev, Stored):
+            if isinstance(ev, BlockStored):
                 payload += ["S", len(ev.block_hashes), *ev.block_hashes]
-            elif isinstance(ev, Removed):
+            elif isinstance(ev, BlockRemoved):
                 payload += ["R", len(ev.block_hashes), *ev.block_hashes]
-            elif isinstance(ev, AllCleared):
+            elif isinstance(ev, AllBlocksCleared):
                 payload.append("C")
         return self._publish(worker_id, epoch, seq, now_ms, False, payload)
 

@@ -16,18 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.convert import PB_TO_FINISH
-from kvmesh.rpc import dial
+from kvmesh.contract.convert import PB_TO_FINISH, usage_from_pb
+from kvmesh.contract.types import Usage
+from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -45,13 +39,13 @@ class Completion:
                           "completion_tokens": self.usage.completion_tokens}}
 
 
-def make_request(prompt: str | Sequence[int], *, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop_token_ids: Sequence[int] = (),
-                 ignore_eos: bool = False, cache_salt: str = "", request_id: str = "") -> pb.GenerateRequest:
+def make_request(prompt: str | Sequence[int], *, max_tokens: int | None = None, temperature: float = 0.0,
+                 top_p: float | None = None, top_k: int = 0, seed: int | None = None,
+                 stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, cache_salt: str = "",
+                 request_id: str = "") -> pb.GenerateRequest:
+    """A GenerateRequest; ``None`` leaves a field unset (the server's default)."""
     sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                         stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
-    if seed is not None:
-        sampling.seed = seed
+                                         seed=seed, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
     req = pb.GenerateRequest(sampling=sampling, cache_salt=cache_salt, request_id=request_id)
     if isinstance(prompt, str):
         req.text = prompt
@@ -84,7 +78,7 @@ class Client:
             if msg.finish_reason:
                 out.finish_reason = PB_TO_FINISH.get(msg.finish_reason)
                 out.served_by = msg.served_by
-                out.usage = Usage(msg.usage.prompt_tokens, msg.usage.cached_tokens, msg.usage.completion_tokens)
+                out.usage = usage_from_pb(msg.usage)
         return out
 
     def close(self) -> None:

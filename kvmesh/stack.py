@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.rpc import dial
-from kvmesh.testing import RedisServer
+from kvmesh.loopback import RedisServer, die_with_parent
+from kvmesh.transport.rpc import dial
 
 
 @dataclass(slots=True)
@@ -89,8 +89,10 @@ class LocalStack:
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - owned by the child for its lifetime
+        # NOTE: its own session keeps Ctrl-C to the launcher (which stops the children in order);
+        # die_with_parent ends the children when the launcher is killed, SIGKILL included.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.cfg.env},
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=die_with_parent())
         self.procs.append((name, proc))
         return proc
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from model_worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 if TYPE_CHECKING:
-    from model_worker.request import Request
+    from kvmesh.model_worker.request import Request
 
 
 class KVCacheBlock:

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from kv_service.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128, algorithm_name
+from kvmesh.contract.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128, algorithm_name
+from kvmesh.contract.settings import flag
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _DTYPES = {
@@ -150,18 +151,20 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     """Tokens per KV block (also the prefix-hash block)."""
     num_blocks: int | None = None
-    """KV blocks incl. the null block; None = derived from memory_fraction."""
+    """KV blocks in the pool, incl. the null block; none = derived from --memory-fraction."""
     memory_fraction: float | None = None
-    """CUDA: share of total GPU memory for weights + KV (default 0.9). CPU: share of available RAM
-    for the KV cache (default 0.05)."""
+    """CUDA: share of total GPU memory for weights + KV (none = 0.9). CPU: share of available RAM
+    for the KV cache (none = 0.05)."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step (prefill chunks + decodes)."""
     max_num_seqs: int = 128
     """Running requests at most."""
     max_model_len: int | None = None
-    """Prompt + output tokens at most; None = the model's max_position_embeddings."""
-    enable_prefix_caching: bool = True
+    """Prompt + output tokens at most; none = the model's max_position_embeddings."""
+    enable_prefix_caching: bool = flag(True, name="no-prefix-caching")
+    """Reuse cached KV blocks of earlier prompts (vLLM's automatic prefix caching)."""
     hash_algorithm: str = SHA256_128
+    """Block hash; must match the other workers of the model (docs/block-hashing.md)."""
     dtype: str = "auto"
     """auto = float32 on CPU, the checkpoint's half dtype (or bfloat16) on CUDA."""
     device: str = "auto"
@@ -169,7 +172,7 @@ class EngineConfig:
     seed: int = 0
     """Seeds the generator of sampled requests that have no seed of their own."""
     model_id: str | None = None
-    """Identity for block hashing; None = the directory's name (kvmesh.modelinfo.model_id_for)."""
+    """Model identity in block hashes and the index; none = the model directory's name (docs/block-hashing.md)."""
     num_scheduler_steps: int = 1
     """Decode steps per scheduler call when the batch is all decodes (multi-step decode); 1 = off."""
 
@@ -203,3 +206,35 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """The worker process around the engine: where it listens, whom it reports to, its limits."""
+
+    host: str = "0.0.0.0"
+    """Listen address."""
+    port: int = 50061
+    """gRPC port; 0 picks a free one (tests)."""
+    advertise_address: str | None = flag(None, metavar="HOST:PORT")
+    """The address routers dial; none = $POD_IP or this host's name, with --port."""
+    kv_service: str | None = flag("127.0.0.1:50052", metavar="HOST:PORT")
+    """The kv_service to register with and publish block events to; none = run alone."""
+    worker_id: str | None = None
+    """This worker's id in the index and in served_by; none = the host name."""
+    max_queued_requests: int = 1024
+    """Requests in flight before RESOURCE_EXHAUSTED."""
+    stream_interval: int = 1
+    """Tokens per stream message after the first, as vLLM's --stream-interval: larger values cut host
+    overhead per token; the first token still goes out at once."""
+    torch_threads: int = 0
+    """torch intra-op threads; 0 = torch's default."""
+
+    def check(self) -> None:
+        """Raises ValueError with the flag to fix."""
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")
+        if self.torch_threads < 0:
+            raise ValueError(f"--torch-threads must be >= 0, got {self.torch_threads}")

@@ -17,10 +17,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from model_worker.kv_events import KVCacheEvent
-from model_worker.llm_engine import LLMEngine
-from model_worker.sampling_params import SamplingParams
-from model_worker.scheduler import RequestOutput
+from kvmesh.contract.types import KVCacheEvent, SamplingParams
+from kvmesh.model_worker.llm_engine import LLMEngine
+from kvmesh.model_worker.scheduler import RequestOutput
 
 log = logging.getLogger("kvmesh.worker.engine")
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from model_worker.block_pool import BlockPool, KVCacheBlock
-from model_worker.kv_cache_spec import FullAttentionSpec, KVCacheConfig
-from model_worker.request import Request
-from model_worker.single_type_managers import SingleTypeKVCacheManager, make_manager
+from kvmesh.model_worker.block_pool import BlockPool, KVCacheBlock
+from kvmesh.model_worker.kv_cache_spec import FullAttentionSpec, KVCacheConfig
+from kvmesh.model_worker.request import Request
+from kvmesh.model_worker.single_type_managers import SingleTypeKVCacheManager, make_manager
 
 
 class KVCacheCoordinator:

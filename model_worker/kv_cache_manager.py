@@ -11,11 +11,11 @@ of entries to a hit (sliding-window groups the null block where they need no KV)
 
 from __future__ import annotations
 
-from model_worker.block_pool import BlockPool, KVCacheBlock
-from model_worker.kv_cache_coordinator import KVCacheCoordinator
-from model_worker.kv_cache_spec import KVCacheConfig, cdiv
-from model_worker.kv_events import AllBlocksCleared, KVCacheEvent
-from model_worker.request import Request
+from kvmesh.contract.types import AllBlocksCleared, KVCacheEvent
+from kvmesh.model_worker.block_pool import BlockPool, KVCacheBlock
+from kvmesh.model_worker.kv_cache_coordinator import KVCacheCoordinator
+from kvmesh.model_worker.kv_cache_spec import KVCacheConfig, cdiv
+from kvmesh.model_worker.request import Request
 
 __all__ = ["KVCacheManager", "cdiv"]
 

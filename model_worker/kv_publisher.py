@@ -23,13 +23,12 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from kv_service.server import ALGO_TO_PB
-from kvmesh.rpc import dial
-from kvmesh.v1 import common_pb2
+from kvmesh.contract.convert import algorithm_to_pb, event_to_pb, load_to_pb
+from kvmesh.contract.types import KVCacheEvent
+from kvmesh.model_worker.llm_engine import EngineStats
+from kvmesh.transport.rpc import dial
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
-from model_worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from model_worker.llm_engine import EngineStats
 
 log = logging.getLogger("kvmesh.worker.publisher")
 
@@ -37,22 +36,6 @@ MAX_QUEUED_BATCHES = 1024
 BATCH_INTERVAL_S = 0.02
 _NOTHING = object()
 RPC_TIMEOUT_S = 5.0
-
-
-def event_to_pb(ev: KVCacheEvent) -> pb.KVEvent:
-    if isinstance(ev, BlockStored):
-        return pb.KVEvent(stored=pb.BlockStored(block_hashes=ev.block_hashes, parent_hash=ev.parent_block_hash or b"",
-                                                group_id=ev.group_id))
-    if isinstance(ev, BlockRemoved):
-        return pb.KVEvent(removed=pb.BlockRemoved(block_hashes=ev.block_hashes, group_id=ev.group_id))
-    assert isinstance(ev, AllBlocksCleared)
-    return pb.KVEvent(all_cleared=pb.AllBlocksCleared())
-
-
-def load_to_pb(s: EngineStats) -> common_pb2.WorkerLoad:
-    return common_pb2.WorkerLoad(num_running=s.num_running, num_waiting=s.num_waiting,
-                                 num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
-                                 queued_prefill_tokens=s.queued_prefill_tokens)
 
 
 class KVPublisher:
@@ -240,7 +223,7 @@ class KVPublisher:
                 continue
             try:
                 resp = self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self._reg.worker_id, epoch=self.epoch,
-                                                                load=load_to_pb(self._stats())), timeout=RPC_TIMEOUT_S)
+                                                                load=load_to_pb(self._stats().load)), timeout=RPC_TIMEOUT_S)
                 self.lease_ttl_s = resp.lease_ttl_ms / 1000
             except grpc.RpcError as err:
                 if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
@@ -256,4 +239,4 @@ class KVPublisher:
 def registration(worker_id: str, address: str, model_id: str, block_size: int, hash_algorithm: str,
                  num_blocks: int) -> pb.RegisterWorkerRequest:
     return pb.RegisterWorkerRequest(worker_id=worker_id, address=address, model_id=model_id, block_size=block_size,
-                                    hash_algorithm=ALGO_TO_PB[hash_algorithm], num_blocks=num_blocks)
+                                    hash_algorithm=algorithm_to_pb(hash_algorithm), num_blocks=num_blocks)

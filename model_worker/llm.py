@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from model_worker.llm_engine import LLMEngine
-from model_worker.sampling_params import SamplingParams
+from kvmesh.contract.types import SamplingParams
+from kvmesh.model_worker.llm_engine import LLMEngine
 
 
 @dataclass(slots=True)

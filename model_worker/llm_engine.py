@@ -11,16 +11,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kv_service.block_hash import BlockHasher
-from kvmesh.modelinfo import model_id_for
-from model_worker.config import EngineConfig, ModelConfig
-from model_worker.kv_cache_manager import KVCacheManager
-from model_worker.kv_cache_spec import KVCacheConfig
-from model_worker.kv_events import KVCacheEvent
-from model_worker.model_runner import ModelRunner
-from model_worker.request import Request
-from model_worker.sampling_params import SamplingParams
-from model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.modelinfo import model_id_for
+from kvmesh.contract.types import DEFAULT_MAX_TOKENS, KVCacheEvent, Load, SamplingParams
+from kvmesh.model_worker.config import EngineConfig, ModelConfig
+from kvmesh.model_worker.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.kv_cache_spec import KVCacheConfig
+from kvmesh.model_worker.model_runner import ModelRunner
+from kvmesh.model_worker.request import Request
+from kvmesh.model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig
 
 
 @dataclass(slots=True)
@@ -36,6 +35,11 @@ class EngineStats:
     """Prompt tokens looked up in the prefix cache so far."""
     prefix_cache_hits: int
     """Of those, tokens found cached."""
+
+    @property
+    def load(self) -> Load:
+        return Load(self.num_running, self.num_waiting, self.num_free_blocks, self.num_total_blocks,
+                    self.queued_prefill_tokens)
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:
@@ -126,6 +130,13 @@ class LLMEngine:
         params = copy.deepcopy(sampling_params) if sampling_params is not None else SamplingParams()
         params.validate()
         self.check_prompt(prompt_token_ids)
+        room = self.config.max_model_len - len(prompt_token_ids)
+        if params.max_tokens is None:
+            params.max_tokens = min(DEFAULT_MAX_TOKENS, room)
+        elif params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens is {params.max_tokens}, but the prompt's {len(prompt_token_ids)} tokens leave room for "
+                f"{room} of max_model_len {self.config.max_model_len}; ask for at most {room}")
         extra_eos = self.eos_token_ids[1:]
         if extra_eos and not params.ignore_eos:
             params = replace(params, stop_token_ids=[*params.stop_token_ids, *extra_eos])

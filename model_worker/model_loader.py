@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from model_worker.config import ModelConfig
-from model_worker.models import model_class
+from kvmesh.model_worker.config import ModelConfig
+from kvmesh.model_worker.models import model_class
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:

@@ -11,13 +11,13 @@ from collections.abc import Callable
 
 import torch
 
-from model_worker.config import EngineConfig, ModelConfig
-from model_worker.kv_cache_spec import KVCacheConfig
-from model_worker.model_loader import load_model
-from model_worker.models.attention import AttentionMetadata
-from model_worker.request import Request
-from model_worker.sampler import Sampler
-from model_worker.scheduler import SchedulerOutput
+from kvmesh.model_worker.config import EngineConfig, ModelConfig
+from kvmesh.model_worker.kv_cache_spec import KVCacheConfig
+from kvmesh.model_worker.model_loader import load_model
+from kvmesh.model_worker.models.attention import AttentionMetadata
+from kvmesh.model_worker.request import Request
+from kvmesh.model_worker.sampler import Sampler
+from kvmesh.model_worker.scheduler import SchedulerOutput
 
 WindowStepCallback = Callable[[dict[str, int]], list[str]]
 """Called after each inner step of a window with request id -> its token; returns the ids still running."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 import time
 
-from kv_service.block_hash import BlockHasher
-from model_worker.sampling_params import SamplingParams
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.types import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

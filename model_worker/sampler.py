@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from model_worker.sampling_params import SamplingParams
+from kvmesh.contract.types import SamplingParams
 
 
 class Sampler:

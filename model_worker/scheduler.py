@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from model_worker.kv_cache_manager import KVCacheManager
-from model_worker.request import Request, RequestStatus
+from kvmesh.model_worker.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

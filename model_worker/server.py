@@ -5,16 +5,16 @@ from __future__ import annotations
 import logging
 import uuid
 
-from kvmesh.convert import FINISH_TO_PB, sampling_from_pb
-from kvmesh.errors import ResourceExhausted, Unavailable
-from kvmesh.rpc import GrpcServer
-from kvmesh.v1 import common_pb2
+from kvmesh.contract.convert import FINISH_TO_PB, load_to_pb, sampling_from_pb, usage_to_pb
+from kvmesh.contract.errors import ResourceExhausted, Unavailable
+from kvmesh.contract.types import Usage
+from kvmesh.model_worker import metrics
+from kvmesh.model_worker.engine_loop import EngineLoop, TokenEvent, _Stream
+from kvmesh.model_worker.kv_publisher import KVPublisher, registration
+from kvmesh.model_worker.llm_engine import LLMEngine
+from kvmesh.transport.rpc import GrpcServer
 from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc
-from model_worker import metrics
-from model_worker.engine_loop import EngineLoop, TokenEvent, _Stream
-from model_worker.kv_publisher import KVPublisher, load_to_pb, registration
-from model_worker.llm_engine import LLMEngine
 
 log = logging.getLogger("kvmesh.worker")
 
@@ -48,15 +48,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 raise Unavailable(f"worker {w.worker_id}: {ev.error}")
             yield pb.WorkerGenerateResponse(
                 finish_reason=FINISH_TO_PB[ev.finish_reason or "stop"], worker_id=w.worker_id,
-                usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens, cached_tokens=ev.cached_tokens,
-                                       completion_tokens=ev.completion_tokens))
+                usage=usage_to_pb(Usage(ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)))
 
     def Abort(self, request, context):
         return pb.AbortResponse(aborted=self.w.loop.abort(request.request_id))
 
     def GetLoad(self, request, context):
         w = self.w
-        return pb.GetLoadResponse(worker_id=w.worker_id, load=load_to_pb(w.engine.stats()), model_id=w.engine.model_id,
+        return pb.GetLoadResponse(worker_id=w.worker_id, load=load_to_pb(w.engine.stats().load), model_id=w.engine.model_id,
                                   block_size=w.engine.config.block_size,
                                   max_model_len=w.engine.config.max_model_len or 0)
 

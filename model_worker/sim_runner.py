@@ -26,14 +26,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from model_worker.config import EngineConfig, ModelConfig
-from model_worker.request import Request
-from model_worker.scheduler import SchedulerOutput
+from kvmesh.contract.types import H100_8B_KV_BLOCKS
+from kvmesh.model_worker.config import EngineConfig, ModelConfig
+from kvmesh.model_worker.request import Request
+from kvmesh.model_worker.scheduler import SchedulerOutput
 
-DEFAULT_SIM_NUM_BLOCKS = 27_648
-"""KV blocks of 16 tokens of an H100-80GB serving Llama-3-8B in bf16: 128 KiB of KV per token
-(2 x 32 layers x 8 KV heads x 128 x 2 B), 0.9 x 80 GB minus 16 GB weights and ~3 GB activations
-= ~54 GiB = 442,368 tokens."""
+DEFAULT_SIM_NUM_BLOCKS = H100_8B_KV_BLOCKS
 
 _ABSORB_S = 0.005
 

@@ -12,9 +12,9 @@ from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Sequence
 
-from model_worker.block_pool import BlockPool, KVCacheBlock
-from model_worker.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
-from model_worker.request import Request
+from kvmesh.model_worker.block_pool import BlockPool, KVCacheBlock
+from kvmesh.model_worker.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
+from kvmesh.model_worker.request import Request
 
 
 class SingleTypeKVCacheManager(ABC):

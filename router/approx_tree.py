@@ -24,7 +24,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.policy import POLICIES, Candidate, Decision, PolicyConfig, RouteQuery, RouterPolicy
+from kvmesh.contract.types import H100_8B_KV_BLOCKS
+from kvmesh.router.policy import POLICIES, Candidate, Decision, PolicyConfig, RouteQuery, RouterPolicy
 
 
 @dataclass(slots=True)
@@ -35,7 +36,7 @@ class ApproxTreeConfig:
     """Imbalance: the busiest worker has this many more in-flight requests than the least busy ..."""
     balance_rel: float = 1.5
     """... and more than this times as many."""
-    default_capacity_blocks: int = 27_648
+    default_capacity_blocks: int = H100_8B_KV_BLOCKS
     """A worker's tree size when its load does not report its block count."""
 
 

@@ -2,52 +2,61 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kv_service.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128
+from kvmesh.contract.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128
+from kvmesh.contract.settings import flag
 
 
 @dataclass(slots=True)
 class RouterConfig:
     host: str = "0.0.0.0"
+    """Listen address."""
     port: int = 50051
     """Public gRPC port; 0 picks a free one (tests)."""
-    kv_service: str | None = "127.0.0.1:50052"
-    """host:port of the kv_service; None = no index (static workers, rendezvous routing)."""
-    model_dir: str | None = None
-    """Checkpoint dir whose tokenizer.json tokenizes text prompts; None = token ids only."""
+    kv_service: str | None = flag("127.0.0.1:50052", metavar="HOST:PORT")
+    """The kv_service to look prefixes up in and discover workers from; none = no index (needs --workers)."""
+    model_dir: str | None = flag(None, name="model", metavar="DIR")
+    """Model dir whose tokenizer.json tokenizes text prompts; without it: token ids only."""
     model_id: str | None = None
-    """Model identity in block hashes; default: from model_dir, else the one model kv_service knows."""
-    workers: list[str] = field(default_factory=list)
-    """Static worker addresses (host:port); empty = discover them from kv_service."""
+    """Model identity in block hashes; default: from --model, else the one model kv_service knows."""
+    workers: list[str] = flag(default_factory=list, metavar="HOST:PORT,...")
+    """Static worker addresses instead of discovery from kv_service."""
     policy: str = "kv-aware"
+    """Routing policy (docs/router.md)."""
     block_size: int = DEFAULT_BLOCK_SIZE
-    """Used when neither kv_service nor the workers say (they always do when reachable)."""
+    """Tokens per block when no worker reports it yet (they always do when reachable)."""
     hash_algorithm: str = SHA256_128
-    """Used when kv_service does not say (static workers do not report it)."""
+    """Block hash when kv_service does not report it (static workers do not)."""
     lookup_timeout_ms: float = 50.0
-    """Deadline of one Lookup; past it the request routes by rendezvous hash."""
-    index_retry_s: float = 1.0
-    """After a failed Lookup, skip the index this long (no 50 ms wait per request while it is down)."""
-    request_timeout_s: float = 600.0
-    """Deadline of a forwarded Generate (the client's deadline wins when shorter)."""
-    first_token_timeout_s: float = 60.0
-    """A worker that sends no token for this long is abandoned and the request retried elsewhere
-    (0 = off)."""
+    """Deadline of one kv_service Lookup; past it the request routes by rendezvous hash."""
+    index_retry_s: float = flag(1.0, name="index-retry")
+    """Seconds to skip the index after a failed Lookup (no Lookup deadline per request while it is down)."""
+    request_timeout_s: float = flag(600.0, name="request-timeout")
+    """Deadline in seconds of a forwarded Generate (the client's deadline wins when shorter)."""
+    first_token_timeout_s: float = flag(60.0, name="first-token-timeout")
+    """Seconds without a token after which a worker is abandoned and the request retried elsewhere; 0 = off."""
     max_attempts: int = 3
     """Workers tried before the first token (1 = no retry)."""
-    decode_cost_tokens: int = 32
+    decode_cost_tokens: int = flag(32, name="decode-cost")
+    """Tokens of work charged per running or queued request."""
     overlap_weight: float = 1.0
+    """kv-aware: weight of uncached prompt tokens against queued tokens; above 1 favours cache hits over balance."""
     balance_factor: float = 2.0
+    """Hot-spot guard: a worker queued over this x the mean (and over the least loaded by --balance-min-tokens)
+    gets no prefix-affine traffic."""
     balance_min_tokens: int = 2048
+    """Hot-spot guard's absolute margin in tokens."""
     fallback_prefix_blocks: int = 4
-    speculative_ttl_s: float = 2.0
-    discovery_interval_s: float = 1.0
-    """ListWorkers / GetLoad poll period."""
-    unhealthy_s: float = 5.0
-    """A worker that failed a call is skipped this long (unless every worker is)."""
-    rpc_timeout_s: float = 2.0
-    """Deadline of discovery calls (ListWorkers, GetLoad)."""
+    """Without the index: leading blocks whose rendezvous hash picks the worker."""
+    speculative_ttl_s: float = flag(2.0, name="speculative-ttl")
+    """Seconds a routed prompt's blocks count as held by its worker before the index says so; 0 = off."""
+    discovery_interval_s: float = flag(1.0, name="discovery-interval")
+    """Seconds between ListWorkers / GetLoad polls."""
+    unhealthy_s: float = flag(5.0, name="unhealthy-time")
+    """Seconds a worker that failed a call is skipped (unless every worker is)."""
+    rpc_timeout_s: float = flag(2.0, name="rpc-timeout")
+    """Deadline in seconds of discovery calls (ListWorkers, GetLoad)."""
     max_streams: int = 256
     """Concurrent RPCs; more are refused with RESOURCE_EXHAUSTED."""
     max_prompt_tokens: int = 0

@@ -14,27 +14,25 @@ from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
-from kv_service.block_hash import algorithm_name
-from kv_service.server import PB_TO_ALGO, load_from_pb
-from kvmesh.convert import PB_TO_FINISH, sampling_to_pb
-from kvmesh.errors import Unavailable
-from kvmesh.rpc import dial
-from kvmesh.v1 import kv_service_pb2 as kv_pb
-from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc
-from kvmesh.v1 import worker_pb2 as w_pb
-from kvmesh.v1 import worker_pb2_grpc as w_grpc
-from router.config import RouterConfig
-from router.upstream import (
+from kvmesh.contract.block_hash import algorithm_name
+from kvmesh.contract.convert import PB_TO_ALGO, PB_TO_FINISH, load_from_pb, sampling_to_pb, usage_from_pb
+from kvmesh.contract.errors import Unavailable
+from kvmesh.contract.types import ModelSpec
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.upstream import (
     Failure,
     IndexMatch,
     IndexUnavailable,
-    ModelSpec,
-    Usage,
     WorkerChunk,
     WorkerEndpoint,
     WorkerError,
     WorkerRequest,
 )
+from kvmesh.transport.rpc import dial
+from kvmesh.v1 import kv_service_pb2 as kv_pb
+from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc
+from kvmesh.v1 import worker_pb2 as w_pb
+from kvmesh.v1 import worker_pb2_grpc as w_grpc
 
 log = logging.getLogger("kvmesh.router.discovery")
 
@@ -103,8 +101,7 @@ class GrpcWorkerCall:
                 yield WorkerChunk(
                     list(m.token_ids),
                     PB_TO_FINISH.get(m.finish_reason) if m.finish_reason else None,
-                    Usage(m.usage.prompt_tokens, m.usage.cached_tokens, m.usage.completion_tokens)
-                    if m.HasField("usage") else None,
+                    usage_from_pb(m.usage) if m.HasField("usage") else None,
                     m.worker_id,
                 )
         except grpc.RpcError as exc:

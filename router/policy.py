@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kv_service.index import Load
+from kvmesh.contract.types import Load
 
 
 @dataclass(slots=True)
@@ -240,4 +240,4 @@ def make_policy(name: str, config: PolicyConfig | None = None) -> RouterPolicy:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
     return cls(config)
 
-import router.approx_tree  # noqa: E402,F401 - registers "approx-tree" (it subclasses RouterPolicy)
+import kvmesh.router.approx_tree  # noqa: E402,F401 - registers "approx-tree" (it subclasses RouterPolicy)

@@ -3,7 +3,7 @@
 The gRPC adapter (router/server.py) turns a GenerateRequest into a :class:`GenerateInput`, calls
 :meth:`Router.generate` and turns each :class:`GenerateOutput` into a GenerateResponse. Workers and
 the index are reached through router/upstream.py's protocols, so this module imports neither
-grpc nor redis; errors are kvmesh.errors, mapped to status codes by kvmesh/rpc.py.
+grpc nor redis; errors are kvmesh.contract.errors, mapped to status codes by kvmesh/rpc.py.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from dataclasses import dataclass, replace
 
 from tokenizers import Tokenizer
 
-from kv_service.block_hash import BlockHasher
-from kvmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
-from model_worker.sampling_params import SamplingParams
-from router import metrics
-from router.config import RouterConfig
-from router.detokenize import IncrementalDetokenizer
-from router.inflight import InFlight
-from router.policy import (
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvmesh.contract.types import DEFAULT_MAX_TOKENS, ModelSpec, SamplingParams, Usage
+from kvmesh.router import metrics
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.detokenize import IncrementalDetokenizer
+from kvmesh.router.inflight import InFlight
+from kvmesh.router.policy import (
     Candidate,
     Decision,
     PolicyConfig,
@@ -33,14 +33,12 @@ from router.policy import (
     make_policy,
     uncached_tokens,
 )
-from router.speculative import SpeculativeIndex
-from router.upstream import (
+from kvmesh.router.speculative import SpeculativeIndex
+from kvmesh.router.upstream import (
     RETRIABLE,
     Failure,
     IndexUnavailable,
-    ModelSpec,
     PrefixIndex,
-    Usage,
     WorkerEndpoint,
     WorkerError,
     WorkerPool,
@@ -223,13 +221,13 @@ class Router:
         metrics.DECISION_LATENCY.observe(time.perf_counter() - t0)
         return plan, decision
 
-    def _check_limits(self, prompt_tokens: int, max_tokens: int) -> None:
+    def _check_limits(self, prompt_tokens: int, max_tokens: int | None) -> None:
         cfg = self.config
         if cfg.max_prompt_tokens and prompt_tokens > cfg.max_prompt_tokens:
             raise ResourceExhausted(f"the prompt has {prompt_tokens} tokens; this router accepts at most "
                                     f"{cfg.max_prompt_tokens} (--max-prompt-tokens)")
-        if cfg.max_tokens_limit and max_tokens > cfg.max_tokens_limit:
-            raise ResourceExhausted(f"max_tokens {max_tokens} is over this router's limit of "
+        if cfg.max_tokens_limit and (max_tokens or DEFAULT_MAX_TOKENS) > cfg.max_tokens_limit:
+            raise ResourceExhausted(f"max_tokens {max_tokens or DEFAULT_MAX_TOKENS} is over this router's limit of "
                                     f"{cfg.max_tokens_limit} (--max-tokens-limit)")
 
     def _no_worker_message(self) -> str:

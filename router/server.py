@@ -7,16 +7,15 @@ from collections.abc import Iterator
 
 import grpc
 
-from kvmesh.convert import FINISH_TO_PB, sampling_from_pb
-from kvmesh.modelinfo import load_tokenizer, model_id_for
-from kvmesh.rpc import GrpcServer
-from kvmesh.v1 import common_pb2
+from kvmesh.contract.convert import FINISH_TO_PB, sampling_from_pb, usage_to_pb
+from kvmesh.contract.modelinfo import load_tokenizer, model_id_for
+from kvmesh.router import metrics
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.discovery import GrpcWorkerPool, KVServiceClient
+from kvmesh.router.router import CancelScope, GenerateInput, Router
+from kvmesh.transport.rpc import GrpcServer
 from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
-from router import metrics
-from router.config import RouterConfig
-from router.discovery import GrpcWorkerPool, KVServiceClient
-from router.router import CancelScope, GenerateInput, Router
 
 log = logging.getLogger("kvmesh.router")
 
@@ -50,9 +49,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                     msg.finish_reason = FINISH_TO_PB[out.finish_reason]
                     msg.served_by = out.served_by
                     if out.usage is not None:
-                        msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=out.usage.prompt_tokens,
-                                                            cached_tokens=out.usage.cached_tokens,
-                                                            completion_tokens=out.usage.completion_tokens))
+                        msg.usage.CopyFrom(usage_to_pb(out.usage))
                     outcome = "ok"
                 yield msg
             if scope.cancelled and outcome != "ok":

@@ -14,8 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kv_service.index import Load, ModelSpec
-from model_worker.sampling_params import SamplingParams
+from kvmesh.contract.types import Load, ModelSpec, SamplingParams, Usage
 
 
 @dataclass(slots=True)
@@ -35,13 +34,6 @@ class IndexMatch:
     address: str
     matched_blocks: int
     load: Load
-
-
-@dataclass(slots=True, frozen=True)
-class Usage:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -121,7 +113,7 @@ class WorkerPool(Protocol):
     def endpoints(self) -> list[WorkerEndpoint]: ...
 
     def model_spec(self) -> ModelSpec:
-        """Raises kvmesh.errors.Unavailable when the spec is not known yet."""
+        """Raises kvmesh.contract.errors.Unavailable when the spec is not known yet."""
         ...
 
     def healthy(self, worker_id: str) -> bool: ...

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from kvmesh.testing import RedisServer
+from kvmesh.loopback import RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -45,8 +45,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def test_outputs_in_input_order_and_token_exact(model_dir: Path, tmp_path: Path) -> None:
-    from model_worker.llm import LLM
-    from model_worker.sampling_params import SamplingParams
+    from kvmesh.contract.types import SamplingParams
+    from kvmesh.model_worker.llm import LLM
 
     shared = list(range(100, 148))  # 3 full blocks shared by rows 0 and 2
     rows = [
@@ -97,7 +97,7 @@ def test_a_bad_line_fails_fast_naming_its_line(model_dir: Path, tmp_path: Path) 
     src.write_text('{"prompt_token_ids": [1, 2]}\n\n{"prompt_token_ids": [1, 2], "max_tokens": 0}\n')
     done = kvmesh("offline", "--model", str(model_dir), "--input", str(src), "--output", str(dst))
     assert done.returncode == 2
-    assert f"{src}:3: max_tokens must be an integer >= 1, got 0" in done.stderr
+    assert f"{src}:3: max_tokens must be an integer >= 1 (leave it unset for the default), got 0" in done.stderr
     assert not dst.exists()
 
 

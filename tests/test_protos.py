@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import filecmp
+import subprocess
+import sys
+from pathlib import Path
 
 from kvmesh import protogen
 
@@ -25,3 +28,27 @@ def test_enums_follow_buf_style():
             zero = enum.values_by_number[0].name
             assert zero.endswith("_UNSPECIFIED"), zero
     assert common_pb2.DESCRIPTOR.package == "kvmesh.v1"
+
+
+def test_other_languages_generate_stubs_without_flags(tmp_path):
+    """Every .proto names its Go, Java and C# packages, so `protoc --java_out` etc. need no options."""
+    import grpc_tools
+
+    from kvmesh.v1 import common_pb2, kv_service_pb2, router_pb2, worker_pb2
+
+    for module in (common_pb2, kv_service_pb2, router_pb2, worker_pb2):
+        opts = module.DESCRIPTOR.GetOptions()
+        assert opts.go_package == "github.com/kvmesh/kvmesh/gen/go/kvmesh/v1;kvmeshv1", module.__name__
+        assert (opts.java_package, opts.java_multiple_files, opts.csharp_namespace) == (
+            "dev.kvmesh.v1", True, "Kvmesh.V1"), module.__name__
+    include = Path(grpc_tools.__file__).parent / "_proto"
+    java, csharp = tmp_path / "java", tmp_path / "csharp"
+    java.mkdir()
+    csharp.mkdir()
+    # NOTE: grpcio-tools' protoc has the Python generators only; this is the full protoc (dev extra).
+    protoc = Path(sys.executable).with_name("protoc")
+    subprocess.run([str(protoc), f"-I{protogen.PROTO_DIR}", f"-I{include}", f"--java_out={java}",
+                    f"--csharp_out={csharp}", *[str(p.relative_to(protogen.PROTO_DIR)) for p in protogen.proto_files()]],
+                   check=True, capture_output=True)
+    assert (java / "dev" / "kvmesh" / "v1" / "GenerateRequest.java").is_file()
+    assert "namespace Kvmesh.V1" in (csharp / "Router.cs").read_text()

@@ -8,11 +8,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kv_service.server import KVServiceServer
-from kv_service.store_memory import MemoryIndex
-from kvmesh import security
-from kvmesh.rpc import dial
-from kvmesh.testing import free_port
+from kvmesh.kv_service.server import KVServiceServer
+from kvmesh.kv_service.store_memory import MemoryIndex
+from kvmesh.loopback import free_port
+from kvmesh.transport import security
+from kvmesh.transport.rpc import dial
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 
@@ -111,9 +111,9 @@ def test_tls_and_mutual_tls(configured, pki):
 
 
 def test_redis_password_is_required_and_used():
-    from kv_service.store_redis import RedisIndex
-    from kvmesh.errors import Unavailable
-    from kvmesh.testing import RedisServer
+    from kvmesh.contract.errors import Unavailable
+    from kvmesh.kv_service.store_redis import RedisIndex
+    from kvmesh.loopback import RedisServer
 
     with RedisServer(password="pw-789") as redis:
         assert RedisIndex(redis.url).ping()

@@ -34,6 +34,11 @@ class RequestRecord:
 PERCENTILES = (50, 90, 99)
 
 
+def percentile(values: Sequence[float], p: float) -> float:
+    """The ``p``-th percentile (0-100) with numpy's linear interpolation; nan when empty."""
+    return float(np.percentile(values, p)) if len(values) else float("nan")
+
+
 def _stats(values: Sequence[float], scale: float = 1000.0) -> dict[str, float]:
     """mean / median / p90 / p99 (numpy's linear interpolation), times ``scale``; zeros when empty."""
     if not values:

@@ -13,7 +13,6 @@ import random
 import socket
 import threading
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +20,7 @@ from kvmesh.bench import serve
 from kvmesh.bench.datasets import BenchRequest, TokenRange
 from kvmesh.bench.oracle import oracle_hit_rate
 from kvmesh.bench.report import summarize
+from kvmesh.bench.scrape import gauge, histogram_quantile, label_counts, scrape
 from kvmesh.bench.trace import TraceSynthesizer, load_trace
 
 DEFAULT_POLICIES = ("kv-aware", "round-robin", "least-loaded", "prefix-hash", "approx-tree")
@@ -82,48 +82,6 @@ def free_port_base(n: int, lo: int = 20000, hi: int = 60000) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError(f"no {n} consecutive free ports found")
-
-
-def scrape(port: int, timeout: float = 5.0) -> str:
-    """A /metrics page on localhost."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
-        return r.read().decode()
-
-
-def gauge(text: str, name: str) -> float:
-    """One unlabelled gauge of a /metrics page (0.0 when absent)."""
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
-
-
-def label_counts(text: str, name: str, label: str) -> dict[str, int]:
-    """A labelled counter of a /metrics page as {label value: count} (empty when absent)."""
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{") and f'{label}="' in line:
-            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
-            out[value] = out.get(value, 0) + int(float(line.rsplit(" ", 1)[1]))
-    return out
-
-
-def histogram_quantile(texts: Sequence[str], name: str, q: float) -> float:
-    """The upper bound of the bucket holding quantile ``q`` over the histograms in ``texts``
-    (inf when it lies past the last finite bucket, 0.0 when nothing was observed)."""
-    buckets: dict[float, float] = {}
-    for text in texts:
-        for line in text.splitlines():
-            if line.startswith(f"{name}_bucket"):
-                le = line.split('le="')[1].split('"')[0]
-                buckets[float(le)] = buckets.get(float(le), 0.0) + float(line.split()[-1])
-    total = buckets.get(float("inf"), 0.0)
-    if not total:
-        return 0.0
-    for le in sorted(buckets):
-        if buckets[le] >= q * total:
-            return le
-    return float("inf")
 
 
 def redis_script_stats(url: str | None, duration_s: float) -> dict:
@@ -242,8 +200,8 @@ def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchReq
 
 def run_routing_bench(cfg: RoutingBenchConfig) -> dict:
     """Every policy on the same requests, plus the oracle hit rate; the `--json` document."""
-    from model_worker.config import ModelConfig
-    from model_worker.sim_runner import DEFAULT_SIM_NUM_BLOCKS
+    from kvmesh.model_worker.config import ModelConfig
+    from kvmesh.model_worker.sim_runner import DEFAULT_SIM_NUM_BLOCKS
 
     records = load_trace(cfg.trace, cfg.max_requests)
     vocab = ModelConfig.from_dir(cfg.model).vocab_size

@@ -11,7 +11,6 @@ import grpc
 from kvmesh.commands.common import add_security_args, apply_security
 
 DEFAULT_KV = "127.0.0.1:50052"
-ALGO_NAMES = {1: "sha256_128", 2: "xxh3_128"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,21 +30,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     b = cmds.add_parser("block", parents=[common], help="who holds one block")
     b.add_argument("block_hash", help="the block hash in hex (32 characters)")
     b.set_defaults(func=block)
-    lk = cmds.add_parser("lookup", parents=[common], help="which workers hold a prompt's prefix")
-    src = lk.add_mutually_exclusive_group(required=True)
+    prompt = argparse.ArgumentParser(add_help=False)
+    src = prompt.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")
     src.add_argument("--text", help="text, tokenized with --model's tokenizer")
-    lk.add_argument("--model", help="model directory (tokenizer and model id)")
-    lk.add_argument("--model-id", help="model id as the workers registered it (default: --model's directory name)")
-    lk.add_argument("--cache-salt", default="", help="tenant salt the prompt was sent with")
+    prompt.add_argument("--model", help="model directory (tokenizer and model id)")
+    prompt.add_argument("--model-id", help="model id as the workers registered it (default: --model's directory "
+                                           "name, else the one model the kv_service knows)")
+    prompt.add_argument("--cache-salt", default="", help="tenant salt the prompt was sent with")
+    lk = cmds.add_parser("lookup", parents=[common, prompt], help="which workers hold a prompt's prefix")
     lk.set_defaults(func=lookup)
+    h = cmds.add_parser("hash", parents=[common, prompt],
+                        help="a prompt's block hashes, as workers and routers compute them (for `admin block`)")
+    h.add_argument("--block-size", type=int, default=None,
+                   help="tokens per block (default: the model's, from the kv_service)")
+    h.add_argument("--hash-algorithm", default=None, choices=["sha256_128", "xxh3_128"],
+                   help="block hash (default: the model's, from the kv_service)")
+    h.set_defaults(func=hash_prompt)
     f = cmds.add_parser("flush", parents=[common], help="drop every block of one worker from the index")
     f.add_argument("worker_id")
     f.set_defaults(func=flush)
 
 
 def _stub(args: argparse.Namespace):
-    from kvmesh.rpc import dial
+    from kvmesh.transport.rpc import dial
 
     apply_security(args)
     from kvmesh.v1 import kv_service_pb2_grpc
@@ -53,11 +61,25 @@ def _stub(args: argparse.Namespace):
     return kv_service_pb2_grpc.KVServiceStub(dial(args.kv_service))
 
 
-def _load(m) -> dict:
-    return {
-        "num_running": m.num_running, "num_waiting": m.num_waiting, "num_free_blocks": m.num_free_blocks,
-        "num_total_blocks": m.num_total_blocks, "queued_prefill_tokens": m.queued_prefill_tokens,
-    }
+def _as_dict(message) -> dict:
+    """A response as JSON-ready dict: field names as in the proto, every field, 64-bit ints as numbers,
+    hash algorithms by their kvmesh names."""
+    from google.protobuf import json_format
+
+    from kvmesh.contract.convert import PB_TO_ALGO
+
+    data = json_format.MessageToDict(message, always_print_fields_with_no_presence=True,
+                                     preserving_proto_field_name=True, use_integers_for_enums=True,
+                                     unquote_int64_if_possible=True)
+
+    def names(node):
+        if isinstance(node, dict):
+            return {k: PB_TO_ALGO.get(v, "?") if k == "hash_algorithm" else names(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [names(v) for v in node]
+        return node
+
+    return names(data)
 
 
 def _table(rows: list[list], header: list[str]) -> str:
@@ -84,20 +106,12 @@ def stats(args: argparse.Namespace) -> int:
     from kvmesh.v1 import kv_service_pb2 as pb
 
     def go():
-        r = _stub(args).GetStats(pb.GetStatsRequest(), timeout=args.timeout)
-        models = [
-            {"model_id": m.model_id, "block_size": m.block_size, "hash_algorithm": ALGO_NAMES.get(m.hash_algorithm, "?"),
-             "live_workers": m.live_workers}
-            for m in r.models
-        ]
-        data = {
-            "store": r.store, "live_workers": r.live_workers, "indexed_blocks": r.indexed_blocks,
-            "block_replicas": r.block_replicas, "lookups_total": r.lookups_total,
-            "events_applied_total": r.events_applied_total, "resyncs_total": r.resyncs_total, "models": models,
-        }
+        data = _as_dict(_stub(args).GetStats(pb.GetStatsRequest(), timeout=args.timeout))
+        models = data["models"]
         text = _table([[k, v] for k, v in data.items() if k != "models"], ["stat", "value"])
         if models:
-            text += "\n\n" + _table([list(m.values()) for m in models], ["model", "block_size", "hash", "live_workers"])
+            text += "\n\n" + _table([[m["model_id"], m["block_size"], m["hash_algorithm"], m["live_workers"]]
+                                      for m in models], ["model", "block_size", "hash", "live_workers"])
         return data, text
 
     return _call(args, go)
@@ -108,13 +122,7 @@ def workers(args: argparse.Namespace) -> int:
 
     def go():
         r = _stub(args).ListWorkers(pb.ListWorkersRequest(include_expired=args.all), timeout=args.timeout)
-        data = [
-            {"worker_id": w.worker_id, "address": w.address, "model_id": w.model_id, "block_size": w.block_size,
-             "hash_algorithm": ALGO_NAMES.get(w.hash_algorithm, "?"), "num_blocks": w.num_blocks, "epoch": w.epoch,
-             "last_seq": w.last_seq, "blocks_indexed": w.blocks_indexed, "load": _load(w.load),
-             "lease_remaining_ms": w.lease_remaining_ms, "live": w.live}
-            for w in r.workers
-        ]
+        data = _as_dict(r)["workers"]
         rows = [[d["worker_id"], d["address"], d["model_id"], d["blocks_indexed"], d["num_blocks"],
                  d["load"]["num_running"], d["load"]["num_waiting"], d["lease_remaining_ms"],
                  "yes" if d["live"] else "no"] for d in data]
@@ -147,33 +155,69 @@ def _token_ids(args: argparse.Namespace) -> list[int]:
             raise ValueError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
     if not args.model:
         raise ValueError("--text needs --model DIR to tokenize with")
-    from kvmesh.modelinfo import load_tokenizer
+    from kvmesh.contract.modelinfo import load_tokenizer
 
     return load_tokenizer(args.model).encode(args.text, add_special_tokens=True).ids
 
 
+def _models(args: argparse.Namespace) -> list[dict]:
+    from kvmesh.v1 import kv_service_pb2 as pb
+
+    return _as_dict(_stub(args).GetStats(pb.GetStatsRequest(), timeout=args.timeout))["models"]
+
+
+def _model_id(args: argparse.Namespace, models: list[dict] | None = None) -> str:
+    """--model-id, else --model's directory name, else the one model the kv_service knows."""
+    from kvmesh.contract.modelinfo import model_id_for
+
+    if args.model or args.model_id:
+        return model_id_for(args.model or "", args.model_id)
+    models = _models(args) if models is None else models
+    if len(models) != 1:
+        known = ", ".join(m["model_id"] for m in models) or "none"
+        raise ValueError(f"the kv_service serves {len(models)} models ({known}): name one with --model-id or --model")
+    return models[0]["model_id"]
+
+
 def lookup(args: argparse.Namespace) -> int:
-    from kvmesh.modelinfo import model_id_for
     from kvmesh.v1 import kv_service_pb2 as pb
 
     def go():
-        if not (args.model or args.model_id):
-            raise ValueError("lookup needs --model DIR or --model-id ID")
-        model_id = model_id_for(args.model or "", args.model_id)
+        model_id = _model_id(args)
         ids = _token_ids(args)
         r = _stub(args).LookupTokens(
             pb.LookupTokensRequest(model_id=model_id, token_ids=ids, cache_salt=args.cache_salt), timeout=args.timeout
         )
-        data = {
-            "model_id": model_id, "num_tokens": len(ids), "block_size": r.block_size,
-            "num_blocks_queried": r.num_blocks_queried,
-            "workers": [{"worker_id": m.worker_id, "address": m.address, "matched_blocks": m.matched_blocks,
-                         "matched_tokens": m.matched_blocks * r.block_size, "load": _load(m.load)} for m in r.workers],
-        }
+        data = {"model_id": model_id, "num_tokens": len(ids)} | _as_dict(r)
+        for w in data["workers"]:
+            w["matched_tokens"] = w["matched_blocks"] * r.block_size
         rows = [[w["worker_id"], w["address"], w["matched_blocks"], w["matched_tokens"], w["load"]["num_running"],
                  w["load"]["num_waiting"]] for w in data["workers"]]
+        if not r.block_size:
+            return data, f"no live worker serves model {model_id!r}"
         text = f"{len(ids)} tokens, {r.num_blocks_queried} full blocks of {r.block_size}\n"
         return data, text + _table(rows, ["worker", "address", "blocks", "tokens", "running", "waiting"])
+
+    return _call(args, go)
+
+
+def hash_prompt(args: argparse.Namespace) -> int:
+    from kvmesh.contract.block_hash import BlockHasher
+
+    def go():
+        models = None if args.block_size and args.hash_algorithm and (args.model or args.model_id) else _models(args)
+        model_id = _model_id(args, models)
+        spec = next((m for m in models or [] if m["model_id"] == model_id), {})
+        block_size = args.block_size or spec.get("block_size")
+        algorithm = args.hash_algorithm or spec.get("hash_algorithm")
+        if not (block_size and algorithm):
+            raise ValueError(f"no live worker serves model {model_id!r}: give --block-size and --hash-algorithm")
+        ids = _token_ids(args)
+        hashes = [h.hex() for h in BlockHasher(model_id, block_size, algorithm).hash_prompt(ids, args.cache_salt)]
+        data = {"model_id": model_id, "block_size": block_size, "hash_algorithm": algorithm, "num_tokens": len(ids),
+                "block_hashes": hashes}
+        head = f"{len(ids)} tokens, {len(hashes)} full blocks of {block_size} ({model_id}, {algorithm})\n"
+        return data, head + _table([[i, h] for i, h in enumerate(hashes)], ["block", "hash"])
 
     return _call(args, go)
 
@@ -183,7 +227,7 @@ def flush(args: argparse.Namespace) -> int:
 
     def go():
         r = _stub(args).FlushWorker(pb.FlushWorkerRequest(worker_id=args.worker_id), timeout=args.timeout)
-        return {"worker_id": args.worker_id, "blocks_removed": r.blocks_removed}, (
+        return {"worker_id": args.worker_id} | _as_dict(r), (
             f"removed {r.blocks_removed} blocks of {args.worker_id} from the index")
 
     return _call(args, go)

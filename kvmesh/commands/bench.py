@@ -49,6 +49,7 @@ def _register_serve(bsub: argparse._SubParsersAction) -> None:
 
 def _register_routing(bsub: argparse._SubParsersAction) -> None:
     from kvmesh.bench.routing import DEFAULT_POLICIES, RoutingBenchConfig
+    from kvmesh.contract.types import H100_8B_KV_BLOCKS
 
     d = RoutingBenchConfig(trace="", model="")
     r = bsub.add_parser("routing", help="replay a trace through a simulated stack per policy and compare")
@@ -61,7 +62,7 @@ def _register_routing(bsub: argparse._SubParsersAction) -> None:
     r.add_argument("--sim-time-scale", type=float, default=d.time_scale,
                    help=f"workers' wall s per modelled s (default {d.time_scale:g}); modelled load = "
                         "speedup x time scale x the trace's rate")
-    r.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default: H100 8B, 27648)")
+    r.add_argument("--num-blocks", type=int, default=None, help=f"KV blocks per worker (default: H100 8B, {H100_8B_KV_BLOCKS})")
     r.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     r.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
                    help=f"workers' multi-step decode window (default {d.num_scheduler_steps}): fewer scheduling "
@@ -92,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvmesh.bench import datasets as ds
     from kvmesh.bench import serve
     from kvmesh.bench.report import format_report, save_result, summarize, write_plots
-    from model_worker.config import ModelConfig
+    from kvmesh.model_worker.config import ModelConfig
 
     tokens = ds.TokenRange.for_vocab(ModelConfig.from_dir(_model(args.model)).vocab_size)
     n = args.num_prompts
@@ -139,7 +140,7 @@ def run_routing(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, num_scheduler_steps=args.num_scheduler_steps,
         stream_interval=args.stream_interval, router_args=shlex.split(args.router_args),
         store=args.store, seed=args.seed, progress=not args.no_progress, log_dir=args.log_dir)
-    from router.policy import POLICIES
+    from kvmesh.router.policy import POLICIES
 
     unknown = [p for p in cfg.policies if p not in POLICIES]
     if unknown:

@@ -52,8 +52,8 @@ def add_security_args(p: argparse.ArgumentParser, *, serves: str | None, calls: 
 
 
 def apply_security(args: argparse.Namespace) -> None:
-    """Configures kvmesh.security for this process from the flags of ``add_security_args``."""
-    from kvmesh import security
+    """Configures kvmesh.transport.security for this process from the flags of ``add_security_args``."""
+    from kvmesh.transport import security
 
     def token(kind: str | None) -> str | None:
         if kind == "api":

@@ -15,22 +15,12 @@ from kvmesh.commands.common import (
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from kvmesh.commands.config_args import add_config_args
+    from kvmesh.kv_service.config import KVServiceConfig
+
     p = sub.add_parser("kv-service", help="run the KV-cache metadata service (gRPC)",
                        description="Run the KV-cache metadata service: which worker holds which block.")
-    p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=50052, help="gRPC port (default 50052)")
-    store = p.add_mutually_exclusive_group()
-    store.add_argument("--redis-url", default=None,
-                       help="Redis to keep the index in, e.g. redis://127.0.0.1:6379/0 (the default store)")
-    store.add_argument("--store", choices=["redis", "memory"], default=None,
-                       help="'memory' keeps the index in this process (single replica only)")
-    p.add_argument("--namespace", default="kvmesh",
-                   help="Redis key hash tag; deployments sharing one Redis use different ones (default kvmesh)")
-    p.add_argument("--lease-ttl-ms", type=int, default=10_000,
-                   help="worker lease: no heartbeat for this long removes it from lookups (default 10000)")
-    p.add_argument("--max-publishers", type=int, default=256,
-                   help="workers that may stream block events to this replica at once; one more is refused "
-                        "with RESOURCE_EXHAUSTED (default 256)")
+    add_config_args(p, KVServiceConfig, choices={"store": ["redis", "memory"]})
     p.add_argument("--metrics-port", type=int, default=9100, help="Prometheus /metrics port, 0 = off (default 9100)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
     add_security_args(p, serves="admin", calls=None)
@@ -39,40 +29,38 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kv_service.server import KVServiceServer
-    from kv_service.service import ServiceConfig
+    from kvmesh.commands.config_args import config_from_args
+    from kvmesh.kv_service.config import DEFAULT_REDIS_URL, KVServiceConfig
+    from kvmesh.kv_service.server import KVServiceServer
+    from kvmesh.kv_service.service import ServiceConfig
 
     setup_logging(args.log_level)
     log = logging.getLogger("kvmesh.kv_service")
+    config = config_from_args(KVServiceConfig, args)
     try:
         apply_security(args)
+        config.check()
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
-    if args.store == "memory":
-        from kv_service.store_memory import MemoryIndex
+    if config.store == "memory":
+        from kvmesh.kv_service.store_memory import MemoryIndex
 
         index = MemoryIndex()
     else:
-        from kv_service.store_redis import RedisIndex
+        from kvmesh.kv_service.store_redis import RedisIndex
 
-        url = args.redis_url or "redis://127.0.0.1:6379/0"
-        index = RedisIndex(url, namespace=args.namespace)
+        url = config.redis_url or DEFAULT_REDIS_URL
+        index = RedisIndex(url, namespace=config.namespace)
         try:
             index.ping()
         except Exception as exc:  # noqa: BLE001 - one actionable line instead of a traceback
             log.error("cannot reach Redis at %s (%s); start one or pass --store memory", url, exc)
             return 2
-    if args.lease_ttl_ms < 100:
-        log.error("--lease-ttl-ms must be >= 100")
-        return 2
-    if args.max_publishers < 1:
-        log.error("--max-publishers must be >= 1")
-        return 2
-    config = ServiceConfig(lease_ttl_ms=args.lease_ttl_ms, reap_interval_s=max(0.1, args.lease_ttl_ms / 2000))
-    server = KVServiceServer(index, args.host, args.port, config, max_publishers=args.max_publishers).start()
+    service = ServiceConfig(lease_ttl_ms=config.lease_ttl_ms, reap_interval_s=config.reap_interval_s)
+    server = KVServiceServer(index, config.host, config.port, service, max_publishers=config.max_publishers).start()
     if args.metrics_port:
         start_metrics_server(args.metrics_port)
-    log.info("kv_service listening on %s:%d (store=%s)", args.host, server.port, index.name)
+    log.info("kv_service listening on %s:%d (store=%s)", config.host, server.port, index.name)
     server.grpc.wait_for_termination_signal(args.grace, on_stop=index.close)
     return 0

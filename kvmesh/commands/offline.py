@@ -7,9 +7,12 @@ code 2 and ``FILE:LINE: message`` on stderr, and no output is written (docs/engi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
+
+from kvmesh.commands.worker import add_engine_args
 
 _PARAM_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
 _KEYS = {"prompt", "prompt_token_ids", *_PARAM_KEYS}
@@ -35,22 +38,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model directory (default: the kvmesh default model)")
     p.add_argument("--input", required=True, help="input JSONL")
     p.add_argument("--output", required=True, help="output JSONL")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="decode steps per scheduler call when the batch is all decodes (default 1)")
+    add_engine_args(p)
     p.set_defaults(func=run)
 
 
 def parse_line(text: str, where: str) -> tuple[list[int] | str, Any]:
     """One input line -> (prompt, SamplingParams); raises ValueError prefixed with ``where``."""
-    from model_worker.sampling_params import SamplingParams
+    from kvmesh.contract.types import SamplingParams
 
     try:
         obj = json.loads(text)
@@ -82,25 +76,18 @@ def parse_line(text: str, where: str) -> tuple[list[int] | str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvmesh.commands.config_args import config_from_args
     from kvmesh.make_model import ensure_default_model
-    from model_worker.llm import LLM
+    from kvmesh.model_worker.config import EngineConfig
+    from kvmesh.model_worker.llm import LLM
 
     try:
         with open(args.input, encoding="utf-8") as f:
             lines = [(i, line) for i, line in enumerate(f, start=1) if line.strip()]
         parsed = [parse_line(line, f"{args.input}:{i}") for i, line in lines]
-        llm = LLM(
-            str(args.model or ensure_default_model()),
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching,
-            dtype=args.dtype,
-            device=args.device,
-            num_scheduler_steps=args.num_scheduler_steps,
-        )
+        config = config_from_args(EngineConfig, args, model=str(args.model or ensure_default_model()))
+        llm = LLM(config.model, **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                                   if f.name != "model"})
         prompts = []
         for (i, _), (prompt, _params) in zip(lines, parsed, strict=True):
             try:

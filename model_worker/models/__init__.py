@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from model_worker.config import ModelConfig
-from model_worker.models.llama import LlamaForCausalLM
+from kvmesh.model_worker.config import ModelConfig
+from kvmesh.model_worker.models.llama import LlamaForCausalLM
 
 # NOTE: Qwen2 and Mistral are Llama with config flags (qkv bias / tied head, sliding window).
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import ragged_paged_attention, write_kv_cache
+from kvmesh.kernels import ragged_paged_attention, write_kv_cache
 
 
 @dataclass(slots=True)

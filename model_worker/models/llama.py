@@ -8,9 +8,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from model_worker.config import ModelConfig
-from model_worker.models.attention import AttentionMetadata, PagedAttention
-from model_worker.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from kvmesh.model_worker.config import ModelConfig
+from kvmesh.model_worker.models.attention import AttentionMetadata, PagedAttention
+from kvmesh.model_worker.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 
 class LlamaAttention(nn.Module):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kv_service.index import Load
-from router.approx_tree import ApproxPrefixTree, ApproxTreeConfig, ApproxTreePolicy
-from router.policy import POLICIES, Candidate, PolicyConfig, RouteQuery, make_policy
+from kvmesh.contract.types import Load
+from kvmesh.router.approx_tree import ApproxPrefixTree, ApproxTreeConfig, ApproxTreePolicy
+from kvmesh.router.policy import POLICIES, Candidate, PolicyConfig, RouteQuery, make_policy
 
 
 def _q(*hashes: bytes, prompt_len: int | None = None) -> RouteQuery:

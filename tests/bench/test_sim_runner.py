@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ensure_default_model
-from model_worker.llm_engine import LLMEngine
-from model_worker.sampling_params import SamplingParams
-from model_worker.sim_runner import CostModel, SimRunner, sim_token_id
+from kvmesh.model_worker.llm_engine import LLMEngine
+from kvmesh.model_worker.sim_runner import CostModel, SimRunner, sim_token_id
 
 
 def test_cost_model_formula():

@@ -285,12 +285,12 @@ def test_router_and_workers_point_at_the_kv_service(stack: Stack) -> None:
 
 def test_router_and_workers_serve_the_same_model(stack: Stack) -> None:
     router, worker = stack.cli_args("router"), stack.cli_args("worker")
-    assert router.model and router.model == worker.model
+    assert router.model_dir and router.model_dir == worker.model
     assert router.model_id and router.model_id == worker.model_id
     for component in ("router", "worker"):
         container = stack.container(component)
         volumes = {v["name"]: v for v in stack.workload(component)["spec"]["template"]["spec"]["volumes"]}
-        mount = next(m for m in container["volumeMounts"] if router.model.startswith(m["mountPath"] + "/"))
+        mount = next(m for m in container["volumeMounts"] if router.model_dir.startswith(m["mountPath"] + "/"))
         assert mount["name"] == "model" and mount.get("readOnly") is True, component
         if stack.name == "gpu":
             assert volumes["model"] == {"name": "model", "persistentVolumeClaim":
@@ -300,7 +300,7 @@ def test_router_and_workers_serve_the_same_model(stack: Stack) -> None:
             assert set(volumes["model"]) == {"name", "emptyDir"}
             init = stack.workload(component)["spec"]["template"]["spec"]["initContainers"]
             argv = stack.expanded_args(stack.workload(component), init[0])
-            assert argv == ["make-model", router.model]
+            assert argv == ["make-model", router.model_dir]
             build_parser(only="make-model").parse_args(argv)
 
 

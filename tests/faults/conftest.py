@@ -21,10 +21,10 @@ import grpc
 import pytest
 
 from kvmesh.client import Client
+from kvmesh.loopback import RedisServer, free_port
 from kvmesh.make_model import ModelSpec, make_model
-from kvmesh.rpc import dial
 from kvmesh.stack import kvmesh_cmd, wait_serving
-from kvmesh.testing import RedisServer, free_port
+from kvmesh.transport.rpc import dial
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
 

@@ -15,12 +15,13 @@ import grpc
 import pytest
 
 from kvmesh.client import Client
+from kvmesh.loopback import free_port
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.metrics import FALLBACKS
+from kvmesh.router.server import RouterServer
 from kvmesh.stack import wait_serving
-from kvmesh.testing import free_port, wait_until
+from kvmesh.testing import wait_until
 from kvmesh.v1 import kv_service_pb2 as kpb
-from router.config import RouterConfig
-from router.metrics import FALLBACKS
-from router.server import RouterServer
 from tests.faults.conftest import (
     LEASE_MS,
     Cluster,

@@ -10,18 +10,18 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kv_service.server import KVServiceServer
-from kv_service.service import ServiceConfig
-from kv_service.store_memory import MemoryIndex
-from kv_service.store_redis import RedisIndex
+from kvmesh.kv_service.server import KVServiceServer
+from kvmesh.kv_service.service import ServiceConfig
+from kvmesh.kv_service.store_memory import MemoryIndex
+from kvmesh.kv_service.store_redis import RedisIndex
+from kvmesh.loopback import free_port
 from kvmesh.make_model import ModelSpec, make_model
-from kvmesh.rpc import dial
+from kvmesh.model_worker.llm_engine import LLMEngine
+from kvmesh.model_worker.server import WorkerServer
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.server import RouterServer
 from kvmesh.stack import wait_serving
-from kvmesh.testing import free_port
-from model_worker.llm_engine import LLMEngine
-from model_worker.server import WorkerServer
-from router.config import RouterConfig
-from router.server import RouterServer
+from kvmesh.transport.rpc import dial
 
 TINY = ModelSpec(arch="llama", layers=2, hidden_size=64, heads=4, kv_heads=2, intermediate_size=128,
                  max_position_embeddings=512, seed=11, init_std=0.05)

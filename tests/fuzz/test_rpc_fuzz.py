@@ -11,7 +11,7 @@ import grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.rpc import dial
+from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
@@ -82,9 +82,11 @@ def test_kv_service_rpcs(kv_address):
     assert_serving(kv_address)
 
 
-SAMPLING = st.builds(common_pb2.SamplingParams, max_tokens=st.one_of(st.integers(0, 6), st.just(2**32 - 1)),
-                     temperature=st.floats(-1, 3, width=32) | st.just(float("nan")),
-                     top_p=st.floats(-0.5, 1.5, width=32), top_k=st.integers(-3, 2000),
+# NOTE: None leaves an optional field unset (its default); an explicit value must be in range.
+SAMPLING = st.builds(common_pb2.SamplingParams,
+                     max_tokens=st.none() | st.integers(0, 6) | st.just(2**32 - 1),
+                     temperature=st.floats(-1, 3, width=32) | st.sampled_from([float("nan"), float("inf")]),
+                     top_p=st.none() | st.floats(-0.5, 1.5, width=32), top_k=st.integers(-3, 2000),
                      seed=st.integers(0, 2**64 - 1), stop_token_ids=st.lists(U32, max_size=3),
                      ignore_eos=st.booleans())
 TOKENS = st.one_of(st.lists(st.integers(0, 700), max_size=60), st.lists(U32, min_size=1, max_size=3),

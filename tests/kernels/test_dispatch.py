@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels.dispatch import BACKEND_ENV, attention_backend, resolve_attention_backend
+from kvmesh import kernels
+from kvmesh.kernels.dispatch import BACKEND_ENV, attention_backend, resolve_attention_backend
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ def test_public_entry_points_use_the_torch_path_on_cpu(monkeypatch):
 def test_cpu_engine_path_never_imports_triton():
     """A CPU process using kernels.* under auto must not pay for (or depend on) importing triton."""
     code = (
-        "import sys, torch, kernels\n"
+        "import sys, torch\nfrom kvmesh import kernels\n"
         "q = torch.randn(2, 2, 8); cache = torch.randn(2, 4, 1, 8)\n"
         "i32 = lambda *v: torch.tensor(v, dtype=torch.int32)\n"
         "kernels.write_kv_cache(q[:, :1], q[:, :1], cache, cache, i32(0, 1))\n"

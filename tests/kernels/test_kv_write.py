@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import write_kv_cache_ref
-from kernels.testing import import_kernel_module
+from kvmesh.kernels.reference import write_kv_cache_ref
+from kvmesh.kernels.testing import import_kernel_module
 
 HAS_CUDA = torch.cuda.is_available()
 NEEDS_GPU = "needs an NVIDIA GPU with CUDA"
 
 
-triton_kv_write = import_kernel_module("kernels.triton_kv_write", "_write_kv_cache_kernel")
+triton_kv_write = import_kernel_module("kvmesh.kernels.triton_kv_write", "_write_kv_cache_kernel")
 
 
 pytestmark = pytest.mark.usefixtures("interpreter_env")

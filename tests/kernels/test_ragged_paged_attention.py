@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import kernels
-from kernels.reference import ragged_paged_attention_ref
-from kernels.testing import import_kernel_module
+from kvmesh import kernels
+from kvmesh.kernels.reference import ragged_paged_attention_ref
+from kvmesh.kernels.testing import import_kernel_module
 
 HAS_CUDA = torch.cuda.is_available()
 
 
-triton_attention = import_kernel_module("kernels.triton_attention", "_ragged_paged_attention_kernel")
+triton_attention = import_kernel_module("kvmesh.kernels.triton_attention", "_ragged_paged_attention_kernel")
 
 
 pytestmark = pytest.mark.usefixtures("interpreter_env")
@@ -301,7 +301,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_attention
+from kvmesh.kernels import triton_attention
 
 def compile_sm90(name, types, constexprs, num_warps):
     fn = getattr(triton_attention, name)

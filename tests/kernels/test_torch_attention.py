@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import ragged_paged_attention_ref
-from kernels.torch_attention import ragged_paged_attention_torch
+from kvmesh.kernels.reference import ragged_paged_attention_ref
+from kvmesh.kernels.torch_attention import ragged_paged_attention_torch
 
 
 def make_batch(lens, *, hq=8, hkv=2, d=32, bs=8, seed=0, consecutive=False):

@@ -14,9 +14,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kv_service.block_hash import BlockHasher
-from kvmesh.rpc import dial
-from kvmesh.testing import free_port
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.loopback import free_port
+from kvmesh.transport.rpc import dial
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 
@@ -81,7 +81,20 @@ def test_admin_commands_against_a_real_server(kv_process):
     looked = json.loads(admin(address, "lookup", "--tokens", "1,2,3,4,5,6,7,8,0,0,0,0", "--model-id", "tiny", "--json").stdout)
     assert [(w["worker_id"], w["matched_blocks"], w["matched_tokens"]) for w in looked["workers"]] == [("w1", 2, 8)]
 
-    table = admin(address, "block", chain[0].hex())
+    # Without --model / --model-id: the only model the kv_service knows.
+    looked = json.loads(admin(address, "lookup", "--tokens", "1,2,3,4,5,6,7,8,0,0,0,0", "--json").stdout)
+    assert (looked["model_id"], [(w["worker_id"], w["matched_blocks"]) for w in looked["workers"]]) == ("tiny", [("w1", 2)])
+    unknown = admin(address, "lookup", "--tokens", "1,2,3,4", "--model-id", "nope")
+    assert unknown.returncode == 0 and "no live worker serves model 'nope'" in unknown.stdout
+
+    # admin hash prints the chain the worker announced, so admin block can look one up.
+    hashed = json.loads(admin(address, "hash", "--tokens", ",".join(map(str, range(1, 13))), "--json").stdout)
+    assert hashed["block_hashes"] == [h.hex() for h in chain]
+    assert (hashed["model_id"], hashed["block_size"], hashed["hash_algorithm"]) == ("tiny", 4, "sha256_128")
+    offline = json.loads(admin(f"127.0.0.1:{free_port()}", "hash", "--tokens", "1,2,3,4,5", "--model-id", "tiny",
+                               "--block-size", "4", "--hash-algorithm", "sha256_128", "--json").stdout)
+    assert offline["block_hashes"] == [chain[0].hex()]
+    table = admin(address, "block", hashed["block_hashes"][0])
     assert table.returncode == 0 and "w1" in table.stdout and "refcount" in table.stdout
 
     flushed = json.loads(admin(address, "flush", "w1", "--json").stdout)
@@ -95,7 +108,7 @@ def test_admin_commands_against_a_real_server(kv_process):
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
 
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    assert "kvmesh_kv_lookups_total 1.0" in metrics
+    assert "kvmesh_kv_lookups_total 2.0" in metrics  # the two lookups of model tiny
     assert 'kvmesh_kv_events_applied_total{kind="stored"} 3.0' in metrics
 
     proc.send_signal(signal.SIGTERM)

@@ -10,7 +10,7 @@ import struct
 import pytest
 import xxhash
 
-from kv_service.block_hash import SHA256_128, XXH3_128, BlockHasher, algorithm_name
+from kvmesh.contract.block_hash import SHA256_128, XXH3_128, BlockHasher, algorithm_name
 from kvmesh.testing import repo_root
 
 

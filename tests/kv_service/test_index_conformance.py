@@ -6,11 +6,12 @@ import threading
 
 import pytest
 
-from kv_service.block_hash import BlockHasher
-from kv_service.index import Action, AllCleared, Load, Registration, Removed, Stored
-from kv_service.store_memory import MemoryIndex
-from kv_service.store_redis import RedisIndex
-from kvmesh.errors import FailedPrecondition, NotFound
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.errors import FailedPrecondition, NotFound
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, Load
+from kvmesh.kv_service.index import Action, Registration
+from kvmesh.kv_service.store_memory import MemoryIndex
+from kvmesh.kv_service.store_redis import RedisIndex
 
 TTL = 10_000
 T0 = 1_000_000
@@ -47,10 +48,10 @@ def test_two_workers_with_overlapping_chains(index):
     a, b = chain(6), chain(6)[:2]
     join(index, "w1")
     join(index, "w2")
-    assert index.publish("w1", 1, 1, [Stored(a)], T0).action == Action.ACK
+    assert index.publish("w1", 1, 1, [BlockStored(a)], T0).action == Action.ACK
     # w2 holds the first two blocks plus its own continuation.
     b_tail = BlockHasher("m", 4).hash_prompt(list(range(8)) + [99] * 8)[2:]
-    assert index.publish("w2", 1, 1, [Stored(b + b_tail, None)], T0).action == Action.ACK
+    assert index.publish("w2", 1, 1, [BlockStored(b + b_tail, None)], T0).action == Action.ACK
     assert matches(index, a) == {"w1": 6, "w2": 2}
     assert matches(index, b + b_tail) == {"w1": 2, "w2": 4}
     assert index.holders(a[0], T0) == ["w1", "w2"]
@@ -62,7 +63,7 @@ def test_two_workers_with_overlapping_chains(index):
 def test_lookup_stops_at_first_miss(index):
     h = chain(4)
     join(index, "w1")
-    index.publish("w1", 1, 1, [Stored([h[0], h[2], h[3]])], T0)
+    index.publish("w1", 1, 1, [BlockStored([h[0], h[2], h[3]])], T0)
     assert matches(index, h) == {"w1": 1}
     assert matches(index, chain(3, start=500)) == {"w1": 0}
 
@@ -71,12 +72,12 @@ def test_refcount_transitions_and_entry_deleted_at_zero(index):
     h = chain(3)
     join(index, "w1")
     join(index, "w2")
-    index.publish("w1", 1, 1, [Stored(h)], T0)
-    index.publish("w2", 1, 1, [Stored(h[:1])], T0)
+    index.publish("w1", 1, 1, [BlockStored(h)], T0)
+    index.publish("w2", 1, 1, [BlockStored(h[:1])], T0)
     assert index.holders(h[0], T0) == ["w1", "w2"]
-    index.publish("w1", 1, 2, [Removed([h[0]])], T0)
+    index.publish("w1", 1, 2, [BlockRemoved([h[0]])], T0)
     assert index.holders(h[0], T0) == ["w2"]
-    index.publish("w2", 1, 2, [Removed([h[0]])], T0)
+    index.publish("w2", 1, 2, [BlockRemoved([h[0]])], T0)
     assert index.holders(h[0], T0) == []
     assert index.stats(T0).indexed_blocks == 2
 
@@ -85,21 +86,21 @@ def test_removal_is_scoped_to_the_publishing_worker(index):
     h = chain(3)
     join(index, "w1")
     join(index, "w2")
-    index.publish("w1", 1, 1, [Stored(h)], T0)
-    index.publish("w2", 1, 1, [Stored(h)], T0)
-    index.publish("w1", 1, 2, [Removed(h)], T0)
+    index.publish("w1", 1, 1, [BlockStored(h)], T0)
+    index.publish("w2", 1, 1, [BlockStored(h)], T0)
+    index.publish("w1", 1, 2, [BlockRemoved(h)], T0)
     assert matches(index, h) == {"w1": 0, "w2": 3}
     # Removing blocks a worker never held changes nothing.
-    index.publish("w1", 1, 3, [Removed(h)], T0)
+    index.publish("w1", 1, 3, [BlockRemoved(h)], T0)
     assert matches(index, h) == {"w1": 0, "w2": 3}
 
 
 def test_lru_cap_evicts_least_recently_stored(index):
     h = chain(6)
     join(index, "w1", nb=4)
-    index.publish("w1", 1, 1, [Stored(h[:4])], T0)
-    index.publish("w1", 1, 2, [Stored([h[0]])], T0)  # h0 becomes most recent
-    index.publish("w1", 1, 3, [Stored(h[4:6], h[3])], T0)  # 6 distinct > cap 4: evict h1, h2
+    index.publish("w1", 1, 1, [BlockStored(h[:4])], T0)
+    index.publish("w1", 1, 2, [BlockStored([h[0]])], T0)  # h0 becomes most recent
+    index.publish("w1", 1, 3, [BlockStored(h[4:6], h[3])], T0)  # 6 distinct > cap 4: evict h1, h2
     assert [index.holders(x, T0) for x in h] == [["w1"], [], [], ["w1"], ["w1"], ["w1"]]
     assert index.workers(T0)[0].blocks_indexed == 4
     assert index.stats(T0).indexed_blocks == 4
@@ -109,8 +110,8 @@ def test_lease_expiry_hides_worker_at_once_and_reap_cleans_up(index):
     h = chain(2)
     join(index, "w1")
     join(index, "w2")
-    index.publish("w1", 1, 1, [Stored(h)], T0)
-    index.publish("w2", 1, 1, [Stored(h)], T0)
+    index.publish("w1", 1, 1, [BlockStored(h)], T0)
+    index.publish("w2", 1, 1, [BlockStored(h)], T0)
     index.heartbeat("w2", 1, Load(num_running=3), TTL, T0 + TTL - 1)
     later = T0 + TTL  # w1's lease ends here; w2 renewed
     assert matches(index, h, now=later) == {"w2": 2}
@@ -119,7 +120,7 @@ def test_lease_expiry_hides_worker_at_once_and_reap_cleans_up(index):
     with pytest.raises(NotFound, match="register it again"):
         index.heartbeat("w1", 1, Load(), TTL, later)
     with pytest.raises(NotFound):
-        index.publish("w1", 1, 2, [Stored(h)], later)
+        index.publish("w1", 1, 2, [BlockStored(h)], later)
     assert index.reap_expired(later) == 1
     assert [w.registration.worker_id for w in index.workers(later, include_expired=True)] == ["w2"]
     assert index.stats(later).block_replicas == 2
@@ -128,24 +129,24 @@ def test_lease_expiry_hides_worker_at_once_and_reap_cleans_up(index):
 def test_seq_gap_asks_for_resync_and_changes_nothing(index):
     h = chain(3)
     join(index, "w1")
-    index.publish("w1", 1, 1, [Stored(h[:1])], T0)
-    res = index.publish("w1", 1, 3, [Stored(h[1:], h[0])], T0)
+    index.publish("w1", 1, 1, [BlockStored(h[:1])], T0)
+    res = index.publish("w1", 1, 3, [BlockStored(h[1:], h[0])], T0)
     assert res.action == Action.RESYNC and "expected 2, got 3" in res.reason
     assert matches(index, h) == {"w1": 1}
     # The snapshot replaces the worker's set and moves seq on.
     assert index.snapshot("w1", 1, 4, h[1:], T0).action == Action.ACK
     assert [index.holders(x, T0) for x in h] == [[], ["w1"], ["w1"]]
-    assert index.publish("w1", 1, 5, [Stored([h[0]])], T0).action == Action.ACK
+    assert index.publish("w1", 1, 5, [BlockStored([h[0]])], T0).action == Action.ACK
     assert index.workers(T0)[0].last_seq == 5
 
 
 def test_seq_regression_is_refused_and_changes_nothing(index):
     h = chain(2)
     join(index, "w1")
-    index.publish("w1", 1, 1, [Stored(h[:1])], T0)
-    index.publish("w1", 1, 2, [Stored(h[1:], h[0])], T0)
+    index.publish("w1", 1, 1, [BlockStored(h[:1])], T0)
+    index.publish("w1", 1, 2, [BlockStored(h[1:], h[0])], T0)
     with pytest.raises(FailedPrecondition, match="seq regression.*got 2, last applied 2"):
-        index.publish("w1", 1, 2, [AllCleared()], T0)
+        index.publish("w1", 1, 2, [AllBlocksCleared()], T0)
     with pytest.raises(FailedPrecondition, match="seq regression"):
         index.snapshot("w1", 1, 1, [], T0)
     assert matches(index, h) == {"w1": 2}
@@ -154,12 +155,12 @@ def test_seq_regression_is_refused_and_changes_nothing(index):
 def test_new_epoch_resyncs_and_stale_epoch_is_refused(index):
     h = chain(2)
     join(index, "w1", epoch=5)
-    index.publish("w1", 5, 1, [Stored(h)], T0)
-    res = index.publish("w1", 6, 1, [AllCleared()], T0)
+    index.publish("w1", 5, 1, [BlockStored(h)], T0)
+    res = index.publish("w1", 6, 1, [AllBlocksCleared()], T0)
     assert res.action == Action.RESYNC and "new epoch" in res.reason
     assert matches(index, h) == {"w1": 2}
     with pytest.raises(FailedPrecondition, match="stale epoch 4"):
-        index.publish("w1", 4, 9, [AllCleared()], T0)
+        index.publish("w1", 4, 9, [AllBlocksCleared()], T0)
     with pytest.raises(FailedPrecondition, match="dead epoch 4"):
         index.snapshot("w1", 4, 9, [], T0)
     assert index.snapshot("w1", 6, 1, h[:1], T0).action == Action.ACK
@@ -172,9 +173,9 @@ def test_all_cleared_drops_only_that_worker(index):
     h = chain(3)
     join(index, "w1")
     join(index, "w2")
-    index.publish("w1", 1, 1, [Stored(h)], T0)
-    index.publish("w2", 1, 1, [Stored(h[:2])], T0)
-    index.publish("w1", 1, 2, [AllCleared(), Stored(h[:1])], T0)  # events apply in order
+    index.publish("w1", 1, 1, [BlockStored(h)], T0)
+    index.publish("w2", 1, 1, [BlockStored(h[:2])], T0)
+    index.publish("w1", 1, 2, [AllBlocksCleared(), BlockStored(h[:1])], T0)  # events apply in order
     assert matches(index, h) == {"w1": 1, "w2": 2}
     assert index.stats(T0).indexed_blocks == 2
 
@@ -182,10 +183,10 @@ def test_all_cleared_drops_only_that_worker(index):
 def test_reregistration_starts_empty_with_seq_reset(index):
     h = chain(2)
     join(index, "w1", epoch=1)
-    index.publish("w1", 1, 1, [Stored(h)], T0)
+    index.publish("w1", 1, 1, [BlockStored(h)], T0)
     join(index, "w1", epoch=2)
     assert matches(index, h) == {"w1": 0}
-    assert index.publish("w1", 2, 1, [Stored(h[:1])], T0).action == Action.ACK
+    assert index.publish("w1", 2, 1, [BlockStored(h[:1])], T0).action == Action.ACK
     with pytest.raises(FailedPrecondition, match="stale registration"):
         join(index, "w1", epoch=1)
 
@@ -210,7 +211,7 @@ def test_lookup_is_per_model_and_reports_load(index):
     h = chain(2)
     join(index, "w1")
     join(index, "x1", model="other")
-    index.publish("x1", 1, 1, [Stored(h)], T0)
+    index.publish("x1", 1, 1, [BlockStored(h)], T0)
     index.heartbeat("w1", 1, Load(2, 1, 90, 100, 300), TTL, T0)
     got = index.lookup("m", h, T0)
     assert [(m.worker_id, m.matched_blocks, m.load, m.block_size) for m in got] == [
@@ -222,11 +223,11 @@ def test_lookup_is_per_model_and_reports_load(index):
 def test_unknown_worker_is_not_found_and_flush(index):
     h = chain(2)
     with pytest.raises(NotFound):
-        index.publish("ghost", 1, 1, [Stored(h)], T0)
+        index.publish("ghost", 1, 1, [BlockStored(h)], T0)
     with pytest.raises(NotFound):
         index.flush_worker("ghost")
     join(index, "w1")
-    index.publish("w1", 1, 1, [Stored(h)], T0)
+    index.publish("w1", 1, 1, [BlockStored(h)], T0)
     assert index.flush_worker("w1") == 2
     assert matches(index, h) == {"w1": 0}
     assert index.stats(T0).indexed_blocks == 0
@@ -234,7 +235,7 @@ def test_unknown_worker_is_not_found_and_flush(index):
 
 def test_salted_chains_do_not_collide(index):
     join(index, "w1")
-    index.publish("w1", 1, 1, [Stored(chain(2, salt="tenant-a"))], T0)
+    index.publish("w1", 1, 1, [BlockStored(chain(2, salt="tenant-a"))], T0)
     assert matches(index, chain(2, salt="tenant-b")) == {"w1": 0}
     assert matches(index, chain(2, salt="tenant-a")) == {"w1": 2}
 
@@ -250,9 +251,9 @@ def test_concurrent_publishers_keep_exact_state(index):
         seq = 0
         for k in range(0, 40, 4):
             seq += 1
-            assert index.publish(w, 1, seq, [Stored(chains[w][k:k + 4]), Stored(shared)], T0).action == Action.ACK
+            assert index.publish(w, 1, seq, [BlockStored(chains[w][k:k + 4]), BlockStored(shared)], T0).action == Action.ACK
         seq += 1
-        index.publish(w, 1, seq, [Removed(chains[w][20:])], T0)
+        index.publish(w, 1, seq, [BlockRemoved(chains[w][20:])], T0)
 
     threads = [threading.Thread(target=run, args=(w,)) for w in workers]
     for t in threads:

@@ -8,12 +8,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kv_service.block_hash import BlockHasher
-from kv_service.server import KVServiceServer
-from kv_service.service import ServiceConfig
-from kv_service.store_redis import RedisIndex
-from kvmesh.rpc import dial
-from kvmesh.testing import free_port
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.kv_service.server import KVServiceServer
+from kvmesh.kv_service.service import ServiceConfig
+from kvmesh.kv_service.store_redis import RedisIndex
+from kvmesh.loopback import free_port
+from kvmesh.transport.rpc import dial
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 
@@ -130,16 +130,21 @@ def test_bad_input_gets_clear_status_and_leaves_index_unchanged(kv):
         (lambda: register(stub, "bad id!"), INV, "worker_id must be 1-128 characters"),
         (lambda: register(stub, "w2", epoch=0), INV, "epoch must be in [1, 2**53)"),
         (lambda: register(stub, "w2", nb=0), INV, "num_blocks must be >= 1"),
-        (lambda: stub.GetBlock(pb.GetBlockRequest(block_hash=b"abc"), timeout=5), INV, "block_hash[0] is 3 bytes"),
+        (lambda: stub.GetBlock(pb.GetBlockRequest(block_hash=b"abc"), timeout=5), INV, "block_hash is 3 bytes"),
         (lambda: stub.FlushWorker(pb.FlushWorkerRequest(worker_id="ghost"), timeout=5), NF, "not registered"),
-        (lambda: stub.LookupTokens(pb.LookupTokensRequest(model_id="nope", token_ids=[1] * 8), timeout=5), NF,
-         "no worker is registered for model 'nope'"),
+        (lambda: stub.LookupTokens(pb.LookupTokensRequest(model_id="m", token_ids=[1, 2, 3, 2**31]), timeout=5), INV,
+         "token_ids[3] is 2147483648; token ids are < 2**31"),
+        (lambda: register(stub, "w2", algo=99), INV, "hash_algorithm is 99, which is not a known algorithm"),
         (lambda: stub.LookupTokens(pb.LookupTokensRequest(model_id="m", token_ids=[1, 2]), timeout=5), INV,
          "make no full block of 4"),
     ]
     for call, code, message in cases:
         got_code, details = _err(call)
         assert (got_code, message in details) == (code, True), (details, message)
+    # A model no live worker serves: an empty answer from both lookups, never an error.
+    unknown = stub.LookupTokens(pb.LookupTokensRequest(model_id="nope", token_ids=[1] * 8), timeout=5)
+    assert (list(unknown.workers), unknown.block_size) == ([], 0)
+    assert lookup(stub, CHAIN, model="nope") == []
     after = (lookup(stub, CHAIN), stub.GetStats(pb.GetStatsRequest(), timeout=5).indexed_blocks)
     assert after == before == ([("w1", 3)], 3)
     # The stream that failed did not poison the next one.

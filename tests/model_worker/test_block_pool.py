@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kv_service.block_hash import BlockHasher
-from model_worker.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
-from model_worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from model_worker.request import Request
-from model_worker.sampling_params import SamplingParams
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, SamplingParams
+from kvmesh.model_worker.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from kvmesh.model_worker.request import Request
 
 BLOCK_SIZE = 4
 HASHER = BlockHasher("test-model", block_size=BLOCK_SIZE)

@@ -10,13 +10,17 @@ import random
 
 import pytest
 
-from kv_service.block_hash import BlockHasher
-from model_worker.kv_cache_manager import KVCacheManager
-from model_worker.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
-from model_worker.kv_events import BlockRemoved, BlockStored
-from model_worker.request import Request
-from model_worker.sampling_params import SamplingParams
-from model_worker.scheduler import Scheduler, SchedulerConfig
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.types import BlockRemoved, BlockStored, SamplingParams
+from kvmesh.model_worker.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroup,
+    SlidingWindowSpec,
+)
+from kvmesh.model_worker.request import Request
+from kvmesh.model_worker.scheduler import Scheduler, SchedulerConfig
 
 BS, W = 2, 4
 HASHER = BlockHasher("test-model", block_size=BS)

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ModelSpec, make_model
-from model_worker.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
-from model_worker.llm import LLM
-from model_worker.sampling_params import SamplingParams
+from kvmesh.model_worker.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+from kvmesh.model_worker.llm import LLM
 from tests.model_worker.conftest import TINY
 from tests.model_worker.test_model_vs_hf import assert_matches_hf, random_prompt
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import random
 
-from kv_service.block_hash import BlockHasher
-from model_worker.kv_cache_manager import KVCacheManager
-from model_worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from model_worker.request import Request
-from model_worker.sampling_params import SamplingParams
-from model_worker.scheduler import Scheduler, SchedulerConfig
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, SamplingParams
+from kvmesh.model_worker.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.request import Request
+from kvmesh.model_worker.scheduler import Scheduler, SchedulerConfig
 
 BS = 4
 HASHER = BlockHasher("test-model", block_size=BS)

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kv_service.block_hash import BlockHasher
-from kv_service.block_hash import algorithm_name as _alg
-from model_worker.kv_events import BlockStored
-from model_worker.llm import LLM
-from model_worker.llm_engine import LLMEngine
-from model_worker.sampling_params import SamplingParams
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.block_hash import algorithm_name as _alg
+from kvmesh.contract.types import BlockStored, SamplingParams
+from kvmesh.model_worker.llm import LLM
+from kvmesh.model_worker.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 

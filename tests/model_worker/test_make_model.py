@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from kvmesh.cli import main
+from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ensure_default_model
-from model_worker.llm import LLM
-from model_worker.sampling_params import SamplingParams
+from kvmesh.model_worker.llm import LLM
 
 SMALL = [
     "--layers",

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_worker.config import ModelConfig
-from model_worker.llm import LLM
-from model_worker.sampling_params import SamplingParams
+from kvmesh.contract.types import SamplingParams
+from kvmesh.model_worker.config import ModelConfig
+from kvmesh.model_worker.llm import LLM
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 

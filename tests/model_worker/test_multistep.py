@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from kv_service.block_hash import BlockHasher
-from model_worker.kv_cache_manager import KVCacheManager
-from model_worker.llm_engine import LLMEngine
-from model_worker.request import Request
-from model_worker.sampling_params import SamplingParams
-from model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.types import SamplingParams
+from kvmesh.model_worker.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.llm_engine import LLMEngine
+from kvmesh.model_worker.request import Request
+from kvmesh.model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig
 
 BS = 16
 

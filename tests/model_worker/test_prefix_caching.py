@@ -6,11 +6,10 @@ exact events. Pools here have 11 blocks: the null block 0 and usable blocks 1..1
 
 from __future__ import annotations
 
-from kv_service.block_hash import BlockHasher
-from model_worker.kv_cache_manager import KVCacheManager
-from model_worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from model_worker.request import Request, RequestStatus
-from model_worker.sampling_params import SamplingParams
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, SamplingParams
+from kvmesh.model_worker.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.request import Request, RequestStatus
 
 BS = 16
 HASHER = BlockHasher("test-model", block_size=BS)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_worker.llm import LLM
-from model_worker.sampler import Sampler
-from model_worker.sampling_params import SamplingParams
+from kvmesh.contract.types import SamplingParams
+from kvmesh.model_worker.llm import LLM
+from kvmesh.model_worker.sampler import Sampler
 
 
 def logits_rows(n: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:

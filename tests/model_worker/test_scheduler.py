@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 import pytest
 
-from kv_service.block_hash import BlockHasher
-from model_worker.kv_cache_manager import KVCacheManager
-from model_worker.request import Request, RequestStatus
-from model_worker.sampling_params import SamplingParams
-from model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.types import SamplingParams
+from kvmesh.model_worker.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.request import Request, RequestStatus
+from kvmesh.model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 
 BS = 16
 HASHER = BlockHasher("test-model", block_size=BS)

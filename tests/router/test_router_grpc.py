@@ -8,18 +8,18 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kv_service.block_hash import BlockHasher
-from kv_service.server import KVServiceServer
-from kv_service.service import ServiceConfig
-from kv_service.store_redis import RedisIndex
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.kv_service.server import KVServiceServer
+from kvmesh.kv_service.service import ServiceConfig
+from kvmesh.kv_service.store_redis import RedisIndex
+from kvmesh.loopback import free_port
 from kvmesh.make_model import train_tokenizer
-from kvmesh.rpc import GrpcServer, dial
-from kvmesh.testing import free_port
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.server import RouterServer
+from kvmesh.transport.rpc import GrpcServer, dial
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.v1 import kv_service_pb2 as kv_pb
 from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc
-from router.config import RouterConfig
-from router.server import RouterServer
 
 BS = 4
 
@@ -128,8 +128,16 @@ def test_bad_input_is_invalid_argument(stack):
         (dict(text=""), "text is empty: send a non-empty prompt"),
         (dict(), "the request sets no input: set text or token_ids"),
         (dict(token_ids=router_pb2.TokenIds(ids=[])), "token_ids is empty: send at least one prompt token"),
-        (dict(text="hi", sampling=common_pb2.SamplingParams(temperature=-1.0)), "temperature must be >= 0, got -1.0"),
-        (dict(text="hi", sampling=common_pb2.SamplingParams(top_p=1.5)), "top_p must be in (0, 1], got 1.5"),
+        (dict(text="hi", sampling=common_pb2.SamplingParams(temperature=-1.0)),
+         "temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+        (dict(text="hi", sampling=common_pb2.SamplingParams(temperature=float("inf"))),
+         "temperature must be a finite number >= 0 (0 = greedy), got inf"),
+        (dict(text="hi", sampling=common_pb2.SamplingParams(top_p=1.5)),
+         "top_p must be in (0, 1] (leave it unset for 1), got 1.5"),
+        (dict(text="hi", sampling=common_pb2.SamplingParams(top_p=0.0)),
+         "top_p must be in (0, 1] (leave it unset for 1), got 0.0"),
+        (dict(text="hi", sampling=common_pb2.SamplingParams(max_tokens=0)),
+         "max_tokens must be an integer >= 1 (leave it unset for the default), got 0"),
     ]
     for kw, message in cases:
         with pytest.raises(grpc.RpcError) as err:

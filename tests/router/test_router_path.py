@@ -6,18 +6,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from kv_service.block_hash import BlockHasher
-from kv_service.index import Load
-from kvmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
-from model_worker.sampling_params import SamplingParams
-from router.config import RouterConfig
-from router.router import CancelScope, GenerateInput, Router
-from router.upstream import (
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvmesh.contract.types import Load, ModelSpec, SamplingParams, Usage
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.router import CancelScope, GenerateInput, Router
+from kvmesh.router.upstream import (
     Failure,
     IndexMatch,
     IndexUnavailable,
-    ModelSpec,
-    Usage,
     WorkerChunk,
     WorkerEndpoint,
     WorkerError,

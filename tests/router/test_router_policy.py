@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from kv_service.index import Load
-from router.policy import (
+from kvmesh.contract.types import Load
+from kvmesh.router.policy import (
     POLICIES,
     Candidate,
     KvAwarePolicy,

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from router.speculative import SpeculativeIndex
+from kvmesh.router.speculative import SpeculativeIndex
 
 
 class Clock:

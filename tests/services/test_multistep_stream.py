@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import threading
 
-from kvmesh.rpc import dial
+from kvmesh.contract.types import SamplingParams
+from kvmesh.model_worker.llm import LLM
+from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc
-from model_worker.llm import LLM
-from model_worker.sampling_params import SamplingParams
 
 PROMPT = [(5 * i + 2) % 200 + 5 for i in range(21)]
 

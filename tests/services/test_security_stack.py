@@ -9,10 +9,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvmesh import security
 from kvmesh.client import Client
+from kvmesh.loopback import free_port
 from kvmesh.stack import LocalStack, StackConfig
-from kvmesh.testing import free_port
+from kvmesh.transport import security
 
 KVMESH = str(Path(sys.executable).parent / "kvmesh")
 API, ADMIN = "api-token-123", "admin-token-456"

@@ -11,16 +11,17 @@ import grpc
 import pytest
 
 from kvmesh.client import Client
-from kvmesh.rpc import dial
+from kvmesh.contract.types import SamplingParams
+from kvmesh.loopback import free_port
+from kvmesh.model_worker.llm import LLM
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.server import RouterServer
 from kvmesh.stack import wait_serving
-from kvmesh.testing import free_port, wait_until
+from kvmesh.testing import wait_until
+from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
-from model_worker.llm import LLM
-from model_worker.sampling_params import SamplingParams
-from router.config import RouterConfig
-from router.server import RouterServer
 
 SHARED = [(11 * i + 7) % 300 + 3 for i in range(80)]  # 5 full blocks of 16
 PROMPTS = [SHARED + [9, 8, 7], [4, 5, 6] * 9, SHARED[:40] + [1, 2, 3, 4]]
@@ -131,7 +132,7 @@ def test_client_cancel_frees_the_workers_blocks(stack):
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"temperature": -0.5}, "temperature must be >= 0"),
+    ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
     ({"top_p": 1.5}, "top_p must be in (0, 1]"),
     ({"top_k": -1}, "top_k must be an integer >= 0"),
     ({"prompt": [3] * 600}, "max_model_len is 512"),

@@ -7,15 +7,15 @@ import itertools
 import grpc
 import pytest
 
-from kvmesh.rpc import dial
+from kvmesh.contract.types import SamplingParams
+from kvmesh.model_worker.llm import LLM
 from kvmesh.testing import wait_until
+from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
 from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc
-from model_worker.llm import LLM
-from model_worker.sampling_params import SamplingParams
 
 PROMPTS = [[(7 * i + 3) % 200 + 5 for i in range(n)] for n in (40, 70, 23)]
 
@@ -80,7 +80,7 @@ def test_client_cancel_frees_blocks(start_worker):
     ([1] * 600, {}, "max_model_len is 512"),
     ([5, 99999], {}, "outside the vocabulary"),
     ([], {}, "prompt is empty"),
-    ([5, 6], {"temperature": -1.0}, "temperature must be >= 0"),
+    ([5, 6], {"temperature": -1.0}, "temperature must be a finite number >= 0"),
     ([5, 6], {"top_p": 1.5}, "top_p must be in (0, 1]"),
     ([5, 6], {"top_k": -2}, "top_k must be an integer >= 0"),
 ])

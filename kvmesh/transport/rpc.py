@@ -17,9 +17,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh import errors, security
+from kvmesh.contract import errors
+from kvmesh.transport import security
 
-log = logging.getLogger("kvmesh.rpc")
+log = logging.getLogger("kvmesh.transport.rpc")
 
 STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -78,7 +79,7 @@ def _wrap_stream(fn: Callable, method: str) -> Callable:
 
 
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
-    """Maps kvmesh.errors (and ValueError) raised by a servicer to their status codes."""
+    """Maps kvmesh.contract.errors (and ValueError) raised by a servicer to their status codes."""
 
     def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)

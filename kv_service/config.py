@@ -1,0 +1,43 @@
+"""The kv_service's one config type (flags of `kvmesh kv-service`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmesh.contract.settings import flag
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@dataclass(slots=True)
+class KVServiceConfig:
+    host: str = "0.0.0.0"
+    """Listen address."""
+    port: int = 50052
+    """gRPC port; 0 picks a free one (tests)."""
+    redis_url: str | None = flag(None, metavar="URL")
+    """The Redis that keeps the index (the default store); none = redis://127.0.0.1:6379/0."""
+    store: str | None = None
+    """'memory' keeps the index in this process (a single replica only); none = Redis."""
+    namespace: str = "kvmesh"
+    """Redis key hash tag; deployments sharing one Redis use different ones."""
+    lease_ttl_ms: int = 10_000
+    """Worker lease: a worker without a heartbeat for this long leaves lookups."""
+    max_publishers: int = 256
+    """Workers that may stream block events to this replica at once; one more is refused with RESOURCE_EXHAUSTED."""
+
+    def check(self) -> None:
+        """Raises ValueError with the flag to fix."""
+        if self.store not in (None, "redis", "memory"):
+            raise ValueError(f"--store must be redis or memory, got {self.store!r}")
+        if self.store == "memory" and self.redis_url:
+            raise ValueError("--redis-url and --store memory exclude each other")
+        if self.lease_ttl_ms < 100:
+            raise ValueError(f"--lease-ttl-ms must be >= 100, got {self.lease_ttl_ms}")
+        if self.max_publishers < 1:
+            raise ValueError(f"--max-publishers must be >= 1, got {self.max_publishers}")
+
+    @property
+    def reap_interval_s(self) -> float:
+        """Expired workers are deleted twice per lease."""
+        return max(0.1, self.lease_ttl_ms / 2000)

@@ -1,0 +1,1 @@
+"""The contract every part shares: domain types, errors, the block-hash spec, protobuf conversions."""

@@ -1,0 +1,115 @@
+"""Protobuf <-> domain conversions: the one place kvmesh.v1 messages become kvmesh.contract types.
+
+Adapters (the gRPC servers and clients of every part) call these; core code never sees protobuf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvmesh.contract.block_hash import SHA256_128, XXH3_128
+from kvmesh.contract.errors import InvalidArgument
+from kvmesh.contract.types import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    FinishReason,
+    KVCacheEvent,
+    Load,
+    SamplingParams,
+    Usage,
+)
+from kvmesh.v1 import common_pb2
+from kvmesh.v1 import kv_service_pb2 as kv_pb
+
+FINISH_TO_PB: dict[FinishReason, int] = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+PB_TO_FINISH: dict[int, FinishReason] = {v: k for k, v in FINISH_TO_PB.items()}
+
+ALGO_TO_PB: dict[str, int] = {SHA256_128: kv_pb.HASH_ALGORITHM_SHA256_128, XXH3_128: kv_pb.HASH_ALGORITHM_XXH3_128}
+PB_TO_ALGO: dict[int, str] = {v: k for k, v in ALGO_TO_PB.items()}
+
+
+def sampling_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take their defaults; set values are checked. Raises ValueError naming the field."""
+    params = SamplingParams(
+        max_tokens=m.max_tokens if m.HasField("max_tokens") else None,
+        temperature=m.temperature,
+        top_p=m.top_p if m.HasField("top_p") else 1.0,
+        top_k=m.top_k,
+        seed=m.seed if m.HasField("seed") else None,
+        stop_token_ids=list(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
+    )
+    params.validate()
+    return params
+
+
+def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    m = common_pb2.SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+        stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+    )
+    return m
+
+
+def usage_to_pb(u: Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
+                            completion_tokens=u.completion_tokens)
+
+
+def usage_from_pb(m: common_pb2.Usage) -> Usage:
+    return Usage(m.prompt_tokens, m.cached_tokens, m.completion_tokens)
+
+
+def load_to_pb(load: Load) -> common_pb2.WorkerLoad:
+    return common_pb2.WorkerLoad(
+        num_running=load.num_running, num_waiting=load.num_waiting, num_free_blocks=load.num_free_blocks,
+        num_total_blocks=load.num_total_blocks, queued_prefill_tokens=load.queued_prefill_tokens,
+    )
+
+
+def load_from_pb(m: common_pb2.WorkerLoad) -> Load:
+    return Load(m.num_running, m.num_waiting, m.num_free_blocks, m.num_total_blocks, m.queued_prefill_tokens)
+
+
+def algorithm_to_pb(name: str) -> int:
+    return ALGO_TO_PB[name]
+
+
+def algorithm_from_pb(value: int) -> str:
+    """Raises InvalidArgument for an unset or unknown enum value."""
+    name = PB_TO_ALGO.get(value)
+    if name is None:
+        what = "unset" if value == kv_pb.HASH_ALGORITHM_UNSPECIFIED else f"{value}, which is not a known algorithm"
+        raise InvalidArgument(f"hash_algorithm is {what}: use HASH_ALGORITHM_SHA256_128 or HASH_ALGORITHM_XXH3_128")
+    return name
+
+
+def event_to_pb(ev: KVCacheEvent) -> kv_pb.KVEvent:
+    if isinstance(ev, BlockStored):
+        return kv_pb.KVEvent(stored=kv_pb.BlockStored(block_hashes=ev.block_hashes,
+                                                      parent_hash=ev.parent_block_hash or b"", group_id=ev.group_id))
+    if isinstance(ev, BlockRemoved):
+        return kv_pb.KVEvent(removed=kv_pb.BlockRemoved(block_hashes=ev.block_hashes, group_id=ev.group_id))
+    assert isinstance(ev, AllBlocksCleared)
+    return kv_pb.KVEvent(all_cleared=kv_pb.AllBlocksCleared())
+
+
+def events_from_pb(events: Iterable[kv_pb.KVEvent]) -> list[KVCacheEvent]:
+    """Raises InvalidArgument naming the first event that sets no kind."""
+    out: list[KVCacheEvent] = []
+    for i, ev in enumerate(events):
+        kind = ev.WhichOneof("event")
+        if kind == "stored":
+            out.append(BlockStored(list(ev.stored.block_hashes), ev.stored.parent_hash or None, ev.stored.group_id))
+        elif kind == "removed":
+            out.append(BlockRemoved(list(ev.removed.block_hashes), ev.removed.group_id))
+        elif kind == "all_cleared":
+            out.append(AllBlocksCleared())
+        else:
+            raise InvalidArgument(f"events[{i}] sets no event: use stored, removed or all_cleared")
+    return out

@@ -1,0 +1,138 @@
+"""The domain types every part shares: what a request asks for, what a worker reports, block events.
+
+Plain dataclasses, no grpc and no redis: kvmesh/contract/convert.py is the one place they become
+protobuf messages and back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+DEFAULT_MAX_TOKENS = 16
+"""max_tokens of a request that sets none (fewer when the prompt leaves less room)."""
+
+FinishReason = Literal["stop", "length", "abort"]
+"""Why a request ended: a stop condition, max_tokens / max_model_len, or cancelled."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int | None = None
+    """Tokens to generate at most, >= 1; None = 16, or fewer when the prompt leaves less room in
+    max_model_len (a value set explicitly must fit: the engine refuses it otherwise)."""
+    temperature: float = 0.0
+    """0 = greedy; >= 0."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 = all."""
+    seed: int | None = None
+    """Makes sampling reproducible per request."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Sampling one of these finishes the request (the id is kept in the output)."""
+    ignore_eos: bool = False
+    """Do not stop at the model's EOS token."""
+
+    def validate(self) -> None:
+        """Raises ValueError with a message a user can act on."""
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 (leave it unset for the default), got {self.max_tokens!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (leave it unset for 1), got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    """Token counts of one finished request."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens served from the worker's prefix cache."""
+    completion_tokens: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class Load:
+    """A worker's load as it reports it (heartbeat, GetLoad) and the router sees it."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    queued_prefill_tokens: int = 0
+
+    def encode(self) -> str:
+        return (
+            f"{self.num_running},{self.num_waiting},{self.num_free_blocks},"
+            f"{self.num_total_blocks},{self.queued_prefill_tokens}"
+        )
+
+    @classmethod
+    def decode(cls, raw: str | bytes | None) -> Load:
+        if not raw:
+            return cls()
+        if isinstance(raw, bytes):
+            raw = raw.decode()
+        return cls(*(int(x) for x in raw.split(",")))
+
+
+H100_8B_KV_BLOCKS = 27_648
+"""KV blocks of 16 tokens of an H100-80GB serving Llama-3-8B in bf16: 128 KiB of KV per token
+(2 x 32 layers x 8 KV heads x 128 x 2 B), 0.9 x 80 GB minus 16 GB weights and ~3 GB activations
+= ~54 GiB = 442,368 tokens. The simulated worker's pool, and the router's guess of a worker's
+capacity when its load does not report one."""
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSpec:
+    """What makes block hashes of one model comparable: its id, block size and hash algorithm."""
+
+    model_id: str
+    block_size: int
+    hash_algorithm: str
+
+
+# Block lifecycle events (1:1 with kvmesh.v1.KVEvent). Replayed in order into a set, a worker's
+# events give exactly the hashes it holds. Two blocks may hold the same hash (the pool does not
+# de-duplicate): each is announced by a BlockStored, and the hash is removed only when its last
+# block is evicted.
+
+
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[bytes]
+    """Newly cached full blocks, in chain order."""
+    parent_block_hash: bytes | None = None
+    """Hash of the block before the first one here; None when the chain starts at the root."""
+    group_id: int = 0
+    """KV cache group (hybrid allocators); 0 for full attention."""
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[bytes]
+    """Hashes this worker no longer holds."""
+    group_id: int = 0
+    """KV cache group (hybrid allocators); 0 for full attention."""
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    """The worker dropped its whole prefix cache."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -1,0 +1,63 @@
+"""CLI flags derived from the config dataclasses: every field is a flag, defaults are the config's."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from kvmesh.cli import build_parser
+from kvmesh.commands.config_args import add_config_args, attribute_docs, config_from_args
+from kvmesh.contract.settings import flag
+from kvmesh.kv_service.config import KVServiceConfig
+from kvmesh.model_worker.config import EngineConfig, WorkerConfig
+from kvmesh.router.config import RouterConfig
+
+CONFIGS = [("router", RouterConfig, {}), ("worker", WorkerConfig, {}), ("worker", EngineConfig, {"model": "m"}),
+           ("kv-service", KVServiceConfig, {}), ("offline", EngineConfig, {"model": "m"})]
+
+
+@pytest.mark.parametrize(("command", "cls", "given"), CONFIGS, ids=lambda v: getattr(v, "__name__", v))
+def test_no_flags_build_the_config_defaults(command, cls, given):
+    argv = [command] + (["--input", "i", "--output", "o"] if command == "offline" else [])
+    args = build_parser(only=command).parse_args(argv)
+    assert config_from_args(cls, args, **given) == cls(**given)
+
+
+@pytest.mark.parametrize(("command", "cls", "given"), CONFIGS, ids=lambda v: getattr(v, "__name__", v))
+def test_every_field_has_a_documented_flag(command, cls, given):
+    parser = build_parser(only=command)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    dests = {a.dest: a for a in sub._actions}
+    docs = attribute_docs(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in given:
+            continue
+        assert f.name in dests, f"{cls.__name__}.{f.name} has no flag"
+        assert dests[f.name].help.startswith(docs[f.name].replace("%", "%%")), f.name
+
+
+def test_flag_names_types_and_none():
+    args = build_parser(only="router").parse_args(
+        ["router", "--kv-service", "none", "--workers", "a:1, b:2", "--request-timeout", "7.5", "--model", "/m",
+         "--seed", "3"])
+    cfg = config_from_args(RouterConfig, args)
+    assert (cfg.kv_service, cfg.workers, cfg.request_timeout_s, cfg.model_dir, cfg.seed) == (
+        None, ["a:1", "b:2"], 7.5, "/m", 3)
+    engine = config_from_args(EngineConfig, build_parser(only="worker").parse_args(
+        ["worker", "--no-prefix-caching", "--num-blocks", "64"]), model="m")
+    assert (engine.enable_prefix_caching, engine.num_blocks) == (False, 64)
+    with pytest.raises(SystemExit):
+        build_parser(only="worker").parse_args(["worker", "--num-blocks", "many"])
+
+
+def test_a_field_without_a_docstring_is_refused():
+    @dataclasses.dataclass
+    class Undocumented:
+        documented: int = 1
+        """Has help."""
+        bare: str = flag("x", name="bare-flag")
+
+    with pytest.raises(TypeError, match="Undocumented.bare has no docstring"):
+        add_config_args(argparse.ArgumentParser(), Undocumented)
