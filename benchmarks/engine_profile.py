@@ -20,9 +20,9 @@ import torch
 from peer_engine import MAX_MODEL_LEN, make_workloads, peer_model
 from torch.profiler import ProfilerActivity, profile
 
-from model_worker.config import ModelConfig
-from model_worker.llm import LLM
-from model_worker.sampling_params import SamplingParams
+from kvmesh.contract.types import SamplingParams
+from kvmesh.model_worker.config import ModelConfig
+from kvmesh.model_worker.llm import LLM
 
 
 def main() -> None:

@@ -95,8 +95,8 @@ def run_vllm(peer_python: str, model: Path, workloads: list[Workload], log: Path
 
 
 def run_kvmesh(model: Path, workloads: list[Workload], engine_kwargs: dict) -> dict:
-    from model_worker.llm import LLM
-    from model_worker.sampling_params import SamplingParams
+    from kvmesh.contract.types import SamplingParams
+    from kvmesh.model_worker.llm import LLM
 
     results = []
     for w in workloads:
@@ -150,7 +150,7 @@ def main() -> None:
     args = ap.parse_args()
 
     model = Path(args.model) if args.model else peer_model()
-    from model_worker.config import ModelConfig
+    from kvmesh.model_worker.config import ModelConfig
 
     workloads = make_workloads(ModelConfig.from_dir(str(model)).vocab_size)
     if args.workloads:
