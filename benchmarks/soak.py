@@ -1,10 +1,11 @@
 """Soak: N concurrent streams for M minutes through the whole stack; errors, RSS, leaked blocks.
 
     python benchmarks/soak.py --streams 16 --minutes 2 --simulate
+    python benchmarks/soak.py --streams 1000 --minutes 10      # the issue-16 soak: default flags
 
 Starts `kvmesh up`'s stack (private Redis, kv_service, workers, router; `--simulate` workers by
-default, `--tiny` for the tiny model), runs ``--streams`` client threads that each stream
-requests back to back (prompts from a few shared-prefix families, random suffixes and lengths),
+default, `--tiny` for the tiny model; every server with its default flags), runs ``--streams``
+concurrent client loops (coroutines of one grpc.aio client) that each stream requests back to back (prompts from a few shared-prefix families, random suffixes and lengths),
 samples VmRSS of every process, then drains and checks for leaks:
 
 - **worker blocks:** after drain every worker's pool is free again: GetLoad's ``num_free_blocks``
@@ -22,6 +23,7 @@ Exit status 0 when there were no failed requests and no leaks, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import os
@@ -37,58 +39,61 @@ import grpc
 import redis
 
 from kvmesh.bench.processes import rss_kib
-from kvmesh.client import Client
+from kvmesh.client import make_request
 from kvmesh.loopback import free_port
 from kvmesh.make_model import ensure_default_model
 from kvmesh.stack import LocalStack, StackConfig
-from kvmesh.transport.rpc import dial
+from kvmesh.transport.rpc import dial, dial_aio
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
-from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 NAMESPACE = "kvmesh"  # the kv_service default, which LocalStack uses
 PREFIX = f"kvm:{{{NAMESPACE}}}:"
 
 
-
-
 class Load:
-    """``streams`` threads streaming requests until ``end``; each request has a 60 s deadline."""
+    """``streams`` concurrent request loops (coroutines of one grpc.aio client on a thread of its
+    own) streaming requests back to back until ``end``; each request has a 60 s deadline."""
 
     def __init__(self, router: str, streams: int, seconds: float, seed: int) -> None:
         self.router = router
+        self.streams = streams
+        self.seconds = seconds
+        self.seed = seed
         self.end = time.monotonic() + seconds
         self.ok = 0
         self.tokens = 0
         self.errors: Counter[str] = Counter()
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self.run, args=(random.Random(seed + i),), daemon=True)
-                        for i in range(streams)]
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
 
-    def run(self, rng: random.Random) -> None:
+    async def _main(self) -> None:
+        channel = dial_aio(self.router)
+        stub = router_pb2_grpc.RouterStub(channel)
+        await asyncio.gather(*(self._run(stub, random.Random(self.seed + i)) for i in range(self.streams)))
+        await channel.close()
+
+    async def _run(self, stub: router_pb2_grpc.RouterStub, rng: random.Random) -> None:
         families = [[(97 * f + 13 * i) % 600 + 3 for i in range(rng.choice((32, 64, 128)))] for f in range(6)]
-        with Client(self.router, timeout=60) as client:
-            while time.monotonic() < self.end:
-                ids = rng.choice(families) + [rng.randrange(3, 600) for _ in range(rng.randrange(1, 200))]
-                n = 0
-                try:
-                    for msg in client.stream(ids, max_tokens=rng.randrange(1, 48), ignore_eos=True):
-                        n += len(msg.token_ids)
-                except grpc.RpcError as err:
-                    with self.lock:
-                        self.errors[f"{err.code().name}: {(err.details() or '')[:120]}"] += 1
-                    continue
-                with self.lock:
-                    self.ok += 1
-                    self.tokens += n
+        while time.monotonic() < self.end:
+            ids = rng.choice(families) + [rng.randrange(3, 600) for _ in range(rng.randrange(1, 200))]
+            n = 0
+            try:
+                async for msg in stub.Generate(make_request(ids, max_tokens=rng.randrange(1, 48), ignore_eos=True),
+                                               timeout=60):
+                    n += len(msg.token_ids)
+            except grpc.aio.AioRpcError as err:
+                self.errors[f"{err.code().name}: {(err.details() or '')[:120]}"] += 1
+                continue
+            self.ok += 1
+            self.tokens += n
 
     def start(self) -> None:
-        for t in self.threads:
-            t.start()
+        self.end = time.monotonic() + self.seconds
+        self.thread.start()
 
     def join(self) -> None:
-        for t in self.threads:
-            t.join(max(1.0, self.end - time.monotonic() + 70))
+        self.thread.join(max(1.0, self.end - time.monotonic() + 70))
 
 
 def worker_loads(stack: LocalStack) -> dict[str, worker_pb2.GetLoadResponse]:
@@ -179,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--tiny", action="store_true", help="the tiny model on CPU instead of simulated workers")
     p.add_argument("--model", default=None, help="model dir (default: the tiny demo model)")
     p.add_argument("--sample-s", type=float, default=5.0, help="RSS sample period (default 5 s)")
+    p.add_argument("--warmup-s", type=float, default=None,
+                   help="RSS growth is counted from the first sample after this (default: a fifth of the run, "
+                        "at most 120 s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")
     args = p.parse_args(argv)
@@ -187,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: a 512-block pool fills within seconds, so eviction (BlockRemoved) is part of the soak.
     worker_args = ["--num-blocks=512", *(["--max-model-len=1024"] if args.tiny else [])]
     cfg = StackConfig(model=model, workers=args.workers, router_port=free_port(), kv_service_port=free_port(),
-                      worker_port=free_port(), metrics_port=0, simulate=not args.tiny, worker_args=worker_args,
-                      router_args=["--max-streams=1024"])
+                      worker_port=free_port(), metrics_port=0, simulate=not args.tiny, worker_args=worker_args)
     seconds = args.minutes * 60
     stack = LocalStack(cfg).start()
     try:
@@ -220,10 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     for err, n in load.errors.most_common(5):
         print(f"  {n} x {err}")
     cols = samples if len(samples) <= 8 else [samples[round(i * (len(samples) - 1) / 7)] for i in range(8)]
-    print("RSS MiB     " + "".join(f"{f't={t:.0f}s':>9}" for t, _ in cols) + "   growth")
+    warmup = args.warmup_s if args.warmup_s is not None else min(120.0, seconds / 5)
+    base = next((smp for smp in samples if smp[0] >= warmup), samples[-1])
+    growth = {n: (samples[-1][1][i] - base[1][i]) / max(1, base[1][i]) * 100 for i, n in enumerate(names)}
+    print("RSS MiB     " + "".join(f"{f't={t:.0f}s':>9}" for t, _ in cols) + f"   growth after t={base[0]:.0f}s")
     for i, name in enumerate(names):
-        first, last = cols[0][1][i], cols[-1][1][i]
-        print(f"{name:<12}" + "".join(f"{s[i] / 1024:9.1f}" for _, s in cols) + f"  {(last - first) / 1024:+7.1f}")
+        print(f"{name:<12}" + "".join(f"{s[i] / 1024:9.1f}" for _, s in cols) + f"  {growth[name]:+6.1f} %")
     for w, pl in leaks["pool"].items():
         ix = leaks["index"][w]
         print(f"{w}: pool free {pl['free']}/{pl['total']} (leaked {pl['leaked']}); index from events {ix['events']} "
@@ -232,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"refcount mismatches: {leaks['bad_refcounts']}; drained: {leaks['drained']}; "
           f"index rebuilt from snapshots: {leaks['rebuilt']}")
     print(f"blocks leaked: {leaks['leaked_blocks']}")
+    print(f"largest RSS growth after warm-up: {max(growth.values()):+.1f} % (goal <= 5 %)")
     result = {"ok": load.ok, "failed": failed, "errors": dict(load.errors), "tokens": load.tokens,
+              "rss_growth_after_warmup_pct": growth,
               "seconds": elapsed, "dead": dead, "rss_kib": {n: [s[i] for _, s in samples] for i, n in enumerate(names)},
               **leaks}
     if args.json:

@@ -23,8 +23,13 @@ class KVServiceConfig:
     """Redis key hash tag; deployments sharing one Redis use different ones."""
     lease_ttl_ms: int = 10_000
     """Worker lease: a worker without a heartbeat for this long leaves lookups."""
-    max_publishers: int = 256
+    max_publishers: int = 1024
     """Workers that may stream block events to this replica at once; one more is refused with RESOURCE_EXHAUSTED."""
+    max_blocks_per_call: int = 256
+    """Block hashes one Redis event-apply script carries at most; a bigger batch is applied in several calls, so
+    a Lookup never waits behind a whole batch."""
+    redis_connections: int = 64
+    """Size of the Redis connection pool."""
 
     def check(self) -> None:
         """Raises ValueError with the flag to fix."""
@@ -36,6 +41,8 @@ class KVServiceConfig:
             raise ValueError(f"--lease-ttl-ms must be >= 100, got {self.lease_ttl_ms}")
         if self.max_publishers < 1:
             raise ValueError(f"--max-publishers must be >= 1, got {self.max_publishers}")
+        if self.max_blocks_per_call < 1 or self.redis_connections < 1:
+            raise ValueError("--max-blocks-per-call and --redis-connections must be >= 1")
 
     @property
     def reap_interval_s(self) -> float:

@@ -8,8 +8,11 @@ Semantics (docs/kv-service.md):
 - a worker's events apply only in seq order within its epoch; a gap or a newer epoch answers
   RESYNC and changes nothing; a snapshot replaces the worker's set.
 
-Every method is atomic. ``now_ms`` is passed in so both stores and all replicas agree on time and
-tests control it. This module imports neither grpc nor redis.
+Every method is a coroutine (the Redis store awaits its round trips; the memory store never
+suspends) and atomic, except that a store may apply one big event batch in several bounded steps
+(store_redis.py: lookups are answered between them; each step leaves the index in the state of a
+prefix of the worker's event stream). ``now_ms`` is passed in so both stores and all replicas
+agree on time and tests control it. This module imports neither grpc nor redis.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class BlockIndex(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def register_worker(self, reg: Registration, lease_ttl_ms: int, now_ms: int) -> None:
+    async def register_worker(self, reg: Registration, lease_ttl_ms: int, now_ms: int) -> None:
         """(Re)joins a worker: new epoch, last_seq 0, its previous blocks dropped.
 
         Raises:
@@ -89,11 +92,11 @@ class BlockIndex(abc.ABC):
         """
 
     @abc.abstractmethod
-    def heartbeat(self, worker_id: str, epoch: int, load: Load, lease_ttl_ms: int, now_ms: int) -> None:
+    async def heartbeat(self, worker_id: str, epoch: int, load: Load, lease_ttl_ms: int, now_ms: int) -> None:
         """Renews the lease. Raises NotFound (unknown or expired) or FailedPrecondition (epoch)."""
 
     @abc.abstractmethod
-    def publish(
+    async def publish(
         self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent], now_ms: int
     ) -> PublishResult:
         """Applies one batch if ``seq`` is the next one of the live epoch, else asks for a resync.
@@ -104,34 +107,37 @@ class BlockIndex(abc.ABC):
         """
 
     @abc.abstractmethod
-    def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int) -> PublishResult:
+    async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int) -> PublishResult:
         """Replaces the worker's blocks with ``hashes`` (oldest first) and adopts (epoch, seq)."""
 
     @abc.abstractmethod
-    def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
+    async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
         """Per live worker of the model, the leading blocks of ``hashes`` it holds."""
 
     @abc.abstractmethod
-    def holders(self, block_hash: bytes, now_ms: int) -> list[str]:
+    async def holders(self, block_hash: bytes, now_ms: int) -> list[str]:
         """Live workers holding one block, sorted."""
 
     @abc.abstractmethod
-    def workers(self, now_ms: int, include_expired: bool = False) -> list[WorkerInfo]:
+    async def workers(self, now_ms: int, include_expired: bool = False) -> list[WorkerInfo]:
         """Registered workers, sorted by id."""
 
     @abc.abstractmethod
-    def stats(self, now_ms: int) -> IndexStats: ...
+    async def stats(self, now_ms: int) -> IndexStats: ...
 
     @abc.abstractmethod
-    def model_spec(self, model_id: str) -> ModelSpec | None: ...
+    async def model_spec(self, model_id: str) -> ModelSpec | None: ...
 
     @abc.abstractmethod
-    def flush_worker(self, worker_id: str) -> int:
+    async def flush_worker(self, worker_id: str) -> int:
         """Drops every block of the worker; returns how many. Raises NotFound."""
 
     @abc.abstractmethod
-    def reap_expired(self, now_ms: int) -> int:
+    async def reap_expired(self, now_ms: int) -> int:
         """Deletes workers whose lease expired (and their blocks); returns how many workers."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    async def ping(self) -> None:  # noqa: B027 - optional hook
+        """Raises kvmesh.contract.errors.Unavailable when the store cannot be reached."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
         """Releases connections."""

@@ -1,26 +1,45 @@
 """The kv_service core: validates requests, applies them to a BlockIndex, keeps counters.
 
-No grpc and no redis here: kv_service/server.py adapts protobuf messages to these calls.
+No grpc and no redis here: kv_service/server.py adapts protobuf messages to these calls. The
+methods are coroutines because the Redis store awaits its round trips; on the memory store none
+ever suspends, so a caller without an event loop (the simulator) can drive them with ``run_now``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from kvmesh.contract.block_hash import ALGORITHMS, HASH_LEN, BlockHasher
 from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load
-from kvmesh.kv_service import metrics
 from kvmesh.kv_service.index import Action, BlockIndex, PublishResult, Registration, WorkerMatch
+from kvmesh.kv_service.metrics import KVMetrics
 
 MAX_CHAIN_BLOCKS = 65_536
 MAX_TOKEN_ID = 2**31
 MAX_EPOCH = 2**53 - 1  # exact in a Lua double
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
+HASH_IN_THREAD_TOKENS = 16_384
+"""LookupTokens hashes longer prompts on a worker thread: ~1.3 ms of the loop per 16k tokens
+(sha256_128) is the most one admin call may hold every other request up."""
+
+T = TypeVar("T")
+
+
+def run_now(coro: Coroutine[Any, Any, T]) -> T:
+    """Runs a coroutine that never suspends (a KVService call on the memory store) to its end,
+    without an event loop. Raises RuntimeError if it does suspend."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("the coroutine suspended: run it on an event loop (the store does I/O)")
 
 
 def now_ms() -> int:
@@ -66,18 +85,23 @@ def _check_counter(what: str, value: int) -> None:
 
 
 class KVService:
-    """Validation + index + counters; thread-safe (the index is)."""
+    """Validation + index + counters, for one event loop (or ``run_now`` on the memory store).
 
-    def __init__(self, index: BlockIndex, config: ServiceConfig | None = None) -> None:
+    Args:
+        metrics: where to count (the server's, served on /metrics); default: a private registry.
+    """
+
+    def __init__(self, index: BlockIndex, config: ServiceConfig | None = None,
+                 metrics: KVMetrics | None = None) -> None:
         self.index = index
         self.config = config or ServiceConfig()
-        self._lock = threading.Lock()
+        self.metrics = metrics or KVMetrics()
         self.lookups_total = 0
         self.events_applied_total = 0
         self.resyncs_total = 0
 
     # -- workers -------------------------------------------------------------------------
-    def register(self, reg: Registration) -> int:
+    async def register(self, reg: Registration) -> int:
         _check_id("worker_id", reg.worker_id)
         if not reg.model_id or len(reg.model_id) > 512:
             raise InvalidArgument("model_id must be 1-512 characters")
@@ -91,16 +115,16 @@ class KVService:
         if reg.num_blocks < 1:
             raise InvalidArgument(f"num_blocks must be >= 1, got {reg.num_blocks}")
         _check_counter("epoch", reg.epoch)
-        self.index.register_worker(reg, self.config.lease_ttl_ms, now_ms())
+        await self.index.register_worker(reg, self.config.lease_ttl_ms, now_ms())
         return self.config.lease_ttl_ms
 
-    def heartbeat(self, worker_id: str, epoch: int, load: Load) -> int:
+    async def heartbeat(self, worker_id: str, epoch: int, load: Load) -> int:
         _check_id("worker_id", worker_id)
-        self.index.heartbeat(worker_id, epoch, load, self.config.lease_ttl_ms, now_ms())
+        await self.index.heartbeat(worker_id, epoch, load, self.config.lease_ttl_ms, now_ms())
         return self.config.lease_ttl_ms
 
     # -- events --------------------------------------------------------------------------
-    def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent]) -> PublishResult:
+    async def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent]) -> PublishResult:
         _check_id("worker_id", worker_id)
         _check_counter("epoch", epoch)
         _check_counter("seq", seq)
@@ -111,47 +135,45 @@ class KVService:
                     _check_hash(f"events[{i}].stored.parent_hash", ev.parent_block_hash)
             elif isinstance(ev, BlockRemoved):
                 _check_hashes(f"events[{i}].removed.block_hashes", ev.block_hashes)
-        result = self.index.publish(worker_id, epoch, seq, events, now_ms())
+        result = await self.index.publish(worker_id, epoch, seq, events, now_ms())
         self._count(result, events)
         return result
 
-    def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes]) -> PublishResult:
+    async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes]) -> PublishResult:
         _check_id("worker_id", worker_id)
         _check_counter("epoch", epoch)
         _check_counter("seq", seq)
         _check_hashes("snapshot_hashes", hashes)
-        result = self.index.snapshot(worker_id, epoch, seq, hashes, now_ms())
-        metrics.EVENTS_APPLIED.labels("snapshot").inc(len(hashes))
+        result = await self.index.snapshot(worker_id, epoch, seq, hashes, now_ms())
+        self.metrics.events_applied.labels("snapshot").inc(len(hashes))
         return result
 
     def _count(self, result: PublishResult, events: list[KVCacheEvent]) -> None:
         if result.action == Action.RESYNC:
-            metrics.RESYNCS.inc()
-            with self._lock:
-                self.resyncs_total += 1
+            self.metrics.resyncs.inc()
+            self.resyncs_total += 1
             return
         for ev in events:
             kind = "stored" if isinstance(ev, BlockStored) else "removed" if isinstance(ev, BlockRemoved) else "all_cleared"
             n = 1 if isinstance(ev, AllBlocksCleared) else len(ev.block_hashes)
-            metrics.EVENTS_APPLIED.labels(kind).inc(n)
-        with self._lock:
-            self.events_applied_total += len(events)
+            self.metrics.events_applied.labels(kind).inc(n)
+        self.events_applied_total += len(events)
 
     # -- lookups -------------------------------------------------------------------------
-    def lookup(self, model_id: str, hashes: Sequence[bytes]) -> list[WorkerMatch]:
+    async def lookup(self, model_id: str, hashes: Sequence[bytes]) -> list[WorkerMatch]:
         if not model_id:
             raise InvalidArgument("model_id is empty: name the model the chain was hashed for")
         chain = _check_hashes("block_hashes", hashes, allow_empty=False)
         t0 = time.perf_counter()
-        found = self.index.lookup(model_id, chain, now_ms())
-        metrics.LOOKUP_LATENCY.observe(time.perf_counter() - t0)
-        metrics.LOOKUPS.inc()
-        metrics.MATCHED_BLOCKS.observe(max((m.matched_blocks for m in found), default=0))
-        with self._lock:
-            self.lookups_total += 1
+        found = await self.index.lookup(model_id, chain, now_ms())
+        m = self.metrics
+        m.lookup_latency.observe(time.perf_counter() - t0)
+        m.lookups.inc()
+        m.matched_blocks.observe(max((w.matched_blocks for w in found), default=0))
+        self.lookups_total += 1
         return sorted(found, key=lambda m: (-m.matched_blocks, m.worker_id))
 
-    def lookup_tokens(self, model_id: str, token_ids: Sequence[int], cache_salt: str = "") -> tuple[int, list[WorkerMatch]]:
+    async def lookup_tokens(self, model_id: str, token_ids: Sequence[int], cache_salt: str = "") -> tuple[int, list[WorkerMatch]]:
         """Hashes ``token_ids`` with the model's registered spec; returns (block_size, matches).
 
         A model no live worker serves answers (0, []), as ``lookup`` answers [] for it.
@@ -162,24 +184,28 @@ class KVService:
         if bad is not None:
             raise InvalidArgument(f"token_ids[{bad}] is {token_ids[bad]}; token ids are < 2**31 "
                                   "(hashed as int32, docs/block-hashing.md)")
-        spec = self.index.model_spec(model_id)
+        spec = await self.index.model_spec(model_id)
         if spec is None:
             return 0, []
         hasher = BlockHasher(model_id, spec.block_size, spec.hash_algorithm)
-        hashes = hasher.hash_prompt(list(token_ids), cache_salt)
+        ids = list(token_ids)
+        if len(ids) > HASH_IN_THREAD_TOKENS:
+            hashes = await asyncio.to_thread(hasher.hash_prompt, ids, cache_salt)
+        else:
+            hashes = hasher.hash_prompt(ids, cache_salt)
         if not hashes:
             raise InvalidArgument(
                 f"{len(token_ids)} tokens make no full block of {spec.block_size}; send at least {spec.block_size}"
             )
-        return spec.block_size, self.lookup(model_id, hashes)
+        return spec.block_size, await self.lookup(model_id, hashes)
 
-    def get_block(self, block_hash: bytes) -> list[str]:
+    async def get_block(self, block_hash: bytes) -> list[str]:
         _check_hash("block_hash", block_hash)
-        return self.index.holders(block_hash, now_ms())
+        return await self.index.holders(block_hash, now_ms())
 
-    def flush(self, worker_id: str) -> int:
+    async def flush(self, worker_id: str) -> int:
         _check_id("worker_id", worker_id)
-        return self.index.flush_worker(worker_id)
+        return await self.index.flush_worker(worker_id)
 
-    def reap(self) -> int:
-        return self.index.reap_expired(now_ms())
+    async def reap(self) -> int:
+        return await self.index.reap_expired(now_ms())

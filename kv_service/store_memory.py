@@ -1,4 +1,8 @@
-"""The embedded in-memory index: same semantics as the Redis store, for single-process use."""
+"""The embedded in-memory index: same semantics as the Redis store, for single-process use.
+
+Its coroutines never suspend: each call completes on its first step (a simulator may drive
+them without an event loop, see kvmesh.kv_service.service.run_now). The lock keeps it safe for
+callers on several threads."""
 
 from __future__ import annotations
 
@@ -95,7 +99,7 @@ class MemoryIndex(BlockIndex):
             self._specs.pop(model, None)
 
     # -- interface -----------------------------------------------------------------------
-    def register_worker(self, reg: Registration, lease_ttl_ms: int, now_ms: int) -> None:
+    async def register_worker(self, reg: Registration, lease_ttl_ms: int, now_ms: int) -> None:
         with self._lock:
             spec = self._specs.get(reg.model_id)
             live_peers = [
@@ -124,7 +128,7 @@ class MemoryIndex(BlockIndex):
             self._specs[reg.model_id] = ModelSpec(reg.model_id, reg.block_size, reg.hash_algorithm)
             self._workers[reg.worker_id] = _Worker(reg, now_ms + lease_ttl_ms)
 
-    def heartbeat(self, worker_id: str, epoch: int, load: Load, lease_ttl_ms: int, now_ms: int) -> None:
+    async def heartbeat(self, worker_id: str, epoch: int, load: Load, lease_ttl_ms: int, now_ms: int) -> None:
         with self._lock:
             w = self._live(worker_id, now_ms)
             if epoch != w.reg.epoch:
@@ -134,7 +138,7 @@ class MemoryIndex(BlockIndex):
             w.load = load
             w.lease_expiry_ms = now_ms + lease_ttl_ms
 
-    def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent], now_ms: int) -> PublishResult:
+    async def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent], now_ms: int) -> PublishResult:
         with self._lock:
             w = self._live(worker_id, now_ms)
             resync = self._check_order(w, epoch, seq)
@@ -153,7 +157,7 @@ class MemoryIndex(BlockIndex):
             w.last_seq = seq
             return PublishResult(Action.ACK)
 
-    def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int) -> PublishResult:
+    async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int) -> PublishResult:
         with self._lock:
             w = self._live(worker_id, now_ms)
             if epoch < w.reg.epoch:
@@ -173,7 +177,7 @@ class MemoryIndex(BlockIndex):
             w.last_seq = seq
             return PublishResult(Action.ACK)
 
-    def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
+    async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
         with self._lock:
             live = {
                 wid: w for wid, w in self._workers.items()
@@ -191,13 +195,13 @@ class MemoryIndex(BlockIndex):
                 WorkerMatch(wid, w.reg.address, matched[wid], w.load, w.reg.block_size) for wid, w in live.items()
             ]
 
-    def holders(self, block_hash: bytes, now_ms: int) -> list[str]:
+    async def holders(self, block_hash: bytes, now_ms: int) -> list[str]:
         with self._lock:
             return sorted(
                 wid for wid in self._blocks.get(block_hash, ()) if self._workers[wid].lease_expiry_ms > now_ms
             )
 
-    def workers(self, now_ms: int, include_expired: bool = False) -> list[WorkerInfo]:
+    async def workers(self, now_ms: int, include_expired: bool = False) -> list[WorkerInfo]:
         with self._lock:
             return [
                 WorkerInfo(w.reg, w.last_seq, len(w.lru), w.load, w.lease_expiry_ms)
@@ -205,7 +209,7 @@ class MemoryIndex(BlockIndex):
                 if include_expired or w.lease_expiry_ms > now_ms
             ]
 
-    def stats(self, now_ms: int) -> IndexStats:
+    async def stats(self, now_ms: int) -> IndexStats:
         with self._lock:
             live = [w for w in self._workers.values() if w.lease_expiry_ms > now_ms]
             models = [
@@ -213,18 +217,18 @@ class MemoryIndex(BlockIndex):
             ]
             return IndexStats(len(live), len(self._blocks), sum(len(w.lru) for w in self._workers.values()), models)
 
-    def model_spec(self, model_id: str) -> ModelSpec | None:
+    async def model_spec(self, model_id: str) -> ModelSpec | None:
         with self._lock:
             return self._specs.get(model_id)
 
-    def flush_worker(self, worker_id: str) -> int:
+    async def flush_worker(self, worker_id: str) -> int:
         with self._lock:
             w = self._workers.get(worker_id)
             if w is None:
                 raise NotFound(f"worker {worker_id!r} is not registered")
             return self._clear(w)
 
-    def reap_expired(self, now_ms: int) -> int:
+    async def reap_expired(self, now_ms: int) -> int:
         with self._lock:
             dead = [wid for wid, w in self._workers.items() if w.lease_expiry_ms <= now_ms]
             for wid in dead:

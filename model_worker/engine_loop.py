@@ -1,8 +1,10 @@
 """Runs an LLMEngine on its own thread and fans its outputs out to per-request streams.
 
-The gRPC server (model_worker/server.py) calls ``submit`` / ``abort`` from its threads and
-iterates the returned stream; the step loop never waits on gRPC and gRPC never waits on a step
-beyond a queue hand-off. Tokens reach their streams after every inner step of a multi-step
+The gRPC server (model_worker/server.py, on an event loop) calls ``submit_async`` / ``abort``
+and awaits the returned stream; the step thread hands each step's tokens for every stream of a
+loop to it in ONE ``loop.call_soon_threadsafe`` (no polling, one wake-up of the loop per step,
+not per stream). ``submit`` gives a blocking iterator instead, for callers on plain threads. The
+step loop never waits on gRPC and gRPC never waits on a step beyond that hand-off. Tokens reach their streams after every inner step of a multi-step
 window (``LLMEngine.step``'s ``on_output``), not when the window ends. After every step the block events go to a sink (the kv_service
 publisher); a snapshot of the cached blocks is taken on this thread when the sink asks for one,
 so events and snapshots keep their order. No grpc import here.
@@ -10,6 +12,8 @@ so events and snapshots keep their order. No grpc import here.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -36,9 +40,45 @@ class TokenEvent:
     error: str | None = None
 
 
+class AsyncTokenStream:
+    """A request's events on an event loop: ``await next_batch()`` returns every event ready
+    (at least one); the last batch ends with the terminal event (``token_id is None``)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list[TokenEvent] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def push(self, batch: list[TokenEvent]) -> None:
+        """On the loop's thread (the step thread posts it with call_soon_threadsafe)."""
+        self._items.extend(batch)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def next_batch(self) -> list[TokenEvent]:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+
+def _push_all(items: list[tuple[AsyncTokenStream, list[TokenEvent]]]) -> None:
+    for reader, batch in items:
+        reader.push(batch)
+
+
 @dataclass(slots=True)
 class _Stream:
-    queue: queue.Queue[list[TokenEvent]] = field(default_factory=queue.Queue)
+    queue: queue.Queue[list[TokenEvent]] | None = None
+    """The blocking reader's queue (``submit``); None for a reader on a loop."""
+    loop: asyncio.AbstractEventLoop | None = None
+    reader: AsyncTokenStream | None = None
     pending: list[TokenEvent] = field(default_factory=list)
     """Tokens held back by ``stream_interval`` (step thread only)."""
     arrival: float = field(default_factory=time.monotonic)
@@ -117,7 +157,21 @@ class EngineLoop:
         item; one that falls behind (a busy host, a multi-step window) gets them coalesced, so it
         sends one message where it would have sent several.
         """
-        stream = _Stream()
+        stream = _Stream(queue=queue.Queue())
+        self._add(request_id, stream, prompt_token_ids, params, cache_salt)
+        return self._iterate(request_id, stream)
+
+    def submit_async(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     cache_salt: str = "") -> AsyncTokenStream:
+        """As ``submit``, for a caller on an event loop (this one receives the events). The caller
+        aborts the request when it stops reading early (a no-op after the end)."""
+        reader = AsyncTokenStream()
+        self._add(request_id, _Stream(loop=asyncio.get_running_loop(), reader=reader), prompt_token_ids, params,
+                  cache_salt)
+        return reader
+
+    def _add(self, request_id: str, stream: _Stream, prompt_token_ids: list[int], params: SamplingParams,
+             cache_salt: str) -> None:
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -129,15 +183,16 @@ class EngineLoop:
                 self._streams.pop(request_id, None)
             raise
         self._wake.set()
-        return self._iterate(request_id, stream)
 
     def _iterate(self, request_id: str, stream: _Stream) -> Iterator[list[TokenEvent]]:
+        q = stream.queue
+        assert q is not None
         try:
             while True:
-                batch = stream.queue.get()
+                batch = q.get()
                 while batch[-1].token_id is not None:
                     try:
-                        batch.extend(stream.queue.get_nowait())
+                        batch.extend(q.get_nowait())
                     except queue.Empty:
                         break
                 yield batch
@@ -155,7 +210,7 @@ class EngineLoop:
             return False
         aborted = self.engine.abort_request(request_id)
         # NOTE: tokens held back by stream_interval are dropped: an aborted stream's reader is gone.
-        stream.queue.put([TokenEvent(None, "abort", completion_tokens=stream.completion_tokens)])
+        self._post([(stream, [TokenEvent(None, "abort", completion_tokens=stream.completion_tokens)])])
         self._wake.set()
         return aborted
 
@@ -189,7 +244,23 @@ class EngineLoop:
     def _deliver_now(self, outputs: list[RequestOutput]) -> None:
         self._deliver(outputs, time.monotonic())
 
+    @staticmethod
+    def _post(ready: list[tuple[_Stream, list[TokenEvent]]]) -> None:
+        """Hands batches to their readers: queues at once, loops with one call per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[AsyncTokenStream, list[TokenEvent]]]] = {}
+        for stream, batch in ready:
+            if stream.queue is not None:
+                stream.queue.put(batch)
+            else:
+                assert stream.loop is not None and stream.reader is not None
+                by_loop.setdefault(stream.loop, []).append((stream.reader, batch))
+        for loop, items in by_loop.items():
+            # NOTE: RuntimeError = the server's loop is closed (shutting down): no reader is left.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_push_all, items)
+
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
+        ready: list[tuple[_Stream, list[TokenEvent]]] = []
         for out in outputs:
             with self._lock:
                 stream = self._streams.get(out.request_id)
@@ -213,13 +284,15 @@ class EngineLoop:
                 stream.pending.append(end)
             if stream.pending and (out.finished or stream.completion_tokens == 1
                                    or len(stream.pending) >= self.stream_interval):
-                stream.queue.put(stream.pending)
+                ready.append((stream, stream.pending))
                 stream.pending = []
+        if ready:
+            self._post(ready)
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
             streams = list(self._streams.items())
             self._streams.clear()
-        for rid, stream in streams:
+        for rid, _ in streams:
             self.engine.abort_request(rid)
-            stream.queue.put([TokenEvent(None, "abort", error=message)])
+        self._post([(stream, [TokenEvent(None, "abort", error=message)]) for _, stream in streams])

@@ -5,9 +5,10 @@ from __future__ import annotations
 import copy
 import json
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from kvmesh.model_worker.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.model_runner import ModelRunner
 from kvmesh.model_worker.request import Request
-from kvmesh.model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from kvmesh.model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig, StepWork
 
 
 @dataclass(slots=True)
@@ -35,11 +36,22 @@ class EngineStats:
     """Prompt tokens looked up in the prefix cache so far."""
     prefix_cache_hits: int
     """Of those, tokens found cached."""
+    busy_s: float = 0.0
+    """Seconds spent in steps since start (modelled seconds on a simulated worker)."""
+    steps: int = 0
+    """Forward passes since start (every inner step of a multi-step window counts)."""
+    work: StepWork = field(default_factory=StepWork)
+    """Work of those passes since start: what ``busy_s`` was spent on."""
+    max_num_batched_tokens: int = 0
 
     @property
     def load(self) -> Load:
+        w = self.work
         return Load(self.num_running, self.num_waiting, self.num_free_blocks, self.num_total_blocks,
-                    self.queued_prefill_tokens)
+                    self.queued_prefill_tokens, busy_s=self.busy_s, steps=self.steps,
+                    prefill_tokens=w.prefill_tokens, prefill_pairs=w.prefill_pairs, decode_tokens=w.decode_seqs,
+                    decode_context_tokens=w.decode_context_tokens,
+                    max_num_batched_tokens=self.max_num_batched_tokens)
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:
@@ -113,6 +125,14 @@ class LLMEngine:
         # NOTE: ("add", Request) / ("abort", id) in call order; only step() touches the scheduler.
         self._inbox: deque[tuple[str, Any]] = deque()
         self._live: set[str] = set()
+        # NOTE: cumulative work and time of every step, reported in the load so that routers can
+        # learn this worker's step-time coefficients (router/cost.py) instead of assuming them.
+        self._work = StepWork()
+        self._busy_s = 0.0
+        self._steps = 0
+        self.last_step_s = 0.0
+        """Seconds the last ``step()`` took: the runner's ``last_step_s`` when it models its time
+        (the simulated runner), else the wall time of its forward passes."""
         self._stats = self._snapshot()
 
     def add_request(
@@ -121,8 +141,12 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams | None = None,
         cache_salt: str = "",
+        block_hashes: list[bytes] | None = None,
     ) -> None:
         """Queues a request; it starts at the next ``step()``.
+
+        ``block_hashes`` are the prompt's full-block hashes when the caller has them already (the
+        simulator hashes each prompt once per trace); they must be this engine's hashes of this prompt.
 
         Raises:
             ValueError: the request is malformed or can never fit; nothing else is affected.
@@ -147,6 +171,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             block_hasher=self.block_hasher if self.config.enable_prefix_caching else None,
             cache_salt=cache_salt,
+            block_hashes=block_hashes,
         )
         with self._lock:
             if request_id in self._live:
@@ -215,20 +240,34 @@ class LLMEngine:
             if on_output is not None and step_outputs:
                 on_output(step_outputs)
 
+        runner = self.runner
+        t0 = time.perf_counter()
         if out.num_steps == 1:
-            commit(self.scheduler.update_from_output(out, self.runner.execute(out)))
+            commit(self.scheduler.update_from_output(out, runner.execute(out)))
+            if not out.is_empty:
+                self._work.add(out.work())
+                self._steps += 1
         else:
             num_done = 0
+            starts = {s.request.request_id: s.start + 1 for s in out.scheduled}
+            work = self._work
 
             def on_step(tokens: dict[str, int]) -> list[str]:
                 nonlocal num_done
+                # NOTE: inner step k decodes every listed row at context start + 1 + k.
+                work.decode_seqs += len(tokens)
+                work.decode_context_tokens += sum(starts[rid] for rid in tokens) + num_done * len(tokens)
                 num_done += 1
                 commit(self.scheduler.update_from_output(out, {rid: [t] for rid, t in tokens.items()}))
                 # NOTE: aborts take effect between inner steps; adds only queue until the next schedule().
                 self._drain_inbox()
                 return self.scheduler.prepare_window_step(out) if num_done < out.num_steps else []
 
-            self.runner.execute_window(out, on_step)
+            runner.execute_window(out, on_step)
+            self._steps += num_done
+        modelled = getattr(runner, "last_step_s", None)
+        self.last_step_s = modelled if modelled is not None else time.perf_counter() - t0
+        self._busy_s += self.last_step_s
         self._stats = self._snapshot()
         return outputs
 
@@ -262,4 +301,8 @@ class LLMEngine:
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            busy_s=self._busy_s,
+            steps=self._steps,
+            work=replace(self._work),
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
         )

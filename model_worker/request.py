@@ -46,6 +46,8 @@ class Request:
         block_hasher: hashes full blocks for prefix caching; None disables caching for this request.
         cache_salt: tenant salt mixed into the root of the hash chain.
         arrival_time: seconds since the epoch; defaults to now.
+        block_hashes: the prompt's full-block hashes, when the caller computed them already with
+            the same hasher (one per full block); None = hash here.
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class Request:
         block_hasher: BlockHasher | None = None,
         cache_salt: str = "",
         arrival_time: float | None = None,
+        block_hashes: list[bytes] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -76,7 +79,13 @@ class Request:
         # NOTE: block_hashes[i] is the hash of all_token_ids[i*bs:(i+1)*bs] for every full block.
         self.block_hashes: list[bytes] = []
         if block_hasher is not None:
-            self.block_hashes = block_hasher.hash_prompt(self.prompt_token_ids, cache_salt)
+            if block_hashes is None:
+                self.block_hashes = block_hasher.hash_prompt(self.prompt_token_ids, cache_salt)
+            else:
+                if len(block_hashes) != self.num_prompt_tokens // block_hasher.block_size:
+                    raise ValueError(f"{len(block_hashes)} block hashes given for a prompt of "
+                                     f"{self.num_prompt_tokens // block_hasher.block_size} full blocks")
+                self.block_hashes = list(block_hashes)
 
     @property
     def num_tokens(self) -> int:

@@ -82,6 +82,27 @@ class ScheduledRequest:
         return self.block_tables[0]
 
 
+@dataclass(slots=True)
+class StepWork:
+    """What one forward pass computes, in the units a step's time depends on (sim_runner.CostModel,
+    and the work counters a worker reports for routers to learn its step time from)."""
+
+    prefill_tokens: int = 0
+    """New tokens of prefill chunks (prompts, and recomputed tokens of preempted requests)."""
+    prefill_pairs: int = 0
+    """Attention (new token x context token) pairs of the prefill chunks: sum n * (start + (n + 1) / 2)."""
+    decode_seqs: int = 0
+    """Sequences decoding one token."""
+    decode_context_tokens: int = 0
+    """Context tokens the decoding sequences attend to."""
+
+    def add(self, other: StepWork) -> None:
+        self.prefill_tokens += other.prefill_tokens
+        self.prefill_pairs += other.prefill_pairs
+        self.decode_seqs += other.decode_seqs
+        self.decode_context_tokens += other.decode_context_tokens
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -94,10 +115,30 @@ class SchedulerOutput:
     num_steps: int = 1
     """Forward passes to run on this batch; > 1 only when every request in it decodes one token
     per pass and has KV slots for all of them (multi-step decode)."""
+    _work: StepWork | None = field(default=None, repr=False)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def work(self) -> StepWork:
+        """The first (or only) forward pass's work: a row computing one token past its prompt decodes.
+
+        Computed once per output (the runner's cost and the engine's counters both read it).
+        """
+        if self._work is not None:
+            return self._work
+        w = self._work = StepWork()
+        for s in self.scheduled:
+            n = s.num_new_tokens
+            if n == 1 and s.start >= s.request.num_prompt_tokens:
+                w.decode_seqs += 1
+                w.decode_context_tokens += s.start + 1
+            else:
+                w.prefill_tokens += n
+                # NOTE: n * (n + 1) is even: the pair count is exact in integers.
+                w.prefill_pairs += n * s.start + n * (n + 1) // 2
+        return w
 
 
 @dataclass

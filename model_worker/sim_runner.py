@@ -6,6 +6,10 @@ how long an H100 would take for the scheduled batch (:class:`CostModel`), sleeps
 and no KV tensors are allocated, so a laptop can host many "GPUs" whose prefix caches, block
 events and load reports are the real ones.
 
+With ``time_scale=0`` nothing sleeps: the modelled duration of each step is only returned
+(``last_step_s``; ``step_elapsed_s`` inside a multi-step window), and the virtual-time simulator
+(kvmesh/sim/) advances its own clock by it.
+
 Cost model of one step (seconds), docs/benchmarks.md#cost-model:
 
     t = step_overhead_s                                   (any work at all)
@@ -24,12 +28,17 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvmesh.contract.types import H100_8B_KV_BLOCKS
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.request import Request
-from kvmesh.model_worker.scheduler import SchedulerOutput
+from kvmesh.model_worker.scheduler import SchedulerOutput, StepWork
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 DEFAULT_SIM_NUM_BLOCKS = H100_8B_KV_BLOCKS
 
@@ -76,16 +85,16 @@ class CostModel:
         return (self.step_overhead_s + self.prefill_token_s * new + self.attn_pair_s * pairs
                 + self.decode_seq_s * len(decode_contexts) + self.decode_kv_token_s * sum(decode_contexts))
 
+    def work_time(self, w: StepWork) -> float:
+        """:meth:`step_time` of a step's work counts (the same formula: it is linear in them)."""
+        if not w.prefill_tokens and not w.decode_seqs:
+            return 0.0
+        return (self.step_overhead_s + self.prefill_token_s * w.prefill_tokens + self.attn_pair_s * w.prefill_pairs
+                + self.decode_seq_s * w.decode_seqs + self.decode_kv_token_s * w.decode_context_tokens)
+
     def batch_time(self, out: SchedulerOutput) -> float:
         """:meth:`step_time` of a scheduled batch: a request computing tokens past its prompt decodes."""
-        prefills: list[tuple[int, int]] = []
-        decodes: list[int] = []
-        for s in out.scheduled:
-            if s.start >= s.request.num_prompt_tokens and s.num_new_tokens == 1:
-                decodes.append(s.start + 1)
-            else:
-                prefills.append((s.start, s.num_new_tokens))
-        return self.step_time(prefills, decodes)
+        return self.work_time(out.work())
 
 
 @dataclass(slots=True)
@@ -99,7 +108,7 @@ class SimStats:
     decode_tokens: int = 0
 
 
-def sim_token_id(request_id: str, position: int, vocab_size: int, avoid: set[int]) -> int:
+def sim_token_id(request_id: str, position: int, vocab_size: int, avoid: AbstractSet[int]) -> int:
     """A deterministic token for a request's position, never one of ``avoid`` (EOS, stop ids)."""
     digest = hashlib.blake2b(f"{request_id}:{position}".encode(), digest_size=8).digest()
     token = int.from_bytes(digest, "little") % vocab_size
@@ -129,8 +138,16 @@ class SimRunner:
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks if config.num_blocks is not None else DEFAULT_SIM_NUM_BLOCKS
         self.vocab_size = model_config.vocab_size
-        self._eos = set(model_config.eos_token_ids)
+        self._eos = frozenset(model_config.eos_token_ids)
         self.stats = SimStats()
+        self.last_step_s = 0.0
+        """Modelled seconds of the last ``execute`` / ``execute_window`` (the engine's step time)."""
+        self.step_elapsed_s = 0.0
+        """Modelled seconds since the current step began; inside a window, when the inner step whose
+        tokens ``on_step`` is given ended."""
+        self.stop_window: Callable[[float], bool] | None = None
+        """Asked after each inner step of a window with ``step_elapsed_s``; True ends the window there
+        (the virtual-time simulator ends windows at the next arrival, see kvmesh/sim/mesh.py)."""
         self._lock = threading.Lock()
         # NOTE: back-to-back steps are paced against a running deadline, so up to
         # _ABSORB_S of host overhead between them is absorbed instead of added (a GPU overlaps
@@ -139,10 +156,13 @@ class SimRunner:
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         """Sleeps for the batch's modelled time; returns request id -> one token for the rows that sample."""
+        self.step_elapsed_s = 0.0
         if out.is_empty:
+            self.last_step_s = 0.0
             return {}
-        prefill = sum(s.num_new_tokens for s in out.scheduled if s.start < s.request.num_prompt_tokens)
-        self._run(self.cost.batch_time(out), prefill, out.num_scheduled_tokens - prefill)
+        w = out.work()
+        self._run(self.cost.work_time(w), w.prefill_tokens, w.decode_seqs)
+        self.last_step_s = self.step_elapsed_s
         return {s.request.request_id: [self._token(s.request)] for s in out.scheduled if s.sample}
 
     def execute_window(self, out: SchedulerOutput, on_step: Callable[[dict[str, int]], list[str]]) -> None:
@@ -154,19 +174,31 @@ class SimRunner:
         window instead of per token, which is what lets one small machine host many simulated GPUs.
         """
         rows = {s.request.request_id: s for s in out.scheduled}
-        for step in range(out.num_steps):
-            contexts = [s.start + 1 + step for s in rows.values()]
-            self._run(self.cost.step_time([], contexts), 0, len(contexts))
-            active = set(on_step({rid: self._token(s.request) for rid, s in rows.items()}))
-            rows = {rid: s for rid, s in rows.items() if rid in active}
-            if not rows:
-                return
+        self.step_elapsed_s = 0.0
+        base = sum(s.start + 1 for s in rows.values())
+        cost = self.cost
+        try:
+            for step in range(out.num_steps):
+                n = len(rows)
+                t = cost.step_overhead_s + cost.decode_seq_s * n + cost.decode_kv_token_s * (base + step * n)
+                self._run(t, 0, n)
+                active = on_step({rid: self._token(s.request) for rid, s in rows.items()})
+                if len(active) != n:
+                    keep = set(active)
+                    rows = {rid: s for rid, s in rows.items() if rid in keep}
+                    base = sum(s.start + 1 for s in rows.values())
+                if not rows or (self.stop_window is not None and self.stop_window(self.step_elapsed_s)):
+                    return
+        finally:
+            self.last_step_s = self.step_elapsed_s
 
     def _token(self, r: Request) -> int:
-        return sim_token_id(r.request_id, r.num_tokens, self.vocab_size, self._eos | set(r.sampling_params.stop_token_ids))
+        stop = r.sampling_params.stop_token_ids
+        return sim_token_id(r.request_id, r.num_tokens, self.vocab_size, self._eos.union(stop) if stop else self._eos)
 
     def _run(self, t: float, prefill_tokens: int, decode_tokens: int) -> None:
         """Accounts one step of ``t`` modelled seconds and sleeps it, scaled and paced."""
+        self.step_elapsed_s += t
         with self._lock:
             self.stats.busy_s += t
             self.stats.steps += 1
@@ -186,8 +218,8 @@ class SimRunner:
             return SimStats(s.busy_s, s.steps, s.prefill_tokens, s.decode_tokens)
 
 
-def export_metrics(runner: SimRunner) -> None:
-    """Publishes the runner's counters on the process's Prometheus registry (`/metrics`)."""
+def export_metrics(runner: SimRunner, registry: CollectorRegistry) -> None:
+    """Publishes the runner's counters on the worker's Prometheus registry (`/metrics`)."""
     from prometheus_client import Gauge
 
     fields = {"busy_seconds": "modelled seconds of GPU work (unscaled)", "steps": "engine steps run",
@@ -195,5 +227,5 @@ def export_metrics(runner: SimRunner) -> None:
     attrs = {"busy_seconds": "busy_s"}
     for name, doc in fields.items():
         attr = attrs.get(name, name)
-        Gauge(f"kvmesh_sim_{name}", f"Simulated worker: {doc}").set_function(
+        Gauge(f"kvmesh_sim_{name}", f"Simulated worker: {doc}", registry=registry).set_function(
             lambda a=attr: float(getattr(runner.snapshot(), a)))

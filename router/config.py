@@ -57,8 +57,9 @@ class RouterConfig:
     """Seconds a worker that failed a call is skipped (unless every worker is)."""
     rpc_timeout_s: float = flag(2.0, name="rpc-timeout")
     """Deadline in seconds of discovery calls (ListWorkers, GetLoad)."""
-    max_streams: int = 256
-    """Concurrent RPCs; more are refused with RESOURCE_EXHAUSTED."""
+    max_streams: int = 1024
+    """Concurrent Generate streams; more are refused with RESOURCE_EXHAUSTED naming this flag (health checks
+    are never refused)."""
     max_prompt_tokens: int = 0
     """Longer prompts are refused with RESOURCE_EXHAUSTED; 0 = no limit (the worker's max_model_len still applies)."""
     max_tokens_limit: int = 0

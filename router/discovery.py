@@ -1,16 +1,18 @@
 """gRPC side of the router's upstreams: the kv_service (Lookup, ListWorkers) and the workers.
 
-Implements router/upstream.py's PrefixIndex and WorkerPool. This is the one module of the router
+Implements router/upstream.py's AsyncPrefixIndex and WorkerPool over ``grpc.aio`` channels, on the
+router's event loop; discovery is a task on that loop. This is the one module of the router
 that reads gRPC status codes of upstream calls; it turns them into ``Failure`` kinds for the
 request path and ``IndexUnavailable`` for the index.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -28,7 +30,8 @@ from kvmesh.router.upstream import (
     WorkerError,
     WorkerRequest,
 )
-from kvmesh.transport.rpc import dial
+from kvmesh.transport.rpc import dial_aio
+from kvmesh.transport.security import call_metadata
 from kvmesh.v1 import kv_service_pb2 as kv_pb
 from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc
 from kvmesh.v1 import worker_pb2 as w_pb
@@ -50,102 +53,91 @@ EMPTY_GRACE_S = 5.0
 
 
 class KVServiceClient:
-    """Lookup with a short deadline and a breaker: after a failure, skip the index for ``retry_s``.
+    """Lookup with a short deadline; a failure raises IndexUnavailable (router/core.py's breaker then
+    skips the index for a while). Build it on the loop that uses it."""
 
-    NOTE: without the breaker a blackholed kv_service would add the full lookup deadline to every
-    request; with it, one request per ``retry_s`` pays it while the others route by rendezvous.
-    """
-
-    def __init__(self, target: str, lookup_timeout_s: float = 0.05, retry_s: float = 1.0,
-                 rpc_timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, target: str, lookup_timeout_s: float = 0.05, rpc_timeout_s: float = 2.0) -> None:
         self.target = target
         self.lookup_timeout_s = lookup_timeout_s
-        self.retry_s = retry_s
         self.rpc_timeout_s = rpc_timeout_s
-        self._clock = clock
-        self._channel = dial(target)
+        self._channel = dial_aio(target)
         self._stub = kv_grpc.KVServiceStub(self._channel)
-        self._down_until = 0.0
+        self._md = call_metadata()
 
-    def lookup(self, model_id: str, block_hashes: Sequence[bytes]) -> list[IndexMatch]:
-        if self._clock() < self._down_until:
-            raise IndexUnavailable(f"kv_service at {self.target} failed recently", "index_down")
+    async def lookup(self, model_id: str, block_hashes: Sequence[bytes]) -> list[IndexMatch]:
         try:
-            answer = self._stub.Lookup(kv_pb.LookupRequest(model_id=model_id, block_hashes=block_hashes),
-                                       timeout=self.lookup_timeout_s)
-        except grpc.RpcError as exc:
-            self._down_until = self._clock() + self.retry_s
+            answer = await self._stub.Lookup(kv_pb.LookupRequest(model_id=model_id, block_hashes=block_hashes),
+                                             timeout=self.lookup_timeout_s, metadata=self._md)
+        except grpc.aio.AioRpcError as exc:
             raise IndexUnavailable(f"kv_service at {self.target}: {exc.code().name}: {exc.details()}") from None
-        self._down_until = 0.0
         return [IndexMatch(m.worker_id, m.address, m.matched_blocks, load_from_pb(m.load)) for m in answer.workers]
 
-    def list_workers(self) -> list[kv_pb.WorkerInfo]:
-        """Live workers of every model; raises grpc.RpcError."""
-        return list(self._stub.ListWorkers(kv_pb.ListWorkersRequest(), timeout=self.rpc_timeout_s).workers)
+    async def list_workers(self) -> list[kv_pb.WorkerInfo]:
+        """Live workers of every model; raises grpc.aio.AioRpcError."""
+        resp = await self._stub.ListWorkers(kv_pb.ListWorkersRequest(), timeout=self.rpc_timeout_s, metadata=self._md)
+        return list(resp.workers)
 
-    def close(self) -> None:
-        self._channel.close()
+    async def close(self) -> None:
+        await self._channel.close()
 
 
 class GrpcWorkerCall:
     """A Worker.Generate stream; iteration yields WorkerChunks and raises WorkerError."""
 
-    def __init__(self, call: grpc.Call, endpoint: WorkerEndpoint) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall, endpoint: WorkerEndpoint) -> None:
         self._call = call
         self._endpoint = endpoint
-        self._cancelled = False
 
-    def __iter__(self) -> Iterator[WorkerChunk]:
+    async def __aiter__(self) -> AsyncIterator[WorkerChunk]:
         try:
-            for m in self._call:
+            async for m in self._call:
                 yield WorkerChunk(
                     list(m.token_ids),
                     PB_TO_FINISH.get(m.finish_reason) if m.finish_reason else None,
                     usage_from_pb(m.usage) if m.HasField("usage") else None,
                     m.worker_id,
                 )
-        except grpc.RpcError as exc:
+        except grpc.aio.AioRpcError as exc:
             failure = FAILURE_OF.get(exc.code(), Failure.OTHER)
-            if failure is Failure.CANCELLED and not self._cancelled:
-                failure = Failure.UNAVAILABLE  # the worker dropped the stream (e.g. it is shutting down)
+            if failure is Failure.CANCELLED:
+                # NOTE: this router cancels a call only when it stops reading it (its task was
+                # cancelled); a CANCELLED status read here came from the worker (e.g. shutting down).
+                failure = Failure.UNAVAILABLE
             e = self._endpoint
             raise WorkerError(failure, f"worker {e.worker_id} at {e.address}: {exc.code().name}: {exc.details()}") \
                 from None
 
     def cancel(self) -> None:
-        self._cancelled = True
         self._call.cancel()
 
 
 class GrpcWorkerPool:
     """The workers of the served model: from kv_service's ListWorkers, or a static address list.
 
-    A background thread refreshes the set every ``discovery_interval_s``; when the source fails the
-    last good set stays. Channels are cached per address.
+    A task on the router's loop refreshes the set every ``discovery_interval_s``; when the source
+    fails the last good set stays. Channels are cached per address.
     """
 
     def __init__(self, config: RouterConfig, kv: KVServiceClient | None,
-                 on_change: Callable[[bool], None] | None = None) -> None:
+                 on_change: Callable[[bool], Awaitable[None]] | None = None) -> None:
         self.config = config
         self.kv = kv
         self.discovers_from_index = not config.workers
         self.problem = ""
         """Why the worker set is empty or stale (shown in UNAVAILABLE messages)."""
         self._on_change = on_change
-        self._lock = threading.Lock()
         self._endpoints: list[WorkerEndpoint] = []
         self._spec: ModelSpec | None = None
         self._model_id = config.model_id
         self._unhealthy: dict[str, float] = {}
         self._empty_since: float | None = None
-        self._channels: dict[str, tuple[grpc.Channel, w_grpc.WorkerStub, float]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="router-discovery", daemon=True)
+        self._channels: dict[str, tuple[grpc.aio.Channel, w_grpc.WorkerStub, float]] = {}
+        self._md = call_metadata()
+        self._task: asyncio.Task | None = None
 
     # -- WorkerPool -------------------------------------------------------------------------
     def endpoints(self) -> list[WorkerEndpoint]:
-        with self._lock:
-            return list(self._endpoints)
+        return self._endpoints
 
     def model_spec(self) -> ModelSpec:
         spec = self._spec
@@ -167,48 +159,50 @@ class GrpcWorkerPool:
         call = self._stub(endpoint.address).Generate(
             w_pb.WorkerGenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                                        sampling=sampling_to_pb(request.sampling), cache_salt=request.cache_salt),
-            timeout=timeout_s)
+            timeout=timeout_s, metadata=self._md)
         return GrpcWorkerCall(call, endpoint)
 
     # -- discovery ---------------------------------------------------------------------------
-    def start(self) -> GrpcWorkerPool:
-        self.refresh()
-        self._thread.start()
+    async def start(self) -> GrpcWorkerPool:
+        await self.refresh()
+        self._task = asyncio.get_running_loop().create_task(self._loop())
         return self
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(2 * self.config.rpc_timeout_s + 1)
-        with self._lock:
-            channels, self._channels = self._channels, {}
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        channels, self._channels = self._channels, {}
         for channel, _, _ in channels.values():
-            channel.close()
+            await channel.close()
         if self.kv is not None:
-            self.kv.close()
+            await self.kv.close()
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.config.discovery_interval_s):
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.discovery_interval_s)
             try:
-                self.refresh()
+                await self.refresh()
             except Exception:  # noqa: BLE001 - keep polling; log and keep the last good set
                 log.exception("worker discovery failed")
 
-    def refresh(self) -> None:
+    async def refresh(self) -> None:
         """One poll of the worker source."""
         if self.config.workers:
-            self._refresh_static()
+            await self._refresh_static()
         else:
-            self._refresh_from_kv()
-        self._prune_channels()
+            await self._refresh_from_kv()
+        await self._prune_channels()
         if self._on_change is not None:
-            self._on_change(bool(self._endpoints))
+            await self._on_change(bool(self._endpoints))
 
-    def _refresh_from_kv(self) -> None:
+    async def _refresh_from_kv(self) -> None:
         assert self.kv is not None
         try:
-            infos = [w for w in self.kv.list_workers() if w.live]
-        except grpc.RpcError as exc:
+            infos = [w for w in await self.kv.list_workers() if w.live]
+        except grpc.aio.AioRpcError as exc:
             problem = f"kv_service at {self.kv.target} unreachable: {exc.code().name}"
             if problem != self.problem:  # once per outage, not once per poll
                 log.warning("%s; keeping the last %d worker(s)", problem, len(self._endpoints))
@@ -240,16 +234,17 @@ class GrpcWorkerPool:
             if now - self._empty_since < EMPTY_GRACE_S:
                 return
         self._empty_since = None
-        with self._lock:
-            self._endpoints = [WorkerEndpoint(w.worker_id, w.address, load_from_pb(w.load)) for w in mine]
+        # NOTE: replaced, never mutated: a request that read the list keeps a consistent one.
+        self._endpoints = [WorkerEndpoint(w.worker_id, w.address, load_from_pb(w.load)) for w in mine]
 
-    def _refresh_static(self) -> None:
+    async def _refresh_static(self) -> None:
         found: list[WorkerEndpoint] = []
         problems = []
         for address in self.config.workers:
             try:
-                r = self._stub(address).GetLoad(w_pb.GetLoadRequest(), timeout=self.config.rpc_timeout_s)
-            except grpc.RpcError as exc:
+                r = await self._stub(address).GetLoad(w_pb.GetLoadRequest(), timeout=self.config.rpc_timeout_s,
+                                                       metadata=self._md)
+            except grpc.aio.AioRpcError as exc:
                 problems.append(f"{address}: {exc.code().name}")
                 continue
             if not self._model_id:
@@ -261,25 +256,21 @@ class GrpcWorkerPool:
                 self._spec = ModelSpec(self._model_id, r.block_size, algorithm_name(self.config.hash_algorithm))
             found.append(WorkerEndpoint(r.worker_id, address, load_from_pb(r.load)))
         self.problem = ("static workers unreachable or mismatched: " + "; ".join(problems)) if problems else ""
-        with self._lock:
-            self._endpoints = found
+        self._endpoints = found
 
     def _stub(self, address: str) -> w_grpc.WorkerStub:
-        with self._lock:
-            entry = self._channels.get(address)
-            if entry is None:
-                channel = dial(address)
-                entry = (channel, w_grpc.WorkerStub(channel), time.monotonic())
-            else:
-                entry = (entry[0], entry[1], time.monotonic())
-            self._channels[address] = entry
-            return entry[1]
+        entry = self._channels.get(address)
+        if entry is None:
+            channel = dial_aio(address)
+            entry = (channel, w_grpc.WorkerStub(channel), time.monotonic())
+        else:
+            entry = (entry[0], entry[1], time.monotonic())
+        self._channels[address] = entry
+        return entry[1]
 
-    def _prune_channels(self) -> None:
+    async def _prune_channels(self) -> None:
         now = time.monotonic()
-        with self._lock:
-            live = {e.address for e in self._endpoints} | set(self.config.workers)
-            stale = [a for a, (_, _, used) in self._channels.items() if a not in live and now - used > CHANNEL_IDLE_S]
-            closing = [self._channels.pop(a)[0] for a in stale]
-        for channel in closing:
-            channel.close()
+        live = {e.address for e in self._endpoints} | set(self.config.workers)
+        stale = [a for a, (_, _, used) in self._channels.items() if a not in live and now - used > CHANNEL_IDLE_S]
+        for address in stale:
+            await self._channels.pop(address)[0].close()

@@ -1,19 +1,45 @@
-"""Prometheus metrics of the router (names under kvmesh_router_)."""
+"""Prometheus metrics of the router (names under kvmesh_router_), on a registry of their own.
+
+The server makes one ``RouterMetrics`` at start and serves its registry on ``/metrics``; the
+request path gets it passed in and it is router/core.py's DecisionObserver. Nothing registers at
+import, so several routers (tests, a simulator's many cores) live in one process.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-DECISIONS = Counter("kvmesh_router_decisions_total", "Routing decisions", ["policy", "reason"])
-LOOKUP_LATENCY = Histogram(
-    "kvmesh_router_lookup_latency_seconds", "kv_service Lookup round trip seen by the router",
-    buckets=(1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5),
-)
-DECISION_LATENCY = Histogram(
-    "kvmesh_router_decision_latency_seconds", "Tokenize + hash + lookup + pick",
-    buckets=(1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5),
-)
-FALLBACKS = Counter("kvmesh_router_fallbacks_total", "Requests routed without the index", ["cause"])
-RETRIES = Counter("kvmesh_router_retries_total", "Retries on another worker before the first token", ["failure"])
-REQUESTS = Counter("kvmesh_router_requests_total", "Generate requests by outcome", ["outcome"])
-INFLIGHT = Gauge("kvmesh_router_inflight_requests", "Generate streams open")
+_LATENCY_BUCKETS = (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter("kvmesh_router_decisions_total", "Routing decisions", ["policy", "reason"],
+                                 registry=r)
+        self.lookup_latency_s = Histogram(
+            "kvmesh_router_lookup_latency_seconds", "kv_service Lookup round trip seen by the router",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.decision_latency_s = Histogram(
+            "kvmesh_router_decision_latency_seconds", "Tokenize + hash + lookup + pick", buckets=_LATENCY_BUCKETS,
+            registry=r)
+        self.fallbacks = Counter("kvmesh_router_fallbacks_total", "Requests routed without the index", ["cause"],
+                                 registry=r)
+        self.retries = Counter("kvmesh_router_retries_total", "Retries on another worker before the first token",
+                               ["failure"], registry=r)
+        self.requests = Counter("kvmesh_router_requests_total", "Generate requests by outcome", ["outcome"],
+                                registry=r)
+        self.inflight = Gauge("kvmesh_router_inflight_requests", "Generate streams open", registry=r)
+        self.refused = Counter("kvmesh_router_refused_total", "Generate streams refused at --max-streams",
+                               registry=r)
+
+    # -- router/core.py's DecisionObserver ----------------------------------------------------
+    def decision(self, policy: str, reason: str) -> None:
+        self.decisions.labels(policy, reason).inc()
+
+    def fallback(self, cause: str) -> None:
+        self.fallbacks.labels(cause).inc()
+
+    def lookup_latency(self, seconds: float) -> None:
+        self.lookup_latency_s.observe(seconds)

@@ -1,44 +1,43 @@
 """The request path: validate, tokenize, hash, look up, pick, forward, stream back.
 
-The gRPC adapter (router/server.py) turns a GenerateRequest into a :class:`GenerateInput`, calls
+The gRPC adapter (router/server.py) turns a GenerateRequest into a :class:`GenerateInput`, iterates
 :meth:`Router.generate` and turns each :class:`GenerateOutput` into a GenerateResponse. Workers and
 the index are reached through router/upstream.py's protocols, so this module imports neither
-grpc nor redis; errors are kvmesh.contract.errors, mapped to status codes by kvmesh/rpc.py.
+grpc nor redis; errors are kvmesh.contract.errors, mapped to status codes by kvmesh/transport/rpc.py.
+
+Everything here runs on the router's event loop. The decisions (chain, candidates, pick, in-flight
+accounting) are router/core.py's synchronous code; only I/O is awaited: the Lookup, the worker's
+stream, and tokenizing a long text (on a worker thread: ~3 ms per 1k tokens would hold up every
+other stream on the loop). A client that goes away cancels the request's task; the cancellation
+reaches the open worker call at its await, and the ``finally`` blocks free its in-flight share.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
-from kvmesh.contract.types import DEFAULT_MAX_TOKENS, ModelSpec, SamplingParams, Usage
-from kvmesh.router import metrics
+from kvmesh.contract.types import DEFAULT_MAX_TOKENS, SamplingParams, Usage
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.core import RoutePlan, RoutingCore
 from kvmesh.router.detokenize import IncrementalDetokenizer
 from kvmesh.router.inflight import InFlight
-from kvmesh.router.policy import (
-    Candidate,
-    Decision,
-    PolicyConfig,
-    RouteQuery,
-    RouterPolicy,
-    make_policy,
-    uncached_tokens,
-)
+from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.policy import Decision, PolicyConfig, RouterPolicy, make_policy
 from kvmesh.router.speculative import SpeculativeIndex
 from kvmesh.router.upstream import (
     RETRIABLE,
+    AsyncPrefixIndex,
     Failure,
+    IndexMatch,
     IndexUnavailable,
-    PrefixIndex,
     WorkerEndpoint,
     WorkerError,
     WorkerPool,
@@ -46,6 +45,9 @@ from kvmesh.router.upstream import (
 )
 
 log = logging.getLogger("kvmesh.router")
+
+TOKENIZE_IN_THREAD_CHARS = 2048
+"""Texts longer than this are tokenized on a worker thread (about 0.5 ms of the loop and up)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,71 +72,49 @@ class GenerateOutput:
     served_by: str = ""
 
 
-@dataclass(slots=True)
-class RoutePlan:
-    """A request's tokens, chain and candidates; the first pick and every retry choose from it."""
-
-    token_ids: list[int]
-    query: RouteQuery
-    candidates: list[Candidate]
-    endpoints: dict[str, WorkerEndpoint]
-
-
-class CancelScope:
-    """Lets the adapter cancel whatever upstream call the request path has open (client gone)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._cancelled = False
-        self._hook: Callable[[], None] | None = None
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    def attach(self, hook: Callable[[], None] | None) -> None:
-        with self._lock:
-            self._hook = hook
-            run_now = self._cancelled and hook is not None
-        if run_now:
-            hook()
-
-    def cancel(self) -> None:
-        with self._lock:
-            self._cancelled = True
-            hook = self._hook
-        if hook is not None:
-            hook()
-
-
 class Router:
-    """The router's core; one per process, shared by all server threads.
+    """The request path; one per process, on the server's event loop.
 
     Args:
         config: the router's flags.
         pool: the workers of the model (router/discovery.py).
         index: the kv_service Lookup, or None to route without an index.
         tokenizer: the model's tokenizer, or None (clients must then send token ids).
+        metrics: where to count (the server's, served on /metrics); default: a private registry.
     """
 
-    def __init__(self, config: RouterConfig, pool: WorkerPool, index: PrefixIndex | None,
+    def __init__(self, config: RouterConfig, pool: WorkerPool, index: AsyncPrefixIndex | None,
                  tokenizer: Tokenizer | None = None, policy: RouterPolicy | None = None,
-                 speculative: SpeculativeIndex | None = None) -> None:
+                 speculative: SpeculativeIndex | None = None, metrics: RouterMetrics | None = None) -> None:
         self.config = config
         self.pool = pool
         self.index = index
         self.tokenizer = tokenizer
-        self.policy = policy or make_policy(config.policy, PolicyConfig(
+        self.metrics = metrics or RouterMetrics()
+        policy = policy or make_policy(config.policy, PolicyConfig(
             decode_cost_tokens=config.decode_cost_tokens, overlap_weight=config.overlap_weight,
             balance_factor=config.balance_factor,
             balance_min_tokens=config.balance_min_tokens, fallback_prefix_blocks=config.fallback_prefix_blocks,
             seed=config.seed))
-        self.speculative = speculative or SpeculativeIndex(config.speculative_ttl_s)
-        self.inflight = InFlight()
-        self._hashers: dict[ModelSpec, BlockHasher] = {}
+        self.core = RoutingCore(policy, speculative_ttl_s=config.speculative_ttl_s,
+                                index_retry_s=config.index_retry_s, observer=self.metrics)
+        if speculative is not None:
+            self.core.speculative = speculative
+
+    @property
+    def policy(self) -> RouterPolicy:
+        return self.core.policy
+
+    @property
+    def speculative(self) -> SpeculativeIndex:
+        return self.core.speculative
+
+    @property
+    def inflight(self) -> InFlight:
+        return self.core.inflight
 
     # -- decision path (tokenize + hash + lookup + pick) ------------------------------------
-    def tokenize(self, inp: GenerateInput) -> list[int]:
+    async def tokenize(self, inp: GenerateInput) -> list[int]:
         """The prompt's token ids; raises InvalidArgument on an empty or missing prompt."""
         if inp.token_ids is not None:
             if not inp.token_ids:
@@ -147,78 +127,44 @@ class Router:
         if self.tokenizer is None:
             raise InvalidArgument("this router has no tokenizer (start it with --model DIR): send token_ids")
         # NOTE: add_special_tokens=True, as the worker's offline path encodes, so both hash the same ids.
+        if len(inp.text) > TOKENIZE_IN_THREAD_CHARS:
+            # The Rust tokenizer releases the GIL: the loop keeps serving the other streams.
+            return (await asyncio.to_thread(self.tokenizer.encode, inp.text, add_special_tokens=True)).ids
         return self.tokenizer.encode(inp.text, add_special_tokens=True).ids
 
-    def hasher(self, spec: ModelSpec) -> BlockHasher:
-        h = self._hashers.get(spec)
-        if h is None:
-            h = self._hashers[spec] = BlockHasher(spec.model_id, spec.block_size, spec.hash_algorithm)
-        return h
-
-    def plan(self, token_ids: list[int], cache_salt: str = "") -> RoutePlan:
-        """Hashes the prompt, asks the index once and builds the candidates."""
-        spec = self.pool.model_spec()
-        try:
-            chain = self.hasher(spec).hash_prompt(token_ids, cache_salt)
-        except ValueError as exc:
-            raise InvalidArgument(f"token_ids: {exc}") from None
-        endpoints = {e.worker_id: e for e in self.pool.endpoints()}
-        matched: dict[str, int] = {}
+    async def plan(self, token_ids: list[int], cache_salt: str = "") -> RoutePlan:
+        """Hashes the prompt, asks the index at most once and builds the candidates: router/core.py's
+        ``plan`` with the Lookup awaited."""
+        core, spec = self.core, self.pool.model_spec()
+        chain = core.chain(spec, token_ids, cache_salt)
+        answer: list[IndexMatch] | None = None
         index_ok = True
-        if self.policy.uses_index and chain:
-            index_ok = self._lookup(spec.model_id, chain, endpoints, matched)
-            for worker_id, n in self.speculative.matches(chain).items():
-                if worker_id in endpoints and n > matched.get(worker_id, 0):
-                    matched[worker_id] = n
-        candidates = []
-        for e in endpoints.values():
-            requests, prefill = self.inflight.view(e.worker_id)
-            candidates.append(Candidate(e.worker_id, e.address, matched.get(e.worker_id, 0), e.load, requests, prefill))
-        healthy = [c for c in candidates if self.pool.healthy(c.worker_id)]
-        # NOTE: unhealthy marks are hints: when every worker carries one, try them all anyway.
-        return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok),
-                         healthy or candidates, endpoints)
+        if core.wants_index(chain):
+            index_ok = core.index_allowed(self.index is not None)
+            if index_ok:
+                assert self.index is not None
+                t0 = time.perf_counter()
+                try:
+                    answer = await self.index.lookup(spec.model_id, chain)
+                except IndexUnavailable as exc:
+                    core.lookup_failed(exc)
+                    index_ok = False
+                else:
+                    core.lookup_succeeded(time.perf_counter() - t0)
+        return core.build(spec, token_ids, chain, self.pool.endpoints(), answer, index_ok,
+                          adopt=self.pool.discovers_from_index, healthy=self.pool.healthy)
 
-    def _lookup(self, model_id: str, chain: list[bytes], endpoints: dict[str, WorkerEndpoint],
-                matched: dict[str, int]) -> bool:
-        if self.index is None:
-            metrics.FALLBACKS.labels("no_index").inc()
-            return False
-        t0 = time.perf_counter()
-        try:
-            answer = self.index.lookup(model_id, chain)
-        except IndexUnavailable as exc:
-            metrics.FALLBACKS.labels(exc.cause).inc()
-            if exc.cause == "lookup_failed":
-                log.warning("kv_service lookup failed, routing by rendezvous hash: %s", exc)
-            return False
-        metrics.LOOKUP_LATENCY.observe(time.perf_counter() - t0)
-        adopt = self.pool.discovers_from_index
-        for m in answer:
-            known = endpoints.get(m.worker_id)
-            if known is not None:
-                # NOTE: the Lookup's load is fresher than the last discovery poll.
-                endpoints[m.worker_id] = replace(known, load=m.load)
-            elif adopt:  # registered since the last poll
-                endpoints[m.worker_id] = WorkerEndpoint(m.worker_id, m.address, m.load)
-            else:  # static --workers: a worker outside the list is not ours to use
-                continue
-            matched[m.worker_id] = m.matched_blocks
-        return True
-
-    def decide(self, inp: GenerateInput) -> tuple[RoutePlan, Decision]:
+    async def decide(self, inp: GenerateInput) -> tuple[RoutePlan, Decision]:
         """Tokenize + hash + lookup + pick, and the speculative record: all the server does
         before forwarding (benchmarks/router_overhead.py times exactly this)."""
         t0 = time.perf_counter()
-        token_ids = self.tokenize(inp)
+        token_ids = await self.tokenize(inp)
         self._check_limits(len(token_ids), inp.sampling.max_tokens)
-        plan = self.plan(token_ids, inp.cache_salt)
+        plan = await self.plan(token_ids, inp.cache_salt)
         if not plan.candidates:
             raise Unavailable(self._no_worker_message())
-        decision = self.policy.pick(plan.query, plan.candidates)
-        self.speculative.record(plan.query.block_hashes, decision.worker_id)
-        metrics.DECISIONS.labels(self.policy.name, decision.reason).inc()
-        metrics.DECISION_LATENCY.observe(time.perf_counter() - t0)
+        decision = self.core.pick(plan)
+        self.metrics.decision_latency_s.observe(time.perf_counter() - t0)
         return plan, decision
 
     def _check_limits(self, prompt_tokens: int, max_tokens: int | None) -> None:
@@ -236,19 +182,19 @@ class Router:
         return f"no worker is available for model {spec.model_id!r}: {why}"
 
     # -- forwarding ---------------------------------------------------------------------------
-    def generate(self, inp: GenerateInput, scope: CancelScope | None = None) -> Iterator[GenerateOutput]:
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateOutput]:
         """Routes the request and streams the worker's tokens back.
 
         Before the first token a worker that is down, busy or too slow is replaced by the next pick
         (up to ``max_attempts``); after it, a worker failure ends the stream with Unavailable.
+        Cancelling the consuming task (the client went away) cancels the worker call.
 
         Raises:
             InvalidArgument: the request is bad (here or at the worker).
             Unavailable: no worker could take it, or the worker failed mid-stream.
             ResourceExhausted: every worker tried was at capacity.
         """
-        scope = scope or CancelScope()
-        plan, decision = self.decide(inp)
+        plan, decision = await self.decide(inp)
         budget = self.config.request_timeout_s if inp.timeout_s is None else min(inp.timeout_s,
                                                                                  self.config.request_timeout_s)
         deadline = time.monotonic() + budget
@@ -260,18 +206,17 @@ class Router:
         failures: list[tuple[str, WorkerError]] = []
         for attempt in range(self.config.max_attempts):
             if attempt:
-                if not remaining or scope.cancelled:
+                if not remaining:
                     break
-                decision = self.policy.pick(plan.query, remaining)
-                self.speculative.record(plan.query.block_hashes, decision.worker_id)
-                metrics.DECISIONS.labels(self.policy.name, decision.reason).inc()
+                decision = self.core.pick(plan, remaining)
             remaining = [c for c in remaining if c.worker_id != decision.worker_id]
             endpoint = plan.endpoints[decision.worker_id]
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             try:
-                yield from self._stream(endpoint, plan, request, left, scope)
+                async for out in self._stream(endpoint, plan, request, left):
+                    yield out
                 return
             except WorkerError as exc:  # only ever raised before the first token
                 if exc.failure is Failure.CANCELLED:
@@ -283,42 +228,41 @@ class Router:
                     break
                 if exc.failure is Failure.UNAVAILABLE:
                     self.pool.mark_unhealthy(endpoint.worker_id)
-                metrics.RETRIES.labels(exc.failure.value).inc()
+                self.metrics.retries.labels(exc.failure.value).inc()
                 log.info("request %s: worker %s %s before the first token (%s); trying another",
                          request.request_id, endpoint.worker_id, exc.failure.value, exc)
-        if scope.cancelled:
-            return
         detail = "; ".join(f"{w}: {e.failure.value} ({e})" for w, e in failures) or "deadline passed"
         if failures and all(e.failure is Failure.BUSY for _, e in failures):
             raise ResourceExhausted(f"every worker tried is at capacity, retry later: {detail}")
         raise Unavailable(f"no worker could take the request after {len(failures)} attempt(s): {detail}")
 
-    def _stream(self, endpoint: WorkerEndpoint, plan: RoutePlan, request: WorkerRequest, timeout_s: float,
-                scope: CancelScope) -> Iterator[GenerateOutput]:
+    async def _stream(self, endpoint: WorkerEndpoint, plan: RoutePlan, request: WorkerRequest,
+                      timeout_s: float) -> AsyncIterator[GenerateOutput]:
         """One attempt. Raises WorkerError only before the first chunk has been yielded."""
-        cand = next(c for c in plan.candidates if c.worker_id == endpoint.worker_id)
-        ticket = self.inflight.start(endpoint.worker_id, uncached_tokens(cand, plan.query))
+        ticket = self.core.start(plan, endpoint.worker_id)
         detok = IncrementalDetokenizer(self._decode) if self.tokenizer is not None else None
         started = False
         call = None
-        timer: threading.Timer | None = None
-        timed_out = threading.Event()
         try:
             call = self.pool.generate(endpoint, request, timeout_s)
-            scope.attach(call.cancel)
+            chunks = call.__aiter__()
             first_token_s = self.config.first_token_timeout_s
-            if 0 < first_token_s < timeout_s:
-                # NOTE: a worker that sits on a request is given up on while there is still time
-                # to retry elsewhere; the call's own deadline is the whole request budget.
-                timer = threading.Timer(first_token_s, lambda: (timed_out.set(), call.cancel()))
-                timer.daemon = True
-                timer.start()
-            for chunk in call:
-                if not started:
-                    started = True
-                    if timer is not None:
-                        timer.cancel()
-                    self.inflight.prefilled(ticket)
+            try:
+                if 0 < first_token_s < timeout_s:
+                    # NOTE: a worker that sits on a request is given up on while there is still
+                    # time to retry elsewhere; the call's own deadline is the whole request budget.
+                    chunk = await asyncio.wait_for(chunks.__anext__(), first_token_s)
+                else:
+                    chunk = await chunks.__anext__()
+            except asyncio.TimeoutError:  # noqa: UP041 - TimeoutError only from Python 3.11
+                raise WorkerError(Failure.TIMEOUT, f"no first token within {first_token_s:g}s "
+                                                   "(--first-token-timeout)") from None
+            except StopAsyncIteration:
+                raise WorkerError(Failure.OTHER, f"worker {endpoint.worker_id} ended the stream without a "
+                                                 "finish reason") from None
+            started = True
+            self.core.prefilled(ticket)
+            while True:
                 text = detok.push(chunk.token_ids) if detok is not None else ""
                 if chunk.finish_reason is not None:
                     if detok is not None:
@@ -327,21 +271,19 @@ class Router:
                                          chunk.worker_id or endpoint.worker_id)
                     return
                 yield GenerateOutput(chunk.token_ids, text)
-            raise WorkerError(Failure.OTHER, f"worker {endpoint.worker_id} ended the stream without a finish reason")
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    raise WorkerError(Failure.OTHER, f"worker {endpoint.worker_id} ended the stream without a "
+                                                     "finish reason") from None
         except WorkerError as exc:
-            if timed_out.is_set() and not started and not scope.cancelled:
-                raise WorkerError(Failure.TIMEOUT, f"no first token within {self.config.first_token_timeout_s:g}s "
-                                                   "(--first-token-timeout)") from None
             if not started or exc.failure is Failure.CANCELLED:
                 raise
             raise Unavailable(f"worker {endpoint.worker_id} failed mid-stream: {exc.failure.value} ({exc})") from None
         finally:
-            if timer is not None:
-                timer.cancel()
-            scope.attach(None)
-            self.inflight.finish(ticket)
-            if call is not None and scope.cancelled:
-                call.cancel()
+            self.core.finish(ticket)
+            if call is not None:
+                call.cancel()  # a no-op once the call has ended; frees it when the client left
 
     def _decode(self, ids: Sequence[int]) -> str:
         assert self.tokenizer is not None

@@ -2,30 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import grpc
 
 from kvmesh.contract.convert import FINISH_TO_PB, sampling_from_pb, usage_to_pb
+from kvmesh.contract.errors import ResourceExhausted
 from kvmesh.contract.modelinfo import load_tokenizer, model_id_for
-from kvmesh.router import metrics
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.discovery import GrpcWorkerPool, KVServiceClient
-from kvmesh.router.router import CancelScope, GenerateInput, Router
-from kvmesh.transport.rpc import GrpcServer
+from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.router import GenerateInput, Router
+from kvmesh.transport.rpc import AioServer, LoopThread
 from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvmesh.router")
 
 
-def input_from_pb(request: pb.GenerateRequest, context: grpc.ServicerContext) -> GenerateInput:
+def input_from_pb(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerateInput:
     which = request.WhichOneof("input")
     remaining = context.time_remaining()
     return GenerateInput(
         text=request.text if which == "text" else None,
-        token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
+        token_ids=request.token_ids.ids if which == "token_ids" else None,
         sampling=sampling_from_pb(request.sampling),  # ValueError -> INVALID_ARGUMENT with its message
         cache_salt=request.cache_salt,
         request_id=request.request_id,
@@ -34,16 +36,24 @@ def input_from_pb(request: pb.GenerateRequest, context: grpc.ServicerContext) ->
 
 
 class RouterServicer(pb_grpc.RouterServicer):
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, max_streams: int) -> None:
         self.router = router
+        self.max_streams = max_streams
+        self.streams = 0
+        """Generate streams open now (a stream is a coroutine on the loop, not a thread)."""
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
-        scope = CancelScope()
-        context.add_callback(scope.cancel)  # NOTE: runs when the RPC ends for any reason, incl. client cancel
-        metrics.INFLIGHT.inc()
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        m = self.router.metrics
+        if self.streams >= self.max_streams:
+            m.refused.inc()
+            raise ResourceExhausted(f"this router has {self.max_streams} streams open (--max-streams); "
+                                    "retry later or on another router")
+        self.streams += 1
+        m.inflight.inc()
         outcome = "error"
         try:
-            for out in self.router.generate(input_from_pb(request, context), scope):
+            async for out in self.router.generate(input_from_pb(request, context)):
                 msg = pb.GenerateResponse(token_ids=out.token_ids, text=out.text)
                 if out.finish_reason is not None:
                     msg.finish_reason = FINISH_TO_PB[out.finish_reason]
@@ -52,50 +62,74 @@ class RouterServicer(pb_grpc.RouterServicer):
                         msg.usage.CopyFrom(usage_to_pb(out.usage))
                     outcome = "ok"
                 yield msg
-            if scope.cancelled and outcome != "ok":
-                outcome = "cancelled"
+        except asyncio.CancelledError:
+            if outcome != "ok":
+                outcome = "cancelled"  # the client went away (or the call's deadline passed)
+            raise
         finally:
-            metrics.INFLIGHT.dec()
-            metrics.REQUESTS.labels(outcome).inc()
+            self.streams -= 1
+            m.inflight.dec()
+            m.requests.labels(outcome).inc()
 
 
 class RouterServer:
-    """The router process: gRPC server, worker discovery, the request path.
+    """The router process: a grpc.aio server, worker discovery and the request path, on one event
+    loop of their own (``start``/``stop`` are called from any other thread).
 
     ``RouterServer(config).start()`` serves on ``.port``; ``.stop()`` drains and closes. Health turns
-    SERVING while at least one worker is known.
+    SERVING while at least one worker is known. ``metrics`` holds this server's Prometheus registry.
     """
 
     def __init__(self, config: RouterConfig) -> None:
         config.check()
         self.config = config
-        tokenizer = None
+        self.tokenizer = None
         if config.model_dir:
-            tokenizer = load_tokenizer(config.model_dir)
+            self.tokenizer = load_tokenizer(config.model_dir)
             config.model_id = model_id_for(config.model_dir, config.model_id)
-        self.kv = (KVServiceClient(config.kv_service, config.lookup_timeout_ms / 1000, config.index_retry_s,
-                                   config.rpc_timeout_s) if config.kv_service else None)
-        # NOTE: a few threads beyond max_streams keep health checks answered at the limit.
-        self.grpc = GrpcServer(config.host, config.port, max_workers=config.max_streams + 8,
-                               max_concurrent_rpcs=config.max_streams, token_name="api token")
-        self.pool = GrpcWorkerPool(config, self.kv, on_change=self._on_workers)
-        self.router = Router(config, self.pool, self.kv, tokenizer)
-        pb_grpc.add_RouterServicer_to_server(RouterServicer(self.router), self.grpc.server)
-        self.grpc.add_service(pb.DESCRIPTOR.services_by_name["Router"].full_name)
+        self.metrics = RouterMetrics()
+        self._loop = LoopThread("router")
+        self._loop.run(self._build())
         self.port = self.grpc.port
         self._started = False
 
-    def _on_workers(self, any_worker: bool) -> None:
+    async def _build(self) -> None:
+        config = self.config
+        # NOTE: aio channels belong to the loop they are made on: everything is built here.
+        self.kv = (KVServiceClient(config.kv_service, config.lookup_timeout_ms / 1000, config.rpc_timeout_s)
+                   if config.kv_service else None)
+        self.grpc = AioServer(config.host, config.port, token_name="api token")
+        self.pool = GrpcWorkerPool(config, self.kv, on_change=self._on_workers)
+        self.router = Router(config, self.pool, self.kv, self.tokenizer, metrics=self.metrics)
+        self.servicer = RouterServicer(self.router, config.max_streams)
+        pb_grpc.add_RouterServicer_to_server(self.servicer, self.grpc.server)
+        self.grpc.add_service(pb.DESCRIPTOR.services_by_name["Router"].full_name)
+
+    async def _on_workers(self, any_worker: bool) -> None:
         if self._started:
-            self.grpc.set_serving(any_worker)
+            await self.grpc.set_serving(any_worker)
+
+    async def _start(self) -> None:
+        await self.grpc.start()
+        self._started = True
+        await self.pool.start()  # first poll sets health
 
     def start(self) -> RouterServer:
-        self.grpc.start()
-        self._started = True
-        self.pool.start()  # first poll sets health
+        self._loop.run(self._start())
         return self
 
-    def stop(self, grace: float = 2.0) -> None:
+    def run(self, coro):
+        """Runs a coroutine on the router's loop and returns its result (tests, benchmarks)."""
+        return self._loop.run(coro)
+
+    async def _stop(self, grace: float) -> None:
         self._started = False
-        self.grpc.stop(grace)
-        self.pool.stop()
+        await self.grpc.stop(grace)
+        await self.pool.stop()
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Drains open streams for up to ``grace`` seconds, then closes channels and the loop."""
+        if not self._loop.running:
+            return
+        self._loop.run(self._stop(grace))
+        self._loop.stop()

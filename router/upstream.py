@@ -10,7 +10,7 @@ This module imports neither grpc nor redis.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -93,9 +93,9 @@ class IndexUnavailable(Exception):
 
 
 class WorkerCall(Protocol):
-    """A streaming Generate in progress."""
+    """A streaming Generate in progress (read on the router's event loop)."""
 
-    def __iter__(self) -> Iterator[WorkerChunk]:
+    def __aiter__(self) -> AsyncIterator[WorkerChunk]:
         """Chunks in order; raises WorkerError on failure."""
         ...
 
@@ -124,8 +124,16 @@ class WorkerPool(Protocol):
 
 
 class PrefixIndex(Protocol):
-    """The kv_service's Lookup."""
+    """A Lookup answered at once (the simulator's in-process index; router/core.py's ``plan``)."""
 
     def lookup(self, model_id: str, block_hashes: Sequence[bytes]) -> list[IndexMatch]:
+        """Raises IndexUnavailable when the answer cannot be had within the lookup deadline."""
+        ...
+
+
+class AsyncPrefixIndex(Protocol):
+    """The kv_service's Lookup over the network (the live router awaits it)."""
+
+    async def lookup(self, model_id: str, block_hashes: Sequence[bytes]) -> list[IndexMatch]:
         """Raises IndexUnavailable when the answer cannot be had within the lookup deadline."""
         ...

@@ -24,3 +24,9 @@ def redis_url(redis_server) -> str:
 def redis_namespace() -> str:
     """A fresh key namespace per test, so tests never see each other's keys."""
     return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests (``pytest.mark.anyio``) run on asyncio, as the services do."""
+    return "asyncio"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 
 import grpc
@@ -115,9 +116,20 @@ def test_redis_password_is_required_and_used():
     from kvmesh.kv_service.store_redis import RedisIndex
     from kvmesh.loopback import RedisServer
 
+    def ping(url: str) -> str:
+        async def run() -> str:
+            index = RedisIndex(url)
+            try:
+                await index.ping()
+                return "ok"
+            finally:
+                await index.close()
+
+        return asyncio.run(run())
+
     with RedisServer(password="pw-789") as redis:
-        assert RedisIndex(redis.url).ping()
+        assert ping(redis.url) == "ok"
         with pytest.raises(Unavailable, match="invalid username-password pair"):
-            RedisIndex(redis.url.replace("pw-789", "nope")).ping()
+            ping(redis.url.replace("pw-789", "nope"))
         with pytest.raises(Unavailable, match="(?i)authenticat"):
-            RedisIndex(f"redis://127.0.0.1:{redis.port}/0").ping()
+            ping(f"redis://127.0.0.1:{redis.port}/0")

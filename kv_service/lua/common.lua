@@ -10,6 +10,15 @@ local BH = pre .. 'bh'
 -- A field is deleted when its last holder goes: refcount 0 = no entry; HLEN = distinct blocks.
 local CHUNK = 1000
 
+-- Hashes travel as one string of 16-byte hashes per event (kvmesh.contract.block_hash.HASH_LEN):
+-- one argument instead of one per hash, for the client to encode and for Redis to turn into Lua.
+local HL = 16
+local function split_hashes(blob)
+  local t = {}
+  for i = 1, #blob, HL do t[#t + 1] = string.sub(blob, i, i + HL - 1) end
+  return t
+end
+
 -- Adds worker `num` to the holders of hashes[first..last].
 local function hold(num, hashes, first, last)
   local tag = ',' .. num .. ','

@@ -1,4 +1,5 @@
--- ARGV: pre, model, now, h1..hn.
+-- ARGV: pre, model, now, hash length L, the chain: n hashes of L bytes concatenated in one string
+-- (one argument instead of n: Redis turns each argument into a Lua string, the client encodes each).
 -- Returns {live worker ids, {wid, matched, wid, matched, ...} for workers with matched > 0}.
 -- Addresses and loads are not read here: the store keeps them in a cache refreshed in the
 -- background (kv_service/store_redis.py).
@@ -19,11 +20,15 @@ end
 -- candidates are re-filtered only when the string changes; `depth` is how far the current
 -- candidates have matched, recorded for each candidate when it drops out.
 local WINDOW = 64
+local L, chain = tonumber(ARGV[4]), ARGV[5]
+local n = #chain / L
 local depth, prev = 0, nil
-local c = 4
-while c <= #ARGV and #cand > 0 do
-  local e = math.min(#ARGV, c + WINDOW - 1)
-  local holders = redis.call('HMGET', BH, unpack(ARGV, c, e))
+local c = 1
+while c <= n and #cand > 0 do
+  local e = math.min(n, c + WINDOW - 1)
+  local window = {}
+  for i = c, e do window[i - c + 1] = string.sub(chain, (i - 1) * L + 1, i * L) end
+  local holders = redis.call('HMGET', BH, unpack(window))
   for k = 1, e - c + 1 do
     local v = holders[k]
     if v ~= prev then
@@ -38,7 +43,7 @@ while c <= #ARGV and #cand > 0 do
       cand, prev = next_cand, v
       if #cand == 0 then break end
     end
-    depth = c - 4 + k
+    depth = c - 1 + k
   end
   c = e + 1
 end

@@ -1,43 +1,63 @@
--- ARGV: pre, wid, epoch, seq, now, snapshot(0/1), then
---   snapshot: the hashes (oldest first);
---   events:   a sequence of 'S' n h1..hn | 'R' n h1..hn | 'C'.
+-- ARGV: pre, wid, epoch, seq, now, snapshot(0/1), part, last(0/1), then
+--   snapshot: one string of hashes (oldest first);
+--   events:   a sequence of 'S' hashes | 'R' hashes | 'C' (hashes: one string, split_hashes).
+-- NOTE: one batch may come in parts 0..k (store_redis.py bounds the hashes per call, so Redis is
+-- never busy with one batch for long while Lookups wait). Part 0 checks the order (a snapshot
+-- also clears the worker and adopts the epoch); a later part applies only if the worker's pending
+-- (pseq, ppart) names it; the last part commits seq. Between parts the index holds the worker's
+-- state after a prefix of its event stream, which is a state the worker really was in.
 local wid, epoch, seq = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local now, snapshot = tonumber(ARGV[5]), ARGV[6] == '1'
+local part, last = tonumber(ARGV[7]), ARGV[8] == '1'
 local w, err = live_worker(wid, now)
 if err then return err end
-local cur, last = tonumber(w[1]), tonumber(w[2])
-if epoch < cur then return {'STALE_EPOCH', w[1]} end
-if epoch == cur and seq <= last then return {'SEQ_REGRESSION', w[2]} end
-if not snapshot then
-  if epoch > cur then return {'RESYNC', 'new epoch ' .. ARGV[3] .. ' (live epoch ' .. w[1] .. ')'} end
-  if seq ~= last + 1 then
-    return {'RESYNC', 'seq gap: expected ' .. string.format('%d', last + 1) .. ', got ' .. ARGV[4]}
-  end
-end
+local cur, lastseq = tonumber(w[1]), tonumber(w[2])
 local wkey = pre .. 'w:' .. wid
 local num = w[8]
-if snapshot then
-  clear_worker(wid, num)
-  add_blocks(wid, num, ARGV, 7, #ARGV)
-  redis.call('HSET', wkey, 'epoch', ARGV[3])
+if part == 0 then
+  if epoch < cur then return {'STALE_EPOCH', w[1]} end
+  if epoch == cur and seq <= lastseq then return {'SEQ_REGRESSION', w[2]} end
+  if not snapshot then
+    if epoch > cur then return {'RESYNC', 'new epoch ' .. ARGV[3] .. ' (live epoch ' .. w[1] .. ')'} end
+    if seq ~= lastseq + 1 then
+      return {'RESYNC', 'seq gap: expected ' .. string.format('%d', lastseq + 1) .. ', got ' .. ARGV[4]}
+    end
+  else
+    clear_worker(wid, num)
+    redis.call('HSET', wkey, 'epoch', ARGV[3])
+  end
 else
-  local i = 7
+  local p = redis.call('HMGET', wkey, 'pseq', 'ppart')
+  if epoch ~= cur or p[1] ~= ARGV[4] or tonumber(p[2]) ~= part then
+    return {'RESYNC', 'part ' .. ARGV[7] .. ' of batch ' .. ARGV[4] .. ' arrived out of order'}
+  end
+end
+if snapshot then
+  local hashes = split_hashes(ARGV[9] or '')
+  add_blocks(wid, num, hashes, 1, #hashes)
+else
+  local i = 9
   while i <= #ARGV do
     local op = ARGV[i]
     if op == 'C' then
       clear_worker(wid, num)
       i = i + 1
     else
-      local n = tonumber(ARGV[i + 1])
+      local hashes = split_hashes(ARGV[i + 1])
       if op == 'S' then
-        add_blocks(wid, num, ARGV, i + 2, i + 1 + n)
+        add_blocks(wid, num, hashes, 1, #hashes)
       else
-        drop_blocks(wid, num, ARGV, i + 2, i + 1 + n)
+        drop_blocks(wid, num, hashes, 1, #hashes)
       end
-      i = i + 2 + n
+      i = i + 2
     end
   end
 end
 cap_worker(wid, num, tonumber(w[4]))
-redis.call('HSET', wkey, 'seq', ARGV[4])
+if last then
+  redis.call('HSET', wkey, 'seq', ARGV[4])
+  redis.call('HDEL', wkey, 'pseq', 'ppart')
+else
+  redis.call('HSET', wkey, 'pseq', ARGV[4], 'ppart', part + 1)
+end
 return {'OK'}

@@ -245,8 +245,11 @@ def format_table(result: dict, baseline: str = "round-robin") -> str:
             r = result[p]
             line = f"{p} decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(r["decisions"].items()))
             if r.get("index_fallbacks"):
-                line += "; routed without the index: " + ", ".join(
-                    f"{k} {v}" for k, v in sorted(r["index_fallbacks"].items()))
+                # NOTE: fallbacks count requests, decisions count picks (retries pick again): the
+                # share is over the requests, which the report's "ok" column counts.
+                share = sum(r["index_fallbacks"].values()) / max(1, r["completed"] + r.get("failed", 0))
+                line += f"; routed without the index: {share:.1%} (" + ", ".join(
+                    f"{k} {v}" for k, v in sorted(r["index_fallbacks"].items())) + ")"
             if rs := r.get("redis"):
                 line += (f"; Redis {rs['cpu_s_per_s']:.2f} CPU s/s, {rs['evalsha_per_s']:.0f} scripts/s "
                          f"of {rs['evalsha_usec_per_call']:.0f} us")

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 
 def add_log_level(p: argparse.ArgumentParser) -> None:
@@ -15,11 +19,12 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def start_metrics_server(port: int) -> None:
+def start_metrics_server(port: int, registry: CollectorRegistry) -> None:
+    """Serves ``registry`` (the service's own, made at its start) on ``/metrics`` at ``port``."""
     from prometheus_client import start_http_server
 
     try:
-        start_http_server(port)
+        start_http_server(port, registry=registry)
     except OSError as exc:
         logging.getLogger("kvmesh").warning("Prometheus /metrics not started on port %d: %s", port, exc)
 

@@ -30,9 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.commands.config_args import config_from_args
+    from kvmesh.contract.errors import Unavailable
     from kvmesh.kv_service.config import DEFAULT_REDIS_URL, KVServiceConfig
     from kvmesh.kv_service.server import KVServiceServer
     from kvmesh.kv_service.service import ServiceConfig
+    from kvmesh.transport.rpc import wait_for_termination_signal
 
     setup_logging(args.log_level)
     log = logging.getLogger("kvmesh.kv_service")
@@ -51,16 +53,20 @@ def run(args: argparse.Namespace) -> int:
         from kvmesh.kv_service.store_redis import RedisIndex
 
         url = config.redis_url or DEFAULT_REDIS_URL
-        index = RedisIndex(url, namespace=config.namespace)
-        try:
-            index.ping()
-        except Exception as exc:  # noqa: BLE001 - one actionable line instead of a traceback
-            log.error("cannot reach Redis at %s (%s); start one or pass --store memory", url, exc)
-            return 2
+        index = RedisIndex(url, namespace=config.namespace, max_blocks_per_call=config.max_blocks_per_call,
+                           max_connections=config.redis_connections)
     service = ServiceConfig(lease_ttl_ms=config.lease_ttl_ms, reap_interval_s=config.reap_interval_s)
-    server = KVServiceServer(index, config.host, config.port, service, max_publishers=config.max_publishers).start()
+    try:
+        server = KVServiceServer(index, config.host, config.port, service, max_publishers=config.max_publishers).start()
+    except Unavailable as exc:  # the server pings the store at start: one actionable line, no traceback
+        log.error("cannot reach Redis at %s (%s); start one or pass --store memory",
+                  config.redis_url or DEFAULT_REDIS_URL, exc)
+        return 2
+    except OSError as exc:
+        log.error("%s", exc)
+        return 2
     if args.metrics_port:
-        start_metrics_server(args.metrics_port)
+        start_metrics_server(args.metrics_port, server.metrics.registry)
     log.info("kv_service listening on %s:%d (store=%s)", config.host, server.port, index.name)
-    server.grpc.wait_for_termination_signal(args.grace, on_stop=index.close)
+    wait_for_termination_signal(server.stop, args.grace)
     return 0

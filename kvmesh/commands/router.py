@@ -40,6 +40,7 @@ def config_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.router.server import RouterServer
+    from kvmesh.transport.rpc import wait_for_termination_signal
 
     setup_logging(args.log_level)
     log = logging.getLogger("kvmesh.router")
@@ -50,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     if args.metrics_port:
-        start_metrics_server(args.metrics_port)
+        start_metrics_server(args.metrics_port, server.metrics.registry)
     source = f"workers {args.workers}" if args.workers else f"kv_service {args.kv_service}"
     log.info("router listening on %s:%d (policy %s, %s)", args.host, server.port, args.policy, source)
-    server.grpc.wait_for_termination_signal(args.grace, on_stop=server.pool.stop)
+    wait_for_termination_signal(server.stop, args.grace)
     return 0

@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from kvmesh.model_worker.llm_engine import LLMEngine
     from kvmesh.model_worker.server import WorkerServer
+    from kvmesh.transport.rpc import wait_for_termination_signal
 
     if worker.torch_threads:
         import torch
@@ -125,15 +126,19 @@ def run(args: argparse.Namespace) -> int:
         log.error("cannot load %s: %s", model, exc)
         return 2
     worker_id = worker.worker_id or socket.gethostname()
-    server = WorkerServer(engine, worker_id, worker.host, worker.port, worker.kv_service,
-                          worker.advertise_address or default_advertise(worker.host, worker.port),
-                          worker.max_queued_requests, worker.stream_interval).start()
-    if args.metrics_port:
-        start_metrics_server(args.metrics_port)
+    try:
+        server = WorkerServer(engine, worker_id, worker.host, worker.port, worker.kv_service,
+                              worker.advertise_address or default_advertise(worker.host, worker.port),
+                              worker.max_queued_requests, worker.stream_interval).start()
+    except OSError as exc:
+        log.error("%s", exc)
+        return 2
     if args.simulate:
-        export_metrics(sim[0])
+        export_metrics(sim[0], server.metrics.registry)
         log.info("simulated worker: %s, time scale %g", cost, args.sim_time_scale)
+    if args.metrics_port:
+        start_metrics_server(args.metrics_port, server.metrics.registry)
     log.info("worker %s serving %s on %s:%d (%d KV blocks of %d tokens)", worker_id, engine.model_id, worker.host,
              server.port, engine.kv_cache_manager.num_blocks, engine.config.block_size)
-    server.grpc.wait_for_termination_signal(args.grace, on_stop=lambda: server.stop(0))
+    wait_for_termination_signal(server.stop, args.grace)
     return 0

@@ -69,11 +69,16 @@ def load_to_pb(load: Load) -> common_pb2.WorkerLoad:
     return common_pb2.WorkerLoad(
         num_running=load.num_running, num_waiting=load.num_waiting, num_free_blocks=load.num_free_blocks,
         num_total_blocks=load.num_total_blocks, queued_prefill_tokens=load.queued_prefill_tokens,
+        busy_seconds=load.busy_s, steps_total=load.steps, prefill_tokens_total=load.prefill_tokens,
+        prefill_attention_pairs_total=load.prefill_pairs, decode_tokens_total=load.decode_tokens,
+        decode_context_tokens_total=load.decode_context_tokens, max_num_batched_tokens=load.max_num_batched_tokens,
     )
 
 
 def load_from_pb(m: common_pb2.WorkerLoad) -> Load:
-    return Load(m.num_running, m.num_waiting, m.num_free_blocks, m.num_total_blocks, m.queued_prefill_tokens)
+    return Load(m.num_running, m.num_waiting, m.num_free_blocks, m.num_total_blocks, m.queued_prefill_tokens,
+                m.busy_seconds, m.steps_total, m.prefill_tokens_total, m.prefill_attention_pairs_total,
+                m.decode_tokens_total, m.decode_context_tokens_total, m.max_num_batched_tokens)
 
 
 def algorithm_to_pb(name: str) -> int:

@@ -67,18 +67,42 @@ class Usage:
 
 @dataclass(slots=True, frozen=True)
 class Load:
-    """A worker's load as it reports it (heartbeat, GetLoad) and the router sees it."""
+    """A worker's load as it reports it (heartbeat, GetLoad) and the router sees it.
+
+    The first five fields are the worker's state now. The counters after them are cumulative since
+    the worker started: what its steps computed and how long they took. A router learns the
+    worker's step-time coefficients from their deltas between two reports (router/cost.py). A worker
+    that does not report them (an older one) leaves them 0.
+    """
 
     num_running: int = 0
     num_waiting: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     queued_prefill_tokens: int = 0
+    busy_s: float = 0.0
+    """Seconds spent running steps (modelled seconds on a simulated worker)."""
+    steps: int = 0
+    """Forward passes run."""
+    prefill_tokens: int = 0
+    """Prompt (and recomputed) tokens computed."""
+    prefill_pairs: int = 0
+    """Attention pairs of prefill: sum over chunks of new * (context before + (new + 1) / 2)."""
+    decode_tokens: int = 0
+    """Decode sequence-steps (one per sequence per forward pass)."""
+    decode_context_tokens: int = 0
+    """Context tokens read by those decodes."""
+    max_num_batched_tokens: int = 0
+    """The worker's token budget per step (0 = not reported)."""
 
     def encode(self) -> str:
+        # NOTE: comma-separated, in field order; decode() reads strings of older workers (the first
+        # five fields only) too.
         return (
             f"{self.num_running},{self.num_waiting},{self.num_free_blocks},"
-            f"{self.num_total_blocks},{self.queued_prefill_tokens}"
+            f"{self.num_total_blocks},{self.queued_prefill_tokens},{self.busy_s!r},{self.steps},"
+            f"{self.prefill_tokens},{self.prefill_pairs},{self.decode_tokens},{self.decode_context_tokens},"
+            f"{self.max_num_batched_tokens}"
         )
 
     @classmethod
@@ -87,7 +111,8 @@ class Load:
             return cls()
         if isinstance(raw, bytes):
             raw = raw.decode()
-        return cls(*(int(x) for x in raw.split(",")))
+        parts = raw.split(",")
+        return cls(*(float(x) if i == 5 else int(x) for i, x in enumerate(parts)))
 
 
 H100_8B_KV_BLOCKS = 27_648

@@ -1,17 +1,23 @@
 """gRPC plumbing shared by every server and client: the one place errors become status codes.
 
-Health (grpc.health.v1) starts NOT_SERVING and turns SERVING when the server is ready;
-reflection is on; SIGTERM stops accepting, drains for ``grace`` seconds, then exits.
+Every kvmesh server is a ``grpc.aio`` server: an RPC is a coroutine on one event loop, so an
+open stream costs a coroutine, not a thread. Health (grpc.health.v1) starts NOT_SERVING and turns
+SERVING when the server is ready; reflection is on; SIGTERM stops accepting, drains for ``grace``
+seconds, then exits.
+
+A server's loop runs on its own thread (:class:`LoopThread`): the process's main thread keeps
+signal handling, and tests start several servers in one process, each on its own loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import signal
 import threading
-from collections.abc import Callable, Iterable
-from concurrent import futures
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,6 +27,8 @@ from kvmesh.contract import errors
 from kvmesh.transport import security
 
 log = logging.getLogger("kvmesh.transport.rpc")
+
+T = TypeVar("T")
 
 STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -37,6 +45,8 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+EVENT_LOOP_ENV = "KVMESH_EVENT_LOOP"
+"""``asyncio`` (default) or ``uvloop``: the event loop implementation of every server loop."""
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -47,45 +57,49 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
-        log.exception("unhandled error in %s", method)
-    context.abort(code, message)
+        log.error("unhandled error in %s", method, exc_info=exc)
+    await context.abort(code, message)
 
 
-def _wrap_unary(fn: Callable, method: str) -> Callable:
-    def handler(request: Any, context: grpc.ServicerContext) -> Any:
+def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return fn(request, context)
+            return await fn(request, context)
+        except grpc.aio.AbortError:
+            raise  # the servicer already aborted with its own status
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never a traceback
-            if context.code() not in (None, grpc.StatusCode.OK):
-                raise  # the servicer already aborted with its own status
-            _abort(context, exc, method)
+            await _abort(context, exc, method)
 
     return handler
 
 
-def _wrap_stream(fn: Callable, method: str) -> Callable:
-    def handler(request: Any, context: grpc.ServicerContext) -> Iterable[Any]:
+def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            yield from fn(request, context)
+            async for item in fn(request, context):
+                yield item
+        except grpc.aio.AbortError:
+            raise
         except Exception as exc:  # noqa: BLE001
-            if context.code() not in (None, grpc.StatusCode.OK):
-                raise  # the servicer already aborted with its own status
-            _abort(context, exc, method)
+            await _abort(context, exc, method)
 
     return handler
 
 
-class ErrorMappingInterceptor(grpc.ServerInterceptor):
-    """Maps kvmesh.contract.errors (and ValueError) raised by a servicer to their status codes."""
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Maps kvmesh.contract.errors (and ValueError) raised by a servicer to their status codes.
 
-    def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
+    Health and reflection are left as they are (they abort with their own codes).
+    """
+
+    async def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
+        handler = await continuation(handler_call_details)
         method = handler_call_details.method
+        if handler is None or method.startswith(security.OPEN_SERVICES):
+            return handler
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method),
@@ -103,21 +117,64 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
             handler.request_deserializer, handler.response_serializer)
 
 
-class GrpcServer:
-    """A grpc server with health, reflection, the error interceptor and graceful stop."""
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A fresh loop of the implementation ``$KVMESH_EVENT_LOOP`` names (docs/architecture.md)."""
+    kind = os.environ.get(EVENT_LOOP_ENV, "asyncio")
+    if kind == "uvloop":
+        import uvloop  # optional: measured in benchmarks/kv_service_bench.py
 
-    def __init__(self, host: str, port: int, max_workers: int = 32,
-                 interceptors: list[grpc.ServerInterceptor] | None = None, token_name: str = "admin token",
-                 max_concurrent_rpcs: int | None = None) -> None:
+        return uvloop.new_event_loop()
+    if kind != "asyncio":
+        raise ValueError(f"${EVENT_LOOP_ENV} must be 'asyncio' or 'uvloop', got {kind!r}")
+    return asyncio.new_event_loop()
+
+
+class LoopThread:
+    """An event loop running on a daemon thread; ``run`` executes a coroutine on it and waits."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+        # NOTE: whatever is still pending (a stream the client never closed) is cancelled so
+        # its finally blocks run before the loop closes.
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        if not self._thread.is_alive():
+            coro.close()
+            raise RuntimeError(f"the event loop of {self._thread.name} has stopped")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+
+
+class AioServer:
+    """A ``grpc.aio`` server with health, reflection, the auth and error interceptors and
+    graceful stop. Build it on the loop that will run it."""
+
+    def __init__(self, host: str, port: int, token_name: str = "admin token") -> None:
         sec = security.current()
         auth = [security.BearerTokenInterceptor(sec.server_token, token_name)] if sec.server_token else []
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-            interceptors=[*auth, *(interceptors or []), ErrorMappingInterceptor()],
-            options=CHANNEL_OPTIONS,
-            maximum_concurrent_rpcs=max_concurrent_rpcs,
-        )
-        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self.server = grpc.aio.server(interceptors=[*auth, ErrorMappingInterceptor()], options=CHANNEL_OPTIONS)
+        self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
         self.address = f"{host}:{port}"
@@ -127,47 +184,43 @@ class GrpcServer:
             self.port = self.server.add_insecure_port(self.address)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.address}: address in use or not available")
-        self._stopped = threading.Event()
+        self._stopped = False
 
     def add_service(self, full_name: str) -> None:
         self._service_names.append(full_name)
-        self.health.set(full_name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    def start(self) -> None:
+    async def start(self) -> None:
         reflection.enable_server_reflection(self._service_names, self.server)
-        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.server.start()
+        await self.set_serving(False)
+        await self.server.start()
 
-    def set_serving(self, serving: bool = True) -> None:
+    async def set_serving(self, serving: bool = True) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self._service_names[2:]]:
-            self.health.set(name, status)
+            await self.health.set(name, status)
 
-    def stop(self, grace: float = 5.0) -> None:
-        if self._stopped.is_set():
+    async def stop(self, grace: float = 5.0) -> None:
+        """NOT_SERVING, refuse new RPCs, let open ones finish for ``grace`` seconds, cancel the rest."""
+        if self._stopped:
             return
-        self._stopped.set()
-        self.set_serving(False)
-        self.server.stop(grace).wait(grace + 1)
-        # NOTE: once drained, stop(0) ends grpc's grace timer too; without it the process lingers
-        # for the whole grace period at exit (a non-daemon grpc thread waits it out).
-        self.server.stop(0)
+        self._stopped = True
+        await self.set_serving(False)
+        await self.server.stop(grace)
 
-    def wait_for_termination_signal(self, grace: float = 5.0, on_stop: Callable[[], None] | None = None) -> None:
-        """Blocks until SIGTERM/SIGINT, then drains and stops."""
-        done = threading.Event()
 
-        def handle(signum: int, _frame: Any) -> None:
-            log.info("signal %d: draining for up to %.1fs", signum, grace)
-            done.set()
+def wait_for_termination_signal(stop: Callable[[float], None], grace: float = 5.0) -> None:
+    """Blocks the main thread until SIGTERM/SIGINT, then calls ``stop(grace)`` (drain and exit)."""
+    done = threading.Event()
 
-        signal.signal(signal.SIGTERM, handle)
-        signal.signal(signal.SIGINT, handle)
-        while not done.wait(0.5):
-            pass
-        self.stop(grace)
-        if on_stop is not None:
-            on_stop()
+    def handle(signum: int, _frame: Any) -> None:
+        log.info("signal %d: draining for up to %.1fs", signum, grace)
+        done.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+    while not done.wait(0.5):
+        pass
+    stop(grace)
 
 
 def resolve_target(target: str) -> tuple[str, list[tuple[str, object]]]:
@@ -183,8 +236,8 @@ def resolve_target(target: str) -> tuple[str, list[tuple[str, object]]]:
 
 
 def dial(target: str) -> grpc.Channel:
-    """A channel to ``target`` (``host:port`` or a comma-separated replica list) with this
-    process's client TLS and token (kvmesh/security.py)."""
+    """A blocking channel to ``target`` (``host:port`` or a comma-separated replica list) with this
+    process's client TLS and token (kvmesh/transport/security.py)."""
     sec = security.current()
     target, extra = resolve_target(target)
     options = CHANNEL_OPTIONS + extra
@@ -194,3 +247,14 @@ def dial(target: str) -> grpc.Channel:
         ch = grpc.insecure_channel(target, options=options)
     return security.secure(ch, sec.client_token)
 
+
+def dial_aio(target: str) -> grpc.aio.Channel:
+    """An asyncio channel to ``target`` with this process's client TLS. The token is not added
+    by an interceptor (aio interceptors wrap every call in another object): callers pass
+    ``metadata=security.call_metadata()`` on each call."""
+    sec = security.current()
+    target, extra = resolve_target(target)
+    options = CHANNEL_OPTIONS + extra
+    if sec.client_tls.enabled:
+        return grpc.aio.secure_channel(target, security.channel_credentials(sec.client_tls), options=options)
+    return grpc.aio.insecure_channel(target, options=options)

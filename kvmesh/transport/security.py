@@ -89,8 +89,8 @@ def channel_credentials(tls: TLSFiles) -> grpc.ChannelCredentials:
 
 
 def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    def abort(_request: Any, context: grpc.ServicerContext) -> None:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    async def abort(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(abort, handler.request_deserializer, handler.response_serializer)
@@ -101,22 +101,28 @@ def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
     return grpc.stream_stream_rpc_method_handler(abort, handler.request_deserializer, handler.response_serializer)
 
 
-class BearerTokenInterceptor(grpc.ServerInterceptor):
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Requires ``authorization: Bearer <token>`` on every method except health and reflection."""
 
     def __init__(self, token: str, what: str) -> None:
         self._expected = f"Bearer {token}".encode()
         self._what = what
 
-    def intercept_service(self, continuation: Callable, details: Any) -> Any:
-        handler = continuation(details)
+    async def intercept_service(self, continuation: Callable, details: Any) -> Any:
+        handler = await continuation(details)
         if handler is None or details.method.startswith(OPEN_SERVICES):
             return handler
-        got = next((v for k, v in details.invocation_metadata if k == "authorization"), "")
+        got = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
         if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
             return handler
         reason = "missing" if not got else "wrong"
         return _denied(handler, f"{reason} bearer token: send 'authorization: Bearer <{self._what}>'")
+
+
+def call_metadata() -> tuple[tuple[str, str], ...] | None:
+    """The metadata an asyncio client passes on each call (the token), or None without one."""
+    token = _current.client_token
+    return (("authorization", f"Bearer {token}"),) if token else None
 
 
 class _AddToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,

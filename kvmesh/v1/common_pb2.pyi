@@ -19,18 +19,32 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "queued_prefill_tokens")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "queued_prefill_tokens", "busy_seconds", "steps_total", "prefill_tokens_total", "prefill_attention_pairs_total", "decode_tokens_total", "decode_context_tokens_total", "max_num_batched_tokens")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ATTENTION_PAIRS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CONTEXT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
     queued_prefill_tokens: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ...) -> None: ...
+    busy_seconds: float
+    steps_total: int
+    prefill_tokens_total: int
+    prefill_attention_pairs_total: int
+    decode_tokens_total: int
+    decode_context_tokens_total: int
+    max_num_batched_tokens: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., steps_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., prefill_attention_pairs_total: _Optional[int] = ..., decode_tokens_total: _Optional[int] = ..., decode_context_tokens_total: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")

@@ -88,3 +88,40 @@ def test_sim_runner_multistep_window_matches_single_steps():
     assert (b.decode_tokens, b.prefill_tokens, b.steps) == (a.decode_tokens, a.prefill_tokens, a.steps)
     assert b.busy_s == pytest.approx(a.busy_s)
     assert win_steps < one_steps
+
+
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_engine_work_counters_explain_the_step_time_exactly(num_scheduler_steps):
+    """The load's work counters are the cost model's features: busy time is linear in them."""
+    engine_steps = []
+
+    def factory(cfg, mc):
+        engine_steps.append(SimRunner(cfg, mc, CostModel(), time_scale=0.0))
+        return engine_steps[0]
+
+    engine = LLMEngine(model=str(ensure_default_model()), num_blocks=64, max_model_len=512,
+                       num_scheduler_steps=num_scheduler_steps, max_num_batched_tokens=32, runner_factory=factory)
+    for i, n in enumerate((9, 9, 5)):
+        engine.add_request(f"r{i}", list(range(2 + i, 60 + i)), SamplingParams(max_tokens=n, ignore_eos=True))
+    total = 0.0
+    while engine.has_unfinished_requests():
+        engine.step()
+        total += engine.last_step_s
+    load = engine.stats().load
+    c = CostModel()
+    explained = (c.step_overhead_s * load.steps + c.prefill_token_s * load.prefill_tokens
+                 + c.attn_pair_s * load.prefill_pairs + c.decode_seq_s * load.decode_tokens
+                 + c.decode_kv_token_s * load.decode_context_tokens)
+    assert load.busy_s == pytest.approx(total) == pytest.approx(explained)
+    assert load.busy_s == pytest.approx(engine_steps[0].snapshot().busy_s)
+    assert (load.prefill_tokens, load.decode_tokens, load.max_num_batched_tokens) == (3 * 58, 9 + 9 + 5 - 3, 32)
+
+
+def test_precomputed_block_hashes_are_used_and_checked():
+    engine = LLMEngine(model=str(ensure_default_model()), num_blocks=64, max_model_len=512,
+                       runner_factory=lambda cfg, mc: SimRunner(cfg, mc, CostModel(), time_scale=0.0))
+    prompt = list(range(2, 50))
+    hashes = engine.block_hasher.hash_prompt(prompt)
+    engine.add_request("a", prompt, SamplingParams(max_tokens=1), block_hashes=hashes)
+    with pytest.raises(ValueError, match="2 block hashes given for a prompt of 3 full blocks"):
+        engine.add_request("b", prompt, SamplingParams(max_tokens=1), block_hashes=hashes[:2])

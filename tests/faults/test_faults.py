@@ -17,7 +17,6 @@ import pytest
 from kvmesh.client import Client
 from kvmesh.loopback import free_port
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.metrics import FALLBACKS
 from kvmesh.router.server import RouterServer
 from kvmesh.stack import wait_serving
 from kvmesh.testing import wait_until
@@ -89,14 +88,15 @@ def test_lookup_slower_than_its_deadline_routes_by_fallback(mesh: Mesh):
         wait_serving(f"127.0.0.1:{router.port}", timeout=20)
         ids = prompt(7, 1)
         holder = warm(mesh, ids)
-        before = {cause: FALLBACKS.labels(cause)._value.get() for cause in ("lookup_failed", "index_down")}
+        fallbacks = router.metrics.fallbacks
+        before = {cause: fallbacks.labels(cause)._value.get() for cause in ("lookup_failed", "index_down")}
         mesh.kv_c.signal(signal.SIGSTOP)  # the Lookup now waits until its 50 ms deadline
         try:
             with Client(f"127.0.0.1:{router.port}", timeout=20) as c:
                 outs = [c.generate(prompt(7, 100 + n), max_tokens=2, ignore_eos=True) for n in range(5)]
         finally:
             mesh.kv_c.signal(signal.SIGCONT)
-        after = {cause: FALLBACKS.labels(cause)._value.get() for cause in before}
+        after = {cause: fallbacks.labels(cause)._value.get() for cause in before}
         assert [o.finish_reason for o in outs] == ["length"] * 5
         # The first request pays the deadline; the breaker makes the next ones skip the index.
         assert after["lookup_failed"] - before["lookup_failed"] == 1
@@ -106,7 +106,7 @@ def test_lookup_slower_than_its_deadline_routes_by_fallback(mesh: Mesh):
             with Client(f"127.0.0.1:{router.port}", timeout=20) as c:
                 return c.generate(ids, max_tokens=2, ignore_eos=True).usage.cached_tokens == len(ids) // BLOCK * BLOCK
         wait_until(index_used, 10, "a prefix hit after the kv_service resumed")
-        assert FALLBACKS.labels("lookup_failed")._value.get() == after["lookup_failed"]
+        assert fallbacks.labels("lookup_failed")._value.get() == after["lookup_failed"]
         assert holder in mesh.workers
     finally:
         router.stop(0.5)

@@ -16,7 +16,7 @@ from kvmesh.loopback import free_port
 from kvmesh.make_model import train_tokenizer
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.server import RouterServer
-from kvmesh.transport.rpc import GrpcServer, dial
+from kvmesh.transport.rpc import AioServer, LoopThread, dial
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.v1 import kv_service_pb2 as kv_pb
 from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc
@@ -31,7 +31,7 @@ class EchoWorker(worker_pb2_grpc.WorkerServicer):
         self.worker_id, self.reply = worker_id, reply
         self.prompts: list[list[int]] = []
 
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
         self.prompts.append(list(request.prompt_token_ids))
         for t in self.reply[:-1]:
             yield worker_pb2.WorkerGenerateResponse(token_ids=[t])
@@ -84,11 +84,28 @@ def register(kv_stub, wid: str, address: str, hashes: list[bytes] = ()) -> None:
         assert acks[0].action == kv_pb.PUBLISH_ACTION_ACK
 
 
-def start_worker(worker: EchoWorker) -> GrpcServer:
-    server = GrpcServer("127.0.0.1", 0)
-    worker_pb2_grpc.add_WorkerServicer_to_server(worker, server.server)
-    server.start()
-    return server
+class EchoServer:
+    """The EchoWorker on a grpc.aio server of its own loop, as the real worker serves."""
+
+    def __init__(self, worker: EchoWorker) -> None:
+        self._loop = LoopThread("echo-worker")
+
+        async def build() -> AioServer:
+            server = AioServer("127.0.0.1", 0)
+            worker_pb2_grpc.add_WorkerServicer_to_server(worker, server.server)
+            await server.start()
+            return server
+
+        self.server = self._loop.run(build())
+        self.port = self.server.port
+
+    def stop(self, grace: float) -> None:
+        self._loop.run(self.server.stop(grace))
+        self._loop.stop()
+
+
+def start_worker(worker: EchoWorker) -> EchoServer:
+    return EchoServer(worker)
 
 
 def wait_for(pred, timeout: float = 5.0) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -10,7 +11,7 @@ from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvmesh.contract.types import Load, ModelSpec, SamplingParams, Usage
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.router import CancelScope, GenerateInput, Router
+from kvmesh.router.router import GenerateInput, Router
 from kvmesh.router.upstream import (
     Failure,
     IndexMatch,
@@ -31,10 +32,12 @@ class FakeCall:
         self.script = script
         self.cancelled = False
 
-    def __iter__(self) -> Iterator[WorkerChunk]:
+    async def __aiter__(self) -> AsyncIterator[WorkerChunk]:
         for item in self.script:
             if isinstance(item, WorkerError):
                 raise item
+            if item == "hang":
+                await asyncio.Event().wait()  # a worker that never answers
             yield item
 
     def cancel(self) -> None:
@@ -73,7 +76,7 @@ class FakeIndex:
         self.matched = matched or {}
         self.down = down
 
-    def lookup(self, model_id: str, block_hashes) -> list[IndexMatch]:
+    async def lookup(self, model_id: str, block_hashes) -> list[IndexMatch]:
         if self.down:
             raise IndexUnavailable("kv_service at x: UNAVAILABLE")
         return [IndexMatch(w, f"{w}:1", n, Load()) for w, n in self.matched.items()]
@@ -87,8 +90,12 @@ def err(failure: Failure) -> WorkerError:
     return WorkerError(failure, f"{failure.value} said the worker")
 
 
+async def collect(stream: AsyncIterator) -> list:
+    return [o async for o in stream]
+
+
 def run(router: Router, ids=PROMPT) -> list:
-    return list(router.generate(GenerateInput(None, ids, SamplingParams(max_tokens=2))))
+    return asyncio.run(collect(router.generate(GenerateInput(None, ids, SamplingParams(max_tokens=2)))))
 
 
 def make(scripts: dict[str, list], index=None, **kw) -> tuple[Router, FakePool]:
@@ -122,9 +129,13 @@ def test_failure_after_first_token_ends_stream_with_unavailable():
     router, pool = make({"w1": [WorkerChunk([7]), err(Failure.UNAVAILABLE)], "w2": ok("w2")},
                         FakeIndex({"w1": 8}))
     got = []
-    with pytest.raises(Unavailable, match="worker w1 failed mid-stream: unavailable"):
-        for o in router.generate(GenerateInput(None, PROMPT, SamplingParams())):
+
+    async def read() -> None:
+        async for o in router.generate(GenerateInput(None, PROMPT, SamplingParams())):
             got.append(o.token_ids)
+
+    with pytest.raises(Unavailable, match="worker w1 failed mid-stream: unavailable"):
+        asyncio.run(read())
     assert (got, pool.calls, router.inflight.view("w1")) == ([[7]], ["w1"], (0, 0))
 
 
@@ -151,7 +162,7 @@ def test_no_worker_and_bad_prompts():
              (GenerateInput(None, [2**32] * 4, SamplingParams()), "token_ids: token ids must be integers")]
     for inp, message in cases:
         with pytest.raises(InvalidArgument, match=message):
-            list(router.generate(inp))
+            asyncio.run(collect(router.generate(inp)))
 
 
 def test_burst_of_same_prefix_follows_the_first_before_events_land():
@@ -166,19 +177,36 @@ def test_burst_of_same_prefix_follows_the_first_before_events_land():
 
 def test_index_down_routes_by_rendezvous_and_never_fails_the_request():
     router, pool = make({f"w{i}": ok(f"w{i}") for i in range(4)}, FakeIndex(down=True), speculative_ttl_s=0)
-    plan, decision = router.decide(GenerateInput(None, PROMPT, SamplingParams()))
+    plan, decision = asyncio.run(router.decide(GenerateInput(None, PROMPT, SamplingParams())))
     assert (plan.query.index_ok, decision.reason) == (False, "fallback")
     firsts = {run(router)[-1].served_by for _ in range(3)}
     assert firsts == {decision.worker_id}
 
 
-def test_cancel_scope_cancels_the_open_call():
-    router, pool = make({"w1": ok("w1")})
-    scope = CancelScope()
-    stream = router.generate(GenerateInput(None, PROMPT, SamplingParams()), scope)
-    next(stream)
-    assert (pool.last_call.cancelled, router.inflight.view("w1")) == (False, (1, 0))
-    scope.cancel()
-    assert pool.last_call.cancelled
-    stream.close()
+def test_cancelling_the_request_task_cancels_the_open_call_and_frees_inflight():
+    router, pool = make({"w1": [WorkerChunk([7]), "hang"]})
+
+    async def scenario() -> tuple:
+        first = asyncio.Event()
+
+        async def read() -> None:
+            async for _ in router.generate(GenerateInput(None, PROMPT, SamplingParams())):
+                first.set()
+
+        task = asyncio.create_task(read())
+        await first.wait()
+        during = (pool.last_call.cancelled, router.inflight.view("w1"))
+        task.cancel()  # what grpc.aio does to the servicer when the client goes away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return during, pool.last_call.cancelled, router.inflight.view("w1")
+
+    assert asyncio.run(scenario()) == ((False, (1, 0)), True, (0, 0))
+
+
+def test_worker_silent_past_first_token_timeout_is_retried_elsewhere():
+    router, pool = make({"w1": ["hang"], "w2": ok("w2")}, FakeIndex({"w1": 8}), first_token_timeout_s=0.05)
+    assert run(router)[-1].served_by == "w2"
+    assert pool.calls == ["w1", "w2"]
+    assert router.metrics.retries.labels("timeout")._value.get() == 1
     assert router.inflight.view("w1") == (0, 0)

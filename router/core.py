@@ -1,0 +1,255 @@
+"""The router's decisions, pure: prompt -> chain -> one index lookup -> candidates -> pick -> in-flight.
+
+The live router (router/router.py: tokenizing, forwarding, retries, streaming) and the virtual-time
+simulator (kvmesh/sim/) both call :class:`RoutingCore`, so what the simulator measures is the code
+that routes in production. Everything here is decision logic:
+
+- hashing the prompt into its block chain (one :class:`BlockHasher` per model spec);
+- whether to ask the index at all: the policy must use it, the prompt must have a full block and
+  the breaker must be closed (after a failed Lookup the index is skipped for ``index_retry_s``);
+- merging the Lookup answer (matched blocks, and each worker's load, fresher than discovery's)
+  with the speculative map (router/speculative.py) and this router's in-flight view
+  (router/inflight.py) into :class:`Candidate`s;
+- the policy's pick (router/policy.py: hot-spot guard, rendezvous fallback) and the speculative
+  record of it; the in-flight accounting of the request on the chosen worker.
+
+No grpc, no redis, no threads, no wall clock: time is the injected ``clock`` (monotonic seconds),
+and the index is anything with a ``lookup`` (router/upstream.py's ``PrefixIndex``). Metrics go to
+an injected :class:`DecisionObserver`; the live router maps them to Prometheus.
+
+An asynchronous caller splits :meth:`RoutingCore.plan` in its three parts: :meth:`~RoutingCore.chain`,
+:meth:`~RoutingCore.index_allowed` then its own (awaited) Lookup reported with
+:meth:`~RoutingCore.lookup_succeeded` / :meth:`~RoutingCore.lookup_failed`, then
+:meth:`~RoutingCore.build`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.errors import InvalidArgument
+from kvmesh.contract.types import ModelSpec
+from kvmesh.router.inflight import InFlight, Ticket
+from kvmesh.router.policy import Candidate, Decision, RouteQuery, RouterPolicy, uncached_tokens
+from kvmesh.router.speculative import SpeculativeIndex
+from kvmesh.router.upstream import IndexMatch, IndexUnavailable, PrefixIndex, WorkerEndpoint
+
+log = logging.getLogger("kvmesh.router")
+
+
+class DecisionObserver(Protocol):
+    """Where the core's counters go (Prometheus in the live router, plain counts in the simulator)."""
+
+    def decision(self, policy: str, reason: str) -> None: ...
+
+    def fallback(self, cause: str) -> None:
+        """A request routed without the index: ``no_index``, ``lookup_failed`` or ``index_down``."""
+        ...
+
+    def lookup_latency(self, seconds: float) -> None: ...
+
+
+class CountingObserver:
+    """Counts decisions by reason and fallbacks by cause (the simulator's and the tests' observer)."""
+
+    def __init__(self) -> None:
+        self.decisions: dict[str, int] = {}
+        self.fallbacks: dict[str, int] = {}
+        self.lookups = 0
+
+    def decision(self, policy: str, reason: str) -> None:
+        self.decisions[reason] = self.decisions.get(reason, 0) + 1
+
+    def fallback(self, cause: str) -> None:
+        self.fallbacks[cause] = self.fallbacks.get(cause, 0) + 1
+
+    def lookup_latency(self, seconds: float) -> None:
+        self.lookups += 1
+
+
+class IndexBreaker:
+    """After a failed Lookup, the index is skipped for ``retry_s``.
+
+    NOTE: without it a blackholed kv_service would add the full Lookup deadline to every request;
+    with it, one request per ``retry_s`` pays the deadline while the others route by rendezvous.
+    """
+
+    def __init__(self, retry_s: float, clock: Callable[[], float]) -> None:
+        self.retry_s = retry_s
+        self._clock = clock
+        self._down_until = 0.0
+
+    def open(self) -> bool:
+        return self._clock() < self._down_until
+
+    def failed(self) -> None:
+        self._down_until = self._clock() + self.retry_s
+
+    def succeeded(self) -> None:
+        self._down_until = 0.0
+
+
+@dataclass(slots=True)
+class RoutePlan:
+    """A request's tokens, chain and candidates; the first pick and every retry choose from it."""
+
+    token_ids: Sequence[int]
+    query: RouteQuery
+    candidates: list[Candidate]
+    endpoints: dict[str, WorkerEndpoint]
+
+    def candidate(self, worker_id: str) -> Candidate:
+        return next(c for c in self.candidates if c.worker_id == worker_id)
+
+
+class RoutingCore:
+    """One router's decision state: policy, speculative map, in-flight view, index breaker.
+
+    Args:
+        policy: the routing policy (router/policy.py).
+        speculative_ttl_s: how long a pick counts as the worker holding the prompt's blocks (0 = off).
+        index_retry_s: after a failed Lookup, skip the index this long.
+        clock: monotonic seconds (time.monotonic live, the virtual clock in the simulator).
+        observer: receives decision / fallback / lookup-latency counts; None = not counted.
+    """
+
+    def __init__(self, policy: RouterPolicy, *, speculative_ttl_s: float = 2.0, index_retry_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, observer: DecisionObserver | None = None) -> None:
+        self.policy = policy
+        self.clock = clock
+        self.speculative = SpeculativeIndex(speculative_ttl_s, clock=clock)
+        self.inflight = InFlight()
+        self.breaker = IndexBreaker(index_retry_s, clock)
+        self.observer: DecisionObserver = observer or CountingObserver()
+        self._hashers: dict[ModelSpec, BlockHasher] = {}
+
+    # -- 1. the chain ---------------------------------------------------------------------------
+    def hasher(self, spec: ModelSpec) -> BlockHasher:
+        h = self._hashers.get(spec)
+        if h is None:
+            h = self._hashers[spec] = BlockHasher(spec.model_id, spec.block_size, spec.hash_algorithm)
+        return h
+
+    def chain(self, spec: ModelSpec, token_ids: Sequence[int], cache_salt: str = "") -> list[bytes]:
+        """The prompt's block hashes. Raises InvalidArgument on token ids that cannot be hashed."""
+        try:
+            return self.hasher(spec).hash_prompt(token_ids, cache_salt)
+        except ValueError as exc:
+            raise InvalidArgument(f"token_ids: {exc}") from None
+
+    # -- 2. the index ---------------------------------------------------------------------------
+    def wants_index(self, chain: Sequence[bytes]) -> bool:
+        """Whether this request's pick would use a Lookup (the policy reads it, the prompt has a block)."""
+        return self.policy.uses_index and bool(chain)
+
+    def index_allowed(self, have_index: bool = True) -> bool:
+        """Whether to ask the index now; counts the fallback cause when not."""
+        if not have_index:
+            self.observer.fallback("no_index")
+            return False
+        if self.breaker.open():
+            self.observer.fallback("index_down")
+            return False
+        return True
+
+    def lookup_succeeded(self, seconds: float) -> None:
+        self.breaker.succeeded()
+        self.observer.lookup_latency(seconds)
+
+    def lookup_failed(self, exc: IndexUnavailable) -> None:
+        self.observer.fallback(exc.cause)
+        if exc.cause == "lookup_failed":
+            self.breaker.failed()
+            log.warning("kv_service lookup failed, routing by rendezvous hash: %s", exc)
+
+    # -- 3. the candidates ----------------------------------------------------------------------
+    def build(self, spec: ModelSpec, token_ids: Sequence[int], chain: list[bytes],
+              endpoints: Iterable[WorkerEndpoint], answer: Sequence[IndexMatch] | None, index_ok: bool, *,
+              adopt: bool, healthy: Callable[[str], bool] = lambda _w: True) -> RoutePlan:
+        """The candidates of one request.
+
+        Args:
+            answer: the Lookup's answer, or None when the index was not asked or failed.
+            index_ok: False when the index was wanted but could not be asked.
+            adopt: a worker the Lookup names that discovery has not listed yet joins the candidates
+                (discovery from the index); False with a static worker list.
+            healthy: whether a worker is free of a recent failure mark.
+        """
+        eps = {e.worker_id: e for e in endpoints}
+        matched: dict[str, int] = {}
+        if answer is not None:
+            for m in answer:
+                known = eps.get(m.worker_id)
+                if known is not None:
+                    # NOTE: the Lookup's load is fresher than the last discovery poll.
+                    eps[m.worker_id] = replace(known, load=m.load)
+                elif adopt:  # registered since the last poll
+                    eps[m.worker_id] = WorkerEndpoint(m.worker_id, m.address, m.load)
+                else:  # static --workers: a worker outside the list is not ours to use
+                    continue
+                matched[m.worker_id] = m.matched_blocks
+        if self.wants_index(chain):
+            for worker_id, n in self.speculative.matches(chain).items():
+                if worker_id in eps and n > matched.get(worker_id, 0):
+                    matched[worker_id] = n
+        candidates = []
+        for e in eps.values():
+            requests, prefill = self.inflight.view(e.worker_id)
+            candidates.append(Candidate(e.worker_id, e.address, matched.get(e.worker_id, 0), e.load, requests, prefill))
+        usable = [c for c in candidates if healthy(c.worker_id)]
+        # NOTE: unhealthy marks are hints: when every worker carries one, try them all anyway.
+        return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok),
+                         usable or candidates, eps)
+
+    def plan(self, spec: ModelSpec, token_ids: Sequence[int], endpoints: Iterable[WorkerEndpoint],
+             index: PrefixIndex | None, *, cache_salt: str = "", adopt: bool = True,
+             healthy: Callable[[str], bool] = lambda _w: True, chain: list[bytes] | None = None) -> RoutePlan:
+        """Chain + at most one Lookup + candidates, with a synchronous index.
+
+        ``chain`` may be passed when the caller already has the prompt's hashes (the simulator
+        hashes each prompt once per trace).
+        """
+        if chain is None:
+            chain = self.chain(spec, token_ids, cache_salt)
+        answer: Sequence[IndexMatch] | None = None
+        index_ok = True
+        if self.wants_index(chain):
+            index_ok = self.index_allowed(index is not None)
+            if index_ok:
+                assert index is not None
+                t0 = self.clock()
+                try:
+                    answer = index.lookup(spec.model_id, chain)
+                except IndexUnavailable as exc:
+                    self.lookup_failed(exc)
+                    index_ok = False
+                else:
+                    self.lookup_succeeded(self.clock() - t0)
+        return self.build(spec, token_ids, chain, endpoints, answer, index_ok, adopt=adopt, healthy=healthy)
+
+    # -- 4. the pick ----------------------------------------------------------------------------
+    def pick(self, plan: RoutePlan, candidates: Sequence[Candidate] | None = None) -> Decision:
+        """The policy's pick among ``candidates`` (default: all of the plan's), recorded in the
+        speculative map and counted."""
+        decision = self.policy.pick(plan.query, plan.candidates if candidates is None else candidates)
+        self.speculative.record(plan.query.block_hashes, decision.worker_id)
+        self.observer.decision(self.policy.name, decision.reason)
+        return decision
+
+    # -- 5. in-flight accounting ----------------------------------------------------------------
+    def start(self, plan: RoutePlan, worker_id: str) -> Ticket:
+        """The request is sent to ``worker_id``: its uncached tokens wait for prefill there."""
+        return self.inflight.start(worker_id, uncached_tokens(plan.candidate(worker_id), plan.query))
+
+    def prefilled(self, ticket: Ticket) -> None:
+        """Its first token arrived."""
+        self.inflight.prefilled(ticket)
+
+    def finish(self, ticket: Ticket) -> None:
+        """It ended (any way); idempotent."""
+        self.inflight.finish(ticket)

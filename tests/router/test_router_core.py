@@ -1,0 +1,101 @@
+"""router/core.py: the decision part of the router on an injected clock (no threads, no grpc)."""
+
+from __future__ import annotations
+
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.types import Load, ModelSpec
+from kvmesh.router.core import CountingObserver, RoutingCore
+from kvmesh.router.policy import PolicyConfig, make_policy
+from kvmesh.router.upstream import IndexMatch, IndexUnavailable, WorkerEndpoint
+
+SPEC = ModelSpec("m", 4, "sha256_128")
+PROMPT = list(range(1, 33))  # 8 blocks of 4
+CHAIN = BlockHasher("m", 4).hash_prompt(PROMPT)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Index:
+    def __init__(self, matches: list[IndexMatch] | None = None) -> None:
+        self.matches = matches or []
+        self.down = False
+        self.calls = 0
+
+    def lookup(self, model_id: str, chain) -> list[IndexMatch]:
+        self.calls += 1
+        if self.down:
+            raise IndexUnavailable("deadline exceeded")
+        return self.matches
+
+
+def core(policy: str = "kv-aware", ttl: float = 2.0) -> tuple[RoutingCore, Clock, CountingObserver]:
+    clock, obs = Clock(), CountingObserver()
+    return RoutingCore(make_policy(policy, PolicyConfig(seed=0)), speculative_ttl_s=ttl, index_retry_s=1.0,
+                       clock=clock, observer=obs), clock, obs
+
+
+EPS = [WorkerEndpoint("w1", "a:1"), WorkerEndpoint("w2", "a:2")]
+
+
+def test_breaker_skips_the_index_for_retry_s_of_the_injected_clock():
+    c, clock, obs = core(ttl=0)
+    index = Index()
+    index.down = True
+    assert not c.plan(SPEC, PROMPT, EPS, index).query.index_ok
+    index.down = False
+    clock.t += 0.9
+    assert not c.plan(SPEC, PROMPT, EPS, index).query.index_ok  # breaker open: not asked
+    assert (index.calls, obs.fallbacks) == (1, {"lookup_failed": 1, "index_down": 1})
+    clock.t += 0.2
+    assert c.plan(SPEC, PROMPT, EPS, index).query.index_ok
+    assert index.calls == 2 and obs.lookups == 1
+
+
+def test_lookup_answer_sets_matches_and_fresher_load_and_adopts_new_workers_only_when_discovering():
+    load = Load(num_running=3)
+    index = Index([IndexMatch("w2", "a:2", 5, load), IndexMatch("w3", "a:3", 8, Load())])
+    c, _, _ = core()
+    plan = c.plan(SPEC, PROMPT, EPS, index, adopt=True)
+    got = {x.worker_id: (x.matched_blocks, x.load.num_running) for x in plan.candidates}
+    assert got == {"w1": (0, 0), "w2": (5, 3), "w3": (8, 0)}
+    c, _, _ = core()
+    plan = c.plan(SPEC, PROMPT, EPS, index, adopt=False)
+    assert sorted(x.worker_id for x in plan.candidates) == ["w1", "w2"]
+
+
+def test_pick_records_speculative_entries_that_expire_on_the_clock_and_counts_reasons():
+    c, clock, obs = core()
+    plan = c.plan(SPEC, PROMPT, EPS, Index())
+    d = c.pick(plan)
+    assert obs.decisions == {"load": 1}
+    again = c.plan(SPEC, PROMPT, EPS, Index())
+    assert again.candidate(d.worker_id).matched_blocks == 8
+    clock.t += 2.5
+    assert all(x.matched_blocks == 0 for x in c.plan(SPEC, PROMPT, EPS, Index()).candidates)
+
+
+def test_inflight_accounting_charges_uncached_tokens_until_the_first_token():
+    index = Index([IndexMatch("w1", "a:1", 6, Load())])
+    c, _, _ = core()
+    plan = c.plan(SPEC, PROMPT, EPS, index)
+    ticket = c.start(plan, "w1")
+    assert c.inflight.view("w1") == (1, 32 - 6 * 4)
+    c.prefilled(ticket)
+    assert c.inflight.view("w1") == (1, 0)
+    c.finish(ticket)
+    c.finish(ticket)
+    assert c.inflight.view("w1") == (0, 0)
+
+
+def test_unhealthy_workers_are_skipped_unless_all_are():
+    c, _, _ = core("round-robin")
+    plan = c.plan(SPEC, PROMPT, EPS, None, healthy=lambda w: w != "w1")
+    assert [x.worker_id for x in plan.candidates] == ["w2"]
+    plan = c.plan(SPEC, PROMPT, EPS, None, healthy=lambda w: False)
+    assert len(plan.candidates) == 2
