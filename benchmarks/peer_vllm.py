@@ -15,9 +15,37 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
+
+
+def tree_cpu_seconds(root: int | None = None) -> float:
+    """User + system CPU seconds of this process and every descendant (vLLM's engine core and
+    worker are child processes): less sensitive than wall time to what else runs on the machine."""
+    root = os.getpid() if root is None else root
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # NOTE: the command name may hold spaces; the fields after its closing parenthesis do not.
+        fields = raw[raw.rindex(")") + 2 :].split()
+        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, (0, 0.0))[1]
+        todo.extend(children.get(pid, []))
+    return total
 
 
 def main() -> None:
@@ -61,12 +89,13 @@ def main() -> None:
         llm.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=w["max_tokens"], ignore_eos=True)
         prompts = [{"prompt_token_ids": p} for p in w["prompts"]]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), tree_cpu_seconds()
         outs = llm.generate(prompts, params, use_tqdm=False)
         secs = time.perf_counter() - start
         results.append({
             "name": w["name"],
             "seconds": secs,
+            "cpu_seconds": tree_cpu_seconds() - cpu,
             "token_ids": [list(o.outputs[0].token_ids) for o in outs],
             "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
         })

@@ -6,18 +6,22 @@ passes whose inputs are advanced in place on the device.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
 import torch
 
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
+from kvmesh.model_worker.host_allocator import keep_freed_buffers
 from kvmesh.model_worker.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.model_loader import load_model
 from kvmesh.model_worker.models.attention import AttentionMetadata
 from kvmesh.model_worker.request import Request
 from kvmesh.model_worker.sampler import Sampler
 from kvmesh.model_worker.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 WindowStepCallback = Callable[[dict[str, int]], list[str]]
 """Called after each inner step of a window with request id -> its token; returns the ids still running."""
@@ -49,6 +53,13 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_buffers()  # NOTE: process-wide; see host_allocator.py for why and the cost
+            if torch.get_num_threads() > 1 and "OMP_WAIT_POLICY" not in os.environ:
+                log.warning(
+                    "torch was imported before kvmesh, so its %d CPU threads spin at every barrier "
+                    "(OMP_WAIT_POLICY unset); on a shared machine that can cost ~10x: import kvmesh "
+                    "first or set OMP_WAIT_POLICY=PASSIVE (docs/engine.md, Threads)", torch.get_num_threads())
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.model = load_model(config.model, model_config, self.dtype, config.device)
