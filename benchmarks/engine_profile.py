@@ -16,9 +16,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import kvmesh  # noqa: F401  - before torch: the engine's OpenMP wait policy (kvmesh/__init__.py)
-
-# isort: split
 import torch
 from peer_engine import MAX_MODEL_LEN, make_workloads, peer_model
 from torch.profiler import ProfilerActivity, profile

@@ -31,9 +31,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import kvmesh  # before torch: the engine's OpenMP wait policy (kvmesh/__init__.py)
-
-# isort: split
 import torch
 
 from kvmesh.make_model import ModelSpec, cache_dir, make_model
@@ -91,11 +88,8 @@ def run_vllm(peer_python: str, model: Path, workloads: list[Workload], log: Path
         ]))
         cmd = [peer_python, str(ROOT / "benchmarks" / "peer_vllm.py"), "--model", str(model),
                "--input", str(inp), "--output", str(out), "--max-model-len", str(MAX_MODEL_LEN)]
-        env = dict(os.environ)
-        if kvmesh.OMP_WAIT_POLICY_SET_HERE:
-            del env["OMP_WAIT_POLICY"]  # NOTE: kvmesh's default, not vLLM's: vLLM runs with its own
         with log.open("w") as f:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False, env=env)
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False)
         if proc.returncode != 0:
             sys.exit(f"vLLM run failed (exit {proc.returncode}); its log: {log}")
         return json.loads(out.read_text())
