@@ -46,7 +46,7 @@ class Linear(nn.Linear):
             and self.weight.dtype == torch.float32
             and _onednn_linear_available()
         ):
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 

@@ -24,6 +24,12 @@ def test_linear_equals_f_linear(rows: int, bias: bool) -> None:
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
+def test_linear_takes_strided_inputs() -> None:
+    layer = Linear(64, 48)
+    x = torch.randn(300, 128)[:, ::2]  # a strided view, as a slice of a fused projection is
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
 def test_linear_keeps_other_dtypes_on_f_linear() -> None:
     layer = Linear(64, 32).to(torch.bfloat16)
     x = torch.randn(256, 64, dtype=torch.bfloat16)
