@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import json_format
@@ -23,6 +24,8 @@ from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvmesh.router")
+
+T = TypeVar("T")
 
 
 def input_from_pb(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerateInput:
@@ -153,7 +156,7 @@ class RouterServer:
         self._loop.run(self._start())
         return self
 
-    def run(self, coro):
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs a coroutine on the router's loop and returns its result (tests, benchmarks)."""
         return self._loop.run(coro)
 
