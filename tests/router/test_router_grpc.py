@@ -231,7 +231,7 @@ def test_streams_past_max_streams_are_refused_naming_the_flag_and_health_stays_a
         server._loop.loop.call_soon_threadsafe(worker.release.set)
         assert [list(s)[-1].finish_reason for s in open_streams] == [common_pb2.FINISH_REASON_LENGTH] * 2
         assert router.metrics.refused._value.get() == 1
-        assert router.servicer.streams == 0
+        assert router.frontend.streams == 0  # the stream count both protocols share
         # A slot is free again: the next stream is served.
         assert generate(stub, token_ids=router_pb2.TokenIds(ids=list(range(1, 20))))[-1].served_by == "hang"
     finally:
