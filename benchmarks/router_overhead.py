@@ -124,7 +124,7 @@ def main() -> int:
                 worker_id=f"w{w}", address=f"127.0.0.1:{50061 + w}", model_id="bench-model", block_size=16,
                 hash_algorithm=ALGOS[args.algorithm], num_blocks=1_000_000, epoch=1), timeout=5)
         router_server = RouterServer(RouterConfig(host="127.0.0.1", port=0, kv_service=kv_address,
-                                                  model_dir=str(tmp), hash_algorithm=args.algorithm))
+                                                  model_dirs=[str(tmp)], hash_algorithm=args.algorithm))
         router_server.start()
         router = router_server.router
         spec = router.pool.model_spec()

@@ -7,13 +7,14 @@
             print(delta.text, end="", flush=True)
         result = client.generate("Once upon a time", max_tokens=32)
         print(result.text, result.usage.cached_tokens, result.served_by)
+        chat = client.generate([{"role": "user", "content": "Hi"}], model="my-model", stop=["\n"])
 
 Errors arrive as ``grpc.RpcError`` with the server's status code and message.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.contract.convert import PB_TO_FINISH, usage_from_pb
@@ -39,18 +40,25 @@ class Completion:
                           "completion_tokens": self.usage.completion_tokens}}
 
 
-def make_request(prompt: str | Sequence[int], *, max_tokens: int | None = None, temperature: float = 0.0,
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+"""Text, token ids, or chat messages (``{"role", "content"}``, rendered by the model's chat template)."""
+
+
+def make_request(prompt: Prompt, *, max_tokens: int | None = None, temperature: float = 0.0,
                  top_p: float | None = None, top_k: int = 0, seed: int | None = None,
                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, cache_salt: str = "",
-                 request_id: str = "") -> pb.GenerateRequest:
+                 request_id: str = "", model: str = "", stop: Sequence[str] = ()) -> pb.GenerateRequest:
     """A GenerateRequest; ``None`` leaves a field unset (the server's default)."""
     sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                          seed=seed, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
-    req = pb.GenerateRequest(sampling=sampling, cache_salt=cache_salt, request_id=request_id)
+    req = pb.GenerateRequest(sampling=sampling, cache_salt=cache_salt, request_id=request_id, model=model,
+                             stop=list(stop))
     if isinstance(prompt, str):
         req.text = prompt
+    elif prompt and isinstance(prompt[0], Mapping):
+        req.chat.messages.extend(pb.ChatMessage(**m) for m in prompt)  # type: ignore[arg-type]
     else:
-        req.token_ids.ids.extend(prompt)
+        req.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
     return req
 
 
@@ -65,11 +73,11 @@ class Client:
         self._stub = pb_grpc.RouterStub(self._channel)
         self.timeout = timeout
 
-    def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[pb.GenerateResponse]:
+    def stream(self, prompt: Prompt, **kwargs) -> Iterator[pb.GenerateResponse]:
         """Yields the router's messages as they arrive (keyword args as in ``make_request``)."""
         yield from self._stub.Generate(make_request(prompt, **kwargs), timeout=self.timeout)
 
-    def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
+    def generate(self, prompt: Prompt, **kwargs) -> Completion:
         """Runs one request to the end and returns the whole completion."""
         out = Completion()
         for msg in self.stream(prompt, **kwargs):

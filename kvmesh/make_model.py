@@ -2,7 +2,9 @@
 
 The checkpoint is written by transformers itself (``config.json``, ``model.safetensors``,
 ``generation_config.json``), so it loads the same way a downloaded model does, in our engine and
-in transformers. The tokenizer is trained with ``tokenizers`` on ``kvmesh/data/corpus.txt``.
+in transformers. The tokenizer is trained with ``tokenizers`` on ``kvmesh/data/corpus.txt``;
+``tokenizer_config.json`` carries a small chat template (``CHAT_TEMPLATE``), so chat requests work
+on these checkpoints in kvmesh, transformers and vLLM alike.
 """
 
 from __future__ import annotations
@@ -17,6 +19,34 @@ ARCHS = ("llama", "qwen2", "mistral")
 BOS, EOS = "<s>", "</s>"
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 TOKENIZER_TARGET_VOCAB = 1024
+CHAT_TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if message['role'] not in ('system', 'user', 'assistant') %}\n"
+    "        {{- raise_exception(\"roles are system, user and assistant, got '\" ~ message['role'] ~ \"'\") }}\n"
+    "    {%- endif %}\n"
+    "    {%- if message['content'] is not defined or message['content'] is none %}\n"
+    "        {%- set content = '' %}\n"
+    "    {%- elif message['content'] is string %}\n"
+    "        {%- set content = message['content'] %}\n"
+    "    {%- else %}\n"
+    "        {%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('\\n') %}\n"
+    "    {%- endif %}\n"
+    "    {{- '<|' ~ message['role'] ~ '|>\\n' ~ content }}\n"
+    "    {%- if message['role'] == 'assistant' %}\n"
+    "        {{- eos_token }}\n"
+    "    {%- endif %}\n"
+    "    {{- '\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|assistant|>\\n' }}\n"
+    "{%- endif %}\n"
+)
+"""The chat template every checkpoint gets (tokenizer_config.json's ``chat_template``): BOS, then per
+message ``<|role|>\\n`` + its text (+ EOS after an assistant turn) + ``\\n``; the generation prompt is
+``<|assistant|>\\n``. Content may be a string or OpenAI's list of parts (text parts joined by a
+newline); a role other than system / user / assistant is refused with ``raise_exception``."""
 SPLIT_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
     r"""|\s+(?!\S)|\s+"""
@@ -180,12 +210,27 @@ def make_model(out_dir: str | os.PathLike[str], spec: ModelSpec | None = None) -
         "unk_token": None,
         "model_max_length": spec.max_position_embeddings,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(
         json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": EOS}, indent=2) + "\n"
     )
     return out
+
+
+def add_chat_template(model_dir: Path) -> bool:
+    """Writes ``CHAT_TEMPLATE`` into a checkpoint made before make-model wrote one (the cached
+    default model of an older kvmesh); True when it did. Atomic: a temp file renamed over the old."""
+    path = model_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    if config.get("chat_template") is not None or (model_dir / "chat_template.jinja").exists():
+        return False
+    config["chat_template"] = CHAT_TEMPLATE
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    tmp.replace(path)
+    return True
 
 
 def cache_dir() -> Path:
@@ -197,6 +242,7 @@ def ensure_default_model() -> Path:
     """The default model of ``make run``: made once under the cache dir, then reused."""
     target = cache_dir() / "models" / "default"
     if (target / "config.json").exists() and (target / "tokenizer.json").exists():
+        add_chat_template(target)
         return target
     # NOTE: build in a sibling dir and rename, so a crash never leaves a half-written default.
     tmp = target.with_name(f"default.tmp-{os.getpid()}")

@@ -21,8 +21,13 @@ from kvmesh.transport.rpc import dial
 @dataclass(slots=True)
 class StackConfig:
     model: str
-    """Model directory served by every worker."""
+    """Model directory served by the workers (the router's default model)."""
     workers: int = 2
+    """Workers per model."""
+    extra_models: list[str] = field(default_factory=list)
+    """More model directories, each served by ``workers`` workers of its own behind the same router."""
+    http_port: int | None = None
+    """The router's OpenAI-compatible HTTP port; None = off."""
     host: str = "127.0.0.1"
     router_port: int = 50051
     kv_service_port: int = 50052
@@ -91,8 +96,8 @@ class LocalStack:
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - owned by the child for its lifetime
         # NOTE: its own session keeps Ctrl-C to the launcher (which stops the children in order);
         # die_with_parent ends the children when the launcher is killed, SIGKILL included.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.cfg.env},
-                                start_new_session=True, preexec_fn=die_with_parent())
+        proc = subprocess.Popen([*die_with_parent(), *cmd], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **self.cfg.env}, start_new_session=True)
         self.procs.append((name, proc))
         return proc
 
@@ -115,27 +120,34 @@ class LocalStack:
                                                       *kv_args, *self._metrics(0)))
             wait_serving(kv_addr, kv, 30)
             self.endpoints["kv_service"] = kv_addr
-            threads = str(max(1, (os.cpu_count() or 1) // max(1, c.workers)))
+            models = [c.model, *c.extra_models]
+            total = c.workers * len(models)
+            threads = str(max(1, (os.cpu_count() or 1) // max(1, total)))
             workers = []
-            for i in range(c.workers):
+            for i in range(total):
                 port = c.worker_port + i
                 addr = f"{c.host}:{port}"
                 nice = ["nice", "-n", str(c.worker_nice)] if c.worker_nice else []
+                # NOTE: worker i serves model i // workers: worker-0.. for the first model, then the next.
                 proc = self._spawn(f"worker-{i}", nice + kvmesh_cmd(
-                    "worker", "--model", c.model, "--host", c.host, "--port", str(port), "--kv-service", kv_addr,
-                    "--worker-id", f"worker-{i}", "--advertise-address", addr, "--torch-threads", threads,
-                    *self._metrics(2 + i), *(["--simulate"] if c.simulate else []), *c.worker_args))
+                    "worker", "--model", models[i // c.workers], "--host", c.host, "--port", str(port),
+                    "--kv-service", kv_addr, "--worker-id", f"worker-{i}", "--advertise-address", addr,
+                    "--torch-threads", threads, *self._metrics(2 + i), *(["--simulate"] if c.simulate else []),
+                    *c.worker_args))
                 workers.append((addr, proc))
             for i, (addr, proc) in enumerate(workers):
                 wait_serving(addr, proc, 300)
                 self.endpoints[f"worker-{i}"] = addr
             router_addr = f"{c.host}:{c.router_port}"
+            http = ["--http-port", str(c.http_port)] if c.http_port is not None else []
             router = self._spawn("router", kvmesh_cmd(
                 "router", "--host", c.host, "--port", str(c.router_port), "--kv-service", kv_addr,
-                *(["--model", c.model] if c.router_tokenizer else []),
-                *self._metrics(1), *c.router_args))
+                *(["--model", ",".join(models)] if c.router_tokenizer else []),
+                *http, *self._metrics(1), *c.router_args))
             wait_serving(router_addr, router, 60)
             self.endpoints["router"] = router_addr
+            if c.http_port is not None:
+                self.endpoints["openai"] = f"http://{c.host}:{c.http_port}/v1"
         except Exception:
             self.stop()
             raise

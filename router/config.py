@@ -14,12 +14,16 @@ class RouterConfig:
     """Listen address."""
     port: int = 50051
     """Public gRPC port; 0 picks a free one (tests)."""
+    http_port: int | None = None
+    """Port of the OpenAI-compatible HTTP API (docs/openai.md) on the same host; 0 picks a free one; none = off."""
     kv_service: str | None = flag("127.0.0.1:50052", metavar="HOST:PORT")
     """The kv_service to look prefixes up in and discover workers from; none = no index (needs --workers)."""
-    model_dir: str | None = flag(None, name="model", metavar="DIR")
-    """Model dir whose tokenizer.json tokenizes text prompts; without it: token ids only."""
+    model_dirs: list[str] = flag(default_factory=list, name="model", metavar="DIR,...")
+    """Model dirs (comma-separated) whose tokenizer.json and chat template serve text and chat requests; the first
+    is the default model. Models without one here serve token ids only."""
     model_id: str | None = None
-    """Model identity in block hashes; default: from --model, else the one model kv_service knows."""
+    """Model identity in block hashes of the first --model (default: its directory's name); without --model, a
+    model served before any worker of it registers."""
     workers: list[str] = flag(default_factory=list, metavar="HOST:PORT,...")
     """Static worker addresses instead of discovery from kv_service."""
     policy: str = "kv-aware"
@@ -88,6 +92,8 @@ class RouterConfig:
                              f"{self.work_weight}")
         if self.balance_factor < 1.0:
             raise ValueError(f"--balance-factor must be >= 1.0, got {self.balance_factor}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"--http-port must be in [0, 65535] (0 = a free port), got {self.http_port}")
         if self.max_streams < 1 or self.max_prompt_tokens < 0 or self.max_tokens_limit < 0:
             raise ValueError("--max-streams must be >= 1; --max-prompt-tokens / --max-tokens-limit >= 0")
         if self.block_size < 1:

@@ -1,7 +1,8 @@
 """gRPC side of the router's upstreams: the kv_service (Lookup, ListWorkers) and the workers.
 
-Implements router/upstream.py's AsyncPrefixIndex and WorkerPool over ``grpc.aio`` channels, on the
-router's event loop; discovery is a task on that loop. This is the one module of the router
+Implements router/upstream.py's AsyncPrefixIndex and WorkerPool (one per model) over ``grpc.aio``
+channels, on the router's event loop; discovery is one task on that loop that polls every model's
+workers at once and hands each model's to its pool. This is the one module of the router
 that reads gRPC status codes of upstream calls; it turns them into ``Failure`` kinds for the
 request path and ``IndexUnavailable`` for the index.
 """
@@ -18,7 +19,6 @@ import grpc
 
 from kvmesh.contract.block_hash import algorithm_name
 from kvmesh.contract.convert import PB_TO_ALGO, PB_TO_FINISH, load_from_pb, sampling_to_pb, usage_from_pb
-from kvmesh.contract.errors import Unavailable
 from kvmesh.contract.types import ModelSpec
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.upstream import (
@@ -54,7 +54,15 @@ EMPTY_GRACE_S = 5.0
 
 class KVServiceClient:
     """Lookup with a short deadline; a failure raises IndexUnavailable (router/core.py's breaker then
-    skips the index for a while). Build it on the loop that uses it."""
+    skips the index for a while). Build it on the loop that uses it.
+
+    NOTE: a Lookup answer names every live worker with its load; reading 64 nested load messages
+    field by field cost ~0.3 ms a request. An answer's entry (worker, address, matched blocks,
+    load) repeats until the worker's next heartbeat or a different prompt, so each entry's
+    IndexMatch is cached by its wire bytes (~0.4 us to get, against ~5 us to build).
+    """
+
+    MAX_CACHED = 16_384
 
     def __init__(self, target: str, lookup_timeout_s: float = 0.05, rpc_timeout_s: float = 2.0) -> None:
         self.target = target
@@ -63,6 +71,16 @@ class KVServiceClient:
         self._channel = dial_aio(target)
         self._stub = kv_grpc.KVServiceStub(self._channel)
         self._md = call_metadata()
+        self._matches: dict[bytes, IndexMatch] = {}
+
+    def _match(self, m: kv_pb.WorkerMatch) -> IndexMatch:
+        key = m.SerializeToString()
+        found = self._matches.get(key)
+        if found is None:
+            if len(self._matches) >= self.MAX_CACHED:
+                self._matches.clear()
+            found = self._matches[key] = IndexMatch(m.worker_id, m.address, m.matched_blocks, load_from_pb(m.load))
+        return found
 
     async def lookup(self, model_id: str, block_hashes: Sequence[bytes]) -> list[IndexMatch]:
         try:
@@ -70,7 +88,7 @@ class KVServiceClient:
                                              timeout=self.lookup_timeout_s, metadata=self._md)
         except grpc.aio.AioRpcError as exc:
             raise IndexUnavailable(f"kv_service at {self.target}: {exc.code().name}: {exc.details()}") from None
-        return [IndexMatch(m.worker_id, m.address, m.matched_blocks, load_from_pb(m.load)) for m in answer.workers]
+        return [self._match(m) for m in answer.workers]
 
     async def list_workers(self) -> list[kv_pb.WorkerInfo]:
         """Live workers of every model; raises grpc.aio.AioRpcError."""
@@ -111,42 +129,68 @@ class GrpcWorkerCall:
         self._call.cancel()
 
 
-class GrpcWorkerPool:
-    """The workers of the served model: from kv_service's ListWorkers, or a static address list.
+class WorkerChannels:
+    """One aio channel per worker address, shared by every model's pool; build it on the router's loop."""
 
-    A task on the router's loop refreshes the set every ``discovery_interval_s``; when the source
-    fails the last good set stays. Channels are cached per address.
+    def __init__(self) -> None:
+        self._channels: dict[str, tuple[grpc.aio.Channel, w_grpc.WorkerStub, float]] = {}
+
+    def stub(self, address: str) -> w_grpc.WorkerStub:
+        entry = self._channels.get(address)
+        if entry is None:
+            channel = dial_aio(address)
+            entry = (channel, w_grpc.WorkerStub(channel), time.monotonic())
+        else:
+            entry = (entry[0], entry[1], time.monotonic())
+        self._channels[address] = entry
+        return entry[1]
+
+    async def prune(self, live: set[str]) -> None:
+        """Closes channels out of ``live`` and unused for CHANNEL_IDLE_S."""
+        now = time.monotonic()
+        stale = [a for a, (_, _, used) in self._channels.items() if a not in live and now - used > CHANNEL_IDLE_S]
+        for address in stale:
+            await self._channels.pop(address)[0].close()
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        for channel, _, _ in channels.values():
+            await channel.close()
+
+
+class GrpcWorkerPool:
+    """The workers of one model, as :class:`WorkerDiscovery` last saw them, and calls to them.
+
+    Args:
+        model_id: the model.
+        config: the router's flags (block size / hash algorithm until a worker reports them).
+        channels: the router's worker channels.
+        discovers_from_index: the set comes from kv_service (a Lookup may name newer workers).
     """
 
-    def __init__(self, config: RouterConfig, kv: KVServiceClient | None,
-                 on_change: Callable[[bool], Awaitable[None]] | None = None) -> None:
+    def __init__(self, model_id: str, config: RouterConfig, channels: WorkerChannels,
+                 discovers_from_index: bool = True) -> None:
+        self.model_id = model_id
         self.config = config
-        self.kv = kv
-        self.discovers_from_index = not config.workers
+        self.discovers_from_index = discovers_from_index
         self.problem = ""
         """Why the worker set is empty or stale (shown in UNAVAILABLE messages)."""
-        self._on_change = on_change
+        self._channels = channels
         self._endpoints: list[WorkerEndpoint] = []
         self._spec: ModelSpec | None = None
-        self._model_id = config.model_id
         self._unhealthy: dict[str, float] = {}
         self._empty_since: float | None = None
-        self._channels: dict[str, tuple[grpc.aio.Channel, w_grpc.WorkerStub, float]] = {}
         self._md = call_metadata()
-        self._task: asyncio.Task | None = None
 
     # -- WorkerPool -------------------------------------------------------------------------
     def endpoints(self) -> list[WorkerEndpoint]:
         return self._endpoints
 
     def model_spec(self) -> ModelSpec:
-        spec = self._spec
-        if spec is not None:
-            return spec
-        if self._model_id:  # no worker seen yet: hash with the flags
-            return ModelSpec(self._model_id, self.config.block_size, algorithm_name(self.config.hash_algorithm))
-        raise Unavailable(f"the model id is not known yet ({self.problem or 'no worker registered'}): "
-                          "start the router with --model DIR or --model-id ID")
+        if self._spec is not None:
+            return self._spec
+        # NOTE: no worker seen yet: hash with the flags (a static pool's workers never report an algorithm).
+        return ModelSpec(self.model_id, self.config.block_size, algorithm_name(self.config.hash_algorithm))
 
     def healthy(self, worker_id: str) -> bool:
         until = self._unhealthy.get(worker_id)
@@ -156,14 +200,68 @@ class GrpcWorkerPool:
         self._unhealthy[worker_id] = time.monotonic() + self.config.unhealthy_s
 
     def generate(self, endpoint: WorkerEndpoint, request: WorkerRequest, timeout_s: float) -> GrpcWorkerCall:
-        call = self._stub(endpoint.address).Generate(
+        call = self._channels.stub(endpoint.address).Generate(
             w_pb.WorkerGenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                                        sampling=sampling_to_pb(request.sampling), cache_salt=request.cache_salt),
             timeout=timeout_s, metadata=self._md)
         return GrpcWorkerCall(call, endpoint)
 
-    # -- discovery ---------------------------------------------------------------------------
-    async def start(self) -> GrpcWorkerPool:
+    async def abort(self, endpoint: WorkerEndpoint, request_id: str) -> bool:
+        try:
+            r = await self._channels.stub(endpoint.address).Abort(
+                w_pb.AbortRequest(request_id=request_id), timeout=self.config.rpc_timeout_s, metadata=self._md)
+        except grpc.aio.AioRpcError as exc:
+            log.info("abort of %s on worker %s failed: %s", request_id, endpoint.worker_id, exc.code().name)
+            return False
+        return r.aborted
+
+    # -- fed by WorkerDiscovery ------------------------------------------------------------------
+    def update(self, endpoints: list[WorkerEndpoint], spec: ModelSpec | None, problem: str = "") -> None:
+        """The model's live workers of the last poll (``spec`` None: keep the last one)."""
+        if spec is not None:
+            self._spec = spec
+        self.problem = problem
+        if not endpoints and self._endpoints and self.discovers_from_index:
+            # NOTE: a Redis that restarted empty lists no worker until each one's next heartbeat
+            # gets NOT_FOUND and it registers again (a third of a lease). Dropping every worker at
+            # once would fail every request in that window; a worker that really died fails its
+            # requests as UNAVAILABLE (retried elsewhere) either way.
+            now = time.monotonic()
+            self._empty_since = self._empty_since or now
+            if now - self._empty_since < EMPTY_GRACE_S:
+                return
+        self._empty_since = None
+        # NOTE: replaced, never mutated: a request that read the list keeps a consistent one.
+        self._endpoints = endpoints
+
+    def set_problem(self, problem: str) -> None:
+        """The source failed: keep the last good set, say why it may be stale."""
+        self.problem = problem
+
+
+class WorkerDiscovery:
+    """Polls the worker source every ``discovery_interval_s`` and hands each model's workers to its
+    pool: kv_service's ListWorkers (every model in one call), or GetLoad of each static address.
+
+    Args:
+        pool_for: the pool of a model id, made on first sight (router/models.py's ModelSet).
+        pools: the pools made so far (so a model whose workers all left is told so).
+        on_change: awaited after each poll with whether any model has a worker (health).
+    """
+
+    def __init__(self, config: RouterConfig, kv: KVServiceClient | None, channels: WorkerChannels,
+                 pool_for: Callable[[str], GrpcWorkerPool], pools: Callable[[], list[GrpcWorkerPool]],
+                 on_change: Callable[[bool], Awaitable[None]] | None = None) -> None:
+        self.config = config
+        self.kv = kv
+        self.channels = channels
+        self._pool_for = pool_for
+        self._pools = pools
+        self._on_change = on_change
+        self._problem = ""
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> WorkerDiscovery:
         await self.refresh()
         self._task = asyncio.get_running_loop().create_task(self._loop())
         return self
@@ -174,9 +272,7 @@ class GrpcWorkerPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        channels, self._channels = self._channels, {}
-        for channel, _, _ in channels.values():
-            await channel.close()
+        await self.channels.close()
         if self.kv is not None:
             await self.kv.close()
 
@@ -194,9 +290,10 @@ class GrpcWorkerPool:
             await self._refresh_static()
         else:
             await self._refresh_from_kv()
-        await self._prune_channels()
+        pools = self._pools()
+        await self.channels.prune({e.address for p in pools for e in p.endpoints()} | set(self.config.workers))
         if self._on_change is not None:
-            await self._on_change(bool(self._endpoints))
+            await self._on_change(any(p.endpoints() for p in pools))
 
     async def _refresh_from_kv(self) -> None:
         assert self.kv is not None
@@ -204,73 +301,47 @@ class GrpcWorkerPool:
             infos = [w for w in await self.kv.list_workers() if w.live]
         except grpc.aio.AioRpcError as exc:
             problem = f"kv_service at {self.kv.target} unreachable: {exc.code().name}"
-            if problem != self.problem:  # once per outage, not once per poll
-                log.warning("%s; keeping the last %d worker(s)", problem, len(self._endpoints))
-            self.problem = problem
+            if problem != self._problem:  # once per outage, not once per poll
+                log.warning("%s; keeping the last worker sets", problem)
+            self._problem = problem
+            for pool in self._pools():
+                pool.set_problem(problem)
             return
-        if not self._model_id:
-            models = sorted({w.model_id for w in infos})
-            if len(models) > 1:
-                self.problem = f"kv_service has several models ({', '.join(models)}): pass --model-id"
-            elif models:
-                self._model_id = models[0]
-                log.info("serving model %r (the one model registered in kv_service)", self._model_id)
-        mine = [w for w in infos if w.model_id == self._model_id]
-        if mine:
-            algo = PB_TO_ALGO.get(mine[0].hash_algorithm, self.config.hash_algorithm)
-            self._spec = ModelSpec(self._model_id, mine[0].block_size, algo)
-            self.problem = ""
-        elif self._model_id:
-            others = sorted({w.model_id for w in infos})
-            self.problem = (f"no live worker of model {self._model_id!r} in kv_service"
-                            + (f" (it has: {', '.join(others)})" if others else ""))
-        if not mine and self._endpoints:
-            # NOTE: a Redis that restarted empty lists no worker until each one's next heartbeat
-            # gets NOT_FOUND and it registers again (a third of a lease). Dropping every worker at
-            # once would fail every request in that window; a worker that really died fails its
-            # requests as UNAVAILABLE (retried elsewhere) either way.
-            now = time.monotonic()
-            self._empty_since = self._empty_since or now
-            if now - self._empty_since < EMPTY_GRACE_S:
-                return
-        self._empty_since = None
-        # NOTE: replaced, never mutated: a request that read the list keeps a consistent one.
-        self._endpoints = [WorkerEndpoint(w.worker_id, w.address, load_from_pb(w.load)) for w in mine]
+        self._problem = ""
+        by_model: dict[str, list[kv_pb.WorkerInfo]] = {}
+        for w in infos:
+            by_model.setdefault(w.model_id, []).append(w)
+        for model_id in by_model:
+            self._pool_for(model_id)
+        for pool in self._pools():
+            mine = by_model.get(pool.model_id, [])
+            spec = None
+            if mine:
+                algo = PB_TO_ALGO.get(mine[0].hash_algorithm, self.config.hash_algorithm)
+                spec = ModelSpec(pool.model_id, mine[0].block_size, algo)
+            problem = "" if mine else (
+                f"no live worker of model {pool.model_id!r} in kv_service"
+                + (f" (it has: {', '.join(sorted(by_model))})" if by_model else ""))
+            pool.update([WorkerEndpoint(w.worker_id, w.address, load_from_pb(w.load)) for w in mine], spec, problem)
 
     async def _refresh_static(self) -> None:
-        found: list[WorkerEndpoint] = []
+        found: dict[str, list[WorkerEndpoint]] = {}
+        block_size: dict[str, int] = {}
         problems = []
         for address in self.config.workers:
             try:
-                r = await self._stub(address).GetLoad(w_pb.GetLoadRequest(), timeout=self.config.rpc_timeout_s,
-                                                       metadata=self._md)
+                r = await self.channels.stub(address).GetLoad(
+                    w_pb.GetLoadRequest(), timeout=self.config.rpc_timeout_s, metadata=call_metadata())
             except grpc.aio.AioRpcError as exc:
                 problems.append(f"{address}: {exc.code().name}")
                 continue
-            if not self._model_id:
-                self._model_id = r.model_id
-            if r.model_id != self._model_id:
-                problems.append(f"{address} serves model {r.model_id!r}, not {self._model_id!r}")
-                continue
-            if self._spec is None or self._spec.block_size != r.block_size:
-                self._spec = ModelSpec(self._model_id, r.block_size, algorithm_name(self.config.hash_algorithm))
-            found.append(WorkerEndpoint(r.worker_id, address, load_from_pb(r.load)))
-        self.problem = ("static workers unreachable or mismatched: " + "; ".join(problems)) if problems else ""
-        self._endpoints = found
-
-    def _stub(self, address: str) -> w_grpc.WorkerStub:
-        entry = self._channels.get(address)
-        if entry is None:
-            channel = dial_aio(address)
-            entry = (channel, w_grpc.WorkerStub(channel), time.monotonic())
-        else:
-            entry = (entry[0], entry[1], time.monotonic())
-        self._channels[address] = entry
-        return entry[1]
-
-    async def _prune_channels(self) -> None:
-        now = time.monotonic()
-        live = {e.address for e in self._endpoints} | set(self.config.workers)
-        stale = [a for a, (_, _, used) in self._channels.items() if a not in live and now - used > CHANNEL_IDLE_S]
-        for address in stale:
-            await self._channels.pop(address)[0].close()
+            found.setdefault(r.model_id, []).append(WorkerEndpoint(r.worker_id, address, load_from_pb(r.load)))
+            block_size.setdefault(r.model_id, r.block_size)
+        problem = ("static workers unreachable: " + "; ".join(problems)) if problems else ""
+        for model_id in found:
+            self._pool_for(model_id)
+        for pool in self._pools():
+            eps = found.get(pool.model_id, [])
+            spec = (ModelSpec(pool.model_id, block_size[pool.model_id], algorithm_name(self.config.hash_algorithm))
+                    if eps else None)
+            pool.update(eps, spec, problem or ("" if eps else f"no worker in --workers serves {pool.model_id!r}"))

@@ -1,7 +1,8 @@
 """The request path: validate, tokenize, hash, look up, pick, forward, stream back.
 
-The gRPC adapter (router/server.py) turns a GenerateRequest into a :class:`GenerateInput`, iterates
-:meth:`Router.generate` and turns each :class:`GenerateOutput` into a GenerateResponse. Workers and
+The gRPC adapter (router/server.py) and the OpenAI HTTP adapter (router/openai_api.py) turn a
+request into a :class:`GenerateInput`, iterate :meth:`Router.generate` (through router/frontend.py,
+which picks the model's Router) and turn each :class:`GenerateOutput` into their messages. Workers and
 the index are reached through router/upstream.py's protocols, so this module imports neither
 grpc nor redis; errors are kvmesh.contract.errors, mapped to status codes by kvmesh/transport/rpc.py.
 
@@ -15,16 +16,19 @@ reaches the open worker call at its await, and the ``finally`` blocks free its i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from tokenizers import Tokenizer
 
-from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvmesh.contract.errors import InvalidArgument, RequestTooLarge, ResourceExhausted, Unavailable
 from kvmesh.contract.types import DEFAULT_MAX_TOKENS, SamplingParams, Usage
+from kvmesh.router.chat_template import ChatTemplate
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RoutePlan, RoutingCore
 from kvmesh.router.detokenize import IncrementalDetokenizer
@@ -32,12 +36,14 @@ from kvmesh.router.inflight import InFlight
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.policy import Decision, PolicyConfig, RouterPolicy, make_policy
 from kvmesh.router.speculative import SpeculativeIndex
+from kvmesh.router.stop_strings import StopStrings, check_stop_strings
 from kvmesh.router.upstream import (
     RETRIABLE,
     AsyncPrefixIndex,
     Failure,
     IndexMatch,
     IndexUnavailable,
+    WorkerChunk,
     WorkerEndpoint,
     WorkerError,
     WorkerPool,
@@ -48,11 +54,26 @@ log = logging.getLogger("kvmesh.router")
 
 TOKENIZE_IN_THREAD_CHARS = 2048
 """Texts longer than this are tokenized on a worker thread (about 0.5 ms of the loop and up)."""
+ABORT_DRAIN_S = 2.0
+"""After a stop string, how long the worker's final message (with the request's usage) is awaited."""
+
+
+@dataclass(slots=True, frozen=True)
+class ChatInput:
+    """A conversation for the model's chat template (router/chat_template.py)."""
+
+    messages: Sequence[Mapping[str, Any]]
+    """``{"role", "content"[, "name"]}`` each, content as text."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Extra template variables (vLLM's ``chat_template_kwargs``)."""
 
 
 @dataclass(slots=True, frozen=True)
 class GenerateInput:
-    """A client request, already converted from protobuf; exactly one of text / token_ids is set."""
+    """A client request, already converted from protobuf or JSON; exactly one of text / token_ids /
+    chat is set."""
 
     text: str | None
     token_ids: Sequence[int] | None
@@ -61,6 +82,10 @@ class GenerateInput:
     request_id: str = ""
     timeout_s: float | None = None
     """Time the client has left (its gRPC deadline); None = no client deadline."""
+    chat: ChatInput | None = None
+    stop: Sequence[str] = ()
+    """Stop strings (router/stop_strings.py); they need the model's tokenizer."""
+    include_stop_str_in_output: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,7 +98,10 @@ class GenerateOutput:
 
 
 class Router:
-    """The request path; one per process, on the server's event loop.
+    """The request path of one model, on the server's event loop.
+
+    One Router serves one model (router/models.py keeps one per model): its own pool, tokenizer,
+    chat template, speculative map and in-flight view, so models never share routing state.
 
     Args:
         config: the router's flags.
@@ -81,15 +109,18 @@ class Router:
         index: the kv_service Lookup, or None to route without an index.
         tokenizer: the model's tokenizer, or None (clients must then send token ids).
         metrics: where to count (the server's, served on /metrics); default: a private registry.
+        chat_template: the model's chat template, or None (chat requests are refused).
     """
 
     def __init__(self, config: RouterConfig, pool: WorkerPool, index: AsyncPrefixIndex | None,
                  tokenizer: Tokenizer | None = None, policy: RouterPolicy | None = None,
-                 speculative: SpeculativeIndex | None = None, metrics: RouterMetrics | None = None) -> None:
+                 speculative: SpeculativeIndex | None = None, metrics: RouterMetrics | None = None,
+                 chat_template: ChatTemplate | None = None) -> None:
         self.config = config
         self.pool = pool
         self.index = index
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.metrics = metrics or RouterMetrics()
         policy = policy or make_policy(config.policy, PolicyConfig(
             decode_cost_tokens=config.decode_cost_tokens, overlap_weight=config.overlap_weight,
@@ -121,17 +152,39 @@ class Router:
             if not inp.token_ids:
                 raise InvalidArgument("token_ids is empty: send at least one prompt token")
             return list(inp.token_ids)
+        if inp.chat is not None:
+            return await self._encode(self.render_chat(inp.chat), add_special_tokens=False)
         if inp.text is None:
-            raise InvalidArgument("the request sets no input: set text or token_ids")
+            raise InvalidArgument("the request sets no input: set text, token_ids or chat")
         if not inp.text:
             raise InvalidArgument("text is empty: send a non-empty prompt")
+        # NOTE: add_special_tokens=True, as the worker's offline path encodes, so both hash the same ids.
+        return await self._encode(inp.text, add_special_tokens=True)
+
+    def render_chat(self, chat: ChatInput) -> str:
+        """The conversation as prompt text, by the model's chat template.
+
+        Raises:
+            InvalidArgument: no tokenizer or template for the model, or the template refused the messages.
+        """
+        model = self.pool.model_spec().model_id
+        if self.tokenizer is None:
+            raise InvalidArgument(f"this router has no tokenizer for model {model!r} (start it with --model DIR): "
+                                  "chat needs the model's tokenizer and chat template; send token_ids instead")
+        if self.chat_template is None:
+            raise InvalidArgument(f"model {model!r} has no chat template (chat_template in its tokenizer_config.json "
+                                  "or a chat_template.jinja): send text or token_ids instead")
+        return self.chat_template.render(chat.messages, add_generation_prompt=chat.add_generation_prompt,
+                                         continue_final_message=chat.continue_final_message,
+                                         extra=chat.template_kwargs)
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self.tokenizer is None:
             raise InvalidArgument("this router has no tokenizer (start it with --model DIR): send token_ids")
-        # NOTE: add_special_tokens=True, as the worker's offline path encodes, so both hash the same ids.
-        if len(inp.text) > TOKENIZE_IN_THREAD_CHARS:
+        if len(text) > TOKENIZE_IN_THREAD_CHARS:
             # The Rust tokenizer releases the GIL: the loop keeps serving the other streams.
-            return (await asyncio.to_thread(self.tokenizer.encode, inp.text, add_special_tokens=True)).ids
-        return self.tokenizer.encode(inp.text, add_special_tokens=True).ids
+            return (await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)).ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     async def plan(self, token_ids: list[int], cache_salt: str = "", max_tokens: int = 0) -> RoutePlan:
         """Hashes the prompt, asks the index at most once and builds the candidates: router/core.py's
@@ -159,6 +212,14 @@ class Router:
         """Tokenize + hash + lookup + pick, and the speculative record: all the server does
         before forwarding (benchmarks/router_overhead.py times exactly this)."""
         t0 = time.perf_counter()
+        if inp.stop:
+            try:
+                check_stop_strings(inp.stop)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+            if self.tokenizer is None:
+                raise InvalidArgument("stop strings need the model's tokenizer at the router (--model DIR); "
+                                      "use stop_token_ids")
         token_ids = await self.tokenize(inp)
         self._check_limits(len(token_ids), inp.sampling.max_tokens)
         plan = await self.plan(token_ids, inp.cache_salt, inp.sampling.max_tokens or DEFAULT_MAX_TOKENS)
@@ -171,10 +232,10 @@ class Router:
     def _check_limits(self, prompt_tokens: int, max_tokens: int | None) -> None:
         cfg = self.config
         if cfg.max_prompt_tokens and prompt_tokens > cfg.max_prompt_tokens:
-            raise ResourceExhausted(f"the prompt has {prompt_tokens} tokens; this router accepts at most "
+            raise RequestTooLarge(f"the prompt has {prompt_tokens} tokens; this router accepts at most "
                                     f"{cfg.max_prompt_tokens} (--max-prompt-tokens)")
         if cfg.max_tokens_limit and (max_tokens or DEFAULT_MAX_TOKENS) > cfg.max_tokens_limit:
-            raise ResourceExhausted(f"max_tokens {max_tokens or DEFAULT_MAX_TOKENS} is over this router's limit of "
+            raise RequestTooLarge(f"max_tokens {max_tokens or DEFAULT_MAX_TOKENS} is over this router's limit of "
                                     f"{cfg.max_tokens_limit} (--max-tokens-limit)")
 
     def _no_worker_message(self) -> str:
@@ -216,7 +277,7 @@ class Router:
             if left <= 0:
                 break
             try:
-                async for out in self._stream(endpoint, plan, request, left):
+                async for out in self._stream(endpoint, plan, request, left, inp):
                     yield out
                 return
             except WorkerError as exc:  # only ever raised before the first token
@@ -238,10 +299,12 @@ class Router:
         raise Unavailable(f"no worker could take the request after {len(failures)} attempt(s): {detail}")
 
     async def _stream(self, endpoint: WorkerEndpoint, plan: RoutePlan, request: WorkerRequest,
-                      timeout_s: float) -> AsyncIterator[GenerateOutput]:
+                      timeout_s: float, inp: GenerateInput) -> AsyncIterator[GenerateOutput]:
         """One attempt. Raises WorkerError only before the first chunk has been yielded."""
         ticket = self.core.start(plan, endpoint.worker_id)
         detok = IncrementalDetokenizer(self._decode) if self.tokenizer is not None else None
+        stops = StopStrings(inp.stop, inp.include_stop_str_in_output) if inp.stop and detok is not None else None
+        completion = 0
         started = False
         call = None
         try:
@@ -264,14 +327,35 @@ class Router:
             started = True
             self.core.prefilled(ticket)
             while True:
-                text = detok.push(chunk.token_ids) if detok is not None else ""
-                if chunk.finish_reason is not None:
-                    if detok is not None:
-                        text += detok.flush()
-                    yield GenerateOutput(chunk.token_ids, text, chunk.finish_reason, chunk.usage,
-                                         chunk.worker_id or endpoint.worker_id)
+                if stops is None:
+                    ids = chunk.token_ids
+                    text = detok.push(ids) if detok is not None else ""
+                else:
+                    assert detok is not None
+                    # NOTE: token by token, so the output ends at the token that completed the stop.
+                    ids, text = [], ""
+                    for t in chunk.token_ids:
+                        ids.append(t)
+                        text += stops.push(detok.push([t]))
+                        if stops.matched is not None:
+                            break
+                completion += len(ids)
+                if stops is not None and stops.matched is not None:
+                    usage = await self._end_at_stop(endpoint, request, chunks, completion)
+                    yield GenerateOutput(ids, text, "stop", usage, endpoint.worker_id)
                     return
-                yield GenerateOutput(chunk.token_ids, text)
+                if chunk.finish_reason is not None:
+                    finish = chunk.finish_reason
+                    if detok is not None:
+                        tail = detok.flush()
+                        if stops is not None:
+                            tail = stops.push(tail)
+                            finish = "stop" if stops.matched is not None else finish
+                            tail += stops.flush()
+                        text += tail
+                    yield GenerateOutput(ids, text, finish, chunk.usage, chunk.worker_id or endpoint.worker_id)
+                    return
+                yield GenerateOutput(ids, text)
                 try:
                     chunk = await chunks.__anext__()
                 except StopAsyncIteration:
@@ -285,6 +369,23 @@ class Router:
             self.core.finish(ticket)
             if call is not None:
                 call.cancel()  # a no-op once the call has ended; frees it when the client left
+
+    async def _end_at_stop(self, endpoint: WorkerEndpoint, request: WorkerRequest,
+                           chunks: AsyncIterator[WorkerChunk], completion: int) -> Usage:
+        """A stop string ended the text: the worker is told to abort, and its last message (which
+        carries the prompt's cached tokens) is awaited for at most ABORT_DRAIN_S."""
+        usage = None
+        if await self.pool.abort(endpoint, request.request_id):
+            async def last() -> Usage | None:
+                async for c in chunks:
+                    if c.finish_reason is not None:
+                        return c.usage
+                return None
+
+            with contextlib.suppress(asyncio.TimeoutError, WorkerError):  # noqa: UP041 - 3.10's TimeoutError
+                usage = await asyncio.wait_for(last(), ABORT_DRAIN_S)
+        prompt = len(request.prompt_token_ids)
+        return Usage(prompt, usage.cached_tokens if usage is not None else 0, completion)
 
     def _decode(self, ids: Sequence[int]) -> str:
         assert self.tokenizer is not None

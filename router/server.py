@@ -1,30 +1,47 @@
-"""gRPC adapter of the router: GenerateRequest in, Router.generate, GenerateResponses out."""
+"""gRPC adapter of the router (GenerateRequest in, the Frontend, GenerateResponses out) and the router
+process: gRPC server, the OpenAI HTTP server, worker discovery, one event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf import json_format
 
 from kvmesh.contract.convert import FINISH_TO_PB, sampling_from_pb, usage_to_pb
-from kvmesh.contract.errors import ResourceExhausted
-from kvmesh.contract.modelinfo import load_tokenizer, model_id_for
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.discovery import GrpcWorkerPool, KVServiceClient
+from kvmesh.router.discovery import GrpcWorkerPool, KVServiceClient, WorkerChannels, WorkerDiscovery
+from kvmesh.router.frontend import Frontend
 from kvmesh.router.metrics import RouterMetrics
-from kvmesh.router.router import GenerateInput, Router
+from kvmesh.router.models import ModelSet, ServedModel
+from kvmesh.router.openai_api import HttpServer
+from kvmesh.router.router import ChatInput, GenerateInput, Router
 from kvmesh.transport.rpc import AioServer, LoopThread
 from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvmesh.router")
 
+T = TypeVar("T")
+
 
 def input_from_pb(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerateInput:
     which = request.WhichOneof("input")
     remaining = context.time_remaining()
+    chat = None
+    if which == "chat":
+        c = request.chat
+        chat = ChatInput(
+            messages=[{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                      for m in c.messages],
+            add_generation_prompt=c.add_generation_prompt if c.HasField("add_generation_prompt") else True,
+            continue_final_message=c.continue_final_message,
+            template_kwargs=json_format.MessageToDict(c.chat_template_kwargs) if c.HasField("chat_template_kwargs")
+            else {},
+        )
     return GenerateInput(
         text=request.text if which == "text" else None,
         token_ids=request.token_ids.ids if which == "token_ids" else None,
@@ -32,65 +49,61 @@ def input_from_pb(request: pb.GenerateRequest, context: grpc.aio.ServicerContext
         cache_salt=request.cache_salt,
         request_id=request.request_id,
         timeout_s=None if remaining is None else max(0.0, remaining),
+        chat=chat,
+        stop=list(request.stop),
+        include_stop_str_in_output=request.include_stop_str_in_output,
     )
 
 
 class RouterServicer(pb_grpc.RouterServicer):
-    def __init__(self, router: Router, max_streams: int) -> None:
-        self.router = router
-        self.max_streams = max_streams
-        self.streams = 0
-        """Generate streams open now (a stream is a coroutine on the loop, not a thread)."""
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        m = self.router.metrics
-        if self.streams >= self.max_streams:
-            m.refused.inc()
-            raise ResourceExhausted(f"this router has {self.max_streams} streams open (--max-streams); "
-                                    "retry later or on another router")
-        self.streams += 1
-        m.inflight.inc()
-        outcome = "error"
-        try:
-            async for out in self.router.generate(input_from_pb(request, context)):
-                msg = pb.GenerateResponse(token_ids=out.token_ids, text=out.text)
-                if out.finish_reason is not None:
-                    msg.finish_reason = FINISH_TO_PB[out.finish_reason]
-                    msg.served_by = out.served_by
-                    if out.usage is not None:
-                        msg.usage.CopyFrom(usage_to_pb(out.usage))
-                    outcome = "ok"
-                yield msg
-        except asyncio.CancelledError:
-            if outcome != "ok":
-                outcome = "cancelled"  # the client went away (or the call's deadline passed)
-            raise
-        finally:
-            self.streams -= 1
-            m.inflight.dec()
-            m.requests.labels(outcome).inc()
+        model = self.frontend.model(request.model)
+        async for out in self.frontend.generate(model, input_from_pb(request, context)):
+            msg = pb.GenerateResponse(token_ids=out.token_ids, text=out.text)
+            if out.finish_reason is not None:
+                msg.finish_reason = FINISH_TO_PB[out.finish_reason]
+                msg.served_by = out.served_by
+                if out.usage is not None:
+                    msg.usage.CopyFrom(usage_to_pb(out.usage))
+            yield msg
+
+    async def ListModels(self, request: pb.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        models = self.frontend.models
+        default = models.default()
+        return pb.ListModelsResponse(
+            models=[pb.ModelInfo(id=m.model_id, workers=len(m.pool.endpoints()), tokenizer=m.files is not None,
+                                 chat_template=m.files is not None and m.files.chat_template is not None)
+                    for m in models.all()],
+            default_model=default.model_id if default is not None else "")
 
 
 class RouterServer:
-    """The router process: a grpc.aio server, worker discovery and the request path, on one event
-    loop of their own (``start``/``stop`` are called from any other thread).
+    """The router process: a grpc.aio server (and, with ``http_port``, the OpenAI HTTP server),
+    worker discovery and every model's request path, on one event loop of their own (``start``/
+    ``stop`` are called from any other thread).
 
-    ``RouterServer(config).start()`` serves on ``.port``; ``.stop()`` drains and closes. Health turns
-    SERVING while at least one worker is known. ``metrics`` holds this server's Prometheus registry.
+    ``RouterServer(config).start()`` serves on ``.port`` (and ``.http_port``); ``.stop()`` drains
+    and closes. Health turns SERVING while at least one worker of any model is known. ``metrics``
+    holds this server's Prometheus registry.
     """
 
     def __init__(self, config: RouterConfig) -> None:
         config.check()
         self.config = config
-        self.tokenizer = None
-        if config.model_dir:
-            self.tokenizer = load_tokenizer(config.model_dir)
-            config.model_id = model_id_for(config.model_dir, config.model_id)
         self.metrics = RouterMetrics()
         self._loop = LoopThread("router")
-        self._loop.run(self._build())
+        try:
+            self._loop.run(self._build())
+        except BaseException:
+            self._loop.stop()
+            raise
         self.port = self.grpc.port
+        self.http_port = self.http.port if self.http is not None else None
         self._started = False
 
     async def _build(self) -> None:
@@ -98,12 +111,35 @@ class RouterServer:
         # NOTE: aio channels belong to the loop they are made on: everything is built here.
         self.kv = (KVServiceClient(config.kv_service, config.lookup_timeout_ms / 1000, config.rpc_timeout_s)
                    if config.kv_service else None)
+        channels = WorkerChannels()
+        from_index = not config.workers
+        self.models = ModelSet(config, lambda model_id: GrpcWorkerPool(model_id, config, channels, from_index),
+                               self.kv, self.metrics)
+        self.discovery = WorkerDiscovery(config, self.kv, channels, self.models.pool_for, self.models.pools,
+                                         on_change=self._on_workers)
+        self.frontend = Frontend(self.models, config.max_streams, self.metrics)
         self.grpc = AioServer(config.host, config.port, token_name="api token")
-        self.pool = GrpcWorkerPool(config, self.kv, on_change=self._on_workers)
-        self.router = Router(config, self.pool, self.kv, self.tokenizer, metrics=self.metrics)
-        self.servicer = RouterServicer(self.router, config.max_streams)
-        pb_grpc.add_RouterServicer_to_server(self.servicer, self.grpc.server)
+        pb_grpc.add_RouterServicer_to_server(RouterServicer(self.frontend), self.grpc.server)
         self.grpc.add_service(pb.DESCRIPTOR.services_by_name["Router"].full_name)
+        self.http = HttpServer(self.frontend, config.host, config.http_port) if config.http_port is not None else None
+
+    @property
+    def default_model(self) -> ServedModel:
+        """The model a request that names none gets (tests, benchmarks of a one-model router)."""
+        served = self.models.default()
+        if served is None:
+            raise LookupError("this router has no default model (several or none are served)")
+        return served
+
+    @property
+    def router(self) -> Router:
+        """The default model's request path."""
+        return self.default_model.router
+
+    @property
+    def pool(self):
+        """The default model's worker pool."""
+        return self.default_model.pool
 
     async def _on_workers(self, any_worker: bool) -> None:
         if self._started:
@@ -111,21 +147,24 @@ class RouterServer:
 
     async def _start(self) -> None:
         await self.grpc.start()
+        if self.http is not None:
+            await self.http.start()
         self._started = True
-        await self.pool.start()  # first poll sets health
+        await self.discovery.start()  # first poll sets health
 
     def start(self) -> RouterServer:
         self._loop.run(self._start())
         return self
 
-    def run(self, coro):
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs a coroutine on the router's loop and returns its result (tests, benchmarks)."""
         return self._loop.run(coro)
 
     async def _stop(self, grace: float) -> None:
         self._started = False
-        await self.grpc.stop(grace)
-        await self.pool.stop()
+        # NOTE: both servers drain at once, so a stop takes `grace`, not twice it.
+        await asyncio.gather(self.grpc.stop(grace), *([self.http.stop(grace)] if self.http is not None else []))
+        await self.discovery.stop()
 
     def stop(self, grace: float = 2.0) -> None:
         """Drains open streams for up to ``grace`` seconds, then closes channels and the loop."""

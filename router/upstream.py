@@ -103,7 +103,7 @@ class WorkerCall(Protocol):
 
 
 class WorkerPool(Protocol):
-    """The workers of the served model and a way to call them."""
+    """The workers of one model and a way to call them."""
 
     discovers_from_index: bool
     """True when the worker set comes from kv_service: a Lookup may name workers not yet polled."""
@@ -121,6 +121,11 @@ class WorkerPool(Protocol):
     def mark_unhealthy(self, worker_id: str) -> None: ...
 
     def generate(self, endpoint: WorkerEndpoint, request: WorkerRequest, timeout_s: float) -> WorkerCall: ...
+
+    async def abort(self, endpoint: WorkerEndpoint, request_id: str) -> bool:
+        """Asks the worker to end the request now; its stream then ends with finish_reason "abort"
+        and the request's usage. False when the worker did not know it (or could not be asked)."""
+        ...
 
 
 class PrefixIndex(Protocol):

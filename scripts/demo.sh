@@ -29,6 +29,12 @@ echo "== request 1 (cold)"
 echo "== request 2 (same prefix: expect the same worker and cached_tokens > 0)"
 "$KVMESH" generate --json --max-tokens 16 "${PREFIX}Question two: why route by prefix?"
 echo
+echo "== the same router over the OpenAI API (docs/openai.md): a chat request with curl"
+MODEL=$(curl -sf http://127.0.0.1:8000/v1/models | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
+curl -sf http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
+  -d "{\"model\": \"$MODEL\", \"max_tokens\": 16, \"messages\": [{\"role\": \"system\", \"content\": \"$PREFIX\"}, {\"role\": \"user\", \"content\": \"What is a KV cache?\"}]}"
+echo
+echo
 echo "== kvmesh admin stats"
 sleep 0.5
 "$KVMESH" admin stats

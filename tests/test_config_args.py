@@ -43,8 +43,8 @@ def test_flag_names_types_and_none():
         ["router", "--kv-service", "none", "--workers", "a:1, b:2", "--request-timeout", "7.5", "--model", "/m",
          "--seed", "3"])
     cfg = config_from_args(RouterConfig, args)
-    assert (cfg.kv_service, cfg.workers, cfg.request_timeout_s, cfg.model_dir, cfg.seed) == (
-        None, ["a:1", "b:2"], 7.5, "/m", 3)
+    assert (cfg.kv_service, cfg.workers, cfg.request_timeout_s, cfg.model_dirs, cfg.seed) == (
+        None, ["a:1", "b:2"], 7.5, ["/m"], 3)
     engine = config_from_args(EngineConfig, build_parser(only="worker").parse_args(
         ["worker", "--no-prefix-caching", "--num-blocks", "64"]), model="m")
     assert (engine.enable_prefix_caching, engine.num_blocks) == (False, 64)

@@ -133,3 +133,39 @@ def test_redis_password_is_required_and_used():
             ping(redis.url.replace("pw-789", "nope"))
         with pytest.raises(Unavailable, match="(?i)authenticat"):
             ping(f"redis://127.0.0.1:{redis.port}/0")
+
+
+def test_router_openai_http_serves_tls_and_requires_the_client_cert(configured, pki):
+    import http.client
+    import json
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from kvmesh.router.config import RouterConfig
+    from kvmesh.router.server import RouterServer
+
+    p = str(pki)
+    configured(server_tls=security.TLSFiles(f"{p}/server.pem", f"{p}/server.key", ca=f"{p}/ca.pem"),
+               server_token="tok")
+    router = RouterServer(RouterConfig(host="localhost", port=0, http_port=0, kv_service=None,
+                                       workers=[f"127.0.0.1:{free_port()}"], model_id="m", rpc_timeout_s=0.2)).start()
+
+    def get(url: str, context: ssl.SSLContext | None, token: str | None = "tok"):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return urllib.request.urlopen(urllib.request.Request(url, headers=headers), context=context, timeout=5)
+
+    try:
+        url = f"https://localhost:{router.http_port}/v1/models"
+        with_cert = ssl.create_default_context(cafile=f"{p}/ca.pem")
+        with_cert.load_cert_chain(f"{p}/client.pem", f"{p}/client.key")
+        assert [m["id"] for m in json.loads(get(url, with_cert).read())["data"]] == ["m"]
+        with pytest.raises(urllib.error.HTTPError) as err:  # TLS does not replace the API token
+            get(url, with_cert, token=None)
+        assert err.value.code == 401
+        with pytest.raises(OSError):  # no client certificate: mutual TLS refuses the handshake
+            get(url, ssl.create_default_context(cafile=f"{p}/ca.pem")).read()
+        with pytest.raises((OSError, http.client.HTTPException)):  # plaintext to the TLS port
+            get(url.replace("https", "http"), None).read()
+    finally:
+        router.stop(0)

@@ -16,6 +16,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Send one prompt through the router; text streams to stdout.")
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--router", default="127.0.0.1:50051", help="router address (default 127.0.0.1:50051)")
+    p.add_argument("--model", default="", metavar="ID",
+                   help="the model to run, as `GET /v1/models` or ListModels names it (default: the router's default)")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as one user message through the model's chat template")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string, repeatable: the text ends before the first one")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1)")
@@ -39,14 +45,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvmesh generate: {exc}", file=sys.stderr)
         return 2
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  seed=args.seed, ignore_eos=args.ignore_eos, cache_salt=args.cache_salt)
+                  seed=args.seed, ignore_eos=args.ignore_eos, cache_salt=args.cache_salt, model=args.model,
+                  stop=args.stop)
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     try:
         with Client(args.router, args.timeout) as client:
             if args.json:
-                print(json.dumps(client.generate(args.prompt, **kwargs).to_dict()))
+                print(json.dumps(client.generate(prompt, **kwargs).to_dict()))
                 return 0
             last = None
-            for msg in client.stream(args.prompt, **kwargs):
+            for msg in client.stream(prompt, **kwargs):
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 last = msg

@@ -20,9 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     from kvmesh.router.config import RouterConfig
     from kvmesh.router.policy import POLICIES
 
-    p = sub.add_parser("router", help="run the KV-cache-aware router (gRPC)",
+    p = sub.add_parser("router", help="run the KV-cache-aware router (gRPC, and OpenAI HTTP with --http-port)",
                        description="Route each request to the worker with the least tokens of work: "
-                                   "uncached prefill plus queued work.")
+                                   "uncached prefill plus queued work. Serves every model whose workers "
+                                   "register with the kv_service.")
     add_config_args(p, RouterConfig, choices={"policy": POLICIES, "hash_algorithm": ALGORITHMS})
     p.add_argument("--metrics-port", type=int, default=9101, help="Prometheus /metrics port, 0 = off (default 9101)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
@@ -54,5 +55,8 @@ def run(args: argparse.Namespace) -> int:
         start_metrics_server(args.metrics_port, server.metrics.registry)
     source = f"workers {args.workers}" if args.workers else f"kv_service {args.kv_service}"
     log.info("router listening on %s:%d (policy %s, %s)", args.host, server.port, args.policy, source)
+    if server.http_port is not None:
+        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if server.http.tls else "http", args.host,
+                 server.http_port)
     wait_for_termination_signal(server.stop, args.grace)
     return 0

@@ -11,10 +11,14 @@ import threading
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start Redis, kv_service, workers and a router locally",
                        description="Start a local kvmesh stack; Ctrl-C / SIGTERM stops it.")
-    p.add_argument("--model", default=None, help="model directory (default: the tiny demo model, made once)")
-    p.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    p.add_argument("--model", action="append", default=None, metavar="DIR",
+                   help="model directory; repeat it to serve several models behind one router, each with "
+                        "--workers workers (default: the tiny demo model, made once)")
+    p.add_argument("--workers", type=int, default=2, help="workers per model (default 2)")
     p.add_argument("--host", default="127.0.0.1", help="address every part listens on (default 127.0.0.1)")
     p.add_argument("--router-port", type=int, default=50051, help="router port (default 50051)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the router's OpenAI-compatible HTTP API port (docs/openai.md); 0 = off (default 8000)")
     p.add_argument("--kv-service-port", type=int, default=50052, help="kv_service port (default 50052)")
     p.add_argument("--worker-port", type=int, default=50061, help="first worker port; then +1 each (default 50061)")
     p.add_argument("--metrics-port", type=int, default=9100,
@@ -37,13 +41,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvmesh.stack import LocalStack, StackConfig
 
-    model = args.model
-    if model is None:
+    models = args.model
+    if not models:
         from kvmesh.make_model import ensure_default_model
 
-        model = str(ensure_default_model())
-        print(f"using the tiny demo model {model} (random weights: its output is noise)", flush=True)
-    cfg = StackConfig(model=model, workers=args.workers, host=args.host, router_port=args.router_port,
+        models = [str(ensure_default_model())]
+        print(f"using the tiny demo model {models[0]} (random weights: its output is noise)", flush=True)
+    cfg = StackConfig(model=models[0], extra_models=models[1:], workers=args.workers, host=args.host,
+                      http_port=args.http_port or None, router_port=args.router_port,
                       kv_service_port=args.kv_service_port, worker_port=args.worker_port,
                       metrics_port=args.metrics_port, redis_url=args.redis_url, store=args.store,
                       worker_args=args.worker_arg, router_args=args.router_arg, log_dir=args.log_dir,
@@ -52,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stack = LocalStack(cfg)
-    print(f"starting kvmesh ({args.workers} workers); logs in {stack.log_dir}", flush=True)
+    print(f"starting kvmesh ({args.workers} worker(s) x {len(models)} model(s)); logs in {stack.log_dir}",
+          flush=True)
     try:
         stack.start()
     except (RuntimeError, TimeoutError) as exc:
@@ -60,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     for name, addr in stack.endpoints.items():
         print(f"  {name:<12} {addr}", flush=True)
-    print("ready: try `kvmesh generate \"Hello\"` or `kvmesh admin stats`; Ctrl-C stops", flush=True)
+    hint = f" or `curl {stack.endpoints['openai']}/models`" if "openai" in stack.endpoints else ""
+    print(f"ready: try `kvmesh generate \"Hello\"`{hint} or `kvmesh admin stats`; Ctrl-C stops", flush=True)
     while not stop.wait(1.0):
         dead = stack.failed()
         if dead:

@@ -26,6 +26,11 @@ class ResourceExhausted(KVMeshError):
     """A limit was hit; retry later or send less (RESOURCE_EXHAUSTED)."""
 
 
+class RequestTooLarge(ResourceExhausted):
+    """The request itself is over a size limit (prompt tokens, max_tokens): RESOURCE_EXHAUSTED over gRPC,
+    400 over HTTP, where 429 would make OpenAI clients retry a request that can only fail again."""
+
+
 class Unavailable(KVMeshError):
     """A dependency is down; retrying may succeed (UNAVAILABLE)."""
 

@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class RouterStub:
-    """The public entry point.
+    """The public entry point. The same router serves the OpenAI-compatible HTTP API (docs/openai.md).
     """
 
     def __init__(self, channel):
@@ -40,14 +40,26 @@ class RouterStub:
                 request_serializer=kvmesh_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/kvmesh.v1.Router/ListModels',
+                request_serializer=kvmesh_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
-    """The public entry point.
+    """The public entry point. The same router serves the OpenAI-compatible HTTP API (docs/openai.md).
     """
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModels(self, request, context):
+        """The models this router serves now (configured with --model, or with a live worker).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -60,6 +72,11 @@ def add_RouterServicer_to_server(servicer, server):
                     request_deserializer=kvmesh_dot_v1_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
             ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=kvmesh_dot_v1_dot_router__pb2.ListModelsRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_router__pb2.ListModelsResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvmesh.v1.Router', rpc_method_handlers)
@@ -69,7 +86,7 @@ def add_RouterServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Router:
-    """The public entry point.
+    """The public entry point. The same router serves the OpenAI-compatible HTTP API (docs/openai.md).
     """
 
     @staticmethod
@@ -89,6 +106,33 @@ class Router:
             '/kvmesh.v1.Router/Generate',
             kvmesh_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
             kvmesh_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Router/ListModels',
+            kvmesh_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
+            kvmesh_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

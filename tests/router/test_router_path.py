@@ -157,7 +157,7 @@ def test_no_worker_and_bad_prompts():
     router, _ = make({"w1": ok("w1")})
     cases = [(GenerateInput(None, [], SamplingParams()), "token_ids is empty"),
              (GenerateInput("", None, SamplingParams()), "text is empty"),
-             (GenerateInput(None, None, SamplingParams()), "set text or token_ids"),
+             (GenerateInput(None, None, SamplingParams()), "set text, token_ids or chat"),
              (GenerateInput("hi", None, SamplingParams()), "no tokenizer"),
              (GenerateInput(None, [2**32] * 4, SamplingParams()), "token_ids: token ids must be integers")]
     for inp, message in cases:

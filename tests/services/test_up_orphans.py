@@ -38,11 +38,11 @@ def alive(pid: int) -> bool:
 
 
 def test_sigkill_of_kvmesh_up_takes_every_child_with_it(model_dir, tmp_path):
-    ports = [free_port() for _ in range(4)]
+    ports = [free_port() for _ in range(5)]
     up = subprocess.Popen(
         [sys.executable, "-m", "kvmesh.cli", "up", "--model", str(model_dir), "--workers", "1",
          "--router-port", str(ports[0]), "--kv-service-port", str(ports[1]), "--worker-port", str(ports[2]),
-         "--metrics-port", "0", "--log-dir", str(tmp_path)],
+         "--http-port", str(ports[4]), "--metrics-port", "0", "--log-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     children: set[int] = set()
     try:
