@@ -45,7 +45,7 @@ class RouterConfig:
     decode_cost_tokens: int = flag(32, name="decode-cost")
     """Tokens of work charged per running or queued request."""
     overlap_weight: float = 1.0
-    """kv-aware: weight of uncached prompt tokens against queued tokens; above 1 favours cache hits over balance."""
+    """dynamo: weight of the uncached prefill blocks against the decode blocks (Dynamo's overlap score weight)."""
     decode_harm_weight: float = 0.5
     """kv-aware: weight of the delay a request's prefill adds to the requests decoding on the worker, against
     its own predicted time to first token."""
@@ -53,10 +53,10 @@ class RouterConfig:
     """kv-aware: weight of the prefill work a request adds to the mesh (capacity a recomputed prefix costs),
     against its own predicted time to first token."""
     balance_factor: float = 2.0
-    """Hot-spot guard: a worker queued over this x the mean (and over the least loaded by --balance-min-tokens)
-    gets no prefix-affine traffic."""
+    """Hot-spot test of the rendezvous fallback (and preble's, on its windowed loads): a worker queued over
+    this x the mean (and, for the fallback, over the least loaded by --balance-min-tokens) is skipped."""
     balance_min_tokens: int = 2048
-    """Hot-spot guard's absolute margin in tokens."""
+    """The rendezvous fallback's hot-spot margin in tokens."""
     fallback_prefix_blocks: int = 4
     """Without the index: leading blocks whose rendezvous hash picks the worker."""
     speculative_ttl_s: float = flag(2.0, name="speculative-ttl")

@@ -1,15 +1,16 @@
-"""Which worker gets a request: candidates scored in tokens of work, and the policy registry.
+"""Which worker gets a request: the base policy, kvmesh's own policies, and the policy registry.
 
 A policy sees one :class:`RouteQuery` (the prompt's length and block chain) and the live
 :class:`Candidate` workers, and returns a :class:`Decision`. Policies are pure: no grpc, no I/O,
 no clock; randomness comes from a seedable ``random.Random`` so tests pin every pick.
 
-Score of a candidate, in tokens (docs/router.md):
+kv-aware scores each candidate by the request's predicted time to first token there plus what
+its prefill costs the others (``KvAwarePolicy``; docs/router.md). The field's policies are in
+router/field_policies.py. Queued work in tokens (least-loaded, the rendezvous fallback's bound):
 
-    uncached = prompt_len - matched_blocks * block_size
     reported = load.queued_prefill_tokens + decode_cost * (load.num_running + load.num_waiting)
     own      = inflight_prefill_tokens + decode_cost * inflight_requests
-    score    = overlap_weight * uncached + max(reported, own)
+    queued   = max(reported, own)
 
 This module imports neither grpc nor redis.
 """
@@ -36,12 +37,13 @@ class PolicyConfig:
     decode_cost_tokens: int = 32
     """Tokens of work charged per running or queued request for its decode steps."""
     overlap_weight: float = 1.0
-    """kv-aware: weight of the uncached prefill against queued work (Dynamo's overlap score
-    weight). 1 = both in plain tokens; above 1 a cached prefix outweighs more queue."""
+    """dynamo: weight of the uncached prefill blocks against the decode blocks (Dynamo's overlap
+    score weight)."""
     balance_factor: float = 2.0
-    """Hot-spot guard: a worker whose queued work exceeds this times the mean is overloaded ..."""
+    """Hot-spot test (rendezvous fallback, preble): a worker whose queued work exceeds this times
+    the mean is overloaded ..."""
     balance_min_tokens: int = 2048
-    """... and also exceeds the least loaded worker by more than this many tokens."""
+    """... and (rendezvous fallback) also exceeds the least loaded worker by this many tokens."""
     fallback_prefix_blocks: int = 4
     """Rendezvous key: the hash of this many leading blocks (or all, when fewer)."""
     seed: int | None = None
@@ -150,7 +152,7 @@ class RouterPolicy(abc.ABC):
         return queued_tokens(c, self.config.decode_cost_tokens)
 
     def overloaded(self, queued: int, all_queued: Sequence[int]) -> bool:
-        """The hot-spot test, shared by the guard and the fallback's load bound.
+        """The hot-spot test: the rendezvous fallback skips an overloaded worker.
 
         NOTE: the least loaded worker is never overloaded (queued - min == 0), so a walk that
         skips overloaded workers always ends on one.

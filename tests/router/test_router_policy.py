@@ -40,24 +40,26 @@ def kv_aware(seed: int = 0, **kw) -> KvAwarePolicy:
 
 def test_prefix_holder_wins_when_idle():
     d = kv_aware().pick(query(1024), [cand("a", matched=48), cand("b")])
-    # a: 1024 - 48*16 = 256 uncached tokens; b: 1024.
-    assert (d.worker_id, d.reason, d.score) == ("a", "prefix", 256)
+    # No step cost learned yet: time in prefill tokens. a: ttft 256 uncached + work 1 x 256 = 512;
+    # b: 1024 + 1024 = 2048.
+    assert (d.worker_id, d.reason, d.score) == ("a", "prefix", 512)
 
 
 def test_much_more_loaded_holder_loses_to_idle_worker():
-    # a: 256 uncached + 2000 queued prefill + 4 running * 32 = 2384; b: 1024 uncached, idle.
+    # a: ttft 2000 queued + 256 = 2256, plus (0.5 x 4 decoding + 1) x 256 = 768 -> 3024;
+    # b: idle, 1024 + 1024 = 2048.
     d = kv_aware().pick(query(1024), [cand("a", matched=48, queued_prefill=2000, running=4), cand("b")])
-    assert (d.worker_id, d.reason, d.score) == ("b", "load", 1024)
+    assert (d.worker_id, d.reason, d.score) == ("b", "load", 2048)
 
 
-def test_overlap_weight_trades_queue_for_cache_hits():
+def test_work_weight_trades_queue_for_cache_hits():
     cands = [cand("a", matched=48, queued_prefill=1000), cand("b")]
-    # weight 1: a = 256 + 1000 = 1256 > b = 1024; weight 2: a = 512 + 1000 = 1512 < b = 2048.
-    assert kv_aware(overlap_weight=1.0).pick(query(1024), cands).worker_id == "b"
-    d = kv_aware(overlap_weight=2.0).pick(query(1024), cands)
+    # weight 1: a = 1256 + 256 = 1512 < b = 1024 + 1024 = 2048; weight 0: latency only,
+    # a = 1256 > b = 1024.
+    d = kv_aware().pick(query(1024), cands)
     assert (d.worker_id, d.reason, d.score) == ("a", "prefix", 1512)
-    # weight 0: cache is ignored, pure least queued work
-    assert kv_aware(overlap_weight=0.0).pick(query(1024), [cand("a", matched=48, queued_prefill=1), cand("b")]).worker_id == "b"
+    d = kv_aware(work_weight=0.0).pick(query(1024), cands)
+    assert (d.worker_id, d.reason, d.score) == ("b", "load", 1024)
 
 
 def test_queued_work_is_max_of_reported_and_own_view_not_sum():
@@ -67,24 +69,27 @@ def test_queued_work_is_max_of_reported_and_own_view_not_sum():
     assert queued_tokens(c, 32) == 5000
 
 
-def test_hot_spot_guard_sends_prefix_traffic_away_from_overloaded_holder():
-    # A 16k-token prompt fully cached on a: score 6000 beats 16384 at b and c, but a's queue is
-    # 3x the mean (2000) and 6000 over the least loaded: the guard picks the least loaded.
-    q = query(16384)
-    cands = [cand("a", matched=1024, queued_prefill=6000), cand("b"), cand("c")]
-    picks = {kv_aware(seed=s).pick(q, cands).worker_id for s in range(20)}
-    d = kv_aware().pick(q, cands)
-    assert (picks, d.reason, d.score) == ({"b", "c"}, "balance", 0)
+def test_backlog_makes_recomputing_a_prefix_cost_more():
+    # a holds 48 blocks behind 1800 queued tokens. Nothing waiting: a = 2056 + 256 = 2312 >
+    # b = 1024 + 1024 = 2048. One request waiting per worker on average (W = 1): the work term
+    # doubles, a = 2056 + 512 = 2568 < b = 1024 + 2048 = 3072.
+    q = query(1024)
+    d = kv_aware().pick(q, [cand("a", matched=48, queued_prefill=1800), cand("b")])
+    assert (d.worker_id, d.score) == ("b", 2048)
+    waiting = Load(queued_prefill_tokens=1800, num_waiting=1)
+    d = kv_aware().pick(q, [Candidate("a", "a:1", 48, waiting), Candidate("b", "b:1", 0, Load(num_waiting=1))])
+    assert (d.worker_id, d.reason, d.score) == ("a", "prefix", 2568)
 
 
-def test_hot_spot_guard_needs_the_absolute_margin_too():
-    # 2000 queued is 3x the mean (666) but only 2000 over the idle ones (< 2048): no guard.
+def test_hot_holder_queue_is_in_its_predicted_time():
+    # A 16k-token prompt whose 1024 blocks a all holds: a's score is its queue alone. No token
+    # guard: a queue of 40000 costs more than recomputing the prompt on an idle worker
+    # (16384 + 16384 = 32768), a queue of 20000 does not.
     q = query(16384)
-    d = kv_aware().pick(q, [cand("a", matched=1024, queued_prefill=2000), cand("b"), cand("c")])
-    assert (d.worker_id, d.reason, d.score) == ("a", "prefix", 2000)
-    d = kv_aware(balance_min_tokens=1000).pick(q, [cand("a", matched=1024, queued_prefill=2000), cand("b"),
-                                                   cand("c")])
-    assert d.reason == "balance"
+    d = kv_aware().pick(q, [cand("a", matched=1024, queued_prefill=40000), cand("b")])
+    assert (d.worker_id, d.reason, d.score) == ("b", "load", 32768)
+    d = kv_aware().pick(q, [cand("a", matched=1024, queued_prefill=20000), cand("b")])
+    assert (d.worker_id, d.reason, d.score) == ("a", "prefix", 20000)
 
 
 def test_ties_are_broken_at_random_and_reproducibly_with_a_seed():
