@@ -1,0 +1,127 @@
+"""Issue 15's goal table from `kvmesh simulate --json` files (benchmarks/results/sim/run_matrix.sh).
+
+    .venv/bin/python benchmarks/sim_goal_table.py [DIR]        (default benchmarks/results/sim)
+
+Reads no wall clock and runs nothing: every figure is in the JSON files, so the table is
+reproducible from them. Per workload: every policy's capacity (highest rate with SLO attainment
+>= the target), kv-aware's capacity / the best other policy's, kv-aware's hit rate at the
+highest rate run at or below half its capacity / the oracle's, max/mean load of each policy's run
+at its capacity, TTFT p90 at 0.5x, 1x, 1.5x round-robin's capacity; then each fault run's
+kv-aware capacity / the fault-free one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOADS = [  # (file stem, label, capacity goal, hit goal)
+    ("conversation_3000", "conversation trace, first 3,000", 1.10, 0.90),
+    ("conversation_all", "conversation trace, whole", 1.10, 0.90),
+    ("synthetic", "synthetic trace", 1.10, 0.90),
+    ("shared-prefix", "shared-prefix groups", 1.10, 0.90),
+    ("multi-turn", "multi-turn chat", 1.10, 0.90),
+    ("hot-prompt", "hot system prompt", 1.10, 0.90),
+    ("no-reuse", "no-reuse control", 0.98, None),
+]
+FAULTS = [("event_loss", "10 % event messages lost"), ("restart", "worker 0 restarted mid-trace"),
+          ("routers3", "3 routers")]
+OURS = "kv-aware"
+
+
+def full_runs(doc: dict, policy: str) -> list[dict]:
+    """Every complete run of a policy: the sweep's and the capacity search's (not stopped early)."""
+    runs = [r for r in doc["runs"] if r["policy"] == policy]
+    runs += [r for r in doc.get("capacity_search", {}).get(policy, []) if not r["stopped_early"]]
+    return sorted(runs, key=lambda r: r["rate"])
+
+
+def at_rate(doc: dict, policy: str, rate: float) -> dict | None:
+    for r in full_runs(doc, policy):
+        if abs(r["rate"] - rate) <= 1e-6 * max(1.0, rate):
+            return r
+    return None
+
+
+def workload_rows(name: str, label: str, cap_goal: float, hit_goal: float | None, doc: dict) -> list[str]:
+    caps: dict[str, float] = doc["capacity"]
+    others = {p: c for p, c in caps.items() if p != OURS}
+    best = max(others, key=lambda p: others[p])
+    ratio = caps[OURS] / others[best] if others[best] else float("inf")
+    out = [f"\n## {label} ({doc['workload']['requests']} requests; {name}.json)",
+           "capacity (x the workload's own rate): " + ", ".join(f"{p} {c:.3f}" for p, c in
+                                                                  sorted(caps.items(), key=lambda x: -x[1]))]
+    verdict = "met" if ratio >= cap_goal else "NOT met"
+    out.append(f"kv-aware / best other ({best}): {ratio:.3f}  goal >= {cap_goal:.2f}: {verdict}")
+    oracle = doc["oracle_hit_rate"]
+    low = [r for r in full_runs(doc, OURS) if r["rate"] <= 0.5 * caps[OURS] + 1e-9]
+    if hit_goal is not None:
+        if low and oracle:
+            # NOTE: judged at the highest rate run at or below half the capacity (the strict
+            # reading: hits fall as load grows); the lower rates are listed too.
+            r = low[-1]
+            h = r["hit_rate"] / oracle
+            out.append(f"kv-aware hit rate at rate {r['rate']:.3f} (<= half its capacity): {r['hit_rate']:.3f}, "
+                       f"oracle {oracle:.3f}, ratio {h:.3f}  goal >= {hit_goal:.2f}: {'met' if h >= hit_goal else 'NOT met'}"
+                       + ("; lower rates: " + ", ".join(f"{x['rate']:.3f}: {x['hit_rate'] / oracle:.3f}"
+                                                        for x in low[:-1]) if len(low) > 1 else ""))
+        else:
+            out.append(f"kv-aware hit rate at <= half capacity: no run there (oracle {oracle:.3f})")
+    loads = []
+    for p, c in caps.items():
+        r = at_rate(doc, p, c)
+        loads.append(f"{p} {r['max_mean_load']:.2f}" if r else f"{p} -")
+    ours = at_rate(doc, OURS, caps[OURS])
+    if ours:
+        out.append(f"max/mean load at capacity: kv-aware {ours['max_mean_load']:.2f}  goal <= 1.3: "
+                   f"{'met' if ours['max_mean_load'] <= 1.3 else 'NOT met'}")
+    out.append("  every policy: " + ", ".join(loads))
+    ref = doc["settings"].get("baseline", "round-robin")
+    rel = doc["settings"].get("relative") or []
+    if rel and ref in caps:
+        out.append(f"TTFT p90 (s) at {', '.join(f'{x:g}x' for x in rel)} {ref}'s capacity {caps[ref]:.3f}; "
+                   f"hit rate; SLO attainment:")
+        for p in caps:
+            cells = []
+            for x in rel:
+                r = at_rate(doc, p, round(x * caps[ref], 6))
+                cells.append(f"{r['ttft_p90_s']:8.3f} {r['hit_rate']:.3f} {r['slo_attainment']:.3f}" if r else "       -")
+            out.append(f"  {p:<13}" + "   ".join(cells))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dir", nargs="?", default=str(ROOT / "benchmarks" / "results" / "sim"))
+    args = p.parse_args()
+    d = Path(args.dir)
+    lines: list[str] = []
+    for name, label, cap_goal, hit_goal in WORKLOADS:
+        f = d / f"{name}.json"
+        if f.is_file():
+            lines += workload_rows(name, label, cap_goal, hit_goal, json.loads(f.read_text()))
+        else:
+            lines.append(f"\n## {label}: not run ({f.name} missing)")
+    base = d / "conversation_3000.json"
+    if base.is_file():
+        free = json.loads(base.read_text())["capacity"]
+        lines.append("\n## faults (conversation trace, first 3,000): capacity / fault-free, goal within 5 %")
+        for stem, label in FAULTS:
+            f = d / f"conversation_3000_fault_{stem}.json"
+            if not f.is_file():
+                lines.append(f"{label}: not run")
+                continue
+            caps = json.loads(f.read_text())["capacity"]
+            for pol, c in caps.items():
+                ratio = c / free[pol] if free.get(pol) else float("nan")
+                mark = ("met" if abs(ratio - 1) <= 0.05 else "NOT met") if pol == OURS else ""
+                lines.append(f"{label:<30} {pol:<13} {c:.3f} vs {free.get(pol, float('nan')):.3f}: {ratio:.3f} {mark}")
+    print("\n".join(lines).lstrip("\n"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
