@@ -93,12 +93,32 @@ def workload_rows(name: str, label: str, cap_goal: float, hit_goal: float | None
     return out
 
 
+def capacity_markdown(d: Path) -> list[str]:
+    """Workloads x policies: capacity, the best in bold."""
+    docs = [(label, json.loads((d / f"{name}.json").read_text())) for name, label, _, _ in WORKLOADS
+            if (d / f"{name}.json").is_file()]
+    policies: list[str] = []
+    for _, doc in docs:
+        policies += [p for p in doc["capacity"] if p not in policies]
+    lines = ["| workload | " + " | ".join(f"`{p}`" for p in policies) + " |", "|---|" + "---:|" * len(policies)]
+    for label, doc in docs:
+        caps = doc["capacity"]
+        best = max(caps.values())
+        cells = [("-" if p not in caps else f"**{caps[p]:.3f}**" if caps[p] == best else f"{caps[p]:.3f}")
+                 for p in policies]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", nargs="?", default=str(ROOT / "benchmarks" / "results" / "sim"))
+    p.add_argument("--markdown", action="store_true", help="also print every policy's capacity as a markdown table")
     args = p.parse_args()
     d = Path(args.dir)
     lines: list[str] = []
+    if args.markdown:
+        lines += capacity_markdown(d)
     for name, label, cap_goal, hit_goal in WORKLOADS:
         f = d / f"{name}.json"
         if f.is_file():

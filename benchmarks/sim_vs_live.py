@@ -46,10 +46,13 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16, help="the simulator's block size (the live bench uses 16)")
     p.add_argument("--num-scheduler-steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", metavar="DIR", help="keep both sides' JSON here (live.json, sim.json)")
     args = p.parse_args()
     py = [sys.executable, "-m", "kvmesh.cli"]
     with tempfile.TemporaryDirectory() as tmp:
-        live_json, sim_json = Path(tmp) / "live.json", Path(tmp) / "sim.json"
+        out = Path(args.keep or tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        live_json, sim_json = out / "live.json", out / "sim.json"
         print(f"live: kvmesh bench routing, {args.workers} workers, {args.max_requests} requests, rate {args.rate:g}x "
               f"(speedup {args.rate / args.time_scale:g} x time scale {args.time_scale:g})", flush=True)
         run([*py, "bench", "routing", "--trace", args.trace, "--workers", str(args.workers),
@@ -82,6 +85,12 @@ def main() -> int:
               f"{rows['sim'][2] / rows['live'][2] if rows['live'][2] else float('nan'):>13.2f}"
               f"{rows['sim'][3] / rows['live'][3] if rows['live'][3] else float('nan'):>11.2f}"
               f"   {'within' if good else 'NOT within'} the goal (hit +-10 %, TTFT mean +-20 %)")
+    for policy in args.policies.split(","):
+        # NOTE: routing decisions made without the index (Lookup past its deadline, breaker open)
+        # are the live host's, not the policy's: the simulator's Lookup never misses.
+        print(f"{policy}: decisions live {live[policy].get('decisions')} (without the index: "
+              f"{live[policy].get('index_fallbacks')}), simulated {runs[policy]['decisions']} "
+              f"(without the index: {runs[policy]['index_fallbacks']})")
     print(f"oracle hit rate: live bench {live['oracle_hit_rate']:.3f} (16-token blocks), simulator "
           f"{sim['oracle_hit_rate']:.3f} ({args.block_size}-token blocks)")
     return 0 if ok else 1
