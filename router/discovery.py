@@ -69,7 +69,10 @@ class KVServiceClient:
             answer = await self._stub.Lookup(kv_pb.LookupRequest(model_id=model_id, block_hashes=block_hashes),
                                              timeout=self.lookup_timeout_s, metadata=self._md)
         except grpc.aio.AioRpcError as exc:
-            raise IndexUnavailable(f"kv_service at {self.target}: {exc.code().name}: {exc.details()}") from None
+            # NOTE: INVALID_ARGUMENT is about this Lookup, not the index being down: the breaker
+            # must not open for every client because of one request (router/core.py).
+            cause = "lookup_invalid" if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else "lookup_failed"
+            raise IndexUnavailable(f"kv_service at {self.target}: {exc.code().name}: {exc.details()}", cause) from None
         return [IndexMatch(m.worker_id, m.address, m.matched_blocks, load_from_pb(m.load)) for m in answer.workers]
 
     async def list_workers(self) -> list[kv_pb.WorkerInfo]:
@@ -103,9 +106,7 @@ class GrpcWorkerCall:
                 # NOTE: this router cancels a call only when it stops reading it (its task was
                 # cancelled); a CANCELLED status read here came from the worker (e.g. shutting down).
                 failure = Failure.UNAVAILABLE
-            e = self._endpoint
-            raise WorkerError(failure, f"worker {e.worker_id} at {e.address}: {exc.code().name}: {exc.details()}") \
-                from None
+            raise WorkerError(failure, f"{exc.code().name}: {exc.details()}", exc.details() or "") from None
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -124,7 +125,10 @@ class GrpcWorkerPool:
         self.kv = kv
         self.discovers_from_index = not config.workers
         self.problem = ""
-        """Why the worker set is empty or stale (shown in UNAVAILABLE messages)."""
+        """Why the worker set is empty or stale (shown in UNAVAILABLE messages: no addresses)."""
+        self.max_model_len = 0
+        """The smallest max_model_len the static workers report (0 = unknown; kv_service discovery
+        does not carry it)."""
         self._on_change = on_change
         self._endpoints: list[WorkerEndpoint] = []
         self._spec: ModelSpec | None = None
@@ -203,9 +207,11 @@ class GrpcWorkerPool:
         try:
             infos = [w for w in await self.kv.list_workers() if w.live]
         except grpc.aio.AioRpcError as exc:
-            problem = f"kv_service at {self.kv.target} unreachable: {exc.code().name}"
+            # NOTE: problem is shown to clients (UNAVAILABLE messages): no address in it.
+            problem = f"the kv_service is unreachable ({exc.code().name})"
             if problem != self.problem:  # once per outage, not once per poll
-                log.warning("%s; keeping the last %d worker(s)", problem, len(self._endpoints))
+                log.warning("kv_service at %s unreachable: %s; keeping the last %d worker(s)", self.kv.target,
+                            exc.code().name, len(self._endpoints))
             self.problem = problem
             return
         if not self._model_id:
@@ -240,6 +246,7 @@ class GrpcWorkerPool:
     async def _refresh_static(self) -> None:
         found: list[WorkerEndpoint] = []
         problems = []
+        lens: list[int] = []
         for address in self.config.workers:
             try:
                 r = await self._stub(address).GetLoad(w_pb.GetLoadRequest(), timeout=self.config.rpc_timeout_s,
@@ -255,7 +262,13 @@ class GrpcWorkerPool:
             if self._spec is None or self._spec.block_size != r.block_size:
                 self._spec = ModelSpec(self._model_id, r.block_size, algorithm_name(self.config.hash_algorithm))
             found.append(WorkerEndpoint(r.worker_id, address, load_from_pb(r.load)))
-        self.problem = ("static workers unreachable or mismatched: " + "; ".join(problems)) if problems else ""
+            lens.append(r.max_model_len)
+        problem = f"{len(problems)} of {len(self.config.workers)} static workers unreachable or mismatched" \
+            if problems else ""
+        if problems and problem != self.problem:
+            log.warning("static workers: %s", "; ".join(problems))
+        self.problem = problem
+        self.max_model_len = min((n for n in lens if n), default=0)
         self._endpoints = found
 
     def _stub(self, address: str) -> w_grpc.WorkerStub:

@@ -10,7 +10,7 @@ import grpc
 
 from kvmesh.contract.convert import FINISH_TO_PB, sampling_from_pb, usage_to_pb
 from kvmesh.contract.errors import ResourceExhausted
-from kvmesh.contract.modelinfo import load_tokenizer, model_id_for
+from kvmesh.contract.modelinfo import context_length, load_tokenizer, model_id_for
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.discovery import GrpcWorkerPool, KVServiceClient
 from kvmesh.router.metrics import RouterMetrics
@@ -20,6 +20,10 @@ from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvmesh.router")
+
+REQUEST_ID_KEY = "kvmesh-request-id"
+"""Trailing metadata of every Generate call that got an id (success or error): the id the request
+has in the router's and the worker's logs."""
 
 
 def input_from_pb(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerateInput:
@@ -49,12 +53,15 @@ class RouterServicer(pb_grpc.RouterServicer):
             m.refused.inc()
             raise ResourceExhausted(f"this router has {self.max_streams} streams open (--max-streams); "
                                     "retry later or on another router")
+        inp = input_from_pb(request, context)
+        rid = self.router.request_id_for(inp)
+        context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
         self.streams += 1
         m.inflight.inc()
         outcome = "error"
         try:
-            async for out in self.router.generate(input_from_pb(request, context)):
-                msg = pb.GenerateResponse(token_ids=out.token_ids, text=out.text)
+            async for out in self.router.generate(inp, rid):
+                msg = pb.GenerateResponse(token_ids=out.token_ids, text=out.text, request_id=out.request_id)
                 if out.finish_reason is not None:
                     msg.finish_reason = FINISH_TO_PB[out.finish_reason]
                     msg.served_by = out.served_by
@@ -84,9 +91,11 @@ class RouterServer:
         config.check()
         self.config = config
         self.tokenizer = None
+        self.context_len: int | None = None
         if config.model_dir:
             self.tokenizer = load_tokenizer(config.model_dir)
             config.model_id = model_id_for(config.model_dir, config.model_id)
+            self.context_len = context_length(config.model_dir)
         self.metrics = RouterMetrics()
         self._loop = LoopThread("router")
         self._loop.run(self._build())
@@ -100,7 +109,8 @@ class RouterServer:
                    if config.kv_service else None)
         self.grpc = AioServer(config.host, config.port, token_name="api token")
         self.pool = GrpcWorkerPool(config, self.kv, on_change=self._on_workers)
-        self.router = Router(config, self.pool, self.kv, self.tokenizer, metrics=self.metrics)
+        self.router = Router(config, self.pool, self.kv, self.tokenizer, metrics=self.metrics,
+                             context_len=self.context_len)
         self.servicer = RouterServicer(self.router, config.max_streams)
         pb_grpc.add_RouterServicer_to_server(self.servicer, self.grpc.server)
         self.grpc.add_service(pb.DESCRIPTOR.services_by_name["Router"].full_name)
@@ -126,6 +136,7 @@ class RouterServer:
         self._started = False
         await self.grpc.stop(grace)
         await self.pool.stop()
+        self.router.close()
 
     def stop(self, grace: float = 2.0) -> None:
         """Drains open streams for up to ``grace`` seconds, then closes channels and the loop."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/router.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xa9\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x97\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x11\n\tserved_by\x18\x05 \x01(\t2O\n\x06Router\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x42Q\n\rdev.kvmesh.v1P\x01Z2github.com/kvmesh/kvmesh/gen/go/kvmesh/v1;kvmeshv1\xaa\x02\tKvmesh.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/router.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xa9\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xab\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x11\n\tserved_by\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t2O\n\x06Router\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x42Q\n\rdev.kvmesh.v1P\x01Z2github.com/kvmesh/kvmesh/gen/go/kvmesh/v1;kvmeshv1\xaa\x02\tKvmesh.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,7 +38,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=233
   _globals['_TOKENIDS']._serialized_end=256
   _globals['_GENERATERESPONSE']._serialized_start=259
-  _globals['_GENERATERESPONSE']._serialized_end=410
-  _globals['_ROUTER']._serialized_start=412
-  _globals['_ROUTER']._serialized_end=491
+  _globals['_GENERATERESPONSE']._serialized_end=430
+  _globals['_ROUTER']._serialized_start=432
+  _globals['_ROUTER']._serialized_end=511
 # @@protoc_insertion_point(module_scope)

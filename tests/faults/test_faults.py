@@ -144,7 +144,7 @@ def test_worker_killed_mid_stream_ends_unavailable_and_leaves_the_index(mesh: Me
             for _ in range(1500):
                 next(stream)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert f"worker {holder} failed mid-stream" in err.value.details()
+    assert "failed mid-stream" in err.value.details() and holder not in err.value.details()
     wait_until(lambda: holder not in matched(kv, MODEL_ID, ids), LEASE_MS / 1000 + 1,
                f"{holder} to leave Lookup within its lease")
     assert time.monotonic() - killed <= LEASE_MS / 1000 + 1
