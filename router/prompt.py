@@ -141,18 +141,20 @@ class PromptTokenizer:
         self._own = executor is None
         self._executor = executor or ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvmesh-tokenize")
 
-    async def encode(self, text: str, limits: PromptLimits) -> list[int]:
-        """The text's token ids (with the model's special tokens, as the worker's offline path
-        encodes). Raises ResourceExhausted / InvalidArgument past ``limits``."""
+    async def encode(self, text: str, limits: PromptLimits, add_special_tokens: bool = True) -> list[int]:
+        """The text's token ids (by default with the model's special tokens, as the worker's
+        offline path encodes; a rendered chat template has them already). Raises
+        ResourceExhausted / InvalidArgument past ``limits``."""
         limits.check_bytes(text)
         if len(text) <= TOKENIZE_ON_LOOP_CHARS:
             self._on_chars(len(text))
-            ids = self.tokenizer.encode(text, add_special_tokens=True).ids
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         else:
             loop = asyncio.get_running_loop()
             self._on_pool(1)
             try:
-                ids = await loop.run_in_executor(self._executor, self._encode_bounded, text, limits.max_tokens)
+                ids = await loop.run_in_executor(self._executor, self._encode_bounded, text, limits.max_tokens,
+                                                 add_special_tokens)
             finally:
                 self._on_pool(-1)
             if ids is None:
@@ -160,12 +162,12 @@ class PromptTokenizer:
         limits.check_tokens(len(ids))
         return ids
 
-    def _encode_whole(self, text: str) -> list[int]:
+    def _encode_whole(self, text: str, add_special_tokens: bool) -> list[int]:
         self._on_chars(len(text))
         # NOTE: encode_batch releases the GIL while it works; encode holds it throughout.
-        return self.tokenizer.encode_batch([text], add_special_tokens=True)[0].ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def _encode_bounded(self, text: str, max_tokens: int) -> list[int] | None:
+    def _encode_bounded(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> list[int] | None:
         """On a pool thread: the ids, or None once the text is known to be over ``max_tokens``.
 
         A text long for its bound is first counted piece by piece, cut before whitespace where
@@ -174,7 +176,7 @@ class PromptTokenizer:
         exactly those of one ``encode``.
         """
         if not max_tokens or len(text.encode("utf-8", "surrogatepass")) <= ONE_PASS_BYTES_PER_TOKEN * max_tokens:
-            return self._encode_whole(text)
+            return self._encode_whole(text, add_special_tokens)
         piece = max(MIN_PIECE_CHARS, 2 * max_tokens)
         count = start = cuts = 0
         while start < len(text):
@@ -189,7 +191,7 @@ class PromptTokenizer:
             if count > max_tokens + PIECE_SLACK_TOKENS * cuts:
                 return None
             start, cuts = end, cuts + 1
-        return self._encode_whole(text)
+        return self._encode_whole(text, add_special_tokens)
 
     def close(self) -> None:
         if self._own:
