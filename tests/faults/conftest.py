@@ -11,7 +11,6 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,8 +19,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvmesh.bench.scrape import samples, scrape
 from kvmesh.client import Client
-from kvmesh.loopback import RedisServer, free_port
+from kvmesh.loopback import RedisServer, die_with_parent, free_port
 from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.stack import kvmesh_cmd, wait_serving
 from kvmesh.transport.rpc import dial
@@ -49,8 +49,9 @@ class Proc:
 
     def start(self) -> Proc:
         with open(self.log, "a") as out:
-            self.popen = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            # NOTE: die_with_parent: a test run that is killed leaves no server behind.
+            self.popen = subprocess.Popen([*die_with_parent(), *self.cmd], stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         return self
 
     @property
@@ -98,26 +99,29 @@ class Cluster:
             wait_serving(address, proc.popen, 60)
         return proc
 
-    def kv_service(self, name: str, port: int | None = None) -> Proc:
-        assert self.redis is not None
+    def kv_service(self, name: str, port: int | None = None, *args: str, lease_ms: int = LEASE_MS) -> Proc:
+        """A kv_service on this cluster's Redis (or with ``--store memory`` among ``args``)."""
         port = port or free_port()
+        store = [] if "--store" in args else ["--redis-url", self.redis.url] if self.redis else ["--store", "memory"]
         return self._spawn(name, f"127.0.0.1:{port}", kvmesh_cmd(
-            "kv-service", "--host", "127.0.0.1", "--port", str(port), "--redis-url", self.redis.url,
-            "--lease-ttl-ms", str(LEASE_MS), "--metrics-port", "0"))
+            "kv-service", "--host", "127.0.0.1", "--port", str(port), *store,
+            "--lease-ttl-ms", str(lease_ms), "--metrics-port", "0", *args))
 
-    def worker(self, worker_id: str, kv: str, port: int | None = None, wait: bool = True) -> Proc:
+    def worker(self, worker_id: str, kv: str, port: int | None = None, wait: bool = True, *args: str,
+               grace: float = 0) -> Proc:
         port = port or free_port()
         addr = f"127.0.0.1:{port}"
         return self._spawn(worker_id, addr, kvmesh_cmd(
             "worker", "--simulate", "--model", str(self.model), "--host", "127.0.0.1", "--port", str(port),
             "--kv-service", kv, "--worker-id", worker_id, "--advertise-address", addr, "--metrics-port", "0",
-            "--num-blocks", "4096", "--max-model-len", "2048", "--grace", "0"), wait)
+            "--num-blocks", "4096", "--max-model-len", "2048", "--grace", str(grace), *args), wait)
 
-    def router(self, kv: str, metrics_port: int, *args: str) -> Proc:
+    def router(self, kv: str, metrics_port: int, *args: str, name: str = "router", grace: float = 0,
+               wait: bool = True) -> Proc:
         port = free_port()
-        return self._spawn("router", f"127.0.0.1:{port}", kvmesh_cmd(
+        return self._spawn(name, f"127.0.0.1:{port}", kvmesh_cmd(
             "router", "--host", "127.0.0.1", "--port", str(port), "--kv-service", kv, "--model", str(self.model),
-            "--metrics-port", str(metrics_port), "--grace", "0", *args))
+            "--metrics-port", str(metrics_port), "--grace", str(grace), *args), wait)
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -144,13 +148,12 @@ def matched(kv: kpb_grpc.KVServiceStub, model_id: str, ids: list[int]) -> dict[s
 
 
 def metric(port: int, name: str, **labels: str) -> float:
-    """One sample of a Prometheus text page on 127.0.0.1:``port`` (0.0 when absent)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
-    for line in text.splitlines():
-        if line.startswith(want + " "):
-            return float(line.rsplit(" ", 1)[1])
+    """The sample ``name`` with exactly ``labels`` of the /metrics page on 127.0.0.1:``port``
+    (0.0 when absent). ``name`` is the sample's: ``..._total``, ``..._count``."""
+    family = name.removesuffix("_total").removesuffix("_count").removesuffix("_sum")
+    for s in samples(scrape(port), family):
+        if s.name == name and s.labels == labels:
+            return s.value
     return 0.0
 
 

@@ -330,3 +330,73 @@ async def test_a_batch_in_parts_lets_a_lookup_in_between_and_a_stray_part_resync
         assert await matches(idx, chain(1, start=500)) == {"w1": 0, "w2": 0}
     finally:
         await idx.close()
+
+
+# --- duplicate events: a worker holds a block or not; there is no count per worker --------------
+
+async def state(index, hashes: list[bytes], now: int = T0) -> tuple[list[list[str]], dict[str, int], tuple[int, int]]:
+    """Each block's holders (GetBlock's refcount is their number), each live worker's indexed
+    blocks, and the store's (distinct blocks, replicas)."""
+    st = await index.stats(now)
+    return ([await index.holders(h, now) for h in hashes],
+            {w.registration.worker_id: w.blocks_indexed for w in await index.workers(now)},
+            (st.indexed_blocks, st.block_replicas))
+
+
+async def test_a_block_stored_twice_in_one_batch_is_held_once(index):
+    h = chain(3)
+    await join(index, "w1")
+    ack = await index.publish("w1", 1, 1, [BlockStored([h[0], h[1], h[0]]), BlockStored(h[:2])], T0)
+    assert ack.action == Action.ACK
+    assert await state(index, h) == ([["w1"], ["w1"], []], {"w1": 2}, (2, 2))
+    assert await matches(index, h) == {"w1": 2}
+    # One removal takes it away, however often it was stored.
+    await index.publish("w1", 1, 2, [BlockRemoved([h[0]])], T0)
+    assert await state(index, h) == ([[], ["w1"], []], {"w1": 1}, (1, 1))
+    assert await matches(index, h) == {"w1": 0}
+
+
+async def test_removed_after_a_duplicate_stored(index):
+    h = chain(3)
+    await join(index, "w1")
+    # In one batch: stored, stored again, removed -> gone.
+    await index.publish("w1", 1, 1, [BlockStored(h[:2]), BlockStored([h[1]]), BlockRemoved([h[1]])], T0)
+    assert await state(index, h) == ([["w1"], [], []], {"w1": 1}, (1, 1))
+    # Across batches: stored twice, then one removal, then a duplicate removal changes nothing.
+    await index.publish("w1", 1, 2, [BlockStored([h[2]])], T0)
+    await index.publish("w1", 1, 3, [BlockStored([h[2]])], T0)
+    await index.publish("w1", 1, 4, [BlockRemoved([h[2]])], T0)
+    assert await state(index, h) == ([["w1"], [], []], {"w1": 1}, (1, 1))
+    await index.publish("w1", 1, 5, [BlockRemoved([h[2], h[2]])], T0)
+    assert await state(index, h) == ([["w1"], [], []], {"w1": 1}, (1, 1))
+
+
+async def test_the_same_block_from_two_workers_then_removed_by_one(index):
+    h = chain(2)
+    await join(index, "w1")
+    await join(index, "w2")
+    await index.publish("w1", 1, 1, [BlockStored(h), BlockStored(h)], T0)
+    await index.publish("w2", 1, 1, [BlockStored(h + h)], T0)  # duplicates of blocks another worker holds
+    assert await state(index, h) == ([["w1", "w2"], ["w1", "w2"]], {"w1": 2, "w2": 2}, (2, 4))
+    await index.publish("w1", 1, 2, [BlockRemoved([h[0], h[0]])], T0)
+    assert await state(index, h) == ([["w2"], ["w1", "w2"]], {"w1": 1, "w2": 2}, (2, 3))
+    assert await matches(index, h) == {"w1": 0, "w2": 2}
+    await index.publish("w2", 1, 2, [BlockRemoved(h)], T0)
+    assert await state(index, h) == ([[], ["w1"]], {"w1": 1, "w2": 0}, (1, 1))
+
+
+async def test_duplicates_keep_the_lru_order_under_the_cap(index):
+    h = chain(3)
+    await join(index, "w1", nb=2)
+    await index.publish("w1", 1, 1, [BlockStored([h[0], h[1], h[0]])], T0)  # h0 stored last: the most recent
+    await index.publish("w1", 1, 2, [BlockStored([h[2]])], T0)  # 3 distinct > cap 2: h1 goes
+    assert await state(index, h) == ([["w1"], [], ["w1"]], {"w1": 2}, (2, 2))
+
+
+async def test_a_snapshot_with_duplicates_holds_each_block_once(index):
+    h = chain(2)
+    await join(index, "w1")
+    assert (await index.snapshot("w1", 1, 1, [h[0], h[0], h[1], h[0]], T0)).action == Action.ACK
+    assert await state(index, h) == ([["w1"], ["w1"]], {"w1": 2}, (2, 2))
+    await index.publish("w1", 1, 2, [BlockRemoved([h[0]])], T0)
+    assert await state(index, h) == ([[], ["w1"]], {"w1": 1}, (1, 1))

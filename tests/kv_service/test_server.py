@@ -13,17 +13,19 @@ from kvmesh.kv_service.server import KVServiceServer
 from kvmesh.kv_service.service import ServiceConfig
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
+from kvmesh.testing import wait_until
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 
 SHA = pb.HASH_ALGORITHM_SHA256_128
+LEASE_MS = 2000
 
 
 @pytest.fixture
 def kv(redis_url, redis_namespace):
     server = KVServiceServer(RedisIndex(redis_url, redis_namespace), "127.0.0.1", free_port(),
-                             ServiceConfig(lease_ttl_ms=400, reap_interval_s=0.2)).start()
+                             ServiceConfig(lease_ttl_ms=LEASE_MS, reap_interval_s=0.2)).start()
     channel = dial(f"127.0.0.1:{server.port}")
     yield pb_grpc.KVServiceStub(channel), channel
     channel.close()
@@ -60,7 +62,7 @@ def test_health_reflection_and_round_trip(kv):
     stub, channel = kv
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="kvmesh.v1.KVService"))
     assert health.status == health_pb2.HealthCheckResponse.SERVING
-    assert register(stub).lease_ttl_ms == 400
+    assert register(stub).lease_ttl_ms == LEASE_MS
     register(stub, "w2")
     acks = publish(stub, batch("w1", 1, stored(CHAIN[:4])), batch("w1", 2, stored(CHAIN[4:], CHAIN[3])),
                    batch("w2", 1, stored(CHAIN[:2])))
@@ -89,14 +91,22 @@ def test_gap_resync_then_snapshot_over_the_stream(kv):
 
 def test_lease_expiry_removes_worker_from_lookup(kv):
     stub, _ = kv
-    register(stub, "w1")
+    # w2 registers first: on its registration lease alone it would leave before w1, so a Lookup
+    # with w1 gone and w2 still there shows that w2's heartbeats renewed its lease.
     register(stub, "w2")
+    register(stub, "w1")
     publish(stub, batch("w1", 1, stored(CHAIN)), batch("w2", 1, stored(CHAIN)))
-    deadline = time.monotonic() + 0.6
-    while time.monotonic() < deadline:  # w2 keeps its lease; w1 stops heartbeating
+
+    def only_w2_left() -> bool:
+        # NOTE: a heartbeat every ~0.1 s against a 2 s lease: only a stall of the whole host
+        # for 2 s could let w2 lapse (its heartbeat would then fail with NOT_FOUND).
         stub.Heartbeat(pb.HeartbeatRequest(worker_id="w2", epoch=7), timeout=5)
-        time.sleep(0.1)
-    assert lookup(stub, CHAIN) == [("w2", 6)]
+        found = lookup(stub, CHAIN)
+        assert ("w2", 6) in found
+        time.sleep(0.05)
+        return found == [("w2", 6)]
+
+    wait_until(only_w2_left, 10, "w1's lease to expire")
     with pytest.raises(grpc.RpcError) as err:
         stub.Heartbeat(pb.HeartbeatRequest(worker_id="w1", epoch=7), timeout=5)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "register it again" in err.value.details()

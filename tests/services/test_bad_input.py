@@ -83,11 +83,10 @@ def mesh(model_dir, tmp_path_factory) -> Iterator[Mesh]:
     stack = LocalStack(cfg).start()
     port, metrics = free_port(), free_port()
     with open(logs / "open-router.log", "w") as out:
-        proc = subprocess.Popen(kvmesh_cmd("router", "--host", "127.0.0.1", "--port", str(port), "--kv-service",
-                                           stack.endpoints["kv_service"], "--model", str(model_dir),
-                                           "--max-prompt-tokens", "0", "--max-prompt-bytes", "0",
-                                           "--discovery-interval", "0.2", "--metrics-port", str(metrics)),
-                                stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent())
+        proc = subprocess.Popen([*die_with_parent(), *kvmesh_cmd(
+            "router", "--host", "127.0.0.1", "--port", str(port), "--kv-service", stack.endpoints["kv_service"],
+            "--model", str(model_dir), "--max-prompt-tokens", "0", "--max-prompt-bytes", "0",
+            "--discovery-interval", "0.2", "--metrics-port", str(metrics))], stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_serving(f"127.0.0.1:{port}", proc, 60)
         yield Mesh(stack, base, f"127.0.0.1:{port}", metrics)

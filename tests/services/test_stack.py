@@ -9,8 +9,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from tokenizers import Tokenizer
 
 from kvmesh.client import Client
+from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import SamplingParams
 from kvmesh.loopback import free_port
 from kvmesh.model_worker.llm import LLM
@@ -59,23 +61,15 @@ def index_of(kv_addr: str, worker_id: str, candidates: set[bytes]) -> set[bytes]
     return {h for h in candidates if worker_id in stub.GetBlock(kpb.GetBlockRequest(block_hash=h), timeout=5).holders}
 
 
-def test_routed_output_equals_offline_engine_and_prefix_follows_its_holder(stack, model_dir):
+def test_routed_output_equals_offline_engine_and_index_equals_the_workers_caches(stack, model_dir):
     kv_addr, workers, _, client = stack
     offline = LLM(str(model_dir), num_blocks=128, max_num_batched_tokens=256, max_model_len=512)
     expected = offline.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True))
     first = client.generate(PROMPTS[0], max_tokens=10, ignore_eos=True)
     assert first.token_ids == expected[0].token_ids and first.usage.cached_tokens == 0
-    holder = first.served_by
-    by_id = {w.worker_id: w for w in workers}
-    # Wait until the index knows the holder's blocks, so the route below is the index's doing.
-    blocks = by_id[holder].engine.cached_block_hashes()
-    wait_until(lambda: index_of(kv_addr, holder, blocks) == blocks, what="the index to learn the prefix")
     for ids, exp in zip(PROMPTS[1:], expected[1:], strict=True):
         out = client.generate(ids, max_tokens=10, ignore_eos=True)
         assert out.token_ids == exp.token_ids
-    shared = client.generate(SHARED + [42, 43], max_tokens=4, ignore_eos=True)
-    assert shared.served_by == holder
-    assert shared.usage.cached_tokens >= len(SHARED) // 16 * 16
     # After the run the index equals the union of the workers' cached blocks.
     for w in workers:
         cached = w.engine.cached_block_hashes()
@@ -87,12 +81,47 @@ def test_routed_output_equals_offline_engine_and_prefix_follows_its_holder(stack
     assert stats.block_replicas == sum(len(w.engine.cached_block_hashes()) for w in workers)
 
 
-def test_text_prompt_streams_text_and_usage(stack):
+# Four prefixes of 5 full blocks each, no block in common.
+PREFIXES = [[(13 * i + 97 * k + 5) % 300 + 3 for i in range(80)] for k in range(4)]
+
+
+def test_prefix_follows_its_holder_by_the_index_alone(kv_server, start_worker, start_router):
+    """Only the index can explain these routes. Each prefix is served by one worker directly (no
+    router ever saw it), the router starts afterwards with its speculative map off, and the four
+    workers hold one prefix each: a router blind to the index would have to guess a permutation of
+    four (and its cached counts) to pass."""
+    kv_addr = f"127.0.0.1:{kv_server.port}"
+    workers = [start_worker(f"w{i}", kv_addr) for i in range(len(PREFIXES))]
+    for w, prefix in zip(workers, PREFIXES, strict=True):
+        stub = worker_pb2_grpc.WorkerStub(dial(w.address))
+        list(stub.Generate(worker_pb2.WorkerGenerateRequest(prompt_token_ids=prefix, sampling=common_pb2.SamplingParams(
+            max_tokens=2, ignore_eos=True)), timeout=30))
+    for w, prefix in zip(workers, PREFIXES, strict=True):
+        blocks = set(BlockHasher(w.engine.model_id, 16).hash_prompt(prefix))
+        assert len(blocks) == len(prefix) // 16 and blocks <= w.engine.cached_block_hashes()
+        wait_until(lambda w=w, blocks=blocks: index_of(kv_addr, w.worker_id, blocks) == blocks,
+                   what=f"the index to learn {w.worker_id}'s prefix")
+    router = start_router(kv_addr, speculative_ttl_s=0)
+    with Client(f"127.0.0.1:{router.port}", timeout=60) as client:
+        for w, prefix in zip(workers, PREFIXES, strict=True):
+            out = client.generate(prefix + [42, 43], max_tokens=2, ignore_eos=True)
+            assert (out.served_by, out.usage.cached_tokens) == (w.worker_id, len(prefix) // 16 * 16)
+
+
+def test_text_prompt_streams_text_and_usage(stack, model_dir):
     _, _, _, client = stack
-    pieces = list(client.stream("Hello there, how are you?", max_tokens=6, ignore_eos=True))
+    prompt = "Hello there, how are you?"
+    pieces = list(client.stream(prompt, max_tokens=6, ignore_eos=True))
     last = pieces[-1]
     assert last.served_by in {"w1", "w2"} and last.usage.completion_tokens == 6
-    assert sum(len(p.token_ids) for p in pieces) == 6
+    ids = [t for p in pieces for t in p.token_ids]
+    offline = LLM(str(model_dir), num_blocks=128, max_num_batched_tokens=256, max_model_len=512)
+    (want,) = offline.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert ids == want.token_ids
+    # The deltas, joined, are the decoded completion; they arrive spread over the stream.
+    text = "".join(p.text for p in pieces)
+    assert text and text == Tokenizer.from_file(str(model_dir / "tokenizer.json")).decode(ids, skip_special_tokens=True)
+    assert sum(1 for p in pieces if p.text) >= 2
 
 
 def test_requests_succeed_with_kv_service_stopped(stack, kv_server):
