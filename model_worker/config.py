@@ -228,7 +228,8 @@ class WorkerConfig:
     """Tokens per stream message after the first, as vLLM's --stream-interval: larger values cut host
     overhead per token; the first token still goes out at once."""
     torch_threads: int = 0
-    """torch intra-op threads; 0 = torch's default."""
+    """torch intra-op threads; 0 = the engine's default (CPU: every usable core but one, at least
+    one; OMP_NUM_THREADS in the environment wins)."""
 
     def check(self) -> None:
         """Raises ValueError with the flag to fix."""

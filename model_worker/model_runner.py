@@ -6,12 +6,14 @@ passes whose inputs are advanced in place on the device.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
 import torch
 
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
+from kvmesh.model_worker.host_allocator import keep_freed_buffers
 from kvmesh.model_worker.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.model_loader import load_model
 from kvmesh.model_worker.models.attention import AttentionMetadata
@@ -19,10 +21,39 @@ from kvmesh.model_worker.request import Request
 from kvmesh.model_worker.sampler import Sampler
 from kvmesh.model_worker.scheduler import SchedulerOutput
 
+log = logging.getLogger(__name__)
+
 WindowStepCallback = Callable[[dict[str, int]], list[str]]
 """Called after each inner step of a window with request id -> its token; returns the ids still running."""
 
 _DEFAULT_CPU_FRACTION = 0.05
+_TORCH_DEFAULT_THREADS = torch.get_num_threads()
+"""torch's own choice, read when this module is first imported (before anyone sets it)."""
+
+
+def default_cpu_threads(usable_cores: int) -> int:
+    """The engine's intra-op threads on CPU: every usable core but one, at least one.
+
+    As vLLM's CPU worker does (one core left to its scheduler and front end): the engine shares
+    its process with the scheduler, the gRPC server and the stream threads, and a machine's cores
+    are often shared with other processes. On this project's 2-core machine one thread ran the
+    peer benchmark's workloads ~2x faster than two (docs/engine.md, CPU performance).
+    """
+    return max(1, usable_cores - 1)
+
+
+def apply_cpu_threads() -> None:
+    """Sets torch's intra-op threads to ``default_cpu_threads`` unless someone chose: the
+    ``OMP_NUM_THREADS`` environment variable, or ``torch.set_num_threads`` before the engine starts
+    (``kvmesh worker --torch-threads`` does that)."""
+    if "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() != _TORCH_DEFAULT_THREADS:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = default_cpu_threads(cores)
+    if threads != torch.get_num_threads():
+        log.info("torch CPU threads %d -> %d (one core left for the scheduler and server; set "
+                 "OMP_NUM_THREADS or --torch-threads to choose)", torch.get_num_threads(), threads)
+        torch.set_num_threads(threads)
 _DEFAULT_GPU_FRACTION = 0.9
 
 
@@ -49,6 +80,9 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_buffers()  # NOTE: process-wide; see host_allocator.py for why and the cost
+            apply_cpu_threads()
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.model = load_model(config.model, model_config, self.dtype, config.device)

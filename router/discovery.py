@@ -54,7 +54,15 @@ EMPTY_GRACE_S = 5.0
 
 class KVServiceClient:
     """Lookup with a short deadline; a failure raises IndexUnavailable (router/core.py's breaker then
-    skips the index for a while). Build it on the loop that uses it."""
+    skips the index for a while). Build it on the loop that uses it.
+
+    NOTE: a Lookup answer names every live worker with its load; reading 64 nested load messages
+    field by field cost ~0.3 ms a request. An answer's entry (worker, address, matched blocks,
+    load) repeats until the worker's next heartbeat or a different prompt, so each entry's
+    IndexMatch is cached by its wire bytes (~0.4 us to get, against ~5 us to build).
+    """
+
+    MAX_CACHED = 16_384
 
     def __init__(self, target: str, lookup_timeout_s: float = 0.05, rpc_timeout_s: float = 2.0) -> None:
         self.target = target
@@ -63,6 +71,16 @@ class KVServiceClient:
         self._channel = dial_aio(target)
         self._stub = kv_grpc.KVServiceStub(self._channel)
         self._md = call_metadata()
+        self._matches: dict[bytes, IndexMatch] = {}
+
+    def _match(self, m: kv_pb.WorkerMatch) -> IndexMatch:
+        key = m.SerializeToString()
+        found = self._matches.get(key)
+        if found is None:
+            if len(self._matches) >= self.MAX_CACHED:
+                self._matches.clear()
+            found = self._matches[key] = IndexMatch(m.worker_id, m.address, m.matched_blocks, load_from_pb(m.load))
+        return found
 
     async def lookup(self, model_id: str, block_hashes: Sequence[bytes]) -> list[IndexMatch]:
         try:
@@ -73,7 +91,7 @@ class KVServiceClient:
             # must not open for every client because of one request (router/core.py).
             cause = "lookup_invalid" if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else "lookup_failed"
             raise IndexUnavailable(f"kv_service at {self.target}: {exc.code().name}: {exc.details()}", cause) from None
-        return [IndexMatch(m.worker_id, m.address, m.matched_blocks, load_from_pb(m.load)) for m in answer.workers]
+        return [self._match(m) for m in answer.workers]
 
     async def list_workers(self) -> list[kv_pb.WorkerInfo]:
         """Live workers of every model; raises grpc.aio.AioRpcError."""

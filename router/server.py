@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import grpc
 
@@ -20,6 +21,8 @@ from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvmesh.router")
+
+T = TypeVar("T")
 
 REQUEST_ID_KEY = "kvmesh-request-id"
 """Trailing metadata of every Generate call that got an id (success or error): the id the request
@@ -128,7 +131,7 @@ class RouterServer:
         self._loop.run(self._start())
         return self
 
-    def run(self, coro):
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs a coroutine on the router's loop and returns its result (tests, benchmarks)."""
         return self._loop.run(coro)
 

@@ -92,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(worker.torch_threads)
+        # NOTE: tells the engine the count was chosen (it keeps one core free otherwise, model_runner.py)
+        os.environ["OMP_NUM_THREADS"] = str(worker.torch_threads)
     model = args.model
     if model is None:
         from kvmesh.make_model import ensure_default_model

@@ -48,16 +48,18 @@ def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
 
 
 def check_id(what: str, value: str, max_chars: int, *, allow_empty: bool = False) -> None:
-    """Raises InvalidArgument unless ``value`` is 1..max_chars printable characters (no control
-    characters: ids are written to log lines). Empty passes when ``allow_empty``."""
+    """Raises InvalidArgument unless ``value`` is 1..max_chars printable ASCII characters: ids are
+    written to log lines (no control characters to forge one) and returned in gRPC metadata (an
+    HTTP/2 header value: ASCII only). Empty passes when ``allow_empty``."""
     if not value:
         if allow_empty:
             return
-        raise InvalidArgument(f"{what} is empty: give 1-{max_chars} printable characters")
+        raise InvalidArgument(f"{what} is empty: give 1-{max_chars} printable ASCII characters")
     if len(value) > max_chars:
         raise InvalidArgument(f"{what} has {len(value)} characters; at most {max_chars} are allowed")
-    if not value.isprintable():
-        raise InvalidArgument(f"{what} {excerpt(value)} has control characters; use printable characters only")
+    if not (value.isascii() and value.isprintable()):
+        raise InvalidArgument(f"{what} {excerpt(value)} is not printable ASCII: use letters, digits and "
+                              "punctuation only")
 
 
 def check_length(what: str, value: str, max_chars: int) -> None:

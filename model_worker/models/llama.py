@@ -10,7 +10,7 @@ from torch import nn
 
 from kvmesh.model_worker.config import ModelConfig
 from kvmesh.model_worker.models.attention import AttentionMetadata, PagedAttention
-from kvmesh.model_worker.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from kvmesh.model_worker.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 
 class LlamaAttention(nn.Module):
@@ -19,17 +19,20 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer])
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta)
+        qkv = self.qkv_proj(x)
+        # NOTE: q and k sit side by side in the fused projection: one rotary pass over both heads.
+        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
+                                                                     self.head_dim), cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -74,7 +77,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.kv_group_of_layer = [0] * cfg.num_layers

@@ -194,3 +194,47 @@ def test_prefix_holder_down_retries_on_live_worker_with_text_and_usage(stack, mo
         assert out[-1].served_by == "live"
     finally:
         server.stop(0.1)
+
+
+class HangingWorker(worker_pb2_grpc.WorkerServicer):
+    """Sends one token, then holds the stream open until released."""
+
+    def __init__(self) -> None:
+        self.release = None
+
+    async def Generate(self, request, context):
+        import asyncio
+
+        if self.release is None:
+            self.release = asyncio.Event()
+        yield worker_pb2.WorkerGenerateResponse(token_ids=[5])
+        await self.release.wait()
+        yield worker_pb2.WorkerGenerateResponse(
+            token_ids=[6], finish_reason=common_pb2.FINISH_REASON_LENGTH, worker_id="hang",
+            usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=2))
+
+
+def test_streams_past_max_streams_are_refused_naming_the_flag_and_health_stays_answered(stack):
+    kv, kv_stub, start_router = stack
+    worker = HangingWorker()
+    server = start_worker(worker)
+    try:
+        register(kv_stub, "hang", f"127.0.0.1:{server.port}")
+        stub, channel, router = start_router(max_streams=2)
+        wait_for(lambda: len(router.pool.endpoints()) == 1)
+        req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=list(range(1, 20))))
+        open_streams = [stub.Generate(req, timeout=30) for _ in range(2)]
+        assert [list(next(s).token_ids) for s in open_streams] == [[5], [5]]
+        with pytest.raises(grpc.RpcError) as err:
+            generate(stub, token_ids=router_pb2.TokenIds(ids=list(range(1, 20))))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "2 streams open (--max-streams)" in err.value.details()
+        assert health(channel) == health_pb2.HealthCheckResponse.SERVING  # never refused
+        server._loop.loop.call_soon_threadsafe(worker.release.set)
+        assert [list(s)[-1].finish_reason for s in open_streams] == [common_pb2.FINISH_REASON_LENGTH] * 2
+        assert router.metrics.refused._value.get() == 1
+        assert router.servicer.streams == 0
+        # A slot is free again: the next stream is served.
+        assert generate(stub, token_ids=router_pb2.TokenIds(ids=list(range(1, 20))))[-1].served_by == "hang"
+    finally:
+        server.stop(0.1)

@@ -43,8 +43,10 @@ def test_excerpt_and_cap_keep_messages_short():
     assert len(capped.encode()) <= 1024 and capped.endswith("(message truncated)")
     with pytest.raises(InvalidArgument, match="has 200 characters; at most 128"):
         check_id("request_id", "r" * 200, 128)
-    with pytest.raises(InvalidArgument, match="control characters"):
+    with pytest.raises(InvalidArgument, match="not printable ASCII"):
         check_id("request_id", "a\nforged log line", 128)
+    with pytest.raises(InvalidArgument, match="not printable ASCII"):
+        check_id("request_id", "café", 128)  # it goes back in an HTTP/2 header (trailers)
     check_id("request_id", "", 128, allow_empty=True)
 
 

@@ -122,3 +122,31 @@ def test_stream_interval_groups_tokens_after_the_first(start_worker):
     (want,) = offline.generate([PROMPTS[0]], SamplingParams(max_tokens=11, ignore_eos=True))
     assert [t for m in msgs[:-1] for t in m.token_ids] == want.token_ids
     assert msgs[-1].usage.completion_tokens == 11
+
+
+def test_streams_past_max_queued_requests_are_refused_naming_the_flag(start_worker):
+    worker = start_worker("w1", None, max_num_seqs=2)
+    worker.max_queued_requests = 3  # the WorkerServer's bound (--max-queued-requests)
+    stub = pb_grpc.WorkerStub(dial(worker.address))
+    calls = [stub.Generate(pb.WorkerGenerateRequest(request_id=f"q{i}", prompt_token_ids=PROMPTS[0],
+                                                    sampling=common_pb2.SamplingParams(max_tokens=400, ignore_eos=True)),
+                           timeout=60) for i in range(3)]
+    try:
+        wait_until(lambda: worker.loop.num_streams == 3, what="three streams admitted")
+        with pytest.raises(grpc.RpcError) as err:
+            generate(stub, PROMPTS[2], max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "3 requests in flight (--max-queued-requests)" in err.value.details()
+    finally:
+        for c in calls:
+            c.cancel()
+    wait_until(lambda: worker.loop.num_streams == 0, what="cancelled streams aborted")
+    assert generate(stub, PROMPTS[2], max_tokens=2)[-1].usage.completion_tokens == 2
+
+
+def test_each_worker_counts_on_its_own_registry(start_worker):
+    a, b = start_worker("wa", None), start_worker("wb", None)
+    generate(pb_grpc.WorkerStub(dial(a.address)), PROMPTS[2], max_tokens=3, ignore_eos=True)
+    model = a.engine.model_id
+    assert a.metrics.generation_tokens.labels(model)._value.get() == 3
+    assert b.metrics.generation_tokens.labels(model)._value.get() == 0

@@ -1,0 +1,58 @@
+"""The kv_service core without a server: run_now on the memory store, metrics on a registry per core."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import generate_latest
+
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.types import BlockStored
+from kvmesh.kv_service.index import Registration
+from kvmesh.kv_service.service import KVService, run_now
+from kvmesh.kv_service.store_memory import MemoryIndex
+
+CHAIN = BlockHasher("m", 4).hash_prompt(list(range(16)))
+
+
+def test_memory_core_runs_without_an_event_loop_and_cores_do_not_share_metrics():
+    a, b = KVService(MemoryIndex()), KVService(MemoryIndex())
+    run_now(a.register(Registration("w1", "127.0.0.1:1", "m", 4, "sha256_128", 100, 1)))
+    run_now(a.publish("w1", 1, 1, [BlockStored(CHAIN)]))
+    assert [(m.worker_id, m.matched_blocks) for m in run_now(a.lookup("m", CHAIN))] == [("w1", 4)]
+    assert (a.metrics.lookups._value.get(), b.metrics.lookups._value.get()) == (1, 0)
+    assert b"kvmesh_kv_lookups_total 1.0" in generate_latest(a.metrics.registry)
+    assert b"kvmesh_kv_lookups_total 0.0" in generate_latest(b.metrics.registry)
+
+
+def test_run_now_refuses_a_coroutine_that_suspends():
+    async def suspends() -> None:
+        await asyncio.sleep(0)
+
+    with pytest.raises(RuntimeError, match="suspended"):
+        run_now(suspends())
+
+
+def test_lookup_replies_from_cached_wire_bytes_equal_the_field_by_field_message():
+    from kvmesh.contract.convert import load_to_pb
+    from kvmesh.contract.types import Load
+    from kvmesh.kv_service.index import WorkerMatch
+    from kvmesh.kv_service.server import LookupReplies
+    from kvmesh.v1 import kv_service_pb2 as pb
+
+    replies = LookupReplies()
+    # Rounds 0 and 1: new loads (rebuilt); 2: equal loads in new objects; 3: the same objects;
+    # 4: a worker moved to another address.
+    loads: list[Load] = []
+    for round_ in range(5):
+        if round_ != 3:
+            loads = [Load(i, min(round_, 1), 90, 2**20, 2**40 + i) for i in range(40)]
+        matches = [WorkerMatch(f"w{i}", f"10.0.0.{i + (round_ == 4)}:50061", (i * 37 + round_) % 300, loads[i], 16)
+                   for i in range(40)]
+        want = pb.LookupResponse(
+            workers=[pb.WorkerMatch(worker_id=m.worker_id, address=m.address, matched_blocks=m.matched_blocks,
+                                    load=load_to_pb(m.load), block_size=m.block_size) for m in matches],
+            block_size=16, num_blocks_queried=300 + round_)
+        assert replies.response(matches, 16, 300 + round_) == want
+    assert replies.response([], 0, 0) == pb.LookupResponse()
