@@ -213,7 +213,9 @@ def _check_raw(call_field_payload, allowed: set[C]) -> C:
         assert code not in {C.INTERNAL, C.UNKNOWN}, f"{f.full_name}: {code.name}: {details[:300]}"
         assert len(details.encode()) <= 1024, f"{f.full_name}: a {len(details)}-character message"
         if not valid:
-            assert (code, details.split(" ")[0]) == (C.INVALID_ARGUMENT, f.name), f"{f.full_name}: {details}"
+            named = details.split(" ")[0]
+            # NOTE: an element of a repeated field is named with its index ("stop[0]").
+            assert code == C.INVALID_ARGUMENT and named.split("[")[0] == f.name, f"{f.full_name}: {details}"
         else:
             assert code in allowed, f"{f.full_name}: {code.name}: {details[:300]}"
         return code
