@@ -11,6 +11,7 @@ import grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvmesh.testing import wire_field
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.v1 import kv_service_pb2 as kpb
@@ -158,13 +159,6 @@ def test_router_rpcs(worker_and_router):
 
 
 # -- raw bytes: invalid UTF-8 and oversized values in every string field -----------------------------------
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 BAD_UTF8 = st.sampled_from([b"\xff", b"\xc3\x28", b"ok\xe2\x82", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80"])
@@ -185,7 +179,7 @@ def raw_calls(address: str, service) -> st.SearchStrategy:
 
     def build(choice, payload: bytes):
         path, client_streaming, server_streaming, f = choice
-        data = _varint(f.number << 3 | 2) + _varint(len(payload)) + payload
+        data = wire_field(f.number, payload)
         ident = {"request_serializer": lambda b: b, "response_deserializer": lambda b: b}
         if client_streaming:
             return lambda: channel.stream_stream(path, **ident)(iter([data]), timeout=30), f, payload

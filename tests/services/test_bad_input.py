@@ -10,7 +10,6 @@ Each test here fails without its fix (issue #17 lists them); none asserts on wal
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -23,9 +22,10 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2 as rpb
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.loopback import die_with_parent, free_port
+from kvmesh.loopback import die_with_parent, free_port, free_port_run
 from kvmesh.stack import LocalStack, StackConfig, kvmesh_cmd, wait_serving
-from kvmesh.testing import wait_until
+from kvmesh.testing import varint, wait_until
+from kvmesh.testing import wire_field as field
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.v1 import kv_service_pb2 as kpb
@@ -35,25 +35,6 @@ KVMESH = str(Path(sys.executable).parent / "kvmesh")
 MODEL_ID = "tiny-llama"
 LEASE_MS = 3000
 C = grpc.StatusCode
-
-
-def _free_run(n: int) -> int:
-    """A port p with p .. p+n-1 free (the stack's metrics ports: kv_service, router, worker)."""
-    for _ in range(50):
-        base = free_port()
-        try:
-            socks = []
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
 
 
 class Mesh:
@@ -73,7 +54,7 @@ class Mesh:
 
 @pytest.fixture(scope="module")
 def mesh(model_dir, tmp_path_factory) -> Iterator[Mesh]:
-    base = _free_run(3)
+    base = free_port_run(3)
     logs = tmp_path_factory.mktemp("bad-input-logs")
     cfg = StackConfig(model=str(model_dir), workers=1, router_port=free_port(), kv_service_port=free_port(),
                       worker_port=free_port(), metrics_port=base, log_dir=str(logs),
@@ -121,20 +102,6 @@ def status_of(fn) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as err:
         fn()
     return err.value.code(), err.value.details() or ""
-
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def field(number: int, payload: bytes) -> bytes:
-    """A length-delimited field on the wire (string, bytes, message)."""
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
 
 
 def raw_unary(address: str, method: str, data: bytes) -> tuple[grpc.StatusCode, str]:
