@@ -30,10 +30,10 @@ from pathlib import Path
 from kvmesh.bench import serve
 from kvmesh.bench.datasets import TokenRange
 from kvmesh.bench.report import summarize
-from kvmesh.bench.routing import RoutingBenchConfig, free_port_base
+from kvmesh.bench.routing import RoutingBenchConfig
 from kvmesh.bench.scrape import histogram_quantile, label_counts, scrape
 from kvmesh.bench.trace import TraceSynthesizer, load_trace
-from kvmesh.loopback import RedisServer
+from kvmesh.loopback import RedisServer, free_port_run
 from kvmesh.make_model import ensure_default_model
 from kvmesh.stack import kvmesh_cmd, wait_serving
 
@@ -97,7 +97,7 @@ def run_cluster(args: argparse.Namespace, n_routers: int, requests: list, log_di
         procs.append(p)
         return p
 
-    base = free_port_base(8)
+    base = free_port_run(8)
     kv_addrs, kv_metrics, router_addrs, router_metrics = [], [], [], []
     try:
         for r in range(2):
@@ -108,7 +108,7 @@ def run_cluster(args: argparse.Namespace, n_routers: int, requests: list, log_di
                                            "--lease-ttl-ms", str(args.lease_ttl_ms)))
             wait_serving(addr, p, 30)
             kv_addrs.append(addr)
-        wbase = free_port_base(args.workers)
+        wbase = free_port_run(args.workers)
         for first in range(0, args.workers, args.per_process):
             count = min(args.per_process, args.workers - first)
             # NOTE: nice, as in `kvmesh bench routing`: the control plane keeps its CPU.

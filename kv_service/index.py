@@ -24,6 +24,9 @@ from typing import NamedTuple
 
 from kvmesh.contract.types import KVCacheEvent, Load, ModelSpec
 
+FLUSHED = "the index dropped this worker's blocks (FlushWorker)"
+"""The reason of the RESYNC a flushed worker's event batches get until its snapshot arrives."""
+
 
 class Action(enum.IntEnum):
     ACK = 1
@@ -92,14 +95,16 @@ class BlockIndex(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def heartbeat(self, worker_id: str, epoch: int, load: Load, lease_ttl_ms: int, now_ms: int) -> None:
-        """Renews the lease. Raises NotFound (unknown or expired) or FailedPrecondition (epoch)."""
+    async def heartbeat(self, worker_id: str, epoch: int, load: Load, lease_ttl_ms: int, now_ms: int) -> bool:
+        """Renews the lease; returns True while the worker owes a snapshot since ``flush_worker``.
+        Raises NotFound (unknown or expired) or FailedPrecondition (epoch)."""
 
     @abc.abstractmethod
     async def publish(
         self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent], now_ms: int
     ) -> PublishResult:
-        """Applies one batch if ``seq`` is the next one of the live epoch, else asks for a resync.
+        """Applies one batch if ``seq`` is the next one of the live epoch (and the worker owes no
+        snapshot since ``flush_worker``), else asks for a resync.
 
         Raises:
             NotFound: unknown or expired worker.
@@ -108,7 +113,8 @@ class BlockIndex(abc.ABC):
 
     @abc.abstractmethod
     async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int) -> PublishResult:
-        """Replaces the worker's blocks with ``hashes`` (oldest first) and adopts (epoch, seq)."""
+        """Replaces the worker's blocks with ``hashes`` (oldest first) and adopts (epoch, seq);
+        settles a resync ``flush_worker`` asked for."""
 
     @abc.abstractmethod
     async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
@@ -130,7 +136,9 @@ class BlockIndex(abc.ABC):
 
     @abc.abstractmethod
     async def flush_worker(self, worker_id: str) -> int:
-        """Drops every block of the worker; returns how many. Raises NotFound."""
+        """Drops every block of the worker and marks it as owing a snapshot: its heartbeats answer
+        ``True`` and its event batches RESYNC until one arrives, so index and worker agree again
+        within a heartbeat. Returns how many blocks were dropped. Raises NotFound."""
 
     @abc.abstractmethod
     async def reap_expired(self, now_ms: int) -> int:

@@ -14,6 +14,7 @@ from kvmesh.contract.convert import (
     load_to_pb,
 )
 from kvmesh.contract.errors import InvalidArgument, ResourceExhausted
+from kvmesh.contract.limits import MAX_EXTRA_KEYS_CHARS, check_length
 from kvmesh.contract.types import Load
 from kvmesh.kv_service.index import BlockIndex, Registration, WorkerMatch
 from kvmesh.kv_service.metrics import KVMetrics
@@ -92,6 +93,7 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         self._replies = LookupReplies()
 
     async def RegisterWorker(self, request, context):
+        check_length("extra_keys", request.extra_keys, MAX_EXTRA_KEYS_CHARS)
         algo = algorithm_from_pb(request.hash_algorithm)
         reg = Registration(request.worker_id, request.address, request.model_id, request.block_size, algo,
                            request.num_blocks, request.epoch)
@@ -100,8 +102,8 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         return pb.RegisterWorkerResponse(lease_ttl_ms=ttl, next_seq=1)
 
     async def Heartbeat(self, request, context):
-        ttl = await self.svc.heartbeat(request.worker_id, request.epoch, load_from_pb(request.load))
-        return pb.HeartbeatResponse(lease_ttl_ms=ttl)
+        answer = await self.svc.heartbeat(request.worker_id, request.epoch, load_from_pb(request.load))
+        return pb.HeartbeatResponse(lease_ttl_ms=answer.lease_ttl_ms, resync=answer.resync)
 
     async def PublishEvents(self, request_iterator, context) -> AsyncIterator[pb.PublishEventsResponse]:
         # NOTE: a stream is a coroutine, not a thread, so the bound is about Redis and memory,
@@ -167,7 +169,9 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         return pb.GetBlockResponse(block_hash=request.block_hash, holders=holders, refcount=len(holders))
 
     async def FlushWorker(self, request, context):
-        return pb.FlushWorkerResponse(blocks_removed=await self.svc.flush(request.worker_id))
+        removed = await self.svc.flush(request.worker_id)
+        log.info("flushed worker %s from the index (%d blocks); it is asked to resync", request.worker_id, removed)
+        return pb.FlushWorkerResponse(blocks_removed=removed)
 
 
 class KVServiceServer:

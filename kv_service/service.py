@@ -12,18 +12,28 @@ import re
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from kvmesh.contract.block_hash import ALGORITHMS, HASH_LEN, BlockHasher
 from kvmesh.contract.errors import InvalidArgument
+from kvmesh.contract.limits import (
+    MAX_ADDRESS_CHARS,
+    MAX_CACHE_SALT_CHARS,
+    MAX_CHAIN_BLOCKS,
+    MAX_MODEL_ID_CHARS,
+    MAX_TOKEN_ID,
+    MAX_WORKER_ID_CHARS,
+    check_length,
+    excerpt,
+)
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load
 from kvmesh.kv_service.index import Action, BlockIndex, PublishResult, Registration, WorkerMatch
 from kvmesh.kv_service.metrics import KVMetrics
 
-MAX_CHAIN_BLOCKS = 65_536
-MAX_TOKEN_ID = 2**31
+__all__ = ["MAX_CHAIN_BLOCKS", "MAX_TOKEN_ID", "HeartbeatAnswer", "KVService", "ServiceConfig", "run_now"]
+
 MAX_EPOCH = 2**53 - 1  # exact in a Lua double
-_ID_RE = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
+_ID_RE = re.compile(rf"^[A-Za-z0-9._:@/-]{{1,{MAX_WORKER_ID_CHARS}}}$")
 HASH_IN_THREAD_TOKENS = 16_384
 """LookupTokens hashes longer prompts on a worker thread: ~1.3 ms of the loop per 16k tokens
 (sha256_128) is the most one admin call may hold every other request up."""
@@ -54,11 +64,24 @@ class ServiceConfig:
     """How often expired workers and their blocks are deleted from the store."""
 
 
+class HeartbeatAnswer(NamedTuple):
+    lease_ttl_ms: int
+    resync: bool
+    """The index dropped the worker's blocks (FlushWorker): it should send a snapshot."""
+
+
 def _check_id(what: str, value: str) -> None:
     if not _ID_RE.match(value or ""):
         raise InvalidArgument(
-            f"{what} must be 1-128 characters of letters, digits and . _ : @ / -, got {value!r}"
+            f"{what} must be 1-{MAX_WORKER_ID_CHARS} characters of letters, digits and . _ : @ / -, "
+            f"got {excerpt(value)}"
         )
+
+
+def _check_model_id(value: str, what: str = "model_id") -> None:
+    if not value:
+        raise InvalidArgument(f"{what} is empty: name the model (1-{MAX_MODEL_ID_CHARS} characters)")
+    check_length(what, value, MAX_MODEL_ID_CHARS)
 
 
 def _check_hashes(what: str, hashes: Sequence[bytes], *, allow_empty: bool = True) -> list[bytes]:
@@ -107,11 +130,11 @@ class KVService:
     # -- workers -------------------------------------------------------------------------
     async def register(self, reg: Registration) -> int:
         _check_id("worker_id", reg.worker_id)
-        if not reg.model_id or len(reg.model_id) > 512:
-            raise InvalidArgument("model_id must be 1-512 characters")
+        _check_model_id(reg.model_id)
+        check_length("address", reg.address, MAX_ADDRESS_CHARS)
         host, sep, port = reg.address.rpartition(":")
         if not sep or not host or not port.isdigit():
-            raise InvalidArgument(f"address must be host:port as routers should dial it, got {reg.address!r}")
+            raise InvalidArgument(f"address must be host:port as routers should dial it, got {excerpt(reg.address)}")
         if not 1 <= reg.block_size <= 4096:
             raise InvalidArgument(f"block_size must be in [1, 4096], got {reg.block_size}")
         if reg.hash_algorithm not in ALGORITHMS:
@@ -122,10 +145,10 @@ class KVService:
         await self.index.register_worker(reg, self.config.lease_ttl_ms, self._now())
         return self.config.lease_ttl_ms
 
-    async def heartbeat(self, worker_id: str, epoch: int, load: Load) -> int:
+    async def heartbeat(self, worker_id: str, epoch: int, load: Load) -> HeartbeatAnswer:
         _check_id("worker_id", worker_id)
-        await self.index.heartbeat(worker_id, epoch, load, self.config.lease_ttl_ms, self._now())
-        return self.config.lease_ttl_ms
+        resync = await self.index.heartbeat(worker_id, epoch, load, self.config.lease_ttl_ms, self._now())
+        return HeartbeatAnswer(self.config.lease_ttl_ms, bool(resync))
 
     # -- events --------------------------------------------------------------------------
     async def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent]) -> PublishResult:
@@ -167,8 +190,7 @@ class KVService:
 
     # -- lookups -------------------------------------------------------------------------
     async def lookup(self, model_id: str, hashes: Sequence[bytes]) -> list[WorkerMatch]:
-        if not model_id:
-            raise InvalidArgument("model_id is empty: name the model the chain was hashed for")
+        _check_model_id(model_id)
         chain = _check_hashes("block_hashes", hashes, allow_empty=False)
         t0 = time.perf_counter()
         found = await self.index.lookup(model_id, chain, self._now())
@@ -184,8 +206,8 @@ class KVService:
 
         A model no live worker serves answers (0, []), as ``lookup`` answers [] for it.
         """
-        if not model_id:
-            raise InvalidArgument("model_id is empty: name the model the tokens are for")
+        _check_model_id(model_id)
+        check_length("cache_salt", cache_salt, MAX_CACHE_SALT_CHARS)
         bad = next((i for i, t in enumerate(token_ids) if t >= MAX_TOKEN_ID), None)
         if bad is not None:
             raise InvalidArgument(f"token_ids[{bad}] is {token_ids[bad]}; token ids are < 2**31 "
@@ -193,6 +215,10 @@ class KVService:
         spec = await self.index.model_spec(model_id)
         if spec is None:
             return 0, []
+        max_tokens = MAX_CHAIN_BLOCKS * spec.block_size
+        if len(token_ids) > max_tokens:
+            raise InvalidArgument(f"token_ids has {len(token_ids)} ids; at most {max_tokens} "
+                                  f"({MAX_CHAIN_BLOCKS} blocks of {spec.block_size}) per lookup")
         hasher = BlockHasher(model_id, spec.block_size, spec.hash_algorithm)
         ids = list(token_ids)
         if len(ids) > HASH_IN_THREAD_TOKENS:
@@ -210,6 +236,9 @@ class KVService:
         return await self.index.holders(block_hash, self._now())
 
     async def flush(self, worker_id: str) -> int:
+        """Drops the worker's blocks from the index and asks it to resync (docs/kv-service.md):
+        its next heartbeat or event batch is answered RESYNC, it sends a snapshot of its cache,
+        and the index holds exactly that cache again."""
         _check_id("worker_id", worker_id)
         return await self.index.flush_worker(worker_id)
 

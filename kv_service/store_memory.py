@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from kvmesh.contract.errors import FailedPrecondition, NotFound
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load, ModelSpec
 from kvmesh.kv_service.index import (
+    FLUSHED,
     Action,
     BlockIndex,
     IndexStats,
@@ -32,6 +33,8 @@ class _Worker:
     load: Load = field(default_factory=Load)
     # NOTE: insertion order is LRU order (oldest first); a re-stored block moves to the end.
     lru: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    resync: bool = False
+    """Flushed: owes a snapshot (heartbeats say so, event batches are answered RESYNC)."""
 
 
 class MemoryIndex(BlockIndex):
@@ -128,7 +131,7 @@ class MemoryIndex(BlockIndex):
             self._specs[reg.model_id] = ModelSpec(reg.model_id, reg.block_size, reg.hash_algorithm)
             self._workers[reg.worker_id] = _Worker(reg, now_ms + lease_ttl_ms)
 
-    async def heartbeat(self, worker_id: str, epoch: int, load: Load, lease_ttl_ms: int, now_ms: int) -> None:
+    async def heartbeat(self, worker_id: str, epoch: int, load: Load, lease_ttl_ms: int, now_ms: int) -> bool:
         with self._lock:
             w = self._live(worker_id, now_ms)
             if epoch != w.reg.epoch:
@@ -137,6 +140,7 @@ class MemoryIndex(BlockIndex):
                 )
             w.load = load
             w.lease_expiry_ms = now_ms + lease_ttl_ms
+            return w.resync
 
     async def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent], now_ms: int) -> PublishResult:
         with self._lock:
@@ -144,6 +148,8 @@ class MemoryIndex(BlockIndex):
             resync = self._check_order(w, epoch, seq)
             if resync is not None:
                 return resync
+            if w.resync:
+                return PublishResult(Action.RESYNC, FLUSHED + "; send a snapshot")
             # NOTE: _add / _drop inlined: a busy worker sends thousands of hashes per second.
             lru, blocks, wid = w.lru, self._blocks, w.reg.worker_id
             for ev in events:
@@ -200,6 +206,7 @@ class MemoryIndex(BlockIndex):
                 if h not in old:
                     blocks.setdefault(h, set()).add(wid)
             w.lru = fresh
+            w.resync = False
             self._cap(w)
             if epoch != w.reg.epoch:
                 w.reg = dataclasses.replace(w.reg, epoch=epoch)
@@ -255,6 +262,7 @@ class MemoryIndex(BlockIndex):
             w = self._workers.get(worker_id)
             if w is None:
                 raise NotFound(f"worker {worker_id!r} is not registered")
+            w.resync = True
             return self._clear(w)
 
     async def reap_expired(self, now_ms: int) -> int:

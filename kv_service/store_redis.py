@@ -212,7 +212,7 @@ class RedisIndex(BlockIndex):
                 f"stale registration of {reg.worker_id!r}: epoch {reg.epoch} < live epoch {_s(res[1])}"
             )
 
-    async def heartbeat(self, worker_id: str, epoch: int, load: Load, lease_ttl_ms: int, now_ms: int) -> None:
+    async def heartbeat(self, worker_id: str, epoch: int, load: Load, lease_ttl_ms: int, now_ms: int) -> bool:
         res = await self._call("heartbeat", worker_id, epoch, load.encode(), now_ms, lease_ttl_ms)
         code = _s(res[0])
         if code == "NOT_FOUND":
@@ -221,6 +221,7 @@ class RedisIndex(BlockIndex):
             raise FailedPrecondition(
                 f"heartbeat for epoch {epoch} but worker {worker_id!r} is registered with epoch {_s(res[1])}"
             )
+        return len(res) > 1 and _s(res[1]) != "0"
 
     async def _publish(self, worker_id: str, epoch: int, seq: int, now_ms: int, snapshot: bool,
                        parts: list[list]) -> PublishResult:

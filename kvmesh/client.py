@@ -32,10 +32,12 @@ class Completion:
     finish_reason: str | None = None
     served_by: str = ""
     usage: Usage = field(default_factory=Usage)
+    request_id: str = ""
+    """The id the request has in the router's and the worker's logs (quote it when reporting a problem)."""
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "served_by": self.served_by,
+                "served_by": self.served_by, "request_id": self.request_id,
                 "usage": {"prompt_tokens": self.usage.prompt_tokens, "cached_tokens": self.usage.cached_tokens,
                           "completion_tokens": self.usage.completion_tokens}}
 
@@ -81,6 +83,8 @@ class Client:
         """Runs one request to the end and returns the whole completion."""
         out = Completion()
         for msg in self.stream(prompt, **kwargs):
+            if msg.request_id:
+                out.request_id = msg.request_id
             out.text += msg.text
             out.token_ids.extend(msg.token_ids)
             if msg.finish_reason:

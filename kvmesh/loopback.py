@@ -43,19 +43,30 @@ def free_port(lo: int = 20000, hi: int = 32000) -> int:
     socket before our server binds it, or after a killed server's restart on the same port; on
     a busy shared host both happened. Only an explicit bind of the same number can collide here.
     """
+    return free_port_run(1, lo, hi)
+
+
+def free_port_run(n: int, lo: int = 20000, hi: int = 32000) -> int:
+    """A port ``p`` with ``p .. p+n-1`` all free on 127.0.0.1 now (checked by binding them), drawn
+    from the same range as :func:`free_port` (a stack that numbers its ports from one base)."""
     eph_lo, eph_hi = _ephemeral_range()
     if lo < eph_hi and hi > eph_lo:  # an unusual ephemeral range: stay clear of it if we can
         lo, hi = (1024, eph_lo) if eph_lo - 1024 >= 2000 else (eph_hi + 1, 65536)
     rng = random.Random()
     for _ in range(500):
-        port = rng.randrange(lo, hi)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free loopback port in [{lo}, {hi})")
+        base = rng.randrange(lo, hi - n + 1)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                socks.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                socks[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free loopback ports in [{lo}, {hi})")
 
 
 class RedisServer:

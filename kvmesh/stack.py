@@ -41,6 +41,8 @@ class StackConfig:
     """'memory' runs the kv_service without Redis."""
     worker_args: list[str] = field(default_factory=list)
     """Extra flags for every `kvmesh worker`."""
+    kv_service_args: list[str] = field(default_factory=list)
+    """Extra flags for `kvmesh kv-service` (e.g. a short --lease-ttl-ms in tests)."""
     router_args: list[str] = field(default_factory=list)
     router_tokenizer: bool = True
     """Give the router --model (text prompts, detokenized deltas); False = token ids only, no
@@ -117,7 +119,7 @@ class LocalStack:
                 kv_args = ["--redis-url", url]
             kv_addr = f"{c.host}:{c.kv_service_port}"
             kv = self._spawn("kv_service", kvmesh_cmd("kv-service", "--host", c.host, "--port", str(c.kv_service_port),
-                                                      *kv_args, *self._metrics(0)))
+                                                      *kv_args, *self._metrics(0), *c.kv_service_args))
             wait_serving(kv_addr, kv, 30)
             self.endpoints["kv_service"] = kv_addr
             models = [c.model, *c.extra_models]

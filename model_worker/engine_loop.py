@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from kvmesh.contract.errors import AlreadyExists
+from kvmesh.contract.limits import excerpt
 from kvmesh.contract.types import KVCacheEvent, SamplingParams
 from kvmesh.model_worker.llm_engine import LLMEngine
 from kvmesh.model_worker.scheduler import RequestOutput
@@ -85,6 +87,9 @@ class _Stream:
     first_token: float | None = None
     last_token: float | None = None
     completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = -1
+    """Prompt tokens the prefix cache served at admission; -1 until an output said (step thread)."""
 
 
 class EventSink:
@@ -172,9 +177,11 @@ class EngineLoop:
 
     def _add(self, request_id: str, stream: _Stream, prompt_token_ids: list[int], params: SamplingParams,
              cache_salt: str) -> None:
+        stream.prompt_tokens = len(prompt_token_ids)
         with self._lock:
             if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise AlreadyExists(f"request id {excerpt(request_id)} is already in use on this worker; "
+                                    "give every request its own id")
             self._streams[request_id] = stream
         try:
             self.engine.add_request(request_id, prompt_token_ids, params, cache_salt)
@@ -208,9 +215,12 @@ class EngineLoop:
             stream = self._streams.pop(request_id, None)
         if stream is None:
             return False
+        # NOTE: read before the abort takes the request out of the scheduler; an output already
+        # delivered says it too (the step thread's write), else the engine's request does.
+        cached = stream.cached_tokens if stream.cached_tokens >= 0 else self.engine.num_cached_tokens(request_id)
         aborted = self.engine.abort_request(request_id)
         # NOTE: tokens held back by stream_interval are dropped: an aborted stream's reader is gone.
-        self._post([(stream, [TokenEvent(None, "abort", completion_tokens=stream.completion_tokens)])])
+        self._post([(stream, [TokenEvent(None, "abort", stream.prompt_tokens, cached, stream.completion_tokens)])])
         self._wake.set()
         return aborted
 
@@ -268,6 +278,8 @@ class EngineLoop:
                     del self._streams[out.request_id]
             if stream is None:
                 continue  # aborted meanwhile
+            if out.num_cached_tokens >= 0:
+                stream.cached_tokens = out.num_cached_tokens
             for tok in out.new_token_ids:
                 stream.completion_tokens += 1
                 if self._on_token is not None:
@@ -295,4 +307,5 @@ class EngineLoop:
             self._streams.clear()
         for rid, _ in streams:
             self.engine.abort_request(rid)
-        self._post([(stream, [TokenEvent(None, "abort", error=message)]) for _, stream in streams])
+        self._post([(stream, [TokenEvent(None, "abort", stream.prompt_tokens, max(stream.cached_tokens, 0),
+                                         stream.completion_tokens, error=message)]) for _, stream in streams])

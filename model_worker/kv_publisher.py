@@ -8,7 +8,8 @@
 - RESYNC, a broken stream or a lost registration: (re-register if needed, then) ask the engine
   loop for a snapshot of the cached blocks and send it as the next batch.
 - Heartbeat every lease/3 with the engine's load; NOT_FOUND means the lease expired: register
-  again (the index dropped our blocks), then snapshot.
+  again (the index dropped our blocks), then snapshot. An answer with ``resync`` (an operator
+  flushed our blocks from the index) asks for a snapshot too.
 The kv_service being down never blocks the engine: batches queue up to a bound, then collapse
 into "snapshot when it is back".
 """
@@ -225,6 +226,12 @@ class KVPublisher:
                 resp = self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self._reg.worker_id, epoch=self.epoch,
                                                                 load=load_to_pb(self._stats().load)), timeout=RPC_TIMEOUT_S)
                 self.lease_ttl_s = resp.lease_ttl_ms / 1000
+                if resp.resync and not self._need_snapshot.is_set():
+                    # NOTE: the index dropped our blocks (FlushWorker): a snapshot makes it hold
+                    # exactly our cache again, idle or not.
+                    log.info("kv_service flushed this worker's blocks; sending a snapshot")
+                    self.resyncs += 1
+                    self._request_snapshot()
             except grpc.RpcError as err:
                 if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                     log.warning("lease lost (%s); registering again", err.details())

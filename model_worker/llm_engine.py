@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.errors import AlreadyExists
+from kvmesh.contract.limits import excerpt
 from kvmesh.contract.modelinfo import model_id_for
 from kvmesh.contract.types import DEFAULT_MAX_TOKENS, KVCacheEvent, Load, SamplingParams
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
@@ -182,7 +184,7 @@ class LLMEngine:
         )
         with self._lock:
             if request_id in self._live:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise AlreadyExists(f"request id {excerpt(request_id)} is already in use")
             self._live.add(request_id)
             self._inbox.append(("add", request))
 
@@ -204,6 +206,12 @@ class LLMEngine:
         for i, t in enumerate(prompt_token_ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab})")
+
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens of a live request the prefix cache served at its admission; 0 before it
+        was admitted or once it is gone. Safe from any thread (one dict read)."""
+        request = self.scheduler.requests.get(request_id)
+        return max(request.num_cached_tokens, 0) if request is not None else 0
 
     def abort_request(self, request_id: str) -> bool:
         """Aborts a queued or running request at the next step; False when it is not live."""

@@ -7,6 +7,7 @@ import uuid
 
 from kvmesh.contract.convert import FINISH_TO_PB, load_to_pb, sampling_from_pb, usage_to_pb
 from kvmesh.contract.errors import ResourceExhausted, Unavailable
+from kvmesh.contract.limits import MAX_CACHE_SALT_CHARS, MAX_WORKER_REQUEST_ID_CHARS, check_id, check_length
 from kvmesh.contract.types import Usage
 from kvmesh.model_worker.engine_loop import EngineLoop, TokenEvent, _Stream
 from kvmesh.model_worker.kv_publisher import KVPublisher, registration
@@ -35,8 +36,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 f"worker {w.worker_id} has {w.max_queued_requests} requests in flight (--max-queued-requests); "
                 "retry later or on another worker")
         params = sampling_from_pb(request.sampling)
+        check_id("request_id", request.request_id, MAX_WORKER_REQUEST_ID_CHARS, allow_empty=True)
+        check_length("cache_salt", request.cache_salt, MAX_CACHE_SALT_CHARS)
         rid = request.request_id or uuid.uuid4().hex
         stream = w.loop.submit_async(rid, list(request.prompt_token_ids), params, request.cache_salt)
+        ended = "cancelled"  # the caller went away (or its deadline passed) unless set below
         try:
             while True:
                 batch = await stream.next_batch()
@@ -46,19 +50,28 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 ev = batch[-1]
                 if ev.token_id is not None:
                     continue
+                ended = f"{ev.finish_reason or 'stop'}, prompt {ev.prompt_tokens} cached {ev.cached_tokens} " \
+                        f"completion {ev.completion_tokens} tokens"
                 if ev.error:
+                    ended = f"failed: {ev.error}"
                     raise Unavailable(f"worker {w.worker_id}: {ev.error}")
                 yield pb.WorkerGenerateResponse(
                     finish_reason=FINISH_TO_PB[ev.finish_reason or "stop"], worker_id=w.worker_id,
                     usage=usage_to_pb(Usage(ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)))
                 return
         finally:
+            # NOTE: one line per request at the default level, under the id the router logged.
+            log.info("request %s: %s", rid, ended)
             # NOTE: a cancelled or expired RPC (CancelledError here) aborts the request at once
             # (blocks freed next step); after a normal finish the abort is a no-op.
             w.loop.abort(rid)
 
     async def Abort(self, request, context):
-        return pb.AbortResponse(aborted=self.w.loop.abort(request.request_id))
+        check_length("request_id", request.request_id, MAX_WORKER_REQUEST_ID_CHARS)
+        aborted = self.w.loop.abort(request.request_id)
+        if aborted:
+            log.info("request %s: abort asked", request.request_id)
+        return pb.AbortResponse(aborted=aborted)
 
     async def GetLoad(self, request, context):
         w = self.w

@@ -70,8 +70,12 @@ class RouterConfig:
     max_streams: int = 1024
     """Concurrent Generate streams; more are refused with RESOURCE_EXHAUSTED naming this flag (health checks
     are never refused)."""
-    max_prompt_tokens: int = 0
-    """Longer prompts are refused with RESOURCE_EXHAUSTED; 0 = no limit (the worker's max_model_len still applies)."""
+    max_prompt_tokens: int | None = None
+    """Longer prompts are refused with RESOURCE_EXHAUSTED; default: the model's context length minus one (from
+    --model's config.json, or the static workers' max_model_len; INVALID_ARGUMENT past it); 0 = no router limit."""
+    max_prompt_bytes: int | None = None
+    """Text prompts longer than this many UTF-8 bytes are refused with RESOURCE_EXHAUSTED before tokenizing;
+    default: 32 per token of the prompt-token bound; 0 = no limit."""
     max_tokens_limit: int = 0
     """Requests asking for more max_tokens are refused with RESOURCE_EXHAUSTED; 0 = no limit."""
     seed: int | None = None
@@ -94,7 +98,9 @@ class RouterConfig:
             raise ValueError(f"--balance-factor must be >= 1.0, got {self.balance_factor}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"--http-port must be in [0, 65535] (0 = a free port), got {self.http_port}")
-        if self.max_streams < 1 or self.max_prompt_tokens < 0 or self.max_tokens_limit < 0:
-            raise ValueError("--max-streams must be >= 1; --max-prompt-tokens / --max-tokens-limit >= 0")
+        if (self.max_streams < 1 or (self.max_prompt_tokens or 0) < 0 or (self.max_prompt_bytes or 0) < 0
+                or self.max_tokens_limit < 0):
+            raise ValueError("--max-streams must be >= 1; --max-prompt-tokens / --max-prompt-bytes / "
+                             "--max-tokens-limit >= 0")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")

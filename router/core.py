@@ -162,10 +162,15 @@ class RoutingCore:
         self.observer.lookup_latency(seconds)
 
     def lookup_failed(self, exc: IndexUnavailable) -> None:
+        """A Lookup did not answer. Only ``lookup_failed`` (down, too slow) opens the breaker: a
+        Lookup the index refused as malformed (``lookup_invalid``) is that request's problem, and
+        every other client keeps the index."""
         self.observer.fallback(exc.cause)
         if exc.cause == "lookup_failed":
             self.breaker.failed()
             log.warning("kv_service lookup failed, routing by rendezvous hash: %s", exc)
+        elif exc.cause == "lookup_invalid":
+            log.warning("kv_service refused a Lookup, routing this request without it: %s", exc)
 
     # -- 3. the candidates ----------------------------------------------------------------------
     def build(self, spec: ModelSpec, token_ids: Sequence[int], chain: list[bytes],

@@ -87,7 +87,10 @@ class KVServiceClient:
             answer = await self._stub.Lookup(kv_pb.LookupRequest(model_id=model_id, block_hashes=block_hashes),
                                              timeout=self.lookup_timeout_s, metadata=self._md)
         except grpc.aio.AioRpcError as exc:
-            raise IndexUnavailable(f"kv_service at {self.target}: {exc.code().name}: {exc.details()}") from None
+            # NOTE: INVALID_ARGUMENT is about this Lookup, not the index being down: the breaker
+            # must not open for every client because of one request (router/core.py).
+            cause = "lookup_invalid" if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else "lookup_failed"
+            raise IndexUnavailable(f"kv_service at {self.target}: {exc.code().name}: {exc.details()}", cause) from None
         return [self._match(m) for m in answer.workers]
 
     async def list_workers(self) -> list[kv_pb.WorkerInfo]:
@@ -121,9 +124,7 @@ class GrpcWorkerCall:
                 # NOTE: this router cancels a call only when it stops reading it (its task was
                 # cancelled); a CANCELLED status read here came from the worker (e.g. shutting down).
                 failure = Failure.UNAVAILABLE
-            e = self._endpoint
-            raise WorkerError(failure, f"worker {e.worker_id} at {e.address}: {exc.code().name}: {exc.details()}") \
-                from None
+            raise WorkerError(failure, f"{exc.code().name}: {exc.details()}", exc.details() or "") from None
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -174,7 +175,10 @@ class GrpcWorkerPool:
         self.config = config
         self.discovers_from_index = discovers_from_index
         self.problem = ""
-        """Why the worker set is empty or stale (shown in UNAVAILABLE messages)."""
+        """Why the worker set is empty or stale (shown in UNAVAILABLE messages: no addresses)."""
+        self.max_model_len = 0
+        """The smallest max_model_len the static workers report (0 = unknown; kv_service discovery
+        does not carry it)."""
         self._channels = channels
         self._endpoints: list[WorkerEndpoint] = []
         self._spec: ModelSpec | None = None
@@ -300,9 +304,11 @@ class WorkerDiscovery:
         try:
             infos = [w for w in await self.kv.list_workers() if w.live]
         except grpc.aio.AioRpcError as exc:
-            problem = f"kv_service at {self.kv.target} unreachable: {exc.code().name}"
+            # NOTE: problem is shown to clients (UNAVAILABLE messages): no address in it.
+            problem = f"the kv_service is unreachable ({exc.code().name})"
             if problem != self._problem:  # once per outage, not once per poll
-                log.warning("%s; keeping the last worker sets", problem)
+                log.warning("kv_service at %s unreachable: %s; keeping the last worker sets", self.kv.target,
+                            exc.code().name)
             self._problem = problem
             for pool in self._pools():
                 pool.set_problem(problem)
@@ -328,6 +334,7 @@ class WorkerDiscovery:
         found: dict[str, list[WorkerEndpoint]] = {}
         block_size: dict[str, int] = {}
         problems = []
+        lens: dict[str, list[int]] = {}
         for address in self.config.workers:
             try:
                 r = await self.channels.stub(address).GetLoad(
@@ -337,11 +344,17 @@ class WorkerDiscovery:
                 continue
             found.setdefault(r.model_id, []).append(WorkerEndpoint(r.worker_id, address, load_from_pb(r.load)))
             block_size.setdefault(r.model_id, r.block_size)
-        problem = ("static workers unreachable: " + "; ".join(problems)) if problems else ""
+            lens.setdefault(r.model_id, []).append(r.max_model_len)
+        # NOTE: problem is shown to clients (UNAVAILABLE messages): no address in it.
+        problem = f"{len(problems)} of {len(self.config.workers)} static workers unreachable" if problems else ""
+        if problems and problem != self._problem:
+            log.warning("static workers: %s", "; ".join(problems))
+        self._problem = problem
         for model_id in found:
             self._pool_for(model_id)
         for pool in self._pools():
             eps = found.get(pool.model_id, [])
             spec = (ModelSpec(pool.model_id, block_size[pool.model_id], algorithm_name(self.config.hash_algorithm))
                     if eps else None)
+            pool.max_model_len = min((n for n in lens.get(pool.model_id, []) if n), default=0)
             pool.update(eps, spec, problem or ("" if eps else f"no worker in --workers serves {pool.model_id!r}"))

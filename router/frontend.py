@@ -36,8 +36,10 @@ class Frontend:
         """Raises NotFound / InvalidArgument (router/models.py)."""
         return self.models.resolve(name)
 
-    async def generate(self, model: ServedModel, inp: GenerateInput) -> AsyncIterator[GenerateOutput]:
-        """The model's request path under the stream limit; raises what Router.generate raises."""
+    async def generate(self, model: ServedModel, inp: GenerateInput,
+                       request_id: str | None = None) -> AsyncIterator[GenerateOutput]:
+        """The model's request path under the stream limit; raises what Router.generate raises.
+        ``request_id``: the id ``model.router.request_id_for(inp)`` made (None: made on the way)."""
         m = self.metrics
         if self.streams >= self.max_streams:
             m.refused.inc()
@@ -49,7 +51,7 @@ class Frontend:
         try:
             # NOTE: aclosing: an adapter that stops reading (client gone) closes this generator, and
             # the request path's finally blocks (in-flight share, worker call) run now, not at GC.
-            async with aclosing(model.router.generate(inp)) as outputs:
+            async with aclosing(model.router.generate(inp, request_id)) as outputs:
                 async for out in outputs:
                     if out.finish_reason is not None:
                         outcome = "ok"

@@ -33,6 +33,13 @@ class RouterMetrics:
         self.inflight = Gauge("kvmesh_router_inflight_requests", "Generate streams open", registry=r)
         self.refused = Counter("kvmesh_router_refused_total", "Generate streams refused at --max-streams",
                                registry=r)
+        self.prompts_refused = Counter(
+            "kvmesh_router_prompts_refused_total", "Prompts refused over a bound (bytes: before tokenizing)",
+            ["limit"], registry=r)
+        self.tokenized_chars = Counter(
+            "kvmesh_router_tokenized_chars_total", "Characters of text prompts handed to the tokenizer", registry=r)
+        self.tokenizing = Gauge("kvmesh_router_tokenizing_texts", "Long texts being tokenized off the event loop",
+                                registry=r)
 
     # -- router/core.py's DecisionObserver ----------------------------------------------------
     def decision(self, policy: str, reason: str) -> None:

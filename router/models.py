@@ -20,7 +20,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from kvmesh.contract.errors import InvalidArgument, NotFound
-from kvmesh.contract.modelinfo import load_tokenizer, model_id_for
+from kvmesh.contract.modelinfo import context_length, load_tokenizer, model_id_for
 from kvmesh.router.chat_template import ChatTemplate
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.metrics import RouterMetrics
@@ -41,12 +41,14 @@ class ModelFiles:
     model_dir: str
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None
+    context_len: int | None = None
+    """The model's context length (config.json): the default bound on a prompt's tokens."""
 
     @classmethod
     def load(cls, model_dir: str, model_id: str | None = None) -> ModelFiles:
         """Raises FileNotFoundError / ValueError naming the directory's problem."""
         return cls(model_id_for(model_dir, model_id), model_dir, load_tokenizer(model_dir),
-                   ChatTemplate.from_dir(model_dir))
+                   ChatTemplate.from_dir(model_dir), context_length(model_dir))
 
 
 @dataclass(slots=True)
@@ -95,7 +97,8 @@ class ModelSet:
     def _add(self, model_id: str, files: ModelFiles | None) -> ServedModel:
         pool = self._make_pool(model_id)
         router = Router(self.config, pool, self._index, files.tokenizer if files else None, metrics=self._metrics,
-                        chat_template=files.chat_template if files else None)
+                        chat_template=files.chat_template if files else None,
+                        context_len=files.context_len if files else None)
         served = self._models[model_id] = ServedModel(model_id, router, files)
         if files is not None or self.config.model_id == model_id:
             self.configured.append(model_id)

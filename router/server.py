@@ -27,6 +27,10 @@ log = logging.getLogger("kvmesh.router")
 
 T = TypeVar("T")
 
+REQUEST_ID_KEY = "kvmesh-request-id"
+"""Trailing metadata of every Generate call that got an id (success or error): the id the request
+has in the router's and the worker's logs."""
+
 
 def input_from_pb(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerateInput:
     which = request.WhichOneof("input")
@@ -62,8 +66,11 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         model = self.frontend.model(request.model)
-        async for out in self.frontend.generate(model, input_from_pb(request, context)):
-            msg = pb.GenerateResponse(token_ids=out.token_ids, text=out.text)
+        inp = input_from_pb(request, context)
+        rid = model.router.request_id_for(inp)
+        context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
+        async for out in self.frontend.generate(model, inp, rid):
+            msg = pb.GenerateResponse(token_ids=out.token_ids, text=out.text, request_id=out.request_id)
             if out.finish_reason is not None:
                 msg.finish_reason = FINISH_TO_PB[out.finish_reason]
                 msg.served_by = out.served_by
@@ -165,6 +172,8 @@ class RouterServer:
         # NOTE: both servers drain at once, so a stop takes `grace`, not twice it.
         await asyncio.gather(self.grpc.stop(grace), *([self.http.stop(grace)] if self.http is not None else []))
         await self.discovery.stop()
+        for served in self.models.all():
+            served.router.close()
 
     def stop(self, grace: float = 2.0) -> None:
         """Drains open streams for up to ``grace`` seconds, then closes channels and the loop."""

@@ -76,20 +76,27 @@ RETRIABLE = frozenset({Failure.UNAVAILABLE, Failure.BUSY, Failure.TIMEOUT})
 
 
 class WorkerError(Exception):
-    """A worker call failed; ``failure`` says how, the message says what the worker said."""
+    """A worker call failed; ``failure`` says how, the message says what happened (for logs).
 
-    def __init__(self, failure: Failure, message: str) -> None:
+    ``details`` is the worker's own message about the request (the status details, without who
+    said it): what a client may be shown of an INVALID failure.
+    """
+
+    def __init__(self, failure: Failure, message: str, details: str | None = None) -> None:
         super().__init__(message)
         self.failure = failure
+        self.details = message if details is None else details
 
 
 class IndexUnavailable(Exception):
-    """The prefix index (kv_service) could not answer in time; route without it."""
+    """The prefix index (kv_service) could not answer; route without it."""
 
     def __init__(self, message: str, cause: str = "lookup_failed") -> None:
         super().__init__(message)
         self.cause = cause
-        """lookup_failed (this call failed) or index_down (skipped: a recent call failed)."""
+        """lookup_failed (the index is down or too slow: the breaker opens), lookup_invalid (it
+        refused this Lookup as malformed: this request routes without it, the index stays in use)
+        or index_down (skipped: a recent call failed)."""
 
 
 class WorkerCall(Protocol):

@@ -1,6 +1,6 @@
 -- ARGV: pre, op, ...
 --   holders h now        -> live holder ids
---   flush wid            -> {'OK', n} | {'NOT_FOUND'}
+--   flush wid            -> {'OK', n} | {'NOT_FOUND'}; the worker then owes a snapshot ('resync')
 --   reap now             -> number of workers removed
 local op = ARGV[2]
 if op == 'holders' then
@@ -18,6 +18,10 @@ if op == 'holders' then
 elseif op == 'flush' then
   local num = redis.call('HGET', pre .. 'w:' .. ARGV[3], 'num')
   if not num then return {'NOT_FOUND'} end
+  -- NOTE: heartbeats answer resync and event batches RESYNC until the worker's snapshot arrives;
+  -- the parts still pending of a split batch no longer apply (they answer RESYNC too).
+  redis.call('HSET', pre .. 'w:' .. ARGV[3], 'resync', 1)
+  redis.call('HDEL', pre .. 'w:' .. ARGV[3], 'pseq', 'ppart')
   return {'OK', clear_worker(ARGV[3], num)}
 elseif op == 'reap' then
   local dead = redis.call('ZRANGEBYSCORE', pre .. 'workers', '-inf', ARGV[3])

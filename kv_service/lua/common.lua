@@ -10,6 +10,9 @@ local BH = pre .. 'bh'
 -- A field is deleted when its last holder goes: refcount 0 = no entry; HLEN = distinct blocks.
 local CHUNK = 1000
 
+-- The RESYNC reason of a flushed worker's batches (kvmesh.kv_service.index.FLUSHED).
+local FLUSHED = "the index dropped this worker's blocks (FlushWorker)"
+
 -- Hashes travel as one string of 16-byte hashes per event (kvmesh.contract.block_hash.HASH_LEN):
 -- one argument instead of one per hash, for the client to encode and for Redis to turn into Lua.
 local HL = 16

@@ -9,4 +9,5 @@ redis.call('HSET', pre .. 'w:' .. wid, 'load', load, 'lease', lease)
 redis.call('ZADD', pre .. 'mw:' .. w[5], lease, wid)
 redis.call('HSET', pre .. 'ld:' .. w[5], wid, w[6] .. '|' .. w[7] .. '|' .. load)
 redis.call('ZADD', pre .. 'workers', lease, wid)
-return {'OK'}
+-- NOTE: a flushed worker owes a snapshot (admin.lua flush); the answer tells it.
+return {'OK', redis.call('HGET', pre .. 'w:' .. wid, 'resync') or '0'}

@@ -22,8 +22,11 @@ if part == 0 then
     if seq ~= lastseq + 1 then
       return {'RESYNC', 'seq gap: expected ' .. string.format('%d', lastseq + 1) .. ', got ' .. ARGV[4]}
     end
+    if redis.call('HEXISTS', wkey, 'resync') == 1 then return {'RESYNC', FLUSHED} end
   else
     clear_worker(wid, num)
+    -- NOTE: settled at part 0, which clears the worker: a flush between two parts asks again.
+    redis.call('HDEL', wkey, 'resync')
     redis.call('HSET', wkey, 'epoch', ARGV[3])
   end
 else

@@ -9,7 +9,6 @@ second) for utilisation over the arrival window. Times are reported in modelled 
 
 from __future__ import annotations
 
-import random
 import socket
 import threading
 import time
@@ -22,6 +21,7 @@ from kvmesh.bench.oracle import oracle_hit_rate
 from kvmesh.bench.report import summarize
 from kvmesh.bench.scrape import gauge, histogram_quantile, label_counts, scrape
 from kvmesh.bench.trace import TraceSynthesizer, load_trace
+from kvmesh.loopback import free_port_run
 
 DEFAULT_POLICIES = ("kv-aware", "round-robin", "least-loaded", "prefix-hash", "approx-tree")
 
@@ -62,26 +62,6 @@ class RoutingBenchConfig:
     """Extra `kvmesh router` flags for every policy's router (e.g. --lookup-timeout-ms 200)."""
     progress: bool = True
     log_dir: str | None = None
-
-
-def free_port_base(n: int, lo: int = 20000, hi: int = 60000) -> int:
-    """A port p with p .. p+n-1 all free on 127.0.0.1 (checked by binding; racy but good enough)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(lo, hi - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports found")
 
 
 def redis_script_stats(url: str | None, duration_s: float) -> dict:
@@ -146,8 +126,9 @@ def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchReq
     """One policy's stack, replay and figures."""
     from kvmesh.stack import LocalStack, StackConfig
 
-    base = free_port_base(cfg.workers + 4)
-    metrics_base = free_port_base(cfg.workers + 2)
+    # NOTE: one run for both sets, so the gRPC ports and the metrics ports never overlap.
+    base = free_port_run(2 * cfg.workers + 6)
+    metrics_base = base + cfg.workers + 4
     num_blocks = ["--num-blocks", str(cfg.num_blocks)] if cfg.num_blocks else []
     stack = LocalStack(StackConfig(
         model=cfg.model, workers=cfg.workers, router_port=base, kv_service_port=base + 1, worker_port=base + 4,

@@ -47,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--hash-algorithm", default=None, choices=["sha256_128", "xxh3_128"],
                    help="block hash (default: the model's, from the kv_service)")
     h.set_defaults(func=hash_prompt)
-    f = cmds.add_parser("flush", parents=[common], help="drop every block of one worker from the index")
+    f = cmds.add_parser("flush", parents=[common],
+                        help="drop one worker's blocks from the index; the worker then resyncs (sends its cache)")
     f.add_argument("worker_id")
     f.set_defaults(func=flush)
 
@@ -228,6 +229,7 @@ def flush(args: argparse.Namespace) -> int:
     def go():
         r = _stub(args).FlushWorker(pb.FlushWorkerRequest(worker_id=args.worker_id), timeout=args.timeout)
         return {"worker_id": args.worker_id} | _as_dict(r), (
-            f"removed {r.blocks_removed} blocks of {args.worker_id} from the index")
+            f"removed {r.blocks_removed} blocks of {args.worker_id} from the index; the worker is asked to "
+            "resync: its next heartbeat makes it send a snapshot of its cache")
 
     return _call(args, go)

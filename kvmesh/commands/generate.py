@@ -53,14 +53,15 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(client.generate(prompt, **kwargs).to_dict()))
                 return 0
-            last = None
+            last, rid = None, ""
             for msg in client.stream(prompt, **kwargs):
+                rid = rid or msg.request_id
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 last = msg
             u = last.usage if last is not None else None
             if u is not None:
-                print(f"\n[served_by={last.served_by} prompt_tokens={u.prompt_tokens} "
+                print(f"\n[request_id={rid} served_by={last.served_by} prompt_tokens={u.prompt_tokens} "
                       f"cached_tokens={u.cached_tokens} completion_tokens={u.completion_tokens}]", file=sys.stderr)
             return 0
     except grpc.RpcError as err:

@@ -1,4 +1,4 @@
-"""Errors the core raises; kvmesh/rpc.py maps each to one gRPC status code, in one place.
+"""Errors the core raises; kvmesh/transport/rpc.py maps each to one gRPC status code, in one place.
 
 Core modules raise these (or ValueError, which means INVALID_ARGUMENT) and never import grpc.
 """
@@ -16,6 +16,10 @@ class InvalidArgument(KVMeshError, ValueError):
 
 class NotFound(KVMeshError):
     """A named thing (worker, request) does not exist (NOT_FOUND)."""
+
+
+class AlreadyExists(KVMeshError):
+    """What the request would create exists already, e.g. a request id in use (ALREADY_EXISTS)."""
 
 
 class FailedPrecondition(KVMeshError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -23,3 +24,22 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a model directory needs tokenizer.json")
     return Tokenizer.from_file(str(path))
+
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+"""Where a transformers config.json states the model's context length (first found wins)."""
+
+
+def context_length(model_dir: str | Path) -> int | None:
+    """The model's context length from its config.json (``text_config`` of a multimodal one), or
+    None when the directory has no config or the config states none."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    for cfg in (config, config.get("text_config") or {}):
+        for key in CONTEXT_KEYS:
+            value = cfg.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None

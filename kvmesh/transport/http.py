@@ -19,6 +19,7 @@ log = logging.getLogger("kvmesh.transport.http")
 STATUS_OF: dict[type[Exception], int] = {
     errors.InvalidArgument: 400,
     errors.NotFound: 404,
+    errors.AlreadyExists: 409,
     errors.FailedPrecondition: 400,
     errors.RequestTooLarge: 400,
     errors.ResourceExhausted: 429,
@@ -32,6 +33,7 @@ ERROR_TYPE_OF: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",

@@ -2,8 +2,14 @@
 
 Every kvmesh server is a ``grpc.aio`` server: an RPC is a coroutine on one event loop, so an
 open stream costs a coroutine, not a thread. Health (grpc.health.v1) starts NOT_SERVING and turns
-SERVING when the server is ready; reflection is on; SIGTERM stops accepting, drains for ``grace``
-seconds, then exits.
+SERVING when the server is ready; reflection is on (``grpc.reflection.v1`` and ``v1alpha``);
+SIGTERM stops accepting, drains for ``grace`` seconds, then exits.
+
+Bad input is answered here, once, for every service: a request that protobuf cannot decode (a
+string field holding invalid UTF-8) is INVALID_ARGUMENT naming the field, not gRPC's INTERNAL
+"Exception deserializing request!"; every status message is capped (client input quoted in it is
+an excerpt already, kvmesh/contract/limits.py; the cap is the backstop that keeps trailers far
+below gRPC's metadata limit).
 
 A server's loop runs on its own thread (:class:`LoopThread`): the process's main thread keeps
 signal handling, and tests start several servers in one process, each on its own loop.
@@ -20,10 +26,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import _async as reflection_aio
 from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection_pb2 as reflection_v1alpha_pb2
+from grpc_reflection.v1alpha import reflection_pb2_grpc as reflection_v1alpha_pb2_grpc
 
 from kvmesh.contract import errors
+from kvmesh.contract.limits import cap_message
 from kvmesh.transport import security
 
 log = logging.getLogger("kvmesh.transport.rpc")
@@ -33,6 +46,7 @@ T = TypeVar("T")
 STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
@@ -50,10 +64,11 @@ EVENT_LOOP_ENV = "KVMESH_EVENT_LOOP"
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and (capped) message of an exception a servicer raised."""
     for cls in type(exc).__mro__:
         code = STATUS_OF.get(cls)  # type: ignore[arg-type]
         if code is not None:
-            return code, str(exc)
+            return code, cap_message(str(exc))
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
 
 
@@ -62,6 +77,101 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
     if code == grpc.StatusCode.INTERNAL:
         log.error("unhandled error in %s", method, exc_info=exc)
     await context.abort(code, message)
+
+
+# -- requests protobuf cannot decode ---------------------------------------------------------------
+class Undecodable:
+    """What the request deserializer returns for bytes protobuf refuses; the handler answers it
+    with INVALID_ARGUMENT. (A deserializer that raises makes gRPC answer INTERNAL "Exception
+    deserializing request!" and log a traceback per request.)"""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = data[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def invalid_utf8_field(desc: Descriptor, data: bytes, depth: int = 0) -> str | None:
+    """The path (``events[2].stored.x``) of the first string field in ``data`` (a serialized
+    ``desc`` message) that is not valid UTF-8; None when there is none or the bytes are not
+    well-formed protobuf (then the caller names no field)."""
+    pos, seen = 0, dict[int, int]()
+    try:
+        while pos < len(data):
+            key, pos = _varint(data, pos)
+            number, wire_type = key >> 3, key & 7
+            if wire_type == 0:
+                _, pos = _varint(data, pos)
+            elif wire_type == 1:
+                pos += 8
+            elif wire_type == 5:
+                pos += 4
+            elif wire_type == 2:
+                n, pos = _varint(data, pos)
+                chunk, pos = data[pos:pos + n], pos + n
+                field = desc.fields_by_number.get(number)
+                if field is None:
+                    continue
+                i = seen[number] = seen.get(number, -1) + 1
+                name = f"{field.name}[{i}]" if field.is_repeated else field.name
+                if field.type == FieldDescriptor.TYPE_STRING:
+                    try:
+                        chunk.decode("utf-8")
+                    except UnicodeDecodeError:
+                        return name
+                elif field.type == FieldDescriptor.TYPE_MESSAGE and depth < 32:
+                    inner = invalid_utf8_field(field.message_type, chunk, depth + 1)
+                    if inner is not None:
+                        return f"{name}.{inner}"
+            else:
+                return None  # groups or garbage: give up naming a field
+    except (IndexError, ValueError):
+        return None
+    return None
+
+
+def _checked_deserializer(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """Wraps a ``Message.FromString``: a DecodeError becomes an :class:`Undecodable` naming the field."""
+    if deserializer is None:
+        return None
+    message_class = getattr(deserializer, "__self__", None)
+    desc = getattr(message_class, "DESCRIPTOR", None)
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError:
+            name = desc.full_name if desc is not None else "request"
+            field = invalid_utf8_field(desc, data) if desc is not None else None
+            if field is not None:
+                return Undecodable(f"{field} is not valid UTF-8: string fields of {name} must be UTF-8 text")
+            return Undecodable(f"the request is not a valid {name} message (protobuf could not decode it)")
+
+    return deserialize
+
+
+async def _refuse(context: grpc.aio.ServicerContext, bad: Undecodable) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, cap_message(bad.message))
+
+
+async def _checked_requests(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async for item in requests:
+        if isinstance(item, Undecodable):
+            await _refuse(context, item)
+        yield item
 
 
 SHUTTING_DOWN = "this server is shutting down: retry on another replica"
@@ -120,8 +230,13 @@ async def _refuse_or_cut(context: grpc.aio.ServicerContext, gate: DrainGate) -> 
                         SHUTTING_DOWN if not gate.expired else "this server is shutting down: the drain grace ran out")
 
 
-def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, gate: DrainGate) -> Callable[..., Awaitable[Any]]:
+def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, gate: DrainGate,
+                streamed: bool) -> Callable[..., Awaitable[Any]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if streamed:
+            request = _checked_requests(request, context)
+        elif isinstance(request, Undecodable):
+            await _refuse(context, request)
         task = gate.enter()
         if task is None:
             await _refuse_or_cut(context, gate)
@@ -141,8 +256,13 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, gate: DrainGate)
     return handler
 
 
-def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str, gate: DrainGate) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str, gate: DrainGate,
+                 streamed: bool) -> Callable[..., AsyncIterator[Any]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if streamed:
+            request = _checked_requests(request, context)
+        elif isinstance(request, Undecodable):
+            await _refuse(context, request)
         task = gate.enter()
         if task is None:
             await _refuse_or_cut(context, gate)
@@ -163,12 +283,37 @@ def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str, gate: Drain
     return handler
 
 
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Maps kvmesh.contract.errors (and ValueError) raised by a servicer to their status codes, and
-    keeps the server's DrainGate (one wrapper per call for both: an interceptor layer costs).
+def _decode_checked(fn: Callable[..., Any], streamed: bool, stream_out: bool) -> Callable[..., Any]:
+    """Health and reflection: only the undecodable-request answer (their own errors and the drain
+    are left to them)."""
+    if stream_out:
+        async def stream_handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if streamed:
+                request = _checked_requests(request, context)
+            elif isinstance(request, Undecodable):
+                await _refuse(context, request)
+            async for item in fn(request, context):
+                yield item
 
-    Health and reflection are left as they are (they abort with their own codes, and stay open
-    while the server drains).
+        return stream_handler
+
+    async def unary_handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if streamed:
+            request = _checked_requests(request, context)
+        elif isinstance(request, Undecodable):
+            await _refuse(context, request)
+        return await fn(request, context)
+
+    return unary_handler
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Maps kvmesh.contract.errors (and ValueError) raised by a servicer to their status codes,
+    keeps the server's DrainGate (one wrapper per call for both: an interceptor layer costs), and
+    answers undecodable requests with INVALID_ARGUMENT naming the field.
+
+    Health and reflection get the last only (they abort with their own codes, and stay open while
+    the server drains).
     """
 
     def __init__(self, gate: DrainGate) -> None:
@@ -176,25 +321,79 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
         handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method.startswith(security.OPEN_SERVICES):
+        if handler is None:
             return handler
+        method = handler_call_details.method
+        deserializer = _checked_deserializer(handler.request_deserializer)
+        out = handler.response_serializer
+        if method.startswith(security.OPEN_SERVICES):
+            if handler.unary_unary:
+                return grpc.unary_unary_rpc_method_handler(
+                    _decode_checked(handler.unary_unary, False, False), deserializer, out)
+            if handler.unary_stream:
+                return grpc.unary_stream_rpc_method_handler(
+                    _decode_checked(handler.unary_stream, False, True), deserializer, out)
+            if handler.stream_unary:
+                return grpc.stream_unary_rpc_method_handler(
+                    _decode_checked(handler.stream_unary, True, False), deserializer, out)
+            return grpc.stream_stream_rpc_method_handler(
+                _decode_checked(handler.stream_stream, True, True), deserializer, out)
         g = self.gate
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method, g),
-                handler.request_deserializer, handler.response_serializer)
+                _wrap_unary(handler.unary_unary, method, g, False), deserializer, out)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method, g),
-                handler.request_deserializer, handler.response_serializer)
+                _wrap_stream(handler.unary_stream, method, g, False), deserializer, out)
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method, g),
-                handler.request_deserializer, handler.response_serializer)
+                _wrap_unary(handler.stream_unary, method, g, True), deserializer, out)
         return grpc.stream_stream_rpc_method_handler(
-            _wrap_stream(handler.stream_stream, method, g),
-            handler.request_deserializer, handler.response_serializer)
+            _wrap_stream(handler.stream_stream, method, g, True), deserializer, out)
+
+
+# -- reflection v1 ---------------------------------------------------------------------------------
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+"""grpcurl and current tools ask reflection v1 first; grpcio-reflection ships only v1alpha."""
+
+
+def _reflection_v1_descriptor() -> None:
+    """Adds ``grpc/reflection/v1/reflection.proto`` to the default pool (so reflection can describe
+    itself), derived from v1alpha's: v1 is the same messages with the same field numbers under
+    another package, so the bytes on the wire are identical."""
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindServiceByName(REFLECTION_V1)
+        return
+    except KeyError:
+        pass
+    fdp = descriptor_pb2.FileDescriptorProto.FromString(reflection_v1alpha_pb2.DESCRIPTOR.serialized_pb)
+    old, new = ".grpc.reflection.v1alpha.", ".grpc.reflection.v1."
+    fdp.name, fdp.package = "grpc/reflection/v1/reflection.proto", "grpc.reflection.v1"
+    fdp.ClearField("options")
+    for message in fdp.message_type:
+        for field in message.field:
+            if field.HasField("type_name"):
+                field.type_name = field.type_name.replace(old, new)
+    for service in fdp.service:
+        for m in service.method:
+            m.input_type, m.output_type = m.input_type.replace(old, new), m.output_type.replace(old, new)
+    pool.Add(fdp)
+
+
+def enable_reflection(server: grpc.aio.Server, service_names: list[str]) -> None:
+    """Serves reflection v1 and v1alpha (one servicer; v1 uses v1alpha's wire-identical messages)."""
+    _reflection_v1_descriptor()
+    servicer = reflection_aio.ReflectionServicer([*service_names, REFLECTION_V1])
+    reflection_v1alpha_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(REFLECTION_V1, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_v1alpha_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_v1alpha_pb2.ServerReflectionResponse.SerializeToString),
+    })])
+
+
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -279,7 +478,7 @@ class AioServer:
         self._service_names.append(full_name)
 
     async def start(self) -> None:
-        reflection.enable_server_reflection(self._service_names, self.server)
+        enable_reflection(self.server, self._service_names)
         await self.set_serving(False)
         await self.server.start()
 

@@ -65,10 +65,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("lease_ttl_ms",)
+    __slots__ = ("lease_ttl_ms", "resync")
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_ms: int
-    def __init__(self, lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    resync: bool
+    def __init__(self, lease_ttl_ms: _Optional[int] = ..., resync: _Optional[bool] = ...) -> None: ...
 
 class BlockStored(_message.Message):
     __slots__ = ("parent_hash", "block_hashes", "group_id")

@@ -143,7 +143,9 @@ class KVServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FlushWorker(self, request, context):
-        """Drops every block of one worker from the index (the worker stays registered).
+        """Drops every block of one worker from the index (the worker stays registered) and asks the
+        worker to resync: its next heartbeat answers resync=true and its event batches RESYNC until it
+        sends a snapshot of its cache, so index and worker agree again within a heartbeat.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -158,7 +158,7 @@ def test_worker_killed_mid_stream_ends_unavailable_and_leaves_the_index(mesh: Me
             for _ in range(1500):
                 next(stream)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert f"worker {holder} failed mid-stream" in err.value.details()
+    assert "failed mid-stream" in err.value.details() and holder not in err.value.details()
 
     def left_lookup() -> bool:
         # NOTE: the lease as the kv_service sees it, read before each Lookup: a worker in the

@@ -10,6 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh.contract.limits import MAX_STATUS_MESSAGE_BYTES
 from kvmesh.kv_service.server import KVServiceServer
 from kvmesh.kv_service.service import ServiceConfig
 from kvmesh.kv_service.store_memory import MemoryIndex
@@ -61,16 +62,18 @@ def worker_and_router(fuzz_model, redis_server) -> Iterator[tuple[str, str]]:
 
 
 def outcome(call: Callable[[], object], allowed: set[grpc.StatusCode]) -> grpc.StatusCode:
-    """Runs one fuzzed call; its status must be OK or one of ``allowed`` (never INTERNAL/UNKNOWN)."""
+    """Runs one fuzzed call; its status must be OK or one of ``allowed`` (never INTERNAL/UNKNOWN),
+    with a message of at most MAX_STATUS_MESSAGE_BYTES (client input is only ever quoted short)."""
     try:
         result = call()
         if hasattr(result, "__iter__") and not hasattr(result, "ListFields"):
             for _ in result:  # a stream: drain it (bounded by the call's deadline)
                 pass
     except grpc.RpcError as err:
-        code = err.code()
-        assert code not in NEVER, f"{code.name}: {err.details()}"
-        assert code in allowed, f"undocumented status {code.name}: {err.details()}"
+        code, details = err.code(), err.details() or ""
+        assert code not in NEVER, f"{code.name}: {details[:500]}"
+        assert code in allowed, f"undocumented status {code.name}: {details[:500]}"
+        assert len(details.encode()) <= MAX_STATUS_MESSAGE_BYTES, f"{code.name}: a {len(details)}-character message"
         return code
     return grpc.StatusCode.OK
 

@@ -358,8 +358,6 @@ def test_compiles_for_h100_without_a_gpu(dtype, decode, group, head_dim, extras)
         [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(jobs)],
         capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2], timeout=300,
     )  # fmt: skip
-    if result.returncode and "ImportError" in result.stderr:
-        pytest.skip(f"this triton build cannot compile ahead of time: {result.stderr.splitlines()[-1]}")
     assert result.returncode == 0, result.stderr[-3000:]
     compiled = json.loads(result.stdout.splitlines()[-1])
     assert len(compiled) == len(jobs)

@@ -241,6 +241,27 @@ async def test_unknown_worker_is_not_found_and_flush(index):
     assert (await index.stats(T0)).indexed_blocks == 0
 
 
+async def test_flush_asks_the_worker_to_resync_until_its_snapshot(index):
+    """After a flush the worker owes a snapshot: heartbeats say so, event batches are answered
+    RESYNC and change nothing; the snapshot settles it and the index holds the worker's blocks
+    again."""
+    h = chain(6)
+    await join(index, "w1")
+    assert await index.heartbeat("w1", 1, Load(), TTL, T0) is False
+    await index.publish("w1", 1, 1, [BlockStored(h[:3])], T0)
+    assert await index.flush_worker("w1") == 3
+    assert await index.heartbeat("w1", 1, Load(), TTL, T0) is True
+    res = await index.publish("w1", 1, 2, [BlockStored(h[3:])], T0)
+    assert res.action == Action.RESYNC and "FlushWorker" in res.reason
+    assert await matches(index, h) == {"w1": 0}
+    assert await index.heartbeat("w1", 1, Load(), TTL, T0) is True  # still owed
+    assert (await index.snapshot("w1", 1, 3, h, T0)).action == Action.ACK
+    assert await index.heartbeat("w1", 1, Load(), TTL, T0) is False
+    assert await matches(index, h) == {"w1": 6}
+    assert (await index.publish("w1", 1, 4, [BlockRemoved(h[5:])], T0)).action == Action.ACK
+    assert await matches(index, h) == {"w1": 5}
+
+
 async def test_salted_chains_do_not_collide(index):
     await join(index, "w1")
     await index.publish("w1", 1, 1, [BlockStored(chain(2, salt="tenant-a"))], T0)

@@ -11,6 +11,7 @@ import pytest
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.block_hash import algorithm_name as _alg
+from kvmesh.contract.errors import AlreadyExists
 from kvmesh.contract.types import BlockStored, SamplingParams
 from kvmesh.model_worker.llm import LLM
 from kvmesh.model_worker.llm_engine import LLMEngine
@@ -53,7 +54,7 @@ def test_bad_requests_raise_and_leave_a_running_request_alone(tiny_model_dir) ->
         with pytest.raises(ValueError) as err:
             engine.add_request(f"bad-{name}", prompt, params)
         assert shown in str(err.value), name
-    with pytest.raises(ValueError, match="already in use"):
+    with pytest.raises(AlreadyExists, match="already in use"):
         engine.add_request("ok", [1, 2], GREEDY)
     tokens = run_to_end(engine)
     assert set(tokens) == {"ok"}

@@ -1,0 +1,208 @@
+"""What a prompt may be, checked before work is spent on it, and text tokenized within those bounds.
+
+Every front end of the router (the gRPC API, the OpenAI HTTP API) builds a ``GenerateInput`` and
+calls ``Router.generate``, which applies these checks, so a bad request gets the same answer
+whichever way it came. One client's oversized request must not cost the others anything:
+
+- **ids and salt** (:func:`check_input`): bounded (kvmesh/contract/limits.py), refused before
+  anything else.
+- **bytes**: a text longer than ``max_bytes`` of UTF-8 is refused before the tokenizer sees any of
+  it (RESOURCE_EXHAUSTED naming ``--max-prompt-bytes``).
+- **tokens**: a prompt over ``max_tokens`` is refused (INVALID_ARGUMENT when the bound is the
+  model's context, RESOURCE_EXHAUSTED naming ``--max-prompt-tokens`` when an operator set it);
+  token ids are counted before they are hashed, text is tokenized in pieces that stop once the
+  count is past the bound (:meth:`PromptTokenizer.encode`).
+- **the loop**: a text longer than ``TOKENIZE_ON_LOOP_CHARS`` is tokenized on a thread of this
+  router's tokenizer pool with ``encode_batch``, which releases the GIL (``Tokenizer.encode`` does
+  not: a 5 MB text held every other request on the loop for seconds).
+
+No grpc and no redis here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.contract.errors import InvalidArgument, RequestTooLarge
+from kvmesh.contract.limits import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_CHAIN_BLOCKS,
+    MAX_REQUEST_ID_CHARS,
+    check_id,
+    check_length,
+)
+
+BYTES_PER_TOKEN = 32
+"""Default ``--max-prompt-bytes`` per token of the prompt-token bound. Text averages 3-5 bytes a
+token; 32 leaves room for code and odd scripts while a 5 MB text to a 32k-context model is refused
+without tokenizing it."""
+TOKENIZE_ON_LOOP_CHARS = 2048
+"""Texts up to this long are tokenized on the event loop (well under a millisecond)."""
+ONE_PASS_BYTES_PER_TOKEN = 4
+"""A text of at most this many bytes per allowed token is tokenized in one pass: it costs no more
+than the longest prompt that fits. A longer one is counted in pieces first, stopping past the bound."""
+MIN_PIECE_CHARS = 4096
+PIECE_SLACK_TOKENS = 4
+"""Tokens one cut between two pieces may add to their count (merges a cut prevents, a prefix space)."""
+TOKENIZER_THREADS = 2
+"""Threads tokenizing long texts at once; more wait their turn (never the loop's)."""
+
+
+def check_input(request_id: str, cache_salt: str) -> None:
+    """The bounded fields of a request; raises InvalidArgument."""
+    check_id("request_id", request_id, MAX_REQUEST_ID_CHARS, allow_empty=True)
+    check_length("cache_salt", cache_salt, MAX_CACHE_SALT_CHARS)
+
+
+@dataclass(slots=True, frozen=True)
+class PromptLimits:
+    """The bounds one request is checked against; 0 = none."""
+
+    max_tokens: int = 0
+    max_bytes: int = 0
+    explicit_tokens: bool = False
+    """``max_tokens`` is an operator's ``--max-prompt-tokens`` (RESOURCE_EXHAUSTED past it), not
+    the model's context (INVALID_ARGUMENT: no worker could serve it)."""
+    why: str = ""
+    """Where ``max_tokens`` comes from, for the message."""
+
+    @classmethod
+    def resolve(cls, max_prompt_tokens: int | None, max_prompt_bytes: int | None, context_len: int | None,
+                block_size: int) -> PromptLimits:
+        """The router's flags (None = default) over what it knows of the model.
+
+        Token bound: the flag when set (0 = none); else the model's context length minus one (a
+        prompt must leave room for one generated token); else, when the context is unknown, the
+        index's Lookup bound (65536 blocks). Byte bound: the flag when set (0 = none); else
+        ``BYTES_PER_TOKEN`` per token of the token bound.
+        """
+        if max_prompt_tokens is not None:
+            tokens, explicit, why = max_prompt_tokens, True, "--max-prompt-tokens"
+        elif context_len:
+            tokens, explicit = context_len - 1, False
+            why = f"the model's context is {context_len} tokens, one of them for the output"
+        else:
+            tokens, explicit = MAX_CHAIN_BLOCKS * block_size, False
+            why = f"the index looks up at most {MAX_CHAIN_BLOCKS} blocks of {block_size} tokens"
+        if max_prompt_bytes is not None:
+            nbytes = max_prompt_bytes
+        else:
+            nbytes = BYTES_PER_TOKEN * tokens if tokens else 0
+        return cls(max(tokens, 0), max(nbytes, 0), explicit, why)
+
+    def check_bytes(self, text: str) -> None:
+        """Raises RequestTooLarge (RESOURCE_EXHAUSTED) when ``text`` is over the byte bound; reads at most what it must."""
+        limit = self.max_bytes
+        if not limit or 4 * len(text) <= limit:
+            return
+        # NOTE: a character is 1-4 bytes: a text of more characters than the limit is over it
+        # without encoding anything; otherwise the encoding is at most 4 x limit bytes.
+        n = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
+        if n > limit:
+            more = "more than " if len(text) > limit else ""
+            raise RequestTooLarge(
+                f"the text is {more}{n} bytes of UTF-8; this router accepts at most {limit} "
+                f"(--max-prompt-bytes): send a shorter prompt")
+
+    def check_tokens(self, n: int, *, more: bool = False) -> None:
+        """Raises when a prompt of ``n`` tokens (``more``: more than ``n``) is over the token bound."""
+        limit = self.max_tokens
+        if not limit or (n <= limit and not more):
+            return
+        count = f"more than {n}" if more else str(n)
+        if self.explicit_tokens:
+            raise RequestTooLarge(f"the prompt has {count} tokens; this router accepts at most {limit} "
+                                    "(--max-prompt-tokens)")
+        raise InvalidArgument(f"the prompt has {count} tokens; at most {limit} fit ({self.why}): "
+                              "send a shorter prompt")
+
+
+class PromptTokenizer:
+    """A model's tokenizer used within :class:`PromptLimits`, off the event loop for long texts.
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer``.
+        on_chars: told how many characters each tokenizer call was given (a metric: a refused
+            prompt shows it was not tokenized whole).
+        on_pool: told +1 when a text goes to the pool, -1 when it is back (a gauge of the texts
+            being tokenized off the loop).
+        executor: where long texts are tokenized; default: a pool of ``TOKENIZER_THREADS``.
+    """
+
+    def __init__(self, tokenizer: Any, on_chars: Callable[[int], None] = lambda _n: None,
+                 on_pool: Callable[[int], None] = lambda _d: None, executor: Executor | None = None) -> None:
+        self.tokenizer = tokenizer
+        self._on_chars = on_chars
+        self._on_pool = on_pool
+        self._own = executor is None
+        self._executor = executor or ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvmesh-tokenize")
+
+    async def encode(self, text: str, limits: PromptLimits, add_special_tokens: bool = True) -> list[int]:
+        """The text's token ids (by default with the model's special tokens, as the worker's
+        offline path encodes; a rendered chat template has them already). Raises
+        ResourceExhausted / InvalidArgument past ``limits``."""
+        limits.check_bytes(text)
+        if len(text) <= TOKENIZE_ON_LOOP_CHARS:
+            self._on_chars(len(text))
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        else:
+            loop = asyncio.get_running_loop()
+            self._on_pool(1)
+            try:
+                ids = await loop.run_in_executor(self._executor, self._encode_bounded, text, limits.max_tokens,
+                                                 add_special_tokens)
+            finally:
+                self._on_pool(-1)
+            if ids is None:
+                limits.check_tokens(limits.max_tokens, more=True)
+        limits.check_tokens(len(ids))
+        return ids
+
+    def _encode_whole(self, text: str, add_special_tokens: bool) -> list[int]:
+        self._on_chars(len(text))
+        # NOTE: encode_batch releases the GIL while it works; encode holds it throughout.
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def _encode_bounded(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> list[int] | None:
+        """On a pool thread: the ids, or None once the text is known to be over ``max_tokens``.
+
+        A text long for its bound is first counted piece by piece, cut before whitespace where
+        pre-tokenizers split anyway; the count stops as soon as it passes the bound plus the
+        slack of the cuts so far. Only a text that fits is then tokenized whole, so the ids are
+        exactly those of one ``encode``.
+        """
+        if not max_tokens or len(text.encode("utf-8", "surrogatepass")) <= ONE_PASS_BYTES_PER_TOKEN * max_tokens:
+            return self._encode_whole(text, add_special_tokens)
+        piece = max(MIN_PIECE_CHARS, 2 * max_tokens)
+        count = start = cuts = 0
+        while start < len(text):
+            end = min(len(text), start + piece)
+            if end < len(text):
+                cut = _last_space(text, start + piece // 2, end)
+                if cut > start:
+                    end = cut
+            chunk = text[start:end]
+            self._on_chars(len(chunk))
+            count += len(self.tokenizer.encode_batch([chunk], add_special_tokens=False)[0].ids)
+            if count > max_tokens + PIECE_SLACK_TOKENS * cuts:
+                return None
+            start, cuts = end, cuts + 1
+        return self._encode_whole(text, add_special_tokens)
+
+    def close(self) -> None:
+        if self._own:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _last_space(text: str, lo: int, hi: int) -> int:
+    """The index of the last whitespace character in text[lo:hi], or -1."""
+    return max(text.rfind(c, lo, hi) for c in (" ", "\n", "\t"))
+
+
+def check_token_ids(token_ids: Sequence[int], limits: PromptLimits) -> None:
+    """A token-id prompt's count against the bound, before anything hashes it."""
+    limits.check_tokens(len(token_ids))
