@@ -28,6 +28,7 @@ from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ensure_default_model
 from kvmesh.model_worker.config import ModelConfig
 from kvmesh.model_worker.llm import LLM
+from kvmesh.model_worker.model_runner import set_cpu_threads
 
 
 def random_tokens(n: int, gen: torch.Generator, vocab: int) -> list[int]:
@@ -131,7 +132,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.prefix_len, args.suffix_len, args.repeats = 16, 256, 256, 1
-    torch.set_num_threads(args.threads)
+    set_cpu_threads(args.threads)
     model = str(args.model or ensure_default_model())
     cfg = ModelConfig.from_dir(model)
     n_params = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.num_layers * (

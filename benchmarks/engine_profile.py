@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.config import ModelConfig
 from kvmesh.model_worker.llm import LLM
+from kvmesh.model_worker.model_runner import set_cpu_threads
 
 
 def main() -> None:
@@ -34,7 +35,7 @@ def main() -> None:
     ap.add_argument("--no-torch-profiler", action="store_true", help="time only (for py-spy)")
     args = ap.parse_args()
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_cpu_threads(args.threads)
     model = args.model or str(peer_model())
     workloads = {w.name: w for w in make_workloads(ModelConfig.from_dir(model).vocab_size)}
     w = workloads[args.workload]

@@ -29,6 +29,7 @@ from kvmesh.bench.report import percentile
 from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ModelSpec, ensure_default_model, make_model
 from kvmesh.model_worker.llm_engine import LLMEngine
+from kvmesh.model_worker.model_runner import set_cpu_threads
 from kvmesh.model_worker.scheduler import RequestOutput
 
 MICRO = ModelSpec(layers=1, hidden_size=32, heads=2, kv_heads=1, intermediate_size=64, seed=5)
@@ -88,7 +89,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    set_cpu_threads(args.threads)
     if args.model == "micro":
         model = str(make_model(Path(tempfile.mkdtemp(prefix="kvmesh-micro-")) / "micro", MICRO))
     elif args.model == "default":

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from kvmesh.make_model import ModelSpec, cache_dir, make_model
+from kvmesh.model_worker.model_runner import set_cpu_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 8192
@@ -174,7 +175,7 @@ def main() -> None:
         vllm = run_vllm(args.peer_python, model, workloads, log)
 
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_cpu_threads(args.threads)
     ours = run_kvmesh(model, workloads, {})
     hf = {} if args.skip_hf else run_hf(model, workloads)
 

@@ -29,6 +29,19 @@ WindowStepCallback = Callable[[dict[str, int]], list[str]]
 _DEFAULT_CPU_FRACTION = 0.05
 _TORCH_DEFAULT_THREADS = torch.get_num_threads()
 """torch's own choice, read when this module is first imported (before anyone sets it)."""
+_CHOSEN_THREADS = False
+"""Whether :func:`set_cpu_threads` chose the count (then the engine keeps it)."""
+
+
+def set_cpu_threads(threads: int) -> None:
+    """Sets torch's intra-op threads and keeps the engine from changing them, whatever the count.
+
+    NOTE: ``torch.set_num_threads`` alone is not enough: a choice equal to torch's default (2 on a
+    2-core machine) looks like no choice to :func:`apply_cpu_threads`, which then sets 1.
+    """
+    global _CHOSEN_THREADS
+    torch.set_num_threads(threads)
+    _CHOSEN_THREADS = True
 
 
 def default_cpu_threads(usable_cores: int) -> int:
@@ -45,8 +58,8 @@ def default_cpu_threads(usable_cores: int) -> int:
 def apply_cpu_threads() -> None:
     """Sets torch's intra-op threads to ``default_cpu_threads`` unless someone chose: the
     ``OMP_NUM_THREADS`` environment variable, or ``torch.set_num_threads`` before the engine starts
-    (``kvmesh worker --torch-threads`` does that)."""
-    if "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() != _TORCH_DEFAULT_THREADS:
+    (``kvmesh worker --torch-threads`` and the benchmarks' ``--threads`` call :func:`set_cpu_threads`)."""
+    if _CHOSEN_THREADS or "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() != _TORCH_DEFAULT_THREADS:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = default_cpu_threads(cores)

@@ -89,11 +89,9 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.transport.rpc import wait_for_termination_signal
 
     if worker.torch_threads:
-        import torch
+        from kvmesh.model_worker.model_runner import set_cpu_threads
 
-        torch.set_num_threads(worker.torch_threads)
-        # NOTE: tells the engine the count was chosen (it keeps one core free otherwise, model_runner.py)
-        os.environ["OMP_NUM_THREADS"] = str(worker.torch_threads)
+        set_cpu_threads(worker.torch_threads)
     model = args.model
     if model is None:
         from kvmesh.make_model import ensure_default_model

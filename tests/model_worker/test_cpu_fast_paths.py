@@ -75,3 +75,24 @@ def test_allocator_settings_take_on_glibc() -> None:
 
 def test_cpu_threads_leave_one_core() -> None:
     assert [default_cpu_threads(n) for n in (1, 2, 4, 16)] == [1, 1, 3, 15]
+
+
+def test_a_chosen_thread_count_is_kept_even_when_it_equals_torchs_default(monkeypatch):
+    """`--torch-threads 2` on a 2-core machine is 2, not the engine's cores - 1 (it was 1: a choice
+    equal to torch's default looked like no choice)."""
+    from kvmesh.model_worker import model_runner
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(model_runner, "_CHOSEN_THREADS", False)
+    monkeypatch.setattr(model_runner, "_TORCH_DEFAULT_THREADS", 3)
+    monkeypatch.setattr(model_runner.os, "sched_getaffinity", lambda _pid: {0, 1, 2}, raising=False)
+    try:
+        torch.set_num_threads(3)
+        model_runner.apply_cpu_threads()
+        assert torch.get_num_threads() == 2  # no choice: every core but one
+        model_runner.set_cpu_threads(3)
+        model_runner.apply_cpu_threads()
+        assert torch.get_num_threads() == 3  # chosen, though equal to torch's default
+    finally:
+        torch.set_num_threads(before)
