@@ -7,8 +7,10 @@ passes whose inputs are advanced in place on the device.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -55,14 +57,30 @@ def default_cpu_threads(usable_cores: int) -> int:
     return max(1, usable_cores - 1)
 
 
+def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may use: its CPU affinity, capped by its cgroup v2 CPU quota.
+
+    NOTE: a Kubernetes pod with ``limits.cpu: 2`` on a 64-core node sees all 64 in its affinity;
+    only the quota (``cpu.max``: "200000 100000") says 2, and 63 threads on a 2-CPU quota are
+    throttled most of each period.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path(cpu_max).read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota here (or unreadable): the affinity is all we know
+    return cores
+
+
 def apply_cpu_threads() -> None:
     """Sets torch's intra-op threads to ``default_cpu_threads`` unless someone chose: the
     ``OMP_NUM_THREADS`` environment variable, or ``torch.set_num_threads`` before the engine starts
     (``kvmesh worker --torch-threads`` and the benchmarks' ``--threads`` call :func:`set_cpu_threads`)."""
     if _CHOSEN_THREADS or "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() != _TORCH_DEFAULT_THREADS:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = default_cpu_threads(cores)
+    threads = default_cpu_threads(usable_cores())
     if threads != torch.get_num_threads():
         log.info("torch CPU threads %d -> %d (one core left for the scheduler and server; set "
                  "OMP_NUM_THREADS or --torch-threads to choose)", torch.get_num_threads(), threads)

@@ -96,3 +96,20 @@ def test_a_chosen_thread_count_is_kept_even_when_it_equals_torchs_default(monkey
         assert torch.get_num_threads() == 3  # chosen, though equal to torch's default
     finally:
         torch.set_num_threads(before)
+
+
+def test_usable_cores_honour_a_cgroup_cpu_quota(tmp_path):
+    """A pod limited to 2 CPUs on a bigger node must not start a thread per node core."""
+    import os
+
+    from kvmesh.model_worker.model_runner import usable_cores
+
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("max 100000\n")
+    assert usable_cores(str(cpu_max)) == affinity
+    cpu_max.write_text("50000 100000\n")  # half a CPU: still one thread
+    assert usable_cores(str(cpu_max)) == 1
+    cpu_max.write_text(f"{100000 * (affinity + 8)} 100000\n")  # a quota above the affinity
+    assert usable_cores(str(cpu_max)) == affinity
+    assert usable_cores(str(tmp_path / "missing")) == affinity
