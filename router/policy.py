@@ -327,6 +327,18 @@ POLICIES: dict[str, type[RouterPolicy]] = {
 }
 
 
+POLICY_ORDER = ("kv-aware", "round-robin", "least-loaded", "prefix-hash", "approx-tree", "dynamo", "llm-d", "preble",
+                "lmetric")
+"""The order policies are listed and run in (tables, JSON). NOTE: not the registry's insertion order,
+which depends on which policy module was imported first."""
+
+
+def policy_names() -> list[str]:
+    """Every registered policy name: ``POLICY_ORDER`` first, any other after it, alphabetically."""
+    rank = {name: i for i, name in enumerate(POLICY_ORDER)}
+    return sorted(POLICIES, key=lambda n: (rank.get(n, len(rank)), n))
+
+
 def make_policy(name: str, config: PolicyConfig | None = None) -> RouterPolicy:
     """The policy registered under ``name`` (``--policy``).
 
@@ -336,7 +348,7 @@ def make_policy(name: str, config: PolicyConfig | None = None) -> RouterPolicy:
     try:
         cls = POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(policy_names())}") from None
     return cls(config)
 
 import kvmesh.router.approx_tree  # noqa: E402,F401 - registers "approx-tree" (it subclasses RouterPolicy)

@@ -140,11 +140,11 @@ def run_routing(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, num_scheduler_steps=args.num_scheduler_steps,
         stream_interval=args.stream_interval, router_args=shlex.split(args.router_args),
         store=args.store, seed=args.seed, progress=not args.no_progress, log_dir=args.log_dir)
-    from kvmesh.router.policy import POLICIES
+    from kvmesh.router.policy import POLICIES, policy_names
 
     unknown = [p for p in cfg.policies if p not in POLICIES]
     if unknown:
-        print(f"kvmesh bench routing: unknown policies {unknown}; choose from {list(POLICIES)}", file=sys.stderr)
+        print(f"kvmesh bench routing: unknown policies {unknown}; choose from {policy_names()}", file=sys.stderr)
         return 2
     result = run_routing_bench(cfg)
     print(format_table(result))

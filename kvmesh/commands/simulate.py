@@ -15,7 +15,7 @@ def _floats(text: str) -> list[float]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     from kvmesh.model_worker.sim_runner import CostModel
-    from kvmesh.router.policy import POLICIES, PolicyConfig
+    from kvmesh.router.policy import PolicyConfig, policy_names
     from kvmesh.sim.mesh import SimConfig
     from kvmesh.sim.workload import GENERATORS
 
@@ -32,8 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=d.workers, help=f"simulated workers (default {d.workers})")
     p.add_argument("--routers", type=int, default=d.routers,
                    help="routers sharing the index, requests dealt to them in turn (default 1)")
-    p.add_argument("--policies", default=",".join(POLICIES),
-                   help=f"comma-separated (default all: {','.join(POLICIES)})")
+    p.add_argument("--policies", default=",".join(policy_names()),
+                   help=f"comma-separated (default all: {','.join(policy_names())})")
     p.add_argument("--rates", default="", help="full runs at these rates (x the workload's own rate)")
     p.add_argument("--relative-rates", default="0.5,1,1.5",
                    help="full runs at these multiples of the baseline's capacity (default 0.5,1,1.5; '' = none)")
@@ -126,7 +126,7 @@ def config_from(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.router.policy import POLICIES
+    from kvmesh.router.policy import POLICIES, policy_names
     from kvmesh.sim import report
     from kvmesh.sim.run import Sim, dump, sweep
     from kvmesh.sim.workload import load_trace, make_workload
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     policies = [p for p in args.policies.split(",") if p]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
-        print(f"unknown policy {unknown[0]!r}; choose from {', '.join(POLICIES)}", file=sys.stderr)
+        print(f"unknown policy {unknown[0]!r}; choose from {', '.join(policy_names())}", file=sys.stderr)
         return 2
     try:
         rates, relative = _floats(args.rates), _floats(args.relative_rates)
