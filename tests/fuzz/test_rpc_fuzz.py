@@ -237,7 +237,8 @@ def test_raw_string_fields_of_the_worker_and_the_router(worker_and_router):
     @FUZZ
     @given(call=calls)
     def run(call):
-        _check_raw(call, GEN_ALLOWED)
+        # NOTE: a valid string in GenerateRequest.model names a model this router does not serve.
+        _check_raw(call, GEN_ALLOWED | {C.NOT_FOUND})
 
     run()
     assert_serving(worker)
