@@ -9,6 +9,7 @@ leading hits count and the prompt's last token is always computed.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
 
 from kvmesh.bench.trace import TRACE_BLOCK_TOKENS, TraceRecord
 
@@ -37,15 +38,21 @@ def oracle_hit_rate(records: list[TraceRecord], capacity_blocks: int, block_size
     """
     if trace_block % block_size:
         raise ValueError(f"trace block {trace_block} is not a multiple of block_size {block_size}")
-    cache: OrderedDict[tuple[int, int], None] = OrderedDict()
+    return lru_hit_rate(((rec.input_length, request_blocks(rec, block_size, trace_block)) for rec in records),
+                        capacity_blocks, block_size)
+
+
+def lru_hit_rate(prompts: Iterable[tuple[int, Sequence[Hashable]]], capacity_blocks: int, block_size: int) -> float:
+    """Cached / prompt tokens of ``(prompt length, full blocks in prompt order)`` in arrival order
+    through one LRU cache of ``capacity_blocks`` blocks: only leading hits count and the prompt's
+    last token is always computed (as in the engine). The simulator's oracle calls it too."""
+    cache: OrderedDict[Hashable, None] = OrderedDict()
     hit_tokens = 0
     total = 0
-    for rec in records:
-        blocks = request_blocks(rec, block_size, trace_block)
-        total += rec.input_length
-        max_hit = (rec.input_length - 1) // block_size
+    for prompt_len, blocks in prompts:
+        total += prompt_len
         hits = 0
-        for b in blocks[:max_hit]:
+        for b in blocks[: (prompt_len - 1) // block_size]:
             if b not in cache:
                 break
             hits += 1

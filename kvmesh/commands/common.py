@@ -29,6 +29,21 @@ def start_metrics_server(port: int, registry: CollectorRegistry) -> None:
         logging.getLogger("kvmesh").warning("Prometheus /metrics not started on port %d: %s", port, exc)
 
 
+COST_MODEL_FLAGS = (("step_overhead_s", "fixed seconds per step"),
+                    ("prefill_token_s", "seconds per new prefill token"),
+                    ("attn_pair_s", "seconds per prefill (new x context) token pair"),
+                    ("decode_seq_s", "seconds per decoding sequence"),
+                    ("decode_kv_token_s", "seconds per context token read by a decode"))
+"""The simulated worker's cost-model fields and their help: ``--sim-step-overhead`` etc."""
+
+
+def add_cost_model_args(g: argparse._ArgumentGroup, defaults: object) -> None:
+    """``--sim-<field>`` for each CostModel field (dest ``sim_<field>_s``), defaults from ``defaults``."""
+    for name, doc in COST_MODEL_FLAGS:
+        g.add_argument(f"--sim-{name.removesuffix('_s').replace('_', '-')}", dest=f"sim_{name}", type=float,
+                       default=getattr(defaults, name), help=f"{doc} (default {getattr(defaults, name):g})")
+
+
 def add_security_args(p: argparse.ArgumentParser, *, serves: str | None, calls: str | None) -> None:
     """TLS and token flags (docs/security.md).
 

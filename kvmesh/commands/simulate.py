@@ -14,6 +14,7 @@ def _floats(text: str) -> list[float]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from kvmesh.commands.common import add_cost_model_args
     from kvmesh.model_worker.sim_runner import CostModel
     from kvmesh.router.policy import PolicyConfig, policy_names
     from kvmesh.sim.mesh import SimConfig
@@ -63,13 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the engines' decode window; 1 = admit at every step (default 1)")
     g.add_argument("--window-steps", type=int, default=d.window_steps,
                    help=f"longest window simulated as one event with --num-scheduler-steps 1 (default {d.window_steps})")
-    for field, doc in (("step_overhead_s", "fixed seconds per step"),
-                       ("prefill_token_s", "seconds per new prefill token"),
-                       ("attn_pair_s", "seconds per prefill (new x context) token pair"),
-                       ("decode_seq_s", "seconds per decoding sequence"),
-                       ("decode_kv_token_s", "seconds per context token read by a decode")):
-        g.add_argument(f"--sim-{field.removesuffix('_s').replace('_', '-')}", dest=f"sim_{field}", type=float,
-                       default=getattr(cm, field), help=f"{doc} (default {getattr(cm, field):g})")
+    add_cost_model_args(g, cm)
     g = p.add_argument_group("the live system's delays")
     g.add_argument("--event-batch-ms", type=float, default=d.event_batch_s * 1000,
                    help="kv publisher message period (default 20)")

@@ -8,6 +8,7 @@ import os
 import socket
 
 from kvmesh.commands.common import (
+    add_cost_model_args,
     add_log_level,
     add_security_args,
     apply_security,
@@ -56,13 +57,7 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                         f"--max-model-len {DEFAULT_SIM_MAX_MODEL_LEN}")
     g.add_argument("--sim-time-scale", type=float, default=1.0,
                    help="wall seconds slept per modelled second (0.25 = 4x faster than the GPU; default 1)")
-    for field, doc in (("step_overhead_s", "fixed seconds per step"),
-                       ("prefill_token_s", "seconds per new prefill token"),
-                       ("attn_pair_s", "seconds per prefill (new x context) token pair"),
-                       ("decode_seq_s", "seconds per decoding sequence"),
-                       ("decode_kv_token_s", "seconds per context token read by a decode")):
-        g.add_argument(f"--sim-{field.removesuffix('_s').replace('_', '-')}", dest=f"sim_{field}", type=float,
-                       default=getattr(c, field), help=f"{doc} (default {getattr(c, field):g})")
+    add_cost_model_args(g, c)
 
 
 def default_advertise(host: str, port: int) -> str:

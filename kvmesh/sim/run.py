@@ -16,7 +16,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvmesh.bench.oracle import lru_hit_rate
 from kvmesh.contract.block_hash import XXH3_128, BlockHasher
 from kvmesh.sim.mesh import MODEL_ID, Mesh, RequestRecord, SimConfig
 from kvmesh.sim.workload import Workload
@@ -68,23 +68,8 @@ def oracle_hit_rate(workload: Workload, cfg: SimConfig) -> float:
     """
     chains = chains_for(workload, cfg.block_size)
     capacity = cfg.workers * (cfg.blocks_per_worker() - 1)
-    bs = cfg.block_size
-    cache: OrderedDict[bytes, None] = OrderedDict()
-    hit = total = 0
-    for r, chain in zip(workload.requests, chains, strict=True):
-        total += r.prompt_len
-        n = 0
-        for h in chain[: (r.prompt_len - 1) // bs]:
-            if h not in cache:
-                break
-            n += 1
-        hit += n * bs
-        for h in reversed(chain):
-            cache[h] = None
-            cache.move_to_end(h)
-        while len(cache) > capacity:
-            cache.popitem(last=False)
-    return hit / total if total else 0.0
+    return lru_hit_rate(((r.prompt_len, chain) for r, chain in zip(workload.requests, chains, strict=True)),
+                        capacity, cfg.block_size)
 
 
 def _pct(values: Sequence[float], q: float) -> float:
