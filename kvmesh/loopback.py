@@ -46,6 +46,11 @@ def free_port(lo: int = 20000, hi: int = 32000) -> int:
     return free_port_run(1, lo, hi)
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports this process has handed out: never handed out twice, as a port handed out is free only
+until its server binds it (two calls in a row would otherwise both see the same port free)."""
+
+
 def free_port_run(n: int, lo: int = 20000, hi: int = 32000) -> int:
     """A port ``p`` with ``p .. p+n-1`` all free on 127.0.0.1 now (checked by binding them), drawn
     from the same range as :func:`free_port` (a stack that numbers its ports from one base)."""
@@ -55,11 +60,14 @@ def free_port_run(n: int, lo: int = 20000, hi: int = 32000) -> int:
     rng = random.Random()
     for _ in range(500):
         base = rng.randrange(lo, hi - n + 1)
+        if not _HANDED_OUT.isdisjoint(range(base, base + n)):
+            continue
         socks: list[socket.socket] = []
         try:
             for port in range(base, base + n):
                 socks.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
                 socks[-1].bind(("127.0.0.1", port))
+            _HANDED_OUT.update(range(base, base + n))
             return base
         except OSError:
             continue

@@ -9,7 +9,7 @@ import sys
 import openai
 
 from kvmesh.client import Client
-from kvmesh.loopback import free_port
+from kvmesh.loopback import free_port, free_port_run
 from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.stack import LocalStack, StackConfig
 
@@ -21,7 +21,7 @@ def test_up_serves_two_models_each_on_its_own_workers(model_dir, tmp_path):
     other = make_model(tmp_path / "tiny-mistral", OTHER)
     http_port = free_port()
     stack = LocalStack(StackConfig(model=str(model_dir), extra_models=[str(other)], workers=1, http_port=http_port,
-                                   router_port=free_port(), kv_service_port=free_port(), worker_port=free_port(),
+                                   router_port=free_port(), kv_service_port=free_port(), worker_port=free_port_run(2),
                                    metrics_port=0, store="memory", worker_args=["--num-blocks=64"],
                                    log_dir=str(tmp_path / "logs"))).start()
     try:
