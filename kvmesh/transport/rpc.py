@@ -230,16 +230,30 @@ async def _refuse_or_cut(context: grpc.aio.ServicerContext, gate: DrainGate) -> 
                         SHUTTING_DOWN if not gate.expired else "this server is shutting down: the drain grace ran out")
 
 
+async def _decoded(request: Any, context: grpc.aio.ServicerContext, streamed: bool) -> Any:
+    """The request, or (client streaming) its messages checked one by one; an undecodable one is
+    refused with INVALID_ARGUMENT naming the field."""
+    if streamed:
+        return _checked_requests(request, context)
+    if isinstance(request, Undecodable):
+        await _refuse(context, request)
+    return request
+
+
+async def _admit(request: Any, context: grpc.aio.ServicerContext, gate: DrainGate,
+                 streamed: bool) -> tuple[Any, asyncio.Task]:
+    """The decoded request and the call's place in the drain gate (refused while draining)."""
+    request = await _decoded(request, context, streamed)
+    task = gate.enter()
+    if task is None:
+        await _refuse_or_cut(context, gate)
+    return request, task  # type: ignore[return-value]
+
+
 def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, gate: DrainGate,
                 streamed: bool) -> Callable[..., Awaitable[Any]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if streamed:
-            request = _checked_requests(request, context)
-        elif isinstance(request, Undecodable):
-            await _refuse(context, request)
-        task = gate.enter()
-        if task is None:
-            await _refuse_or_cut(context, gate)
+        request, task = await _admit(request, context, gate, streamed)
         try:
             return await fn(request, context)
         except grpc.aio.AbortError:
@@ -259,13 +273,7 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, gate: DrainGate,
 def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str, gate: DrainGate,
                  streamed: bool) -> Callable[..., AsyncIterator[Any]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        if streamed:
-            request = _checked_requests(request, context)
-        elif isinstance(request, Undecodable):
-            await _refuse(context, request)
-        task = gate.enter()
-        if task is None:
-            await _refuse_or_cut(context, gate)
+        request, task = await _admit(request, context, gate, streamed)
         try:
             async for item in fn(request, context):
                 yield item
@@ -288,21 +296,13 @@ def _decode_checked(fn: Callable[..., Any], streamed: bool, stream_out: bool) ->
     are left to them)."""
     if stream_out:
         async def stream_handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            if streamed:
-                request = _checked_requests(request, context)
-            elif isinstance(request, Undecodable):
-                await _refuse(context, request)
-            async for item in fn(request, context):
+            async for item in fn(await _decoded(request, context, streamed), context):
                 yield item
 
         return stream_handler
 
     async def unary_handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if streamed:
-            request = _checked_requests(request, context)
-        elif isinstance(request, Undecodable):
-            await _refuse(context, request)
-        return await fn(request, context)
+        return await fn(await _decoded(request, context, streamed), context)
 
     return unary_handler
 
