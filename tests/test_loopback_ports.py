@@ -6,8 +6,9 @@ from kvmesh import loopback
 
 def test_free_ports_are_never_handed_out_twice(monkeypatch):
     monkeypatch.setattr(loopback, "_HANDED_OUT", set())
-    lo, hi = 20000, 20040  # a narrow range, so a repeat would be likely without the rule
-    singles = [loopback.free_port(lo, hi) for _ in range(20)]
-    assert len(set(singles)) == 20
-    run = loopback.free_port_run(4, lo, hi)
+    lo, hi = 20000, 20100  # a narrow range: 30 draws repeat with p ~ 0.99 without the rule
+    singles = [loopback.free_port(lo, hi) for _ in range(30)]
+    assert len(set(singles)) == 30
+    # NOTE: the run from a wider range: 30 of the narrow range's 100 ports are taken by now.
+    run = loopback.free_port_run(4, lo, lo + 1000)
     assert not set(range(run, run + 4)) & set(singles)
