@@ -101,10 +101,11 @@ class BlockIndex(abc.ABC):
 
     @abc.abstractmethod
     async def publish(
-        self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent], now_ms: int
+        self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent], now_ms: int, load: Load | None = None
     ) -> PublishResult:
         """Applies one batch if ``seq`` is the next one of the live epoch (and the worker owes no
-        snapshot since ``flush_worker``), else asks for a resync.
+        snapshot since ``flush_worker``), else asks for a resync. An applied batch with a ``load``
+        also records it as the worker's load (the lease stays the heartbeat's to renew).
 
         Raises:
             NotFound: unknown or expired worker.
@@ -112,9 +113,10 @@ class BlockIndex(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int) -> PublishResult:
+    async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int,
+                       load: Load | None = None) -> PublishResult:
         """Replaces the worker's blocks with ``hashes`` (oldest first) and adopts (epoch, seq);
-        settles a resync ``flush_worker`` asked for."""
+        settles a resync ``flush_worker`` asked for; records ``load`` as ``publish`` does."""
 
     @abc.abstractmethod
     async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:

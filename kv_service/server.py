@@ -116,14 +116,16 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         self._publishers += 1
         try:
             async for req in request_iterator:
+                load = load_from_pb(req.load) if req.HasField("load") else None
                 if req.snapshot:
                     if req.events:
                         raise InvalidArgument("a snapshot batch carries snapshot_hashes only; events must be empty")
-                    result = await self.svc.snapshot(req.worker_id, req.epoch, req.seq, list(req.snapshot_hashes))
+                    result = await self.svc.snapshot(req.worker_id, req.epoch, req.seq, list(req.snapshot_hashes),
+                                                     load)
                 else:
                     if req.snapshot_hashes:
                         raise InvalidArgument("snapshot_hashes given without snapshot=true")
-                    result = await self.svc.publish(req.worker_id, req.epoch, req.seq, events_from_pb(req.events))
+                    result = await self.svc.publish(req.worker_id, req.epoch, req.seq, events_from_pb(req.events), load)
                 yield pb.PublishEventsResponse(seq=req.seq, action=int(result.action), reason=result.reason)
         finally:
             self._publishers -= 1

@@ -151,7 +151,8 @@ class KVService:
         return HeartbeatAnswer(self.config.lease_ttl_ms, bool(resync))
 
     # -- events --------------------------------------------------------------------------
-    async def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent]) -> PublishResult:
+    async def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent],
+                      load: Load | None = None) -> PublishResult:
         _check_id("worker_id", worker_id)
         _check_counter("epoch", epoch)
         _check_counter("seq", seq)
@@ -162,16 +163,17 @@ class KVService:
                     _check_hash(f"events[{i}].stored.parent_hash", ev.parent_block_hash)
             elif isinstance(ev, BlockRemoved):
                 _check_hashes(f"events[{i}].removed.block_hashes", ev.block_hashes)
-        result = await self.index.publish(worker_id, epoch, seq, events, self._now())
+        result = await self.index.publish(worker_id, epoch, seq, events, self._now(), load)
         self._count(result, events)
         return result
 
-    async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes]) -> PublishResult:
+    async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes],
+                       load: Load | None = None) -> PublishResult:
         _check_id("worker_id", worker_id)
         _check_counter("epoch", epoch)
         _check_counter("seq", seq)
         _check_hashes("snapshot_hashes", hashes)
-        result = await self.index.snapshot(worker_id, epoch, seq, hashes, self._now())
+        result = await self.index.snapshot(worker_id, epoch, seq, hashes, self._now(), load)
         self.metrics.events_applied.labels("snapshot").inc(len(hashes))
         return result
 

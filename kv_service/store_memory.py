@@ -142,7 +142,8 @@ class MemoryIndex(BlockIndex):
             w.lease_expiry_ms = now_ms + lease_ttl_ms
             return w.resync
 
-    async def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent], now_ms: int) -> PublishResult:
+    async def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent], now_ms: int,
+                      load: Load | None = None) -> PublishResult:
         with self._lock:
             w = self._live(worker_id, now_ms)
             resync = self._check_order(w, epoch, seq)
@@ -177,9 +178,12 @@ class MemoryIndex(BlockIndex):
                     self._clear(w)
             self._cap(w)
             w.last_seq = seq
+            if load is not None:
+                w.load = load
             return PublishResult(Action.ACK)
 
-    async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int) -> PublishResult:
+    async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int,
+                       load: Load | None = None) -> PublishResult:
         with self._lock:
             w = self._live(worker_id, now_ms)
             if epoch < w.reg.epoch:
@@ -211,6 +215,8 @@ class MemoryIndex(BlockIndex):
             if epoch != w.reg.epoch:
                 w.reg = dataclasses.replace(w.reg, epoch=epoch)
             w.last_seq = seq
+            if load is not None:
+                w.load = load
             return PublishResult(Action.ACK)
 
     async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:

@@ -224,14 +224,14 @@ class RedisIndex(BlockIndex):
         return len(res) > 1 and _s(res[1]) != "0"
 
     async def _publish(self, worker_id: str, epoch: int, seq: int, now_ms: int, snapshot: bool,
-                       parts: list[list]) -> PublishResult:
+                       parts: list[list], load: Load | None) -> PublishResult:
         # NOTE: part 0 checks the order (and a snapshot clears the worker); each later part checks
         # the worker's pending (seq, part) and the last commits seq. Lookups and other workers'
         # batches run between parts: the index then holds a prefix of this batch's events.
         for k, payload in enumerate(parts):
             last = k == len(parts) - 1
             res = await self._call("publish", worker_id, epoch, seq, now_ms, 1 if snapshot else 0, k,
-                                   1 if last else 0, *payload)
+                                   1 if last else 0, load.encode() if last and load is not None else "", *payload)
             code = _s(res[0])
             if code == "OK":
                 continue
@@ -246,14 +246,15 @@ class RedisIndex(BlockIndex):
         return PublishResult(Action.ACK)
 
     async def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent],
-                      now_ms: int) -> PublishResult:
+                      now_ms: int, load: Load | None = None) -> PublishResult:
         return await self._publish(worker_id, epoch, seq, now_ms, False,
-                                   split_payload(events, self.max_blocks_per_call))
+                                   split_payload(events, self.max_blocks_per_call), load)
 
-    async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int) -> PublishResult:
+    async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int,
+                       load: Load | None = None) -> PublishResult:
         n = self.max_blocks_per_call
         parts = [[b"".join(hashes[i:i + n])] for i in range(0, len(hashes), n)] or [[]]
-        return await self._publish(worker_id, epoch, seq, now_ms, True, parts)
+        return await self._publish(worker_id, epoch, seq, now_ms, True, parts, load)
 
     async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
         live, pairs = await self._call("lookup", model_id, now_ms, HASH_LEN, b"".join(hashes))
@@ -264,7 +265,7 @@ class RedisIndex(BlockIndex):
 
     # -- the address / load cache of Lookup ------------------------------------------------
     # NOTE: liveness and matches always come from Redis in the lookup's one round trip; only
-    # address, block size and load (which change at most once per heartbeat) come from this
+    # address, block size and load (reported with heartbeats and event batches) come from this
     # cache, refreshed every INFO_REFRESH_S by a task on the loop. A worker missing from it is
     # read at once (a second round trip, once per new worker).
     INFO_REFRESH_S = 0.1

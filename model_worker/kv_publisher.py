@@ -7,6 +7,10 @@
   step would load the kv_service for nothing; the index trails the engine by that interval.
 - RESYNC, a broken stream or a lost registration: (re-register if needed, then) ask the engine
   loop for a snapshot of the cached blocks and send it as the next batch.
+- Every message carries the engine's load as it is sent, and when the load changed but no events
+  are queued, a message with the load alone goes out (at the same pace): routers see a worker's
+  queue through Lookup as fresh as the event stream, not a heartbeat old (several routers, each
+  blind to the others' in-flight requests, would otherwise herd onto one worker).
 - Heartbeat every lease/3 with the engine's load; NOT_FOUND means the lease expired: register
   again (the index dropped our blocks), then snapshot. An answer with ``resync`` (an operator
   flushed our blocks from the index) asks for a snapshot too.
@@ -162,8 +166,17 @@ class KVPublisher:
         """The stream's batches: queued step batches merged (up to a snapshot), numbered as sent."""
         held: object = _NOTHING
         last_sent = 0.0
+        sent_state: tuple[int, ...] | None = None
         while True:
-            item = q.get() if held is _NOTHING else held
+            if held is _NOTHING:
+                try:
+                    item = q.get(timeout=self.batch_interval_s)
+                except queue.Empty:
+                    if self._need_snapshot.is_set() or self._stats().load.queue_state() == sent_state:
+                        continue
+                    item = pb.PublishEventsRequest()  # the load alone (attached below)
+            else:
+                item = held
             held = _NOTHING
             if item is None or self._stop.is_set():
                 return
@@ -180,6 +193,9 @@ class KVPublisher:
                         held = more  # NOTE: a snapshot replaces all before it: never merged
                         break
                     item.events.extend(more.events)
+            load = self._stats().load
+            item.load.CopyFrom(load_to_pb(load))
+            sent_state = load.queue_state()
             with self._lock:
                 self._seq += 1
                 item.worker_id, item.epoch, item.seq = self._reg.worker_id, self.epoch, self._seq

@@ -52,6 +52,9 @@ class RouterConfig:
     work_weight: float = 1.0
     """kv-aware: weight of the prefill work a request adds to the mesh (capacity a recomputed prefix costs),
     against its own predicted time to first token."""
+    router_temperature: float = 0.0
+    """kv-aware: 0 = the best predicted worker wins; > 0 = softmax sampling over the scores normalized to [0, 1]
+    at this temperature (Dynamo's --router-temperature), so several routers spread a burst (docs/router.md)."""
     balance_factor: float = 2.0
     """Hot-spot test of the rendezvous fallback (and preble's, on its windowed loads): a worker queued over
     this x the mean (and, for the fallback, over the least loaded by --balance-min-tokens) is skipped."""
@@ -94,6 +97,8 @@ class RouterConfig:
         if not self.decode_harm_weight >= 0 or not self.work_weight >= 0:
             raise ValueError(f"--decode-harm-weight and --work-weight must be >= 0, got {self.decode_harm_weight}, "
                              f"{self.work_weight}")
+        if not self.router_temperature >= 0:
+            raise ValueError(f"--router-temperature must be >= 0, got {self.router_temperature}")
         if self.balance_factor < 1.0:
             raise ValueError(f"--balance-factor must be >= 1.0, got {self.balance_factor}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import math
 import random
 import threading
 import time
@@ -56,6 +57,11 @@ class PolicyConfig:
     work_weight: float = 1.0
     """kv-aware: weight of the work (its own prefill time) a request adds to the mesh, beyond its
     latency: what the mesh loses of its capacity when a prompt is recomputed instead of reused."""
+    temperature: float = 0.0
+    """kv-aware: 0 = the best score wins; > 0 = a worker is drawn with probability proportional to
+    exp(-(score - best) / (temperature * (worst - best))) (Dynamo's --router-temperature): several
+    routers, each blind to the others' newest requests, then spread a burst instead of all sending
+    it to the worker each predicts best."""
     clock: Callable[[], float] = time.monotonic
     """Monotonic seconds, for policies with a time window (the simulator's virtual clock)."""
 
@@ -250,7 +256,7 @@ class KvAwarePolicy(RouterPolicy):
         for c in candidates:
             ttft, own = predicted_ttft(model, query, c, self.config.default_step_tokens)
             scores.append(ttft + (lam * decoders(c) + kappa) * own)
-        i = self._argmin_index(scores)
+        i = self._sample_index(scores) if self.config.temperature > 0 else self._argmin_index(scores)
         chosen = candidates[i]
         # NOTE: no token-count guard: a hot spot's queue is in its predicted time already.
         return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks else "load",
@@ -259,6 +265,16 @@ class KvAwarePolicy(RouterPolicy):
     def _argmin_index(self, scores: Sequence[float]) -> int:
         best = min(scores)
         return self._choice_index([i for i, s in enumerate(scores) if s == best])
+
+    def _sample_index(self, scores: Sequence[float]) -> int:
+        """Softmax over the scores normalized to [0, 1] (best 0, worst 1), at ``temperature``."""
+        best, worst = min(scores), max(scores)
+        if worst <= best:
+            return self._argmin_index(scores)
+        scale = self.config.temperature * (worst - best)
+        weights = [math.exp(-(s - best) / scale) for s in scores]
+        with self._lock:  # one RNG shared by the server's threads
+            return self._rng.choices(range(len(scores)), weights)[0]
 
 
 NOMINAL_COST = StepCost(step_s=0.0, prefill_token_s=1.0, prefill_pair_s=0.0, decode_seq_s=0.0,
@@ -288,13 +304,15 @@ def predicted_ttft(m: StepCost, q: RouteQuery, c: Candidate, default_step_tokens
 
 
 class RoundRobinPolicy(RouterPolicy):
-    """Each request to the next worker in worker-id order; ignores cache and load."""
+    """Each request to the next worker in worker-id order, from a random start; ignores cache and load."""
 
     name = "round-robin"
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         super().__init__(config)
-        self._next = 0
+        # NOTE: a random start: several routers (or restarted ones) that all began at the first
+        # worker would send the first requests of a burst, one from each router, to the same worker.
+        self._next = self._rng.randrange(1 << 16)
 
     def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
         ordered = sorted(candidates, key=lambda c: c.worker_id)

@@ -141,7 +141,7 @@ class Router:
         policy = policy or make_policy(config.policy, PolicyConfig(
             decode_cost_tokens=config.decode_cost_tokens, overlap_weight=config.overlap_weight,
             decode_harm_weight=config.decode_harm_weight, work_weight=config.work_weight,
-            balance_factor=config.balance_factor,
+            temperature=config.router_temperature, balance_factor=config.balance_factor,
             balance_min_tokens=config.balance_min_tokens, fallback_prefix_blocks=config.fallback_prefix_blocks,
             seed=config.seed))
         self.core = RoutingCore(policy, speculative_ttl_s=config.speculative_ttl_s,

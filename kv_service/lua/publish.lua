@@ -1,4 +1,4 @@
--- ARGV: pre, wid, epoch, seq, now, snapshot(0/1), part, last(0/1), then
+-- ARGV: pre, wid, epoch, seq, now, snapshot(0/1), part, last(0/1), load ('' = unchanged), then
 --   snapshot: one string of hashes (oldest first);
 --   events:   a sequence of 'S' hashes | 'R' hashes | 'C' (hashes: one string, split_hashes).
 -- NOTE: one batch may come in parts 0..k (store_redis.py bounds the hashes per call, so Redis is
@@ -8,7 +8,7 @@
 -- state after a prefix of its event stream, which is a state the worker really was in.
 local wid, epoch, seq = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local now, snapshot = tonumber(ARGV[5]), ARGV[6] == '1'
-local part, last = tonumber(ARGV[7]), ARGV[8] == '1'
+local part, last, load = tonumber(ARGV[7]), ARGV[8] == '1', ARGV[9]
 local w, err = live_worker(wid, now)
 if err then return err end
 local cur, lastseq = tonumber(w[1]), tonumber(w[2])
@@ -36,10 +36,10 @@ else
   end
 end
 if snapshot then
-  local hashes = split_hashes(ARGV[9] or '')
+  local hashes = split_hashes(ARGV[10] or '')
   add_blocks(wid, num, hashes, 1, #hashes)
 else
-  local i = 9
+  local i = 10
   while i <= #ARGV do
     local op = ARGV[i]
     if op == 'C' then
@@ -60,6 +60,11 @@ cap_worker(wid, num, tonumber(w[4]))
 if last then
   redis.call('HSET', wkey, 'seq', ARGV[4])
   redis.call('HDEL', wkey, 'pseq', 'ppart')
+  -- NOTE: the load rides with the batch (one round trip); the lease stays the heartbeat's.
+  if load ~= '' then
+    redis.call('HSET', wkey, 'load', load)
+    redis.call('HSET', pre .. 'ld:' .. w[5], wid, w[6] .. '|' .. w[7] .. '|' .. load)
+  end
 else
   redis.call('HSET', wkey, 'pseq', ARGV[4], 'ppart', part + 1)
 end

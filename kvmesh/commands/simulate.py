@@ -70,7 +70,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="kv publisher message period (default 20)")
     g.add_argument("--event-delay-ms", type=float, default=d.event_delay_s * 1000,
                    help="event message worker -> index (default 2)")
-    g.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s, help="load report period (default 3.33)")
+    g.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s, help="heartbeat period (default 3.33)")
+    g.add_argument("--load-reports", choices=["events", "heartbeat"], default="events",
+                   help="events: event messages carry the load and a changed load goes out alone (the live "
+                        "worker); heartbeat: only heartbeats report it (the worker until 2026-11-22) (default events)")
     g.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s, help="worker lease (default 10)")
     g.add_argument("--discovery-s", type=float, default=d.discovery_s, help="routers' ListWorkers period (default 1)")
     g.add_argument("--lookup-latency-ms", type=float, default=d.lookup_latency_s * 1000,
@@ -86,6 +89,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--overlap-weight", type=float, default=pc.overlap_weight)
     g.add_argument("--decode-harm-weight", type=float, default=pc.decode_harm_weight)
     g.add_argument("--work-weight", type=float, default=pc.work_weight)
+    g.add_argument("--router-temperature", type=float, default=pc.temperature,
+                   help="kv-aware: softmax sampling temperature over normalized scores (default 0 = best wins)")
     g.add_argument("--balance-factor", type=float, default=pc.balance_factor)
     g.add_argument("--balance-min-tokens", type=int, default=pc.balance_min_tokens)
     g = p.add_argument_group("faults")
@@ -108,12 +113,14 @@ def config_from(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         num_scheduler_steps=args.num_scheduler_steps, window_steps=args.window_steps, cost=cost,
         event_batch_s=args.event_batch_ms / 1000, event_delay_s=args.event_delay_ms / 1000,
-        heartbeat_s=args.heartbeat_s, lease_ttl_s=args.lease_ttl_s, discovery_s=args.discovery_s,
+        heartbeat_s=args.heartbeat_s, load_on_events=args.load_reports == "events",
+        lease_ttl_s=args.lease_ttl_s, discovery_s=args.discovery_s,
         lookup_latency_s=args.lookup_latency_ms / 1000, lookup_timeout_s=args.lookup_timeout_ms / 1000,
         index_retry_s=args.index_retry_s, network_s=args.network_ms / 1000, speculative_ttl_s=args.speculative_ttl_s,
         max_attempts=args.max_attempts,
         policy_config=PolicyConfig(decode_cost_tokens=args.decode_cost, overlap_weight=args.overlap_weight,
                                    decode_harm_weight=args.decode_harm_weight, work_weight=args.work_weight,
+                                   temperature=args.router_temperature,
                                    balance_factor=args.balance_factor, balance_min_tokens=args.balance_min_tokens),
         event_loss=args.event_loss, restart_at=tuple(_floats(args.restart_at)), restart_down_s=args.restart_down_s,
         slo_ttft_s=args.slo_ttft, slo_ttft_prefill_x=args.slo_ttft_prefill_x, slo_tpot_s=args.slo_tpot,

@@ -95,6 +95,11 @@ class Load:
     max_num_batched_tokens: int = 0
     """The worker's token budget per step (0 = not reported)."""
 
+    def queue_state(self) -> tuple[int, int, int]:
+        """What routing reads of the worker's state: (running, waiting, queued prefill tokens); a
+        change of it is worth a load report of its own (model_worker/kv_publisher.py)."""
+        return self.num_running, self.num_waiting, self.queued_prefill_tokens
+
     def encode(self) -> str:
         # NOTE: comma-separated, in field order; decode() reads strings of older workers (the first
         # five fields only) too.

@@ -8,8 +8,10 @@ What runs is the production code; only the forward pass and the wire are modelle
   and the worker is busy that long on the virtual clock. Its kv publisher and heartbeat are
   modelled after model_worker/kv_publisher.py: block events are merged into one message at most
   every ``event_batch_s``, numbered per epoch, delivered ``event_delay_s`` later; a RESYNC answer
-  makes the worker send a snapshot of its cached blocks as its next message; a heartbeat every
-  ``heartbeat_s`` carries the engine's load (what the router sees of load is that stale).
+  makes the worker send a snapshot of its cached blocks as its next message; every message
+  carries the engine's load as it is sent, and a load that changed without events goes out alone
+  in the next message slot (``load_on_events``, the live publisher's behaviour); a heartbeat every ``heartbeat_s`` carries it too (with ``load_on_events=False``,
+  the only load report: what the router sees of load is then that stale).
 - **index**: the kv_service core, :class:`KVService` over the in-memory store (its coroutines
   never suspend there, so ``run_now`` drives them without an event loop; the same
   semantics as the Redis store: refcounts, per-worker LRU caps, leases, epochs, Lookup), on the
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvmesh.contract.block_hash import XXH3_128
-from kvmesh.contract.types import AllBlocksCleared, KVCacheEvent, SamplingParams
+from kvmesh.contract.types import AllBlocksCleared, KVCacheEvent, Load, SamplingParams
 from kvmesh.kv_service.index import Action, Registration
 from kvmesh.kv_service.service import KVService, ServiceConfig, run_now
 from kvmesh.kv_service.store_memory import MemoryIndex
@@ -91,7 +93,11 @@ class SimConfig:
     event_delay_s: float = 0.002
     """A message's trip from the worker to the index."""
     heartbeat_s: float = 10.0 / 3
-    """Load reports: every lease / 3 (the publisher's heartbeat period with the default 10 s lease)."""
+    """Heartbeats (with the load): every lease / 3 (the publisher's period with the default 10 s lease)."""
+    load_on_events: bool = True
+    """Event messages carry the load, and a changed load goes out alone (kv_publisher.py); False:
+    only heartbeats report load (the live publisher until 2026-11-22; the goal-table runs of
+    2026-11-22 ran so)."""
     lease_ttl_s: float = 10.0
     discovery_s: float = 1.0
     """Routers' ListWorkers poll (--discovery-interval)."""
@@ -238,7 +244,9 @@ class SimWorker:
         # publisher state
         self.seq = 0
         self.queued: list[KVCacheEvent] = []
-        self.flush_pending = False
+        self.flush_at: float | None = None
+        """When the next message is due (None: none due)."""
+        self.sent_state: tuple[int, ...] | None = None
         self.last_sent = -1.0
         self.need_snapshot = False
         self.resyncs = 0
@@ -281,7 +289,7 @@ class SimWorker:
         self.up = False
         self.engine = self.runner = None
         self.stepping = False
-        self.flush_pending = False
+        self.flush_at = None
         attempts, self.attempts = self.attempts, {}
         for a in attempts.values():
             self.mesh.q.after(self.mesh.cfg.network_s, a.router.worker_failed, a, self.worker_id)
@@ -308,6 +316,7 @@ class SimWorker:
         self.attempts[a.request_id] = a
         if not self.stepping:
             self._step()
+        self._load_changed()
 
     # -- the step loop -----------------------------------------------------------------------------
     def _step(self) -> None:
@@ -362,6 +371,8 @@ class SimWorker:
         events = engine.take_kv_events()
         if events:
             self._enqueue(events)
+        else:
+            self._load_changed()
         if self.need_snapshot:
             self._send_snapshot()
         if engine.has_unfinished_requests():
@@ -374,29 +385,42 @@ class SimWorker:
         if self.need_snapshot:
             return  # the coming snapshot supersedes these
         self.queued.extend(events)
-        if not self.flush_pending:
-            self.flush_pending = True
-            self.mesh.q.at(max(self.mesh.q.now, self.last_sent + self.mesh.cfg.event_batch_s), self._flush, self.epoch)
+        self._flush_by(self.last_sent + self.mesh.cfg.event_batch_s)
 
-    def _flush(self, epoch: int) -> None:
-        if epoch != self.epoch or not self.up:
-            return
-        self.flush_pending = False
-        if not self.queued:
+    def _load_changed(self) -> None:
+        """The load may have changed with no events to carry it: a load-only message is due in the
+        next message slot (the live publisher's queue wait times out after one batch interval)."""
+        if self.mesh.cfg.load_on_events and not self.need_snapshot:
+            self._flush_by(self.last_sent + self.mesh.cfg.event_batch_s)
+
+    def _flush_by(self, t: float) -> None:
+        t = max(self.mesh.q.now, t)
+        if self.flush_at is None or t < self.flush_at:
+            self.flush_at = t
+            self.mesh.q.at(t, self._flush, self.epoch, t)
+
+    def _flush(self, epoch: int, at: float) -> None:
+        if epoch != self.epoch or not self.up or at != self.flush_at:
+            return  # NOTE: a killed incarnation's, or superseded by an earlier one
+        self.flush_at = None
+        mesh = self.mesh
+        load = self.load_now() if mesh.cfg.load_on_events else None
+        if not self.queued and (load is None or self.need_snapshot or load.queue_state() == self.sent_state):
             return
         events, self.queued = self.queued, []
+        if load is not None:
+            self.sent_state = load.queue_state()
         self.seq += 1
-        self.last_sent = self.mesh.q.now
-        mesh = self.mesh
+        self.last_sent = mesh.q.now
         if mesh.cfg.event_loss and mesh.rng.random() < mesh.cfg.event_loss:
             mesh.lost_batches += 1
             return
-        mesh.q.after(mesh.cfg.event_delay_s, self._deliver, self.epoch, self.seq, events)
+        mesh.q.after(mesh.cfg.event_delay_s, self._deliver, self.epoch, self.seq, events, load)
 
-    def _deliver(self, epoch: int, seq: int, events: list[KVCacheEvent]) -> None:
+    def _deliver(self, epoch: int, seq: int, events: list[KVCacheEvent], load: Load | None) -> None:
         if epoch != self.epoch:
             return  # NOTE: a killed incarnation's stream died with it
-        result = run_now(self.mesh.index.svc.publish(self.worker_id, epoch, seq, events))
+        result = run_now(self.mesh.index.svc.publish(self.worker_id, epoch, seq, events, load))
         if result.action == Action.RESYNC and epoch == self.epoch and self.up:
             self.resyncs += 1
             # NOTE: the ack travels back; then the engine loop takes the snapshot at its next sync.
@@ -417,24 +441,31 @@ class SimWorker:
         hashes = list(self.engine.kv_cache_manager.block_pool.cached_block_hash_to_block)
         self.seq += 1
         self.last_sent = self.mesh.q.now
-        self.mesh.q.after(self.mesh.cfg.event_delay_s, self._deliver_snapshot, self.epoch, self.seq, hashes)
+        load = self.load_now() if self.mesh.cfg.load_on_events else None
+        if load is not None:
+            self.sent_state = load.queue_state()
+        self.mesh.q.after(self.mesh.cfg.event_delay_s, self._deliver_snapshot, self.epoch, self.seq, hashes, load)
 
-    def _deliver_snapshot(self, epoch: int, seq: int, hashes: list[bytes]) -> None:
+    def _deliver_snapshot(self, epoch: int, seq: int, hashes: list[bytes], load: Load | None) -> None:
         if epoch == self.epoch:
-            run_now(self.mesh.index.svc.snapshot(self.worker_id, epoch, seq, hashes))
+            run_now(self.mesh.index.svc.snapshot(self.worker_id, epoch, seq, hashes, load))
+
+    def load_now(self) -> Load:
+        """The load the live worker would report now."""
+        assert self.engine is not None
+        # NOTE: mid-step the live engine reports the state as of the step's start plus what
+        # arrived since (its snapshot is taken between steps).
+        stats = self.engine.stats()
+        if self.stepping and self.mesh.q.now < self.busy_until and self._pre_stats is not None:
+            pre, post = self._pre_stats, self.engine.last_step_stats
+            stats = replace(pre, num_waiting=pre.num_waiting + stats.num_waiting - post.num_waiting,
+                            queued_prefill_tokens=pre.queued_prefill_tokens + stats.queued_prefill_tokens
+                            - post.queued_prefill_tokens)
+        return stats.load
 
     def heartbeat(self) -> None:
         if self.up and self.engine is not None:
-            now = self.mesh.q.now
-            # NOTE: mid-step the live engine reports the state as of the step's start plus what
-            # arrived since (its snapshot is taken between steps).
-            stats = self.engine.stats()
-            if self.stepping and now < self.busy_until and self._pre_stats is not None:
-                pre, post = self._pre_stats, self.engine.last_step_stats
-                stats = replace(pre, num_waiting=pre.num_waiting + stats.num_waiting - post.num_waiting,
-                                queued_prefill_tokens=pre.queued_prefill_tokens + stats.queued_prefill_tokens
-                                - post.queued_prefill_tokens)
-            run_now(self.mesh.index.svc.heartbeat(self.worker_id, self.epoch, stats.load))
+            run_now(self.mesh.index.svc.heartbeat(self.worker_id, self.epoch, self.load_now()))
         self.mesh.q.after(self.mesh.cfg.heartbeat_s, self.heartbeat)
 
 

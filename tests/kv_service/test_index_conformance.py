@@ -228,6 +228,35 @@ async def test_lookup_is_per_model_and_reports_load(index):
     assert await index.lookup("nobody", h, T0) == []
 
 
+async def test_an_applied_batch_carries_the_workers_load(index):
+    """The load rides on the event stream: an applied batch (or snapshot) records it, a batch
+    without one leaves it, a refused batch changes nothing; the lease stays the heartbeat's."""
+    h = chain(3)
+    await join(index, "w1")
+    await index.heartbeat("w1", 1, Load(num_running=1), TTL, T0)
+    fresh = Load(4, 2, 80, 100, 512, busy_s=1.5, steps=30, max_num_batched_tokens=8192)
+    assert (await index.publish("w1", 1, 1, [BlockStored(h[:1])], T0, fresh)).action == Action.ACK
+
+    async def load_now() -> Load:
+        (info,) = await index.workers(T0)
+        return info.load
+
+    assert await load_now() == fresh
+    # NOTE: the first Lookup of a model on this index instance reads the loads straight from the store
+    assert [(m.worker_id, m.load) for m in await index.lookup("m", h, T0)] == [("w1", fresh)]
+    assert (await index.publish("w1", 1, 2, [BlockStored(h[1:2], h[0])], T0)).action == Action.ACK
+    assert await load_now() == fresh  # no load in the batch: unchanged
+    assert (await index.publish("w1", 1, 2 + 5, [], T0, Load(num_running=9))).action == Action.RESYNC
+    assert await load_now() == fresh  # refused (seq gap): unchanged
+    assert (await index.publish("w1", 1, 3, [], T0, Load(num_waiting=7))).action == Action.ACK  # the load alone
+    assert await load_now() == Load(num_waiting=7)
+    assert (await index.snapshot("w1", 1, 9, h, T0, Load(num_running=3))).action == Action.ACK
+    assert await load_now() == Load(num_running=3)
+    assert await matches(index, h) == {"w1": 3}
+    # the lease is not renewed by batches: it ends a TTL after the heartbeat
+    assert await index.lookup("m", h, T0 + TTL + 1) == []
+
+
 async def test_unknown_worker_is_not_found_and_flush(index):
     h = chain(2)
     with pytest.raises(NotFound):

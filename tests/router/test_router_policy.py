@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 
 import pytest
 
@@ -50,6 +51,21 @@ def test_much_more_loaded_holder_loses_to_idle_worker():
     # b: idle, 1024 + 1024 = 2048.
     d = kv_aware().pick(query(1024), [cand("a", matched=48, queued_prefill=2000, running=4), cand("b")])
     assert (d.worker_id, d.reason, d.score) == ("b", "load", 2048)
+
+
+def test_temperature_spreads_picks_by_normalized_score():
+    cands = [cand("a", matched=48), cand("b", matched=32), cand("c")]
+    # each alone: score = 2 x uncached tokens (ttft u + work u): a 512, b 1024, c 2048
+    scores = {c.worker_id: kv_aware().pick(query(1024), [c]).score for c in cands}
+    assert scores == {"a": 512, "b": 1024, "c": 2048}
+    assert {kv_aware(seed=s).pick(query(1024), cands).worker_id for s in range(50)} == {"a"}  # 0: the best wins
+    for t in (0.25, 1.0):
+        policy = kv_aware(seed=7, temperature=t)
+        picks = [policy.pick(query(1024), cands).worker_id for _ in range(4000)]
+        # p(w) ~ exp(-(score - best) / (t * (worst - best)))
+        weight = {w: math.exp(-(v - 512) / (t * (2048 - 512))) for w, v in scores.items()}
+        for w in scores:
+            assert abs(picks.count(w) / len(picks) - weight[w] / sum(weight.values())) < 0.03, (t, w)
 
 
 def test_work_weight_trades_queue_for_cache_hits():
@@ -142,9 +158,13 @@ def test_kv_aware_without_index_falls_back_to_rendezvous():
 
 
 def test_round_robin_and_least_loaded():
-    rr = make_policy("round-robin")
     cands = [cand("b"), cand("a"), cand("c")]
-    assert [rr.pick(query(32), cands).worker_id for _ in range(4)] == ["a", "b", "c", "a"]
+    rr = make_policy("round-robin")
+    picks = [rr.pick(query(32), cands).worker_id for _ in range(6)]
+    assert picks[:3] in (["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]) and picks[3:] == picks[:3]
+    # routers do not start their rotations together (they would herd the first requests of a burst)
+    starts = {make_policy("round-robin", PolicyConfig(seed=s)).pick(query(32), cands).worker_id for s in range(30)}
+    assert starts == {"a", "b", "c"}
     ll = make_policy("least-loaded", PolicyConfig(seed=1))
     d = ll.pick(query(32), [cand("a", matched=2, running=3), cand("b", queued_prefill=50), cand("c", running=2)])
     assert (d.worker_id, d.reason, d.score) == ("b", "least_loaded", 50)

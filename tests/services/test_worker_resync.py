@@ -125,14 +125,15 @@ def test_resync_answer_gets_a_snapshot_that_restores_the_lost_batch(kv_server, h
     worker = start_worker("w1", hop.address)
     generate(worker, prompt(1))
     wait_until(lambda: index_equals_cache(kv, worker), what="the index to hold the first prompt")
+    resyncs = kv.GetStats(kpb.GetStatsRequest(), timeout=5).resyncs_total
     hop.drop_next(lambda req: bool(stored_in(req)))
     generate(worker, prompt(2))  # its blocks travel in the batch the hop loses
     wait_until(lambda: hop.dropped, what="the hop to lose a batch")
     lost = stored_in(hop.dropped[0])
     assert lost and lost <= worker.engine.cached_block_hashes()
-    resyncs = kv.GetStats(kpb.GetStatsRequest(), timeout=5).resyncs_total
-    # The next batch arrives one seq too far: RESYNC. The worker's snapshot brings back the lost
-    # blocks along with everything else it caches.
+    # The next message (the load report of the finished request, or prompt 3's batch) arrives one
+    # seq too far: RESYNC. The worker's snapshot brings back the lost blocks along with everything
+    # else it caches.
     generate(worker, prompt(3))
     wait_until(lambda: index_equals_cache(kv, worker), what="the index to equal the worker's cache after a resync")
     assert kv.GetStats(kpb.GetStatsRequest(), timeout=5).resyncs_total > resyncs

@@ -82,6 +82,37 @@ def test_event_loss_restart_and_three_routers_finish_and_resync():
     assert info["worker-000"].registration.epoch == 2
 
 
+def _index_lag(load_on_events: bool) -> float:
+    """Mean over probes every 0.25 s of |requests at a worker by the index - by its engine|."""
+    w = load_trace_or_generated()
+    cfg = SimConfig(workers=4, routers=3, seed=2, load_on_events=load_on_events)
+    mesh = Mesh(cfg, w, sim_model_dir(), chains_for(w, cfg.block_size))
+    gaps: list[int] = []
+    end = w.requests[-1].arrival_s
+
+    def probe() -> None:
+        held = {i.registration.worker_id: i.load for i in run_now(mesh.index.svc.index.workers(int(mesh.q.now * 1000)))}
+        for worker in mesh.workers:
+            if worker.engine is not None and worker.worker_id in held:
+                now, seen = worker.load_now(), held[worker.worker_id]
+                gaps.append(abs(now.num_running + now.num_waiting - seen.num_running - seen.num_waiting))
+        if mesh.q.now < end:
+            mesh.q.after(0.25, probe)
+
+    mesh.q.at(1.0, probe)
+    mesh.run()
+    assert len(gaps) > 100
+    return sum(gaps) / len(gaps)
+
+
+def test_event_messages_keep_the_index_load_fresh_for_every_router():
+    # Three routers each see only their own in-flight requests; the rest they learn from the load
+    # the index holds. Carried by the event stream (the live publisher), it trails the engine by a
+    # message slot; by heartbeats alone, by up to a heartbeat period (3.3 s).
+    fresh, stale = _index_lag(True), _index_lag(False)
+    assert fresh < 0.5 and fresh < stale / 3, (fresh, stale)
+
+
 def test_a_prompt_longer_than_the_engines_accept_fails_without_stopping_the_run():
     reqs = [SimRequest(i, float(i), n, 4, ((-(i + 1), n),)) for i, n in enumerate((1000, 5000, 1000))]
     sim = Sim(Workload("long", reqs), SimConfig(workers=2, max_model_len=4096))
