@@ -28,7 +28,8 @@ WORKLOADS = [  # (file stem, label, capacity goal, hit goal)
     ("no-reuse", "no-reuse control", 0.98, None),
 ]
 FAULTS = [("event_loss", "10 % event messages lost"), ("restart", "worker 0 restarted mid-trace"),
-          ("routers3", "3 routers")]
+          ("routers3", "3 routers"), ("routers3_t0.1", "3 routers, --router-temperature 0.1"),
+          ("t0.1", "1 router, --router-temperature 0.1 (not a fault: what the temperature costs)")]
 OURS = "kv-aware"
 
 
