@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The issue-15 goal table: every command whose JSON is in this folder, in the order they were run.
 # Usage: benchmarks/results/sim/run_matrix.sh [step ...]   (steps: conv3000 synthetic shared-prefix
-# multi-turn hot-prompt no-reuse faults conv-all events). Each run holds the shared heavy lock; --jobs 2.
+# multi-turn hot-prompt no-reuse faults conv-all events events-rest). Each run holds the shared heavy lock; --jobs 2.
 # NOTE: the goal-table steps ran before event messages carried the workers' load; --load-reports
 # heartbeat (in HB below) gives their runs again. The 'events' step is the later re-run of the
 # conversation trace and its faults with the current default (load on events) into events/.
@@ -35,8 +35,17 @@ step() {
     # NOTE: the whole trace (12,031 requests) takes 4x a 3,000-request step and there was not the
     # time for every policy: kv-aware against the best other on the first 3,000 (lmetric), the
     # capacity search and a run at rate 0.5 (<= half capacity) each.
-    conv-all)  sim $HB --trace $TRACES/conversation_trace.jsonl --policies kv-aware,lmetric --relative-rates '' \
-                 --rates 0.5 --json $OUT/conversation_all.json --plot-dir $OUT/plots/conv-all --plot-note "$NOTE" ;;
+    # The goal table's other workloads again with load on events (second session), into events/.
+    events-rest)
+      mkdir -p $EV
+      sim --trace $TRACES/synthetic_trace.jsonl --json $EV/synthetic.json --plot-dir $EV/plots/synthetic --plot-note "$NOTE"
+      for w in shared-prefix multi-turn hot-prompt no-reuse; do
+        sim --workload "$w" --json "$EV/$w.json" --plot-dir "$EV/plots/$w" --plot-note "$NOTE"
+      done ;;
+    # (run in the second session, with load on events: into events/)
+    conv-all)  mkdir -p $EV
+               sim --trace $TRACES/conversation_trace.jsonl --policies kv-aware,lmetric --relative-rates '' \
+                 --rates 0.5 --json $EV/conversation_all.json --plot-dir $EV/plots/conv-all --plot-note "$NOTE" ;;
     *) echo "unknown step $1" >&2; exit 2 ;;
   esac
 }
