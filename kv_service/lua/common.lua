@@ -138,3 +138,9 @@ local function live_worker(wid, now)
   end
   return w, nil
 end
+
+-- Records a live worker's load (w: live_worker's answer) where Lookup's cache reads it.
+local function set_load(wid, w, load)
+  redis.call('HSET', pre .. 'w:' .. wid, 'load', load)
+  redis.call('HSET', pre .. 'ld:' .. w[5], wid, w[6] .. '|' .. w[7] .. '|' .. load)
+end

@@ -5,9 +5,9 @@ local w, err = live_worker(wid, now)
 if err then return err end
 if w[1] ~= epoch then return {'EPOCH', w[1]} end
 local lease = now + ttl
-redis.call('HSET', pre .. 'w:' .. wid, 'load', load, 'lease', lease)
+set_load(wid, w, load)
+redis.call('HSET', pre .. 'w:' .. wid, 'lease', lease)
 redis.call('ZADD', pre .. 'mw:' .. w[5], lease, wid)
-redis.call('HSET', pre .. 'ld:' .. w[5], wid, w[6] .. '|' .. w[7] .. '|' .. load)
 redis.call('ZADD', pre .. 'workers', lease, wid)
 -- NOTE: a flushed worker owes a snapshot (admin.lua flush); the answer tells it.
 return {'OK', redis.call('HGET', pre .. 'w:' .. wid, 'resync') or '0'}

@@ -61,10 +61,7 @@ if last then
   redis.call('HSET', wkey, 'seq', ARGV[4])
   redis.call('HDEL', wkey, 'pseq', 'ppart')
   -- NOTE: the load rides with the batch (one round trip); the lease stays the heartbeat's.
-  if load ~= '' then
-    redis.call('HSET', wkey, 'load', load)
-    redis.call('HSET', pre .. 'ld:' .. w[5], wid, w[6] .. '|' .. w[7] .. '|' .. load)
-  end
+  if load ~= '' then set_load(wid, w, load) end
 else
   redis.call('HSET', wkey, 'pseq', ARGV[4], 'ppart', part + 1)
 end

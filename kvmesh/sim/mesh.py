@@ -10,8 +10,9 @@ What runs is the production code; only the forward pass and the wire are modelle
   every ``event_batch_s``, numbered per epoch, delivered ``event_delay_s`` later; a RESYNC answer
   makes the worker send a snapshot of its cached blocks as its next message; every message
   carries the engine's load as it is sent, and a load that changed without events goes out alone
-  in the next message slot (``load_on_events``, the live publisher's behaviour); a heartbeat every ``heartbeat_s`` carries it too (with ``load_on_events=False``,
-  the only load report: what the router sees of load is then that stale).
+  in the next message slot (``load_on_events``, the live publisher's behaviour); a heartbeat
+  every ``heartbeat_s`` carries it too (with ``load_on_events=False`` the only load report: what
+  the router sees of load is then that stale).
 - **index**: the kv_service core, :class:`KVService` over the in-memory store (its coroutines
   never suspend there, so ``run_now`` drives them without an event loop; the same
   semantics as the Redis store: refcounts, per-worker LRU caps, leases, epochs, Lookup), on the

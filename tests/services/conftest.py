@@ -34,9 +34,11 @@ def _one_torch_thread() -> Iterator[None]:
 
 
 @pytest.fixture
-def kv_server(redis_url, redis_namespace) -> Iterator[KVServiceServer]:
+def kv_server(request, redis_url, redis_namespace) -> Iterator[KVServiceServer]:
+    """kv_service on Redis; lease 1.5 s, or the ms of ``parametrize("kv_server", [ms], indirect=True)``."""
+    lease_ttl_ms = getattr(request, "param", 1500)
     server = KVServiceServer(RedisIndex(redis_url, redis_namespace), "127.0.0.1", free_port(),
-                             ServiceConfig(lease_ttl_ms=1500, reap_interval_s=0.25)).start()
+                             ServiceConfig(lease_ttl_ms=lease_ttl_ms, reap_interval_s=0.25)).start()
     yield server
     server.stop(0.5)
 

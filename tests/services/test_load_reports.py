@@ -8,14 +8,9 @@ event batches (or a load-only message when the load changed without events).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 
-from kvmesh.kv_service.server import KVServiceServer
-from kvmesh.kv_service.service import ServiceConfig
-from kvmesh.kv_service.store_redis import RedisIndex
-from kvmesh.loopback import free_port
 from kvmesh.testing import wait_until
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2
@@ -25,17 +20,10 @@ from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc
 
 
-@pytest.fixture
-def long_lease_kv(redis_url, redis_namespace) -> Iterator[KVServiceServer]:
-    server = KVServiceServer(RedisIndex(redis_url, redis_namespace), "127.0.0.1", free_port(),
-                             ServiceConfig(lease_ttl_ms=60_000, reap_interval_s=0.25)).start()
-    yield server
-    server.stop(0.5)
-
-
-def test_lookup_sees_a_running_request_and_its_end_without_a_heartbeat(long_lease_kv, start_worker):
-    kv = kpb_grpc.KVServiceStub(dial(f"127.0.0.1:{long_lease_kv.port}"))
-    worker = start_worker("w1", f"127.0.0.1:{long_lease_kv.port}")
+@pytest.mark.parametrize("kv_server", [60_000], indirect=True)  # heartbeats 20 s apart
+def test_lookup_sees_a_running_request_and_its_end_without_a_heartbeat(kv_server, start_worker):
+    kv = kpb_grpc.KVServiceStub(dial(f"127.0.0.1:{kv_server.port}"))
+    worker = start_worker("w1", f"127.0.0.1:{kv_server.port}")
     (info,) = kv.ListWorkers(kpb.ListWorkersRequest(), timeout=5).workers
     assert info.load.num_running == 0 and info.lease_remaining_ms > 50_000
 
