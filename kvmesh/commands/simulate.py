@@ -30,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--workload", choices=sorted(GENERATORS), help="a generated workload")
     p.add_argument("--max-requests", type=int, default=None, help="the first N requests (default: all; "
                                                                   "generators: 3000)")
+    p.add_argument("--skip-requests", type=int, default=0, metavar="N",
+                   help="--trace: start at the trace's request N (a later segment; times restart at 0) (default 0)")
     p.add_argument("--workers", type=int, default=d.workers, help=f"simulated workers (default {d.workers})")
     p.add_argument("--routers", type=int, default=d.routers,
                    help="routers sharing the index, requests dealt to them in turn (default 1)")
@@ -150,12 +152,15 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.event_loss < 1 or args.workers < 1 or args.routers < 1 or args.jobs < 1:
         print("--event-loss must be in [0, 1); --workers, --routers and --jobs >= 1", file=sys.stderr)
         return 2
+    if args.skip_requests < 0 or (args.skip_requests and not args.trace):
+        print("--skip-requests takes a count >= 0, with --trace", file=sys.stderr)
+        return 2
     capacity = not args.no_capacity
     if relative and (not capacity or args.baseline not in policies):
         relative = []  # NOTE: nothing to scale by
     if args.trace:
         try:
-            workload = load_trace(args.trace, args.max_requests, args.seed)
+            workload = load_trace(args.trace, args.max_requests, args.seed, skip=args.skip_requests)
         except (OSError, ValueError, KeyError) as exc:
             print(f"cannot read trace {args.trace}: {exc}", file=sys.stderr)
             return 2
@@ -175,4 +180,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot_dir:
         for path in report.plot(doc, args.plot_dir, args.plot_note):
             print(f"wrote {path}", file=sys.stderr)
+    if doc.get("failures"):
+        print(f"{len(doc['failures'])} run(s) failed (listed above and under 'failures' in the JSON); "
+              "the other results are complete", file=sys.stderr)
+        return 1
     return 0

@@ -38,6 +38,8 @@ def format_table(doc: dict) -> str:
         lines.append("times in virtual seconds (TPOT in ms); SLO = share of requests with TTFT <= "
                      f"{doc['settings']['slo_ttft_s']:g} s + {doc['settings']['slo_ttft_prefill_x']:g} x cold prefill "
                      f"and mean TPOT <= {doc['settings']['slo_tpot_s'] * 1000:g} ms")
+    for f in doc.get("failures") or []:
+        lines.append(f"FAILED: {f['kind']} of {f['policy']} at rate {f['rate']:g} (seed {f['seed']}): {f['error']}")
     return "\n".join(lines)
 
 

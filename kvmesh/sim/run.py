@@ -16,6 +16,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -119,6 +120,20 @@ def summarize(mesh: Mesh, records: Sequence[RequestRecord]) -> dict:
     }
 
 
+class RunFailed(Exception):
+    """One simulated run raised: which policy, rate and seed, and the error with its traceback."""
+
+    def __init__(self, policy: str, rate: float, seed: int, error: str, trace: str = "") -> None:
+        super().__init__(policy, rate, seed, error, trace)
+        self.policy, self.rate, self.seed, self.error, self.trace = policy, rate, seed, error, trace
+
+    def __str__(self) -> str:
+        return f"policy {self.policy} at rate {self.rate:g} (seed {self.seed}) failed: {self.error}"
+
+    def as_dict(self, kind: str) -> dict:
+        return {"kind": kind, "policy": self.policy, "rate": _r(self.rate), "seed": self.seed, "error": self.error}
+
+
 @dataclass
 class Sim:
     """A workload and the settings every run of a sweep shares."""
@@ -140,10 +155,13 @@ class Sim:
         # NOTE: a run allocates millions of short-lived objects; frequent young collections cost
         # ~20 % of its time and find little (the engines' objects live for the whole run).
         gc.set_threshold(100_000, 50, 50)
-        mesh = Mesh(cfg, self.workload, sim_model_dir(), chains, progress)
         t0 = time.perf_counter()
         try:
+            mesh = Mesh(cfg, self.workload, sim_model_dir(), chains, progress)
             records = mesh.run()
+        except Exception as exc:  # NOTE: one run's defect must not lose a sweep's finished runs
+            raise RunFailed(policy, rate, cfg.seed, f"{type(exc).__name__}: {exc}",
+                            traceback.format_exc()) from exc
         finally:
             gc.set_threshold(*thresholds)
         out = summarize(mesh, records)
@@ -207,9 +225,21 @@ def _init(sim: Sim) -> None:
 
 def _job(kind: str, policy: str, rate: float) -> tuple[str, str, float, object]:
     assert _SIM is not None
-    if kind == "capacity":
-        return kind, policy, rate, _SIM.capacity(policy, start=rate)
-    return kind, policy, rate, _SIM.run(policy, rate)
+    return _attempt(_SIM, kind, policy, rate)
+
+
+def _attempt(sim: Sim, kind: str, policy: str, rate: float,
+             on_run: Callable[[dict], None] | None = None) -> tuple[str, str, float, object]:
+    """One sweep item; a failed run comes back as its :class:`RunFailed`, not raised."""
+    try:
+        if kind == "capacity":
+            return kind, policy, rate, sim.capacity(policy, start=rate, on_run=on_run)
+        res = sim.run(policy, rate)
+        if on_run is not None:
+            on_run(res)
+        return kind, policy, rate, res
+    except RunFailed as exc:
+        return kind, policy, rate, exc
 
 
 class Progress:
@@ -245,38 +275,40 @@ def sweep(sim: Sim, policies: Sequence[str], rates: Sequence[float] = (), *, cap
           progress: bool = True) -> dict:
     """Every policy's capacity, full runs at ``rates`` and at ``relative`` x the baseline's capacity.
 
-    Returns the JSON document (see docs/cli.md, ``kvmesh simulate --json``).
+    Returns the JSON document (see docs/cli.md, ``kvmesh simulate --json``). A run that raises is
+    listed under ``failures`` (kind, policy, rate, seed, error; the traceback goes to stderr) and
+    the sweep goes on; that policy has no capacity, and the caller decides the exit code.
     """
     bar = Progress(len(policies) * (8 if capacity else 0) + len(policies) * (len(rates) + len(relative)),
                    progress)
     runs: list[dict] = []
     caps: dict[str, float] = {}
     search: dict[str, list[dict]] = {}
+    failures: list[dict] = []
     chains_for(sim.workload, sim.base.block_size)  # NOTE: once, before the workers fork: they share it
     pool = ProcessPoolExecutor(jobs, initializer=_init, initargs=(sim,)) if jobs > 1 else None
     try:
         def submit_all(items: list[tuple[str, str, float]]) -> list[tuple[str, str, float, object]]:
             if pool is None:
+                out = [_attempt(sim, *it, on_run=bar.tick) for it in items]
+            else:
                 out = []
-                for kind, policy, rate in items:
-                    if kind == "capacity":
-                        out.append((kind, policy, rate, sim.capacity(policy, start=rate, on_run=bar.tick)))
-                    else:
-                        res = sim.run(policy, rate)
-                        bar.tick(res)
-                        out.append((kind, policy, rate, res))
-                return out
-            futures = [pool.submit(_job, *it) for it in items]
-            out = []
-            for f in futures:
-                item = f.result()
-                if item[0] == "capacity":
-                    for res in item[3][1]:  # type: ignore[index]
-                        bar.tick(res)
+                for f in [pool.submit(_job, *it) for it in items]:
+                    item = f.result()
+                    if item[0] == "capacity" and not isinstance(item[3], RunFailed):
+                        for res in item[3][1]:  # type: ignore[index]
+                            bar.tick(res)
+                    elif isinstance(item[3], dict):
+                        bar.tick(item[3])
+                    out.append(item)
+            done = []
+            for item in out:
+                if isinstance(item[3], RunFailed):
+                    failures.append(item[3].as_dict(item[0]))
+                    sys.stderr.write(f"\n{item[3]}\n{item[3].trace}")
                 else:
-                    bar.tick(item[3])  # type: ignore[arg-type]
-                out.append(item)
-            return out
+                    done.append(item)
+            return done
 
         if capacity:
             for _, policy, _, (cap, tried) in submit_all([("capacity", p, 1.0) for p in policies]):  # type: ignore[misc]
@@ -285,9 +317,12 @@ def sweep(sim: Sim, policies: Sequence[str], rates: Sequence[float] = (), *, cap
         full = [(p, r) for p in policies for r in rates]
         if relative:
             ref = caps.get(baseline)
-            if ref is None:
+            if ref is None and any(f["policy"] == baseline for f in failures):
+                relative = ()  # NOTE: the baseline's search failed: nothing to scale by
+            elif ref is None:
                 raise ValueError(f"relative rates need the capacity of {baseline!r}: add it to --policies")
-            full += [(p, _r(x * ref)) for p in policies for x in relative]
+            else:
+                full += [(p, _r(x * ref)) for p in policies for x in relative]
         for _, _, _, res in submit_all([("run", p, r) for p, r in full]):
             runs.append(res)  # type: ignore[arg-type]
     finally:
@@ -304,6 +339,8 @@ def sweep(sim: Sim, policies: Sequence[str], rates: Sequence[float] = (), *, cap
                      "duration_s_at_rate_1": _r(sim.workload.duration_s)},
         "settings": settings_of(sim.base, baseline=baseline, relative=list(relative)),
     }
+    if failures:
+        doc["failures"] = failures
     doc["_wall_s"] = wall
     return doc
 

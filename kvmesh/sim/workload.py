@@ -140,15 +140,22 @@ class Workload:
 
 
 # -- Mooncake traces -----------------------------------------------------------------------------
-def load_trace(path: str | Path, max_requests: int | None = None, seed: int = 0) -> Workload:
-    """A Mooncake JSONL trace (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``)."""
+def load_trace(path: str | Path, max_requests: int | None = None, seed: int = 0, skip: int = 0) -> Workload:
+    """A Mooncake JSONL trace (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``).
+
+    ``skip`` starts at the trace's request ``skip`` (a later segment); times count from its first.
+    """
     reqs: list[SimRequest] = []
     t0: float | None = None
+    seen = 0
     with open(path) as f:
         for line in f:
             if max_requests is not None and len(reqs) >= max_requests:
                 break
             if not line.strip():
+                continue
+            seen += 1
+            if seen <= skip:
                 continue
             d = json.loads(line)
             ts = float(d["timestamp"]) / 1000.0
@@ -163,7 +170,8 @@ def load_trace(path: str | Path, max_requests: int | None = None, seed: int = 0)
                 last = n_in - TRACE_BLOCK_TOKENS * (need - 1)
                 segs[-1] = (segs[-1][0], last)
             reqs.append(SimRequest(i, ts - t0, n_in, max(1, int(d["output_length"])), tuple(segs)))
-    return Workload(Path(path).stem, reqs, seed, f"Mooncake trace {path}")
+    segment = f", requests {skip}-{skip + len(reqs) - 1}" if skip else ""
+    return Workload(Path(path).stem, reqs, seed, f"Mooncake trace {path}{segment}")
 
 
 # -- generators ----------------------------------------------------------------------------------

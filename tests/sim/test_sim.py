@@ -127,3 +127,34 @@ def load_trace_or_generated() -> Workload:
     if trace.exists():
         return load_trace(trace, 200)
     return make_workload("multi-turn", 200)
+
+
+def test_a_run_that_raises_is_reported_and_the_sweep_keeps_the_rest(monkeypatch, tmp_path, capsys):
+    # A defect inside one policy's runs (here: a pick that raises, as issue 29's KeyError did) must
+    # not throw away the other policies' finished results: the JSON lists the failure with its
+    # policy, rate and seed, keeps the rest, and the command exits non-zero.
+    from kvmesh.commands import simulate as cmd
+    from kvmesh.router.policy import POLICIES
+
+    cls = POLICIES["least-loaded"]
+
+    def broken(self, query, candidates):
+        raise KeyError("worker-002")
+
+    monkeypatch.setattr(cls, "pick", broken)
+    out = tmp_path / "sim.json"
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser()
+    cmd.register(parser.add_subparsers())
+    args = parser.parse_args(["simulate", "--workload", "hot-prompt", "--max-requests", "30", "--workers", "2",
+                              "--policies", "round-robin,least-loaded", "--rates", "2", "--relative-rates", "",
+                              "--no-capacity", "--no-progress", "--seed", "7", "--json", str(out)])
+    assert args.func(args) == 1
+    doc = json.loads(out.read_text())
+    assert [r["policy"] for r in doc["runs"]] == ["round-robin"]
+    assert doc["failures"] == [{"kind": "run", "policy": "least-loaded", "rate": 2.0, "seed": 7,
+                                "error": "KeyError: 'worker-002'"}]
+    err = capsys.readouterr().err
+    assert "policy least-loaded at rate 2 (seed 7) failed" in err and "raise KeyError" in err
