@@ -19,6 +19,7 @@ COMMAND_MODULES: dict[str, str] = {
     "up": "kvmesh.commands.up",
     "bench": "kvmesh.commands.bench",
     "simulate": "kvmesh.commands.simulate",
+    "bridge": "kvmesh.commands.bridge",
 }
 
 

@@ -10,7 +10,7 @@ from kvmesh.contract.errors import ResourceExhausted, Unavailable
 from kvmesh.contract.limits import MAX_CACHE_SALT_CHARS, MAX_WORKER_REQUEST_ID_CHARS, check_id, check_length
 from kvmesh.contract.types import Usage
 from kvmesh.model_worker.engine_loop import EngineLoop, TokenEvent, _Stream
-from kvmesh.model_worker.kv_publisher import KVPublisher, registration
+from kvmesh.transport.kv_publisher import KVPublisher, registration
 from kvmesh.model_worker.llm_engine import LLMEngine
 from kvmesh.model_worker.metrics import WorkerMetrics
 from kvmesh.transport.rpc import AioServer, LoopThread
@@ -115,7 +115,7 @@ class WorkerServer:
         if kv_service:
             reg = registration(worker_id, self.address, model, engine.config.block_size, engine.config.hash_algorithm,
                                engine.kv_cache_manager.num_blocks)
-            self.publisher = KVPublisher(kv_service, reg, engine.stats)
+            self.publisher = KVPublisher(kv_service, reg, lambda: engine.stats().load)
         self.loop = EngineLoop(engine, self.publisher, on_step=self._on_step, on_finish=self._on_finish,
                                on_token=self._on_token, stream_interval=stream_interval)
         if self.publisher is not None:

@@ -88,6 +88,9 @@ class RouterConfig:
         """Raises ValueError with the flag to fix."""
         if not self.kv_service and not self.workers:
             raise ValueError("give --kv-service HOST:PORT or --workers HOST:PORT,...: the router needs workers")
+        if any(w.startswith(("http://", "https://")) for w in self.workers):
+            raise ValueError("--workers lists kvmesh workers (host:port); a vLLM or SGLang server joins through "
+                             "its bridge (`kvmesh bridge`) and the kv_service (docs/vllm.md)")
         if self.lookup_timeout_ms <= 0 or self.request_timeout_s <= 0:
             raise ValueError("--lookup-timeout-ms and --request-timeout must be > 0")
         if self.max_attempts < 1:

@@ -21,6 +21,7 @@ from kvmesh.contract.block_hash import algorithm_name
 from kvmesh.contract.convert import PB_TO_ALGO, PB_TO_FINISH, load_from_pb, sampling_to_pb, usage_from_pb
 from kvmesh.contract.types import ModelSpec
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.openai_worker import OpenAIWorkerCall, is_http, new_session
 from kvmesh.router.upstream import (
     Failure,
     IndexMatch,
@@ -131,10 +132,18 @@ class GrpcWorkerCall:
 
 
 class WorkerChannels:
-    """One aio channel per worker address, shared by every model's pool; build it on the router's loop."""
+    """One aio channel per worker address, and one HTTP session for the workers served over the
+    OpenAI API (router/openai_worker.py), shared by every model's pool; build it on the router's loop."""
 
     def __init__(self) -> None:
         self._channels: dict[str, tuple[grpc.aio.Channel, w_grpc.WorkerStub, float]] = {}
+        self._http = None
+
+    def http(self):
+        """The aiohttp session (made on first use, on the router's loop)."""
+        if self._http is None:
+            self._http = new_session()
+        return self._http
 
     def stub(self, address: str) -> w_grpc.WorkerStub:
         entry = self._channels.get(address)
@@ -157,6 +166,9 @@ class WorkerChannels:
         channels, self._channels = self._channels, {}
         for channel, _, _ in channels.values():
             await channel.close()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
 
 
 class GrpcWorkerPool:
@@ -203,7 +215,10 @@ class GrpcWorkerPool:
     def mark_unhealthy(self, worker_id: str) -> None:
         self._unhealthy[worker_id] = time.monotonic() + self.config.unhealthy_s
 
-    def generate(self, endpoint: WorkerEndpoint, request: WorkerRequest, timeout_s: float) -> GrpcWorkerCall:
+    def generate(self, endpoint: WorkerEndpoint, request: WorkerRequest,
+                 timeout_s: float) -> GrpcWorkerCall | OpenAIWorkerCall:
+        if is_http(endpoint.address):
+            return OpenAIWorkerCall(self._channels.http(), endpoint, request, timeout_s)
         call = self._channels.stub(endpoint.address).Generate(
             w_pb.WorkerGenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                                        sampling=sampling_to_pb(request.sampling), cache_salt=request.cache_salt),
@@ -211,6 +226,8 @@ class GrpcWorkerPool:
         return GrpcWorkerCall(call, endpoint)
 
     async def abort(self, endpoint: WorkerEndpoint, request_id: str) -> bool:
+        if is_http(endpoint.address):
+            return False  # NOTE: closing the call is the abort; its usage is not awaited
         try:
             r = await self._channels.stub(endpoint.address).Abort(
                 w_pb.AbortRequest(request_id=request_id), timeout=self.config.rpc_timeout_s, metadata=self._md)

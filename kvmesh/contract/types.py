@@ -97,7 +97,7 @@ class Load:
 
     def queue_state(self) -> tuple[int, int, int]:
         """What routing reads of the worker's state: (running, waiting, queued prefill tokens); a
-        change of it is worth a load report of its own (model_worker/kv_publisher.py)."""
+        change of it is worth a load report of its own (kvmesh/transport/kv_publisher.py)."""
         return self.num_running, self.num_waiting, self.queued_prefill_tokens
 
     def encode(self) -> str:

@@ -6,7 +6,7 @@ What runs is the production code; only the forward pass and the wire are modelle
   prefill, multi-step windows, block events) whose runner is the simulated one
   (model_worker/sim_runner.py) with ``time_scale=0``: a step *returns* its modelled duration
   and the worker is busy that long on the virtual clock. Its kv publisher and heartbeat are
-  modelled after model_worker/kv_publisher.py: block events are merged into one message at most
+  modelled after kvmesh/transport/kv_publisher.py: block events are merged into one message at most
   every ``event_batch_s``, numbered per epoch, delivered ``event_delay_s`` later; a RESYNC answer
   makes the worker send a snapshot of its cached blocks as its next message; every message
   carries the engine's load as it is sent, and a load that changed without events goes out alone
@@ -90,7 +90,7 @@ class SimConfig:
     cost: CostModel = field(default_factory=CostModel)
     # -- the live system's delays (defaults: the live defaults)
     event_batch_s: float = 0.02
-    """kv publisher: one message at most this often (model_worker/kv_publisher.py BATCH_INTERVAL_S)."""
+    """kv publisher: one message at most this often (kvmesh/transport/kv_publisher.py BATCH_INTERVAL_S)."""
     event_delay_s: float = 0.002
     """A message's trip from the worker to the index."""
     heartbeat_s: float = 10.0 / 3

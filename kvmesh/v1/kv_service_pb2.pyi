@@ -27,7 +27,7 @@ PUBLISH_ACTION_ACK: PublishAction
 PUBLISH_ACTION_RESYNC: PublishAction
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "address", "model_id", "block_size", "hash_algorithm", "num_blocks", "epoch", "extra_keys")
+    __slots__ = ("worker_id", "address", "model_id", "block_size", "hash_algorithm", "num_blocks", "epoch", "extra_keys", "engine")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class RegisterWorkerRequest(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model_id: str
@@ -44,7 +45,8 @@ class RegisterWorkerRequest(_message.Message):
     num_blocks: int
     epoch: int
     extra_keys: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[int] = ..., extra_keys: _Optional[str] = ...) -> None: ...
+    engine: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[int] = ..., extra_keys: _Optional[str] = ..., engine: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("lease_ttl_ms", "next_seq")
@@ -207,7 +209,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, include_expired: _Optional[bool] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "model_id", "block_size", "hash_algorithm", "num_blocks", "epoch", "last_seq", "blocks_indexed", "load", "lease_remaining_ms", "live")
+    __slots__ = ("worker_id", "address", "model_id", "block_size", "hash_algorithm", "num_blocks", "epoch", "last_seq", "blocks_indexed", "load", "lease_remaining_ms", "live", "engine")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +222,7 @@ class WorkerInfo(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model_id: str
@@ -232,7 +235,8 @@ class WorkerInfo(_message.Message):
     load: _common_pb2.WorkerLoad
     lease_remaining_ms: int
     live: bool
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., blocks_indexed: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., lease_remaining_ms: _Optional[int] = ..., live: _Optional[bool] = ...) -> None: ...
+    engine: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., blocks_indexed: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., lease_remaining_ms: _Optional[int] = ..., live: _Optional[bool] = ..., engine: _Optional[str] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)

@@ -16,7 +16,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from kvmesh.model_worker import kv_publisher
+from kvmesh.transport import kv_publisher
 from kvmesh.testing import wait_until
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2

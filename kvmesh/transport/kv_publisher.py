@@ -1,4 +1,7 @@
-"""Keeps the kv_service's view of this worker true: registration, heartbeats, block events.
+"""Keeps the kv_service's view of a worker true: registration, heartbeats, block events.
+
+Shared by every kind of worker: kvmesh's own (model_worker/server.py: the engine loop is the event
+source) and the bridges in front of other engines (bridge/: vLLM's or SGLang's KV events, re-hashed).
 
 - On start: register (a new epoch) and publish all-cleared as seq 1.
 - Every engine step: the step's events, queued for a PublishEvents stream. A batch (epoch, seq+1)
@@ -29,8 +32,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from kvmesh.contract.convert import algorithm_to_pb, event_to_pb, load_to_pb
-from kvmesh.contract.types import KVCacheEvent
-from kvmesh.model_worker.llm_engine import EngineStats
+from kvmesh.contract.types import KVCacheEvent, Load
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
@@ -47,15 +49,15 @@ class KVPublisher:
     """Args:
     target: kv_service host:port.
     registration: the RegisterWorkerRequest fields except epoch.
-    stats: returns the engine's current load (thread-safe).
-    wake_engine: makes an idle engine loop run once (to take a snapshot).
+    load: returns the worker's current load (thread-safe).
+    wake_engine: makes an idle event source run once (to take a snapshot).
     """
 
     def __init__(self, target: str, registration: pb.RegisterWorkerRequest,
-                 stats: Callable[[], EngineStats], wake_engine: Callable[[], None] = lambda: None) -> None:
+                 load: Callable[[], Load], wake_engine: Callable[[], None] = lambda: None) -> None:
         self.target = target
         self._reg = registration
-        self._stats = stats
+        self._load = load
         self._wake_engine = wake_engine
         self._stub = pb_grpc.KVServiceStub(dial(target))
         self.epoch = time.time_ns() // 1000  # microseconds: < 2**53, new on every start
@@ -84,6 +86,11 @@ class KVPublisher:
 
     def wants_snapshot(self) -> bool:
         return self._need_snapshot.is_set() and self._registered.is_set()
+
+    def request_snapshot(self) -> None:
+        """The source's state may differ from what was published (events were lost upstream): the
+        queued batches go and the next thing sent is a snapshot (``wants_snapshot``)."""
+        self._request_snapshot()
 
     def publish_snapshot(self, hashes: list[bytes]) -> None:
         self._need_snapshot.clear()
@@ -172,7 +179,7 @@ class KVPublisher:
                 try:
                     item = q.get(timeout=self.batch_interval_s)
                 except queue.Empty:
-                    if self._need_snapshot.is_set() or self._stats().load.queue_state() == sent_state:
+                    if self._need_snapshot.is_set() or self._load().queue_state() == sent_state:
                         continue
                     item = pb.PublishEventsRequest()  # the load alone (attached below)
             else:
@@ -193,7 +200,7 @@ class KVPublisher:
                         held = more  # NOTE: a snapshot replaces all before it: never merged
                         break
                     item.events.extend(more.events)
-            load = self._stats().load
+            load = self._load()
             item.load.CopyFrom(load_to_pb(load))
             sent_state = load.queue_state()
             with self._lock:
@@ -240,7 +247,7 @@ class KVPublisher:
                 continue
             try:
                 resp = self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self._reg.worker_id, epoch=self.epoch,
-                                                                load=load_to_pb(self._stats().load)), timeout=RPC_TIMEOUT_S)
+                                                                load=load_to_pb(self._load())), timeout=RPC_TIMEOUT_S)
                 self.lease_ttl_s = resp.lease_ttl_ms / 1000
                 if resp.resync and not self._need_snapshot.is_set():
                     # NOTE: the index dropped our blocks (FlushWorker): a snapshot makes it hold
@@ -260,6 +267,9 @@ class KVPublisher:
 
 
 def registration(worker_id: str, address: str, model_id: str, block_size: int, hash_algorithm: str,
-                 num_blocks: int) -> pb.RegisterWorkerRequest:
+                 num_blocks: int, engine: str = "kvmesh") -> pb.RegisterWorkerRequest:
+    """What a worker registers: ``address`` is host:port for kvmesh's gRPC Worker, or an
+    http(s):// base URL for an engine served over the OpenAI API (``engine`` "vllm", "sglang")."""
     return pb.RegisterWorkerRequest(worker_id=worker_id, address=address, model_id=model_id, block_size=block_size,
-                                    hash_algorithm=algorithm_to_pb(hash_algorithm), num_blocks=num_blocks)
+                                    hash_algorithm=algorithm_to_pb(hash_algorithm), num_blocks=num_blocks,
+                                    engine=engine)
