@@ -10,9 +10,9 @@ from kvmesh.contract.errors import ResourceExhausted, Unavailable
 from kvmesh.contract.limits import MAX_CACHE_SALT_CHARS, MAX_WORKER_REQUEST_ID_CHARS, check_id, check_length
 from kvmesh.contract.types import Usage
 from kvmesh.model_worker.engine_loop import EngineLoop, TokenEvent, _Stream
-from kvmesh.transport.kv_publisher import KVPublisher, registration
 from kvmesh.model_worker.llm_engine import LLMEngine
 from kvmesh.model_worker.metrics import WorkerMetrics
+from kvmesh.transport.kv_publisher import KVPublisher, registration
 from kvmesh.transport.rpc import AioServer, LoopThread
 from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc

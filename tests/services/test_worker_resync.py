@@ -16,8 +16,8 @@ from concurrent import futures
 import grpc
 import pytest
 
-from kvmesh.transport import kv_publisher
 from kvmesh.testing import wait_until
+from kvmesh.transport import kv_publisher
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as kpb
