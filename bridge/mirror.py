@@ -161,14 +161,13 @@ class EngineMirror:
             return []
         hasher = self._hasher(ev.lora_name)
         if ev.parent_block_hash is None:
-            tail, pending = hasher.root(salt), ()
+            state: tuple[bytes, tuple[int, ...]] | None = (hasher.root(salt), ())
         else:
             parent = self._entries.get((ev.parent_block_hash, ev.group_idx))
-            if parent is None:
-                self.skipped["orphan"] += n
-                return []
-            tail, pending = parent.tail, parent.pending
-        root = tail if ev.parent_block_hash is None and not pending else None
+            # NOTE: an unknown parent matters only to a block not held yet (a duplicate is counted
+            # up without it), and then to every block after it in the event.
+            state = (parent.tail, parent.pending) if parent is not None else None
+        root = state[0] if ev.parent_block_hash is None else None
         new: list[bytes] = []
         first_parent: bytes | None = None
         ebs = ev.block_size
@@ -178,7 +177,11 @@ class EngineMirror:
             if entry is not None:
                 entry.refs += 1
                 self.duplicates += 1
+            elif state is None:
+                self.skipped["orphan"] += n - i
+                break
             else:
+                tail, pending = state
                 tokens = pending + ev.token_ids[i * ebs:(i + 1) * ebs]
                 full = len(tokens) // bs * bs
                 owned = tuple(hasher.hash_prompt(tokens[:full], parent=tail)) if full else ()
@@ -193,7 +196,7 @@ class EngineMirror:
                             first_parent = None if prev == root else prev
                         new.append(k)
                     prev = k
-            tail, pending = entry.tail, entry.pending
+            state = (entry.tail, entry.pending)
         out: list[KVCacheEvent] = [BlockStored(new, first_parent)] if new else []
         if len(self._entries) > self.max_entries:
             out += self._overflow()

@@ -115,7 +115,8 @@ class KVPublisher:
 
     # -- internals -----------------------------------------------------------------------
     def _enqueue(self, req: pb.PublishEventsRequest) -> None:
-        self._out.put(req)
+        with self._lock:
+            self._out.put(req)
 
     def _drain(self) -> None:
         try:
@@ -126,12 +127,24 @@ class KVPublisher:
         except queue.Empty:
             pass
 
-    def _new_stream_queue(self) -> queue.Queue:
+    def _new_stream_queue(self, head: pb.PublishEventsRequest | None = None) -> queue.Queue:
+        """A fresh queue for the next stream. With ``head`` (the first stream of a registration: its
+        all-cleared), the batches queued before it follow it: events of a source that ran before
+        the kv_service answered are not lost."""
         # NOTE: one queue per stream: a dead stream's request iterator can never take (and
         # lose) a batch meant for the next stream.
         fresh: queue.Queue[pb.PublishEventsRequest | None] = queue.Queue()
         with self._lock:
             old, self._out = self._out, fresh
+            if head is not None:
+                fresh.put(head)
+                while True:
+                    try:
+                        item = old.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is not None:
+                        fresh.put(item)
         old.put(None)
         return fresh
 
@@ -213,12 +226,13 @@ class KVPublisher:
         self._register()
         first = True
         while not self._stop.is_set():
-            q = self._new_stream_queue()
             if first:
                 # NOTE: seq 1 of a new registration: the index starts empty for this epoch.
-                self._enqueue(pb.PublishEventsRequest(events=[pb.KVEvent(all_cleared=pb.AllBlocksCleared())]))
+                q = self._new_stream_queue(pb.PublishEventsRequest(
+                    events=[pb.KVEvent(all_cleared=pb.AllBlocksCleared())]))
                 first = False
             else:
+                q = self._new_stream_queue()
                 # Whatever was in flight on the old stream may be lost: a snapshot makes it true.
                 self._request_snapshot()
             try:
