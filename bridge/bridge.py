@@ -33,7 +33,15 @@ from kvmesh.bridge.engine_load import EngineStatus, parse_status
 from kvmesh.bridge.event_stream import Batch, EngineEventStream, Lost, Restarted
 from kvmesh.bridge.metrics import BridgeMetrics
 from kvmesh.bridge.mirror import EngineMirror, check_block_sizes
-from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load
+from kvmesh.contract.block_hash import DEFAULT_BLOCK_SIZE
+from kvmesh.contract.types import (
+    H100_8B_KV_BLOCKS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    Load,
+)
 from kvmesh.transport.kv_publisher import KVPublisher, registration
 
 log = logging.getLogger("kvmesh.bridge")
@@ -71,7 +79,8 @@ class Bridge:
         self.capacity_tokens = 0
         self.publisher: KVPublisher | None = None
         self.mirror: EngineMirror | None = None
-        self.stream = EngineEventStream(config.events, config.replay, config.topic, config.replay_timeout)
+        self.stream = EngineEventStream(config.events, config.replay, config.topic, config.replay_timeout,
+                                        config.idle_replay_interval)
         self.epochs = 0
         """Epochs registered so far (1 + the engine restarts seen)."""
         self._status: EngineStatus | None = None
@@ -148,6 +157,12 @@ class Bridge:
             check_block_sizes(status.block_size, self.cfg.block_size)
         self.engine_block_size = status.block_size or self.cfg.block_size
         self.capacity_tokens = status.capacity_tokens
+        if not self.capacity_tokens:
+            # NOTE: the index caps a worker's blocks at its registered count: an unknown capacity
+            # must not cap it at nothing. vLLM publishes it unless started with --disable-log-stats.
+            self.capacity_tokens = H100_8B_KV_BLOCKS * DEFAULT_BLOCK_SIZE
+            log.warning("the engine's /metrics do not say its KV capacity (vLLM: is --disable-log-stats on?); "
+                        "assuming %d tokens", self.capacity_tokens)
 
     def _scrape(self) -> EngineStatus:
         status = parse_status(http_get(f"{self.cfg.base_url}/metrics").decode("utf-8", "replace"),

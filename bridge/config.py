@@ -44,6 +44,9 @@ class BridgeConfig:
     (its lease lapses; when it answers again it is a new epoch with an empty cache)."""
     replay_timeout: float = 2.0
     """Seconds a replay request may take before its batches count as lost."""
+    idle_replay_interval: float = 1.0
+    """Seconds without an event batch after which the engine's replay is asked for anything missed
+    (a lost last batch shows no gap until the next one); 0 = never."""
     startup_timeout: float = 0.0
     """Seconds to wait for the engine to answer at start; 0 = wait for ever (a sidecar starts
     before a slow model load finishes)."""

@@ -10,7 +10,10 @@ sent before it connected (the "slow joiner"), so:
   replayed; what the engine no longer buffers (or a replay that does not answer) is reported as
   :class:`Lost`;
 - a seq below the one expected (and not a replayed one seen again live) means a new engine process:
-  :class:`Restarted`.
+  :class:`Restarted`;
+- a lost batch shows as a gap only when the next one arrives: while no batch comes for
+  ``idle_replay_s``, the stream asks the replay for anything past the last one it has (an idle
+  engine's last batch is not left out until its next).
 
 One thread owns the sockets (pyzmq sockets are not thread-safe); it calls :meth:`poll`.
 """
@@ -69,17 +72,22 @@ class EngineEventStream:
     """
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 replay_timeout_s: float = 2.0, context: zmq.Context | None = None) -> None:
+                 replay_timeout_s: float = 2.0, idle_replay_s: float = 1.0, context: zmq.Context | None = None) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self.replay_timeout_s = replay_timeout_s
+        self.idle_replay_s = idle_replay_s
+        self._last_news = time.monotonic()
         self._ctx = context or zmq.Context.instance()
         self._sub: zmq.Socket | None = None
         self.expected: int | None = None
         """The next seq wanted; None = from the engine's first batch (attach / restart)."""
         self._dup_floor: int | None = None
         self.replays = 0
+        """Replays asked for a gap (or at attach)."""
+        self.idle_replays = 0
+        """Replays asked while no batch came (``idle_replay_s``)."""
         self.replay_failures = 0
         self.bad_frames = 0
         self.received = 0
@@ -91,8 +99,17 @@ class EngineEventStream:
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sub.connect(self.endpoint)
         self._sub = sub
+        # NOTE: what the engine publishes before our subscription reaches it is lost (the slow
+        # joiner): wait (briefly) for the connection, so the attach replay covers up to a point the
+        # live stream continues from.
+        try:
+            monitor.poll(2000)
+        finally:
+            sub.disable_monitor()
+            monitor.close(0)
 
     def close(self) -> None:
         if self._sub is not None:
@@ -118,7 +135,13 @@ class EngineEventStream:
         assert self._sub is not None, "connect() first"
         out: list[Item] = []
         if not self._sub.poll(int(timeout_s * 1000)):
+            now = time.monotonic()
+            if self.replay_endpoint is not None and self.idle_replay_s and now - self._last_news > self.idle_replay_s:
+                self._last_news = now
+                self.idle_replays += 1
+                out += self._replay_from(self.expected or 0, None, idle=True)
             return out
+        self._last_news = time.monotonic()
         for _ in range(10_000):  # NOTE: bounded, so the caller's loop gets back control
             try:
                 frames = self._sub.recv_multipart(zmq.NOBLOCK)
@@ -149,10 +172,10 @@ class EngineEventStream:
         self._dup_floor = None
         return out
 
-    def _replay_from(self, start: int, until: int | None) -> list[Item]:
+    def _replay_from(self, start: int, until: int | None, idle: bool = False) -> list[Item]:
         """Batches ``start`` .. ``until`` - 1 (None: all buffered) from the engine, and what it lacks."""
         got, ok = self._request_replay(start)
-        self.replays += 1
+        self.replays += 0 if idle else 1
         if not ok:
             self.replay_failures += 1
             if until is None:

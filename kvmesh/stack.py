@@ -53,10 +53,27 @@ class StackConfig:
     """Children's logs go here (default: a new temp dir)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every child (e.g. KVMESH_ADMIN_TOKEN / KVMESH_API_TOKEN)."""
+    vllm: list[str] = field(default_factory=list)
+    """Running vLLM servers of the first model, each ``URL,EVENTS[,REPLAY]``: a `kvmesh bridge`
+    is started for each (docs/vllm.md)."""
+    bridge_args: list[str] = field(default_factory=list)
+    """Extra flags for every `kvmesh bridge`."""
     worker_nice: int = 0
     """Start the workers this much nicer (``nice -n``). For simulated stacks on one small host: in
     a real mesh every worker has its own machine, so Redis, kv_service and router should not queue
     behind the workers' threads for a CPU."""
+
+
+    def check(self) -> None:
+        """Raises ValueError naming the flag to fix."""
+        if self.workers < 0 or (self.workers == 0 and not self.vllm):
+            raise ValueError("--workers must be >= 1, or 0 with --vllm")
+        for spec in self.vllm:
+            parts = spec.split(",")
+            if not 2 <= len(parts) <= 3 or not parts[0].startswith(("http://", "https://")) or not all(
+                    p.startswith("tcp://") for p in parts[1:]):
+                raise ValueError(f"--vllm takes URL,EVENTS[,REPLAY] such as "
+                                 f"http://127.0.0.1:8001,tcp://127.0.0.1:5557,tcp://127.0.0.1:5558; got {spec!r}")
 
 
 def kvmesh_cmd(*args: str) -> list[str]:
@@ -79,6 +96,27 @@ def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: fl
                 pass
             time.sleep(0.1)
         raise TimeoutError(f"{address} not SERVING after {timeout:.0f}s")
+    finally:
+        channel.close()
+
+
+def _wait_workers(kv_addr: str, bridged: int, failed, timeout: float = 600.0) -> None:
+    """Waits until the kv_service lists ``bridged`` live workers registered by bridges."""
+    from kvmesh.v1 import kv_service_pb2 as kv_pb
+    from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc
+
+    channel = dial(kv_addr)
+    stub = kv_grpc.KVServiceStub(channel)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if failed():
+                raise RuntimeError(f"{', '.join(failed())} exited")
+            workers = stub.ListWorkers(kv_pb.ListWorkersRequest(), timeout=5).workers
+            if sum(1 for w in workers if w.live and w.address.startswith(("http://", "https://"))) >= bridged:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"the bridges did not register {bridged} vLLM server(s) within {timeout:.0f}s")
     finally:
         channel.close()
 
@@ -140,6 +178,7 @@ class LocalStack:
             for i, (addr, proc) in enumerate(workers):
                 wait_serving(addr, proc, 300)
                 self.endpoints[f"worker-{i}"] = addr
+            self._start_bridges(kv_addr, models[0])
             router_addr = f"{c.host}:{c.router_port}"
             http = ["--http-port", str(c.http_port)] if c.http_port is not None else []
             router = self._spawn("router", kvmesh_cmd(
@@ -154,6 +193,23 @@ class LocalStack:
             self.stop()
             raise
         return self
+
+    def _start_bridges(self, kv_addr: str, model: str) -> None:
+        """One `kvmesh bridge` per --vllm server; waits until each has registered it."""
+        from kvmesh.contract.modelinfo import model_id_for
+
+        c = self.cfg
+        for i, spec in enumerate(c.vllm):
+            url, events, *replay = spec.split(",")
+            metrics = ["--metrics-port", str(c.metrics_port + 2 + c.workers * (1 + len(c.extra_models)) + i)
+                       if c.metrics_port else "0"]
+            self._spawn(f"bridge-{i}", kvmesh_cmd(
+                "bridge", "--url", url, "--events", events, *(["--replay", replay[0]] if replay else []),
+                "--kv-service", kv_addr, "--model-id", model_id_for(model), *metrics, *c.bridge_args))
+        if c.vllm:
+            _wait_workers(kv_addr, len(c.vllm), lambda: self.failed())
+            for i, spec in enumerate(c.vllm):
+                self.endpoints[f"vllm-{i}"] = spec.split(",")[0]
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM to every child (router first), SIGKILL whatever is left after ``timeout``."""

@@ -14,7 +14,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", action="append", default=None, metavar="DIR",
                    help="model directory; repeat it to serve several models behind one router, each with "
                         "--workers workers (default: the tiny demo model, made once)")
-    p.add_argument("--workers", type=int, default=2, help="workers per model (default 2)")
+    p.add_argument("--workers", type=int, default=2, help="kvmesh workers per model; 0 with --vllm (default 2)")
+    p.add_argument("--vllm", action="append", default=[], metavar="URL,EVENTS[,REPLAY]",
+                   help="a running vLLM server of the first model as a worker, repeatable: its base URL, its KV "
+                        "event endpoint and (optional) its replay endpoint, e.g. "
+                        "http://127.0.0.1:8001,tcp://127.0.0.1:5557,tcp://127.0.0.1:5558; a bridge is started "
+                        "for each (docs/vllm.md)")
     p.add_argument("--host", default="127.0.0.1", help="address every part listens on (default 127.0.0.1)")
     p.add_argument("--router-port", type=int, default=50051, help="router port (default 50051)")
     p.add_argument("--http-port", type=int, default=8000,
@@ -52,12 +57,18 @@ def run(args: argparse.Namespace) -> int:
                       kv_service_port=args.kv_service_port, worker_port=args.worker_port,
                       metrics_port=args.metrics_port, redis_url=args.redis_url, store=args.store,
                       worker_args=args.worker_arg, router_args=args.router_arg, log_dir=args.log_dir,
-                      simulate=args.simulate)
+                      simulate=args.simulate, vllm=args.vllm)
+    try:
+        cfg.check()
+    except ValueError as exc:
+        print(f"kvmesh up: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stack = LocalStack(cfg)
-    print(f"starting kvmesh ({args.workers} worker(s) x {len(models)} model(s)); logs in {stack.log_dir}",
+    bridged = f" + {len(args.vllm)} vLLM server(s)" if args.vllm else ""
+    print(f"starting kvmesh ({args.workers} worker(s) x {len(models)} model(s){bridged}); logs in {stack.log_dir}",
           flush=True)
     try:
         stack.start()
