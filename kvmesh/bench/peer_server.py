@@ -8,6 +8,7 @@ repository's top-level ``kernels/`` would shadow the ``kernels`` package vLLM im
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -134,20 +135,16 @@ class VllmServer:
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         # NOTE: the engine core runs in its own process of the same session: make sure it is gone.
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         self.proc = None
 
     def close(self) -> None:
