@@ -212,7 +212,10 @@ class OpenAIApi:
         """The body bounds now: the flags, and the largest prompt any served model accepts."""
         cfg = self.config
         tokens, nbytes = self.frontend.prompt_bounds()
-        return BodyBounds(cfg.max_body_bytes, cfg.max_messages, cfg.max_content_parts, max_prompt_ids=tokens,
+        # NOTE: twice the largest prompt: these bound the work a body costs; a prompt over its own model's
+        # bound (but under these) gets the request path's message, which names the limit and the flag.
+        return BodyBounds(cfg.max_body_bytes, cfg.max_messages, cfg.max_content_parts,
+                          max_prompt_ids=2 * tokens + 16 if tokens else 0,
                           max_token_bytes=6 * nbytes + 1024 if nbytes else 0)
 
     async def _post(self, request: Request, chat: bool) -> Response:

@@ -67,7 +67,8 @@ class BodyBounds:
     max_messages: int
     max_content_parts: int
     max_prompt_ids: int = 0
-    """Token ids in ``prompt``; 0 = bounded by bytes only (the router has no prompt-token bound)."""
+    """Token ids in ``prompt``: more than any served model accepts; 0 = bounded by bytes only (a model
+    without a prompt-token bound)."""
     max_token_bytes: int = 0
     """Bytes of one JSON string (or number): longer than any prompt could be (6 bytes of JSON escape per
     prompt byte, ``--max-prompt-bytes``); 0 = bounded by bytes only."""
@@ -207,7 +208,8 @@ class BodyParser:
             self._stack.append(_Frame(container, _ROOT, ""))
             return
         if len(self._stack) >= MAX_DEPTH:
-            raise InvalidArgument(f"the request body nests deeper than {MAX_DEPTH} levels", param=self._where())
+            raise InvalidArgument(f"the request body nests deeper than {MAX_DEPTH} levels",
+                                  param=self._stack[1].where or None)
         where = self._where()
         kind = self._place(container, is_container=True)
         self._stack.append(_Frame(container, kind, where))
@@ -271,8 +273,9 @@ class BodyParser:
             return _PROMPT_IDS
         elif kind in (_PROMPT, _PROMPT_IDS):
             if b.max_prompt_ids and n > b.max_prompt_ids:
-                raise RequestTooLarge(f"prompt has more than {b.max_prompt_ids} token ids; this router accepts at "
-                                      f"most {b.max_prompt_ids} per prompt", param="prompt")
+                raise RequestTooLarge(f"prompt has more than {b.max_prompt_ids} token ids, more than any model on "
+                                      "this router accepts (--max-prompt-tokens, or the model's context)",
+                                      param="prompt")
         else:
             self._count_other()
         return _OTHER
