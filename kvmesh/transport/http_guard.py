@@ -18,6 +18,11 @@ This protocol adds, per connection:
   closed. A connection counts only once it is stale, so a load generator that opens a thousand
   connections at once is not refused for the instant before their requests arrive.
 
+A request answered before its body was read (a 401, a body refused at its first element past a
+bound) has the rest of its body read and dropped up to ``DRAIN_BYTES``, so that a client that sends
+its whole body before reading gets the answer, not a reset; past that the connection is closed:
+an attacker resending a 64 MiB body costs the router 1 MiB each time, not 64.
+
 Headers over h11's incomplete-event limit (16 KiB, ``h11_max_incomplete_event_size``) get uvicorn's
 own ``400``. docs/security.md lists every limit with its flag.
 """
@@ -33,6 +38,8 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+DRAIN_BYTES = 1024 * 1024
+"""Bytes of an answered request's unread body dropped before the connection is closed instead."""
 STALE_S = 1.0
 """Seconds a request may be arriving before its connection counts toward ``max_unfinished`` (a
 quarter of the header timeout when that is shorter)."""
@@ -81,6 +88,7 @@ class GuardedH11Protocol(H11Protocol):
         self._received = False
         """Any byte of the current request has arrived."""
         self._peer = ""
+        self._drained = 0
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -96,6 +104,12 @@ class GuardedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._received = True
+        if self.cycle is not None and self.cycle.response_complete and self.conn.their_state is h11.SEND_BODY:
+            # NOTE: the answer is out and this is the rest of a body nobody will read.
+            self._drained += len(data)
+            if self._drained > DRAIN_BYTES:
+                self.transport.close()
+                return
         super().data_received(data)
         self._follow()
 
@@ -126,6 +140,7 @@ class GuardedH11Protocol(H11Protocol):
             self._timer = None
         if phase is None:
             self._received = False
+            self._drained = 0
             if self._stale_timer is not None:
                 self._stale_timer.cancel()
                 self._stale_timer = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -123,11 +124,12 @@ def test_admin_lookup_finds_the_tokenizer_and_says_0_blocks_for_a_short_prompt(k
         worker_id="w1", address="10.0.0.1:50061", model_id="tiny", block_size=4,
         hash_algorithm=pb.HASH_ALGORITHM_SHA256_128, num_blocks=64, epoch=1), timeout=5)
     # The model kept where `kvmesh up` keeps its demo model: $KVMESH_CACHE_DIR/models/<id>.
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate("[unk] a b c d e f g h".split())}, unk_token="[unk]"))
+    vocab = ["[unk]", "a", "b", "c", "d", "e", "f", "g", "h"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="[unk]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     (tmp_path / "models" / "tiny").mkdir(parents=True)
     tok.save(str(tmp_path / "models" / "tiny" / "tokenizer.json"))
-    env = {**__import__("os").environ, "KVMESH_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "KVMESH_CACHE_DIR": str(tmp_path)}
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([KVMESH, "admin", *args, "--kv-service", address], capture_output=True, text=True,
