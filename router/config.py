@@ -87,8 +87,9 @@ class RouterConfig:
     max_content_parts: int = 4096
     """Content parts in one chat request (all its messages together); more are refused like --max-messages."""
     max_body_bytes: int = 64 * 1024 * 1024
-    """Largest OpenAI HTTP request body in bytes: a larger declared Content-Length gets 413 before the body is
-    read, a longer chunked body 413 where it passes the limit (the same 64 MiB as the gRPC message limit)."""
+    """Largest request in bytes: an OpenAI HTTP body (a larger declared Content-Length gets 413 before the body
+    is read, a longer chunked body 413 where it passes the limit) or a gRPC request message (RESOURCE_EXHAUSTED
+    before it is decoded)."""
     http_header_timeout_s: float = flag(10.0, name="http-header-timeout")
     """Seconds an HTTP connection has to send its request line and headers (from its opening, or from the first
     byte of the next request on a kept-alive connection); past it: 408 and the connection closed. 0 = none."""

@@ -145,7 +145,7 @@ class RouterServer:
         self.discovery = WorkerDiscovery(config, self.kv, channels, self.models.pool_for, self.models.pools,
                                          on_change=self._on_workers)
         self.frontend = Frontend(self.models, config.max_streams, self.metrics)
-        self.grpc = AioServer(config.host, config.port, token_name="api token")
+        self.grpc = AioServer(config.host, config.port, token_name="api token", max_receive_bytes=config.max_body_bytes)
         pb_grpc.add_RouterServicer_to_server(RouterServicer(self.frontend, config), self.grpc.server)
         self.grpc.add_service(pb.DESCRIPTOR.services_by_name["Router"].full_name)
         self.http = (HttpServer(self.frontend, config.host, config.http_port, config) if config.http_port is not None
