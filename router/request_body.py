@@ -80,15 +80,27 @@ _ROOT_ARRAYS = {"messages": _MESSAGES, "stop": _STOP, "stop_token_ids": _STOP_ID
 
 
 class _Frame:
-    __slots__ = ("value", "kind", "key", "count", "where")
+    """A container being built: its kind, the key its next value goes under (objects) or the
+    elements so far (arrays), and where it sits (its path is only spelled out for an error)."""
 
-    def __init__(self, value: Any, kind: int, where: str) -> None:
+    __slots__ = ("value", "kind", "key", "count", "parent", "slot")
+
+    def __init__(self, value: Any, kind: int, parent: _Frame | None, slot: str | int | None) -> None:
         self.value = value
         self.kind = kind
         self.key: str | None = None
         self.count = 0
-        self.where = where
+        self.parent = parent
+        self.slot = slot
+
+    def path(self) -> str:
         """The container's path as a parameter name: ``messages[3].content``."""
+        if self.parent is None:
+            return ""
+        base = self.parent.path()
+        if isinstance(self.slot, int):
+            return f"{base}[{self.slot}]"
+        return f"{base}.{self.slot}" if base else str(self.slot)
 
 
 class BodyParser:
@@ -170,15 +182,17 @@ class BodyParser:
         if not self._stack:
             return ""
         top = self._stack[-1]
+        where = top.path()
         if isinstance(top.value, dict):
-            return f"{top.where}.{top.key}".lstrip(".") if top.key is not None else top.where
-        return f"{top.where}[{top.count}]"
+            return f"{where}.{top.key}".lstrip(".") if top.key is not None else where
+        return f"{where}[{top.count}]"
 
     # -- the builder --------------------------------------------------------------------------------
     def _drain(self) -> None:
         events = self._events
         if not events:
             return
+        stack, place = self._stack, self._place
         for event, value in events:
             if event == "map_key":
                 self._key(value)
@@ -187,9 +201,11 @@ class BodyParser:
             elif event == "start_array":
                 self._open([])
             elif event == "end_map" or event == "end_array":
-                self._stack.pop()
+                stack.pop()
+            elif stack:
+                place(value, False)
             else:
-                self._scalar(value)
+                raise InvalidArgument(f"the request body must be a JSON object ({{...}}), got {type(value).__name__}")
         del events[:]
 
     def _key(self, key: str) -> None:
@@ -198,26 +214,23 @@ class BodyParser:
         if top.kind in (_MESSAGE, _PART):
             top.count += 1
             if top.count > MAX_OBJECT_KEYS:
-                raise InvalidArgument(f"{top.where} has more than {MAX_OBJECT_KEYS} fields", param=top.where)
+                where = top.path()
+                raise InvalidArgument(f"{where} has more than {MAX_OBJECT_KEYS} fields", param=where)
 
     def _open(self, container: dict | list) -> None:
         if not self._stack:
             if not isinstance(container, dict):
                 raise InvalidArgument("the request body must be a JSON object ({...}), got an array")
             self._root = container
-            self._stack.append(_Frame(container, _ROOT, ""))
+            self._stack.append(_Frame(container, _ROOT, None, None))
             return
         if len(self._stack) >= MAX_DEPTH:
             raise InvalidArgument(f"the request body nests deeper than {MAX_DEPTH} levels",
-                                  param=self._stack[1].where or None)
-        where = self._where()
+                                  param=self._stack[1].path() or None)
+        parent = self._stack[-1]
+        slot = parent.key if isinstance(parent.value, dict) else parent.count
         kind = self._place(container, is_container=True)
-        self._stack.append(_Frame(container, kind, where))
-
-    def _scalar(self, value: Any) -> None:
-        if not self._stack:
-            raise InvalidArgument(f"the request body must be a JSON object ({{...}}), got {type(value).__name__}")
-        self._place(value, is_container=False)
+        self._stack.append(_Frame(container, kind, parent, slot))
 
     def _place(self, value: Any, is_container: bool) -> int:
         """Counts ``value`` against its parent's bound, stores it, and returns the kind it has as a container."""
@@ -253,7 +266,7 @@ class BodyParser:
             if self._parts > b.max_content_parts:
                 raise RequestTooLarge(f"the messages have more than {b.max_content_parts} content parts; this router "
                                       f"takes at most {b.max_content_parts} (--max-content-parts)",
-                                      param=parent.where)
+                                      param=parent.path())
             return _PART if isinstance(value, dict) else _OTHER
         if kind == _STOP:
             if n > MAX_STOP_STRINGS:
