@@ -18,6 +18,7 @@ This module imports neither grpc nor redis.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
@@ -47,6 +48,18 @@ class _Generation(jinja2.ext.Extension):
 
     def _body(self, caller: Any) -> str:
         return caller()
+
+
+RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+"""Template variables the router passes itself; ``chat_template_kwargs`` may not set them."""
+
+
+def _public(exc: BaseException) -> str:
+    """An exception's text for a client: cut to 200 characters, without Python's qualified names
+    (``jinja2.environment.Template.render()``) or file paths, which are the server's business."""
+    text = re.sub(r"\b(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*\(\))", r"\1", str(exc))
+    text = re.sub(r"(?:[A-Za-z]:)?[\\/][^\s'\"]*[\\/][^\s'\"]*", "<path>", text)
+    return text if len(text) <= 200 else text[:200] + "…"
 
 
 def _raise_exception(message: str) -> None:
@@ -143,10 +156,15 @@ class ChatTemplate:
                 ``raise_exception`` message, or an error rendering it).
         """
         if not messages:
-            raise InvalidArgument("messages is empty: send at least one message")
+            raise InvalidArgument("messages is empty: send at least one message", param="messages")
         if continue_final_message and add_generation_prompt:
             raise InvalidArgument("continue_final_message and add_generation_prompt exclude each other: "
-                                  "set add_generation_prompt to false to continue the last message")
+                                  "set add_generation_prompt to false to continue the last message",
+                                  param="continue_final_message")
+        taken = sorted(RESERVED_VARIABLES.intersection(extra or {}))
+        if taken:
+            raise InvalidArgument(f"chat_template_kwargs may not set {', '.join(taken)}: the router sets "
+                                  f"{', '.join(sorted(RESERVED_VARIABLES))} itself", param="chat_template_kwargs")
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         tag = "CONTINUE_FINAL_MESSAGE_TAG "
         final = ""
@@ -160,10 +178,11 @@ class ChatTemplate:
             text = self._template.render(messages=chat, tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as exc:
-            raise InvalidArgument(f"the model's chat template refused the messages: {exc}") from None
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise InvalidArgument(f"the model's chat template refused the messages: {_public(exc)}",
+                                  param="messages") from None
+        except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
             raise InvalidArgument(f"the model's chat template failed on the messages ({type(exc).__name__}: "
-                                  f"{exc}); check each message's role and content") from None
+                                  f"{_public(exc)}); check each message's role and content", param="messages") from None
         if continue_final_message:
             # NOTE: transformers' rule: cut at the tag; if the template trimmed the space after it,
             # the message's own trailing whitespace went too.

@@ -81,6 +81,26 @@ class RouterConfig:
     default: 32 per token of the prompt-token bound; 0 = no limit."""
     max_tokens_limit: int = 0
     """Requests asking for more max_tokens are refused with RESOURCE_EXHAUSTED; 0 = no limit."""
+    max_messages: int = 4096
+    """Messages in one chat request; more are refused (400 over HTTP, RESOURCE_EXHAUSTED over gRPC) as soon as
+    the one past the limit arrives, before any other work on the request."""
+    max_content_parts: int = 4096
+    """Content parts in one chat request (all its messages together); more are refused like --max-messages."""
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Largest request in bytes: an OpenAI HTTP body (a larger declared Content-Length gets 413 before the body
+    is read, a longer chunked body 413 where it passes the limit) or a gRPC request message (RESOURCE_EXHAUSTED
+    before it is decoded)."""
+    http_header_timeout_s: float = flag(10.0, name="http-header-timeout")
+    """Seconds an HTTP connection has to send its request line and headers (from its opening, or from the first
+    byte of the next request on a kept-alive connection); past it: 408 and the connection closed. 0 = none."""
+    http_body_timeout_s: float = flag(30.0, name="http-body-timeout")
+    """Seconds an HTTP request has to send its body after its headers; past it: 408 and the connection closed.
+    0 = none."""
+    http_max_unfinished: int = 256
+    """HTTP connections one client address may hold whose request has been arriving for over a second; a new
+    connection past it gets 429 and is closed (slow clients cannot hold every socket)."""
+    http_keep_alive_s: float = flag(30.0, name="http-keep-alive")
+    """Seconds an idle HTTP keep-alive connection stays open between requests."""
     seed: int | None = None
     """Seeds the policy's tie-break RNG (tests)."""
 
@@ -110,5 +130,11 @@ class RouterConfig:
                 or self.max_tokens_limit < 0):
             raise ValueError("--max-streams must be >= 1; --max-prompt-tokens / --max-prompt-bytes / "
                              "--max-tokens-limit >= 0")
+        if self.max_messages < 1 or self.max_content_parts < 1 or self.max_body_bytes < 1:
+            raise ValueError("--max-messages, --max-content-parts and --max-body-bytes must be >= 1")
+        if (not self.http_header_timeout_s >= 0 or not self.http_body_timeout_s >= 0 or self.http_max_unfinished < 1
+                or not self.http_keep_alive_s > 0):
+            raise ValueError("--http-header-timeout and --http-body-timeout must be >= 0 (0 = none), "
+                             "--http-max-unfinished >= 1 and --http-keep-alive > 0")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")

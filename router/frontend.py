@@ -32,6 +32,14 @@ class Frontend:
         self.streams = 0
         """Generate streams open now (a stream is a coroutine on the loop, not a thread)."""
 
+    def prompt_bounds(self) -> tuple[int, int]:
+        """(tokens, bytes): the largest prompt any served model accepts now; 0 = unbounded (a model
+        without that bound)."""
+        limits = [m.router.limits() for m in self.models.all()]
+        tokens = 0 if not limits or any(not lim.max_tokens for lim in limits) else max(lim.max_tokens for lim in limits)
+        nbytes = 0 if not limits or any(not lim.max_bytes for lim in limits) else max(lim.max_bytes for lim in limits)
+        return tokens, nbytes
+
     def model(self, name: str) -> ServedModel:
         """Raises NotFound / InvalidArgument (router/models.py)."""
         return self.models.resolve(name)

@@ -139,13 +139,17 @@ class ModelSet:
                 return served
             names = sorted(m.model_id for m in self.all())
             if not names:
-                raise NotFound("this router serves no model yet: no worker has registered with the kv_service")
-            raise InvalidArgument(f"this router serves several models ({', '.join(names)}): name one in model")
+                raise NotFound("this router serves no model yet: no worker has registered with the kv_service",
+                               param="model")
+            raise InvalidArgument(f"this router serves several models ({', '.join(names)}): name one in model",
+                                  param="model")
         if len(name) > MAX_MODEL_NAME_CHARS:
-            raise InvalidArgument(f"model is {len(name)} characters long; at most {MAX_MODEL_NAME_CHARS}")
+            raise InvalidArgument(f"model is {len(name)} characters long; at most {MAX_MODEL_NAME_CHARS}",
+                                  param="model")
         served = self._models.get(self._aliases.get(name, name))
         if served is None or served not in self.all():
             names = sorted(m.model_id for m in self.all())
             shown = name if len(name) <= 64 else name[:61] + "..."
-            raise NotFound(f"the model {shown!r} does not exist on this router; models: {', '.join(names) or 'none'}")
+            raise NotFound(f"the model {shown!r} does not exist on this router; models: {', '.join(names) or 'none'}",
+                           param="model")
         return served

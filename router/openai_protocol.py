@@ -5,7 +5,9 @@ Parameters follow OpenAI's API; extra parameters follow vLLM's names (``top_k``,
 ``stop_token_ids``, ``include_stop_str_in_output``, ``add_generation_prompt``,
 ``continue_final_message``, ``chat_template_kwargs``, ``cache_salt``, ``return_token_ids``). A
 parameter kvmesh cannot honour (``n`` > 1, logprobs, penalties, tools, ...) is refused with 400
-naming it, never silently ignored; unknown fields are ignored, as OpenAI and vLLM do.
+naming it (``param``), never silently ignored; unknown fields are ignored, as OpenAI and vLLM do.
+The body reaches these models already bounded (router/request_body.py: message, part, stop and
+token-id counts), so validating them costs what the bounds allow.
 Value checks (ranges, limits) are the router's own (SamplingParams.validate, router/router.py),
 the same for gRPC and HTTP.
 
@@ -20,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.types import SamplingParams
+from kvmesh.router.prompt import check_token_id_range
 from kvmesh.router.router import ChatInput, GenerateInput
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
@@ -44,6 +47,9 @@ class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
 
 
 class _Sampling(_Body):
@@ -80,24 +86,26 @@ class _Sampling(_Body):
 
     def _refuse_unsupported(self) -> None:
         if self.n != 1:
-            raise InvalidArgument(f"n={self.n}: kvmesh returns one choice per request; send n=1 (or several requests)")
+            raise InvalidArgument(f"n={self.n}: kvmesh returns one choice per request; send n=1 (or several requests)",
+                                  param="n")
         if self.best_of not in (None, 1):
-            raise InvalidArgument("best_of is not supported: leave it unset")
+            raise InvalidArgument("best_of is not supported: leave it unset", param="best_of")
         if self.logprobs not in (None, False):
-            raise InvalidArgument("logprobs are not supported: leave logprobs unset")
+            raise InvalidArgument("logprobs are not supported: leave logprobs unset", param="logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
-                raise InvalidArgument(f"{name} is not supported: leave it unset or 0")
+                raise InvalidArgument(f"{name} is not supported: leave it unset or 0", param=name)
         if self.repetition_penalty not in (None, 1, 1.0):
-            raise InvalidArgument("repetition_penalty is not supported: leave it unset or 1")
+            raise InvalidArgument("repetition_penalty is not supported: leave it unset or 1", param="repetition_penalty")
         if self.min_p not in (None, 0, 0.0):
-            raise InvalidArgument("min_p is not supported: leave it unset or 0")
+            raise InvalidArgument("min_p is not supported: leave it unset or 0", param="min_p")
         if self.min_tokens:
-            raise InvalidArgument("min_tokens is not supported: leave it unset or 0")
+            raise InvalidArgument("min_tokens is not supported: leave it unset or 0", param="min_tokens")
         if self.logit_bias:
-            raise InvalidArgument("logit_bias is not supported: leave it unset")
+            raise InvalidArgument("logit_bias is not supported: leave it unset", param="logit_bias")
         if not self.skip_special_tokens:
-            raise InvalidArgument("skip_special_tokens=false is not supported: output text always skips them")
+            raise InvalidArgument("skip_special_tokens=false is not supported: output text always skips them",
+                                  param="skip_special_tokens")
 
     def _sampling(self, max_tokens: int | None) -> SamplingParams:
         params = SamplingParams(
@@ -122,13 +130,20 @@ class _Sampling(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+TOOL_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+"""Function calling, current and legacy: refused whatever the value (kvmesh parses no tool calls)."""
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    tools: list[Any] | None = None
+    tools: Any = None
     tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
     response_format: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Any = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -136,27 +151,43 @@ class ChatCompletionRequest(_Sampling):
     def to_input(self, request_id: str) -> GenerateInput:
         """Raises InvalidArgument / ValueError naming the parameter to fix."""
         self._refuse_unsupported()
-        if self.tools:
-            raise InvalidArgument("tools are not supported: send the conversation without tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidArgument("tool_choice is not supported: leave it unset")
+        for name in TOOL_FIELDS:
+            if getattr(self, name) is not None:
+                raise InvalidArgument(f"{name}: function calling (tools, tool_choice, functions, function_call, "
+                                      "parallel_tool_calls) is not supported: leave it unset", param=name)
+        if self.top_logprobs is not None:
+            raise InvalidArgument("top_logprobs is not supported (it needs logprobs, which kvmesh does not return): "
+                                  "leave it unset", param="top_logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidArgument("response_format other than text is not supported")
+            raise InvalidArgument("response_format other than text is not supported", param="response_format")
         messages = []
         for i, m in enumerate(self.messages):
+            for name in ("tool_calls", "tool_call_id", "function_call"):
+                if getattr(m, name) is not None:
+                    raise InvalidArgument(f"messages[{i}].{name}: function calling is not supported: send messages "
+                                          "without tool calls", param=f"messages[{i}].{name}")
             content: str | None
             if isinstance(m.content, list):
                 bad = next((p.type for p in m.content if p.type != "text"), None)
                 if bad is not None:
-                    raise InvalidArgument(f"messages[{i}].content has a {bad!r} part: only text parts are supported")
+                    raise InvalidArgument(f"messages[{i}].content has a {bad!r} part: only text parts are supported",
+                                          param=f"messages[{i}].content")
                 # NOTE: text parts joined by a newline, as vLLM does for string-content templates.
                 content = "\n".join(p.text or "" for p in m.content)
             else:
                 content = m.content
             messages.append({"role": m.role, "content": content, "name": m.name})
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        completion = self.max_completion_tokens is not None
+        max_tokens = self.max_completion_tokens if completion else self.max_tokens
+        try:
+            sampling = self._sampling(max_tokens)
+        except InvalidArgument as exc:
+            if completion and exc.param == "max_tokens":
+                raise InvalidArgument(str(exc).replace("max_tokens", "max_completion_tokens", 1),
+                                      param="max_completion_tokens") from None
+            raise
         return GenerateInput(
-            text=None, token_ids=None, sampling=self._sampling(max_tokens), cache_salt=self.cache_salt or "",
+            text=None, token_ids=None, sampling=sampling, cache_salt=self.cache_salt or "",
             request_id=request_id,
             chat=ChatInput(messages, self.add_generation_prompt, self.continue_final_message,
                            self.chat_template_kwargs or {}),
@@ -173,15 +204,18 @@ class CompletionRequest(_Sampling):
         """Raises InvalidArgument / ValueError naming the parameter to fix."""
         self._refuse_unsupported()
         if self.echo:
-            raise InvalidArgument("echo is not supported: leave it unset")
+            raise InvalidArgument("echo is not supported: leave it unset", param="echo")
         if self.suffix:
-            raise InvalidArgument("suffix is not supported: leave it unset")
+            raise InvalidArgument("suffix is not supported: leave it unset", param="suffix")
         prompt: Any = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise InvalidArgument(f"prompt holds {len(prompt)} prompts: kvmesh takes one prompt per request")
+                raise InvalidArgument(f"prompt holds {len(prompt)} prompts: kvmesh takes one prompt per request",
+                                      param="prompt")
             prompt = prompt[0]
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+        if ids is not None:
+            check_token_id_range(ids, "prompt")
         return GenerateInput(
             text=text, token_ids=ids, sampling=self._sampling(self.max_tokens), cache_salt=self.cache_salt or "",
             request_id=request_id, stop=self._stops(), include_stop_str_in_output=self.include_stop_str_in_output)
@@ -193,6 +227,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kvmesh"
     root: str
+    """The model id again (vLLM puts the checkpoint's path here; a client has no use for the router's files)."""
     parent: str | None = None
 
 

@@ -14,7 +14,10 @@ whichever way it came. One client's oversized request must not cost the others a
   count is past the bound (:meth:`PromptTokenizer.encode`).
 - **the loop**: a text longer than ``TOKENIZE_ON_LOOP_CHARS`` is tokenized on a thread of this
   router's tokenizer pool with ``encode_batch``, which releases the GIL (``Tokenizer.encode`` does
-  not: a 5 MB text held every other request on the loop for seconds).
+  not: a 5 MB text held every other request on the loop for seconds); a conversation of more than
+  ``RENDER_ON_LOOP_MESSAGES`` messages or ``TOKENIZE_ON_LOOP_CHARS`` characters is rendered by its
+  chat template on the same pool (router/router.py), so its Python work is spread by the GIL's
+  switch interval instead of holding the loop in one piece.
 
 No grpc and no redis here.
 """
@@ -32,8 +35,10 @@ from kvmesh.contract.limits import (
     MAX_CACHE_SALT_CHARS,
     MAX_CHAIN_BLOCKS,
     MAX_REQUEST_ID_CHARS,
+    MAX_TOKEN_ID,
     check_id,
     check_length,
+    excerpt,
 )
 
 BYTES_PER_TOKEN = 32
@@ -49,7 +54,28 @@ MIN_PIECE_CHARS = 4096
 PIECE_SLACK_TOKENS = 4
 """Tokens one cut between two pieces may add to their count (merges a cut prevents, a prefix space)."""
 TOKENIZER_THREADS = 2
-"""Threads tokenizing long texts at once; more wait their turn (never the loop's)."""
+"""Threads tokenizing long texts (and rendering long conversations) at once; more wait their turn
+(never the loop's)."""
+RENDER_ON_LOOP_MESSAGES = 16
+"""Conversations of up to this many messages (and TOKENIZE_ON_LOOP_CHARS characters) are rendered on
+the event loop (well under a millisecond)."""
+
+
+def check_token_id_range(token_ids: Sequence[int], what: str) -> None:
+    """Raises InvalidArgument (``param`` = ``what``) naming the first id outside [0, 2**31): token ids
+    are hashed as int32 (docs/block-hashing.md) and sent to the worker as uint32."""
+    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < MAX_TOKEN_ID):
+        return
+    for i, t in enumerate(token_ids):
+        if not 0 <= t < MAX_TOKEN_ID:
+            raise InvalidArgument(f"{what}[{i}] is {excerpt(t)}: token ids are integers in [0, 2**31)", param=what)
+
+
+def check_message_count(n: int, max_messages: int) -> None:
+    """Raises RequestTooLarge (400 over HTTP, RESOURCE_EXHAUSTED over gRPC) past ``--max-messages``."""
+    if n > max_messages:
+        raise RequestTooLarge(f"messages has {n} messages; this router takes at most {max_messages} "
+                              "(--max-messages)", param="messages")
 
 
 def check_input(request_id: str, cache_salt: str) -> None:
@@ -106,7 +132,7 @@ class PromptLimits:
             more = "more than " if len(text) > limit else ""
             raise RequestTooLarge(
                 f"the text is {more}{n} bytes of UTF-8; this router accepts at most {limit} "
-                f"(--max-prompt-bytes): send a shorter prompt")
+                f"(--max-prompt-bytes): send a shorter prompt", param="prompt")
 
     def check_tokens(self, n: int, *, more: bool = False) -> None:
         """Raises when a prompt of ``n`` tokens (``more``: more than ``n``) is over the token bound."""
@@ -116,9 +142,9 @@ class PromptLimits:
         count = f"more than {n}" if more else str(n)
         if self.explicit_tokens:
             raise RequestTooLarge(f"the prompt has {count} tokens; this router accepts at most {limit} "
-                                    "(--max-prompt-tokens)")
+                                  "(--max-prompt-tokens)", param="prompt")
         raise InvalidArgument(f"the prompt has {count} tokens; at most {limit} fit ({self.why}): "
-                              "send a shorter prompt")
+                              "send a shorter prompt", param="prompt")
 
 
 class PromptTokenizer:
@@ -161,6 +187,14 @@ class PromptTokenizer:
                 limits.check_tokens(limits.max_tokens, more=True)
         limits.check_tokens(len(ids))
         return ids
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on this tokenizer's pool (a long conversation's rendering), counted in ``on_pool``."""
+        self._on_pool(1)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        finally:
+            self._on_pool(-1)
 
     def _encode_whole(self, text: str, add_special_tokens: bool) -> list[int]:
         self._on_chars(len(text))

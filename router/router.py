@@ -46,7 +46,15 @@ from kvmesh.router.detokenize import IncrementalDetokenizer
 from kvmesh.router.inflight import InFlight
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.policy import Decision, PolicyConfig, RouterPolicy, make_policy
-from kvmesh.router.prompt import PromptLimits, PromptTokenizer, check_input
+from kvmesh.router.prompt import (
+    RENDER_ON_LOOP_MESSAGES,
+    TOKENIZE_ON_LOOP_CHARS,
+    PromptLimits,
+    PromptTokenizer,
+    check_input,
+    check_message_count,
+    check_token_id_range,
+)
 from kvmesh.router.speculative import SpeculativeIndex
 from kvmesh.router.stop_strings import StopStrings, check_stop_strings
 from kvmesh.router.upstream import (
@@ -196,19 +204,20 @@ class Router:
         limits = limits or self.limits()
         if inp.token_ids is not None:
             if not inp.token_ids:
-                raise InvalidArgument("token_ids is empty: send at least one prompt token")
+                raise InvalidArgument("token_ids is empty: send at least one prompt token", param="token_ids")
             try:
                 limits.check_tokens(len(inp.token_ids))
             except KVMeshError:
                 self._refused("tokens")
                 raise
+            check_token_id_range(inp.token_ids, "token_ids")
             return list(inp.token_ids)
         if inp.chat is not None:
-            return await self._encode(self.render_chat(inp.chat), limits, add_special_tokens=False)
+            return await self._encode(await self._render(inp.chat), limits, add_special_tokens=False)
         if inp.text is None:
             raise InvalidArgument("the request sets no input: set text, token_ids or chat")
         if not inp.text:
-            raise InvalidArgument("text is empty: send a non-empty prompt")
+            raise InvalidArgument("text is empty: send a non-empty prompt", param="prompt")
         # NOTE: add_special_tokens=True, as the worker's offline path encodes, so both hash the same ids.
         return await self._encode(inp.text, limits, add_special_tokens=True)
 
@@ -228,6 +237,14 @@ class Router:
         return self.chat_template.render(chat.messages, add_generation_prompt=chat.add_generation_prompt,
                                          continue_final_message=chat.continue_final_message,
                                          extra=chat.template_kwargs)
+
+    async def _render(self, chat: ChatInput) -> str:
+        """:meth:`render_chat`, on the tokenizer pool for a long conversation (router/prompt.py)."""
+        small = len(chat.messages) <= RENDER_ON_LOOP_MESSAGES and sum(
+            len(m.get("content") or "") for m in chat.messages) <= TOKENIZE_ON_LOOP_CHARS
+        if small or self.prompts is None:
+            return self.render_chat(chat)
+        return await self.prompts.run(self.render_chat, chat)
 
     async def _encode(self, text: str, limits: PromptLimits, add_special_tokens: bool) -> list[int]:
         """``text`` tokenized within ``limits`` (bytes first, then tokens), refusals counted."""
@@ -276,10 +293,12 @@ class Router:
             try:
                 check_stop_strings(inp.stop)
             except ValueError as exc:
-                raise InvalidArgument(str(exc)) from None
+                raise InvalidArgument(str(exc), param="stop") from None
             if self.tokenizer is None:
                 raise InvalidArgument("stop strings need the model's tokenizer at the router (--model DIR); "
-                                      "use stop_token_ids")
+                                      "use stop_token_ids", param="stop")
+        if inp.chat is not None:
+            check_message_count(len(inp.chat.messages), self.config.max_messages)
         check_input(inp.request_id, inp.cache_salt)
         token_ids = await self.tokenize(inp)
         self._check_limits(inp.sampling.max_tokens)
@@ -294,7 +313,7 @@ class Router:
         cfg = self.config
         if cfg.max_tokens_limit and (max_tokens or DEFAULT_MAX_TOKENS) > cfg.max_tokens_limit:
             raise RequestTooLarge(f"max_tokens {max_tokens or DEFAULT_MAX_TOKENS} is over this router's limit of "
-                                    f"{cfg.max_tokens_limit} (--max-tokens-limit)")
+                                  f"{cfg.max_tokens_limit} (--max-tokens-limit)", param="max_tokens")
 
     def _no_worker_message(self) -> str:
         spec = self.pool.model_spec()

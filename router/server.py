@@ -12,13 +12,17 @@ import grpc
 from google.protobuf import json_format
 
 from kvmesh.contract.convert import FINISH_TO_PB, sampling_from_pb, usage_to_pb
+from kvmesh.contract.errors import InvalidArgument
+from kvmesh.contract.limits import MAX_STOP_TOKEN_IDS
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.discovery import GrpcWorkerPool, KVServiceClient, WorkerChannels, WorkerDiscovery
 from kvmesh.router.frontend import Frontend
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.models import ModelSet, ServedModel
 from kvmesh.router.openai_api import HttpServer
+from kvmesh.router.prompt import check_message_count
 from kvmesh.router.router import ChatInput, GenerateInput, Router
+from kvmesh.router.stop_strings import MAX_STOP_STRINGS
 from kvmesh.transport.rpc import AioServer, LoopThread
 from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
@@ -27,17 +31,32 @@ log = logging.getLogger("kvmesh.router")
 
 T = TypeVar("T")
 
+MAX_TEMPLATE_KWARGS_BYTES = 64 * 1024
+"""Serialized size of a chat request's chat_template_kwargs (the HTTP API bounds its JSON values)."""
+
 REQUEST_ID_KEY = "kvmesh-request-id"
 """Trailing metadata of every Generate call that got an id (success or error): the id the request
 has in the router's and the worker's logs."""
 
 
-def input_from_pb(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerateInput:
+def input_from_pb(request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                  config: RouterConfig) -> GenerateInput:
+    """The request as the request path takes it. Every repeated field is counted against its bound
+    before anything is made of its elements (a million messages cost a length check, not a million dicts)."""
     which = request.WhichOneof("input")
     remaining = context.time_remaining()
+    if len(request.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"stop has {len(request.stop)} strings; at most {MAX_STOP_STRINGS}", param="stop")
+    if len(request.sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(f"stop_token_ids has {len(request.sampling.stop_token_ids)} ids; at most "
+                              f"{MAX_STOP_TOKEN_IDS}", param="stop_token_ids")
     chat = None
     if which == "chat":
         c = request.chat
+        check_message_count(len(c.messages), config.max_messages)
+        if c.HasField("chat_template_kwargs") and c.chat_template_kwargs.ByteSize() > MAX_TEMPLATE_KWARGS_BYTES:
+            raise InvalidArgument(f"chat_template_kwargs is over {MAX_TEMPLATE_KWARGS_BYTES} bytes",
+                                  param="chat_template_kwargs")
         chat = ChatInput(
             messages=[{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
                       for m in c.messages],
@@ -60,13 +79,14 @@ def input_from_pb(request: pb.GenerateRequest, context: grpc.aio.ServicerContext
 
 
 class RouterServicer(pb_grpc.RouterServicer):
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, config: RouterConfig) -> None:
         self.frontend = frontend
+        self.config = config
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         model = self.frontend.model(request.model)
-        inp = input_from_pb(request, context)
+        inp = input_from_pb(request, context, self.config)
         rid = model.router.request_id_for(inp)
         context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
         async for out in self.frontend.generate(model, inp, rid):
@@ -125,10 +145,11 @@ class RouterServer:
         self.discovery = WorkerDiscovery(config, self.kv, channels, self.models.pool_for, self.models.pools,
                                          on_change=self._on_workers)
         self.frontend = Frontend(self.models, config.max_streams, self.metrics)
-        self.grpc = AioServer(config.host, config.port, token_name="api token")
-        pb_grpc.add_RouterServicer_to_server(RouterServicer(self.frontend), self.grpc.server)
+        self.grpc = AioServer(config.host, config.port, token_name="api token", max_receive_bytes=config.max_body_bytes)
+        pb_grpc.add_RouterServicer_to_server(RouterServicer(self.frontend, config), self.grpc.server)
         self.grpc.add_service(pb.DESCRIPTOR.services_by_name["Router"].full_name)
-        self.http = HttpServer(self.frontend, config.host, config.http_port) if config.http_port is not None else None
+        self.http = (HttpServer(self.frontend, config.host, config.http_port, config) if config.http_port is not None
+                     else None)
 
     @property
     def default_model(self) -> ServedModel:

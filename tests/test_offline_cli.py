@@ -129,7 +129,7 @@ def test_a_bad_line_fails_fast_naming_its_line(model_dir: Path, tmp_path: Path) 
     src.write_text('{"prompt_token_ids": [1, 2]}\n\n{"prompt_token_ids": [1, 2], "max_tokens": 0}\n')
     done = kvmesh("offline", "--model", str(model_dir), "--input", str(src), "--output", str(dst))
     assert done.returncode == 2
-    assert f"{src}:3: max_tokens must be an integer >= 1 (leave it unset for the default), got 0" in done.stderr
+    assert f"{src}:3: max_tokens must be an integer in [1, 2**32) (leave it unset for the default), got 0" in done.stderr
     assert not dst.exists()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import grpc
 
@@ -33,8 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     prompt = argparse.ArgumentParser(add_help=False)
     src = prompt.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")
-    src.add_argument("--text", help="text, tokenized with --model's tokenizer")
-    prompt.add_argument("--model", help="model directory (tokenizer and model id)")
+    src.add_argument("--text", help="text, tokenized with the model's tokenizer (--model, else found by its id)")
+    prompt.add_argument("--model", help="model directory, or a model id found where `kvmesh up` keeps models "
+                                        "(tokenizer and model id)")
     prompt.add_argument("--model-id", help="model id as the workers registered it (default: --model's directory "
                                            "name, else the one model the kv_service knows)")
     prompt.add_argument("--cache-salt", default="", help="tenant salt the prompt was sent with")
@@ -148,17 +150,33 @@ def block(args: argparse.Namespace) -> int:
     return _call(args, go)
 
 
-def _token_ids(args: argparse.Namespace) -> list[int]:
+def _token_ids(args: argparse.Namespace, model_id: str | None = None) -> list[int]:
     if args.tokens is not None:
         try:
             return [int(t) for t in args.tokens.replace(" ", "").split(",") if t]
         except ValueError:
             raise ValueError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
-    if not args.model:
-        raise ValueError("--text needs --model DIR to tokenize with")
     from kvmesh.contract.modelinfo import load_tokenizer
 
-    return load_tokenizer(args.model).encode(args.text, add_special_tokens=True).ids
+    return load_tokenizer(model_dir_for(args.model, model_id)).encode(args.text, add_special_tokens=True).ids
+
+
+def model_dir_for(model: str | None, model_id: str | None) -> Path:
+    """The directory whose tokenizer --text uses: ``--model`` when it is a directory; else the model
+    (``--model`` as an id, or the id the kv_service reports) where `kvmesh up` and `make run` keep
+    models (``$KVMESH_CACHE_DIR/models/<id>``, the demo model ``default`` among them)."""
+    from kvmesh.make_model import cache_dir
+
+    if model and Path(model).is_dir():
+        return Path(model)
+    name = model or model_id
+    if not name:
+        raise ValueError("--text needs the model's tokenizer: give --model DIR (the checkpoint the workers serve)")
+    found = cache_dir() / "models" / name
+    if (found / "tokenizer.json").is_file():
+        return found
+    raise ValueError(f"no tokenizer for model {name!r}: {found} has none; give --model DIR (the checkpoint "
+                     "directory the workers serve) or --tokens")
 
 
 def _models(args: argparse.Namespace) -> list[dict]:
@@ -171,8 +189,11 @@ def _model_id(args: argparse.Namespace, models: list[dict] | None = None) -> str
     """--model-id, else --model's directory name, else the one model the kv_service knows."""
     from kvmesh.contract.modelinfo import model_id_for
 
-    if args.model or args.model_id:
-        return model_id_for(args.model or "", args.model_id)
+    if args.model_id:
+        return args.model_id
+    if args.model:
+        # NOTE: a directory names its model; anything else is taken as the model id itself.
+        return model_id_for(args.model) if Path(args.model).is_dir() else args.model
     models = _models(args) if models is None else models
     if len(models) != 1:
         known = ", ".join(m["model_id"] for m in models) or "none"
@@ -184,8 +205,19 @@ def lookup(args: argparse.Namespace) -> int:
     from kvmesh.v1 import kv_service_pb2 as pb
 
     def go():
-        model_id = _model_id(args)
-        ids = _token_ids(args)
+        models = _models(args)
+        model_id = _model_id(args, models)
+        ids = _token_ids(args, model_id)
+        spec = next((m for m in models if m["model_id"] == model_id), None)
+        if spec is None:
+            return {"model_id": model_id, "num_tokens": len(ids), "block_size": 0, "num_blocks_queried": 0,
+                    "workers": []}, f"no live worker serves model {model_id!r}"
+        if len(ids) < spec["block_size"]:
+            # NOTE: no full block, so nothing to look up: 0 blocks, as `admin hash` says.
+            return ({"model_id": model_id, "num_tokens": len(ids), "block_size": spec["block_size"],
+                     "num_blocks_queried": 0, "workers": []},
+                    f"{len(ids)} tokens, 0 full blocks of {spec['block_size']}: a prompt shorter than a block "
+                    "is never cached")
         r = _stub(args).LookupTokens(
             pb.LookupTokensRequest(model_id=model_id, token_ids=ids, cache_salt=args.cache_salt), timeout=args.timeout
         )
@@ -213,7 +245,7 @@ def hash_prompt(args: argparse.Namespace) -> int:
         algorithm = args.hash_algorithm or spec.get("hash_algorithm")
         if not (block_size and algorithm):
             raise ValueError(f"no live worker serves model {model_id!r}: give --block-size and --hash-algorithm")
-        ids = _token_ids(args)
+        ids = _token_ids(args, model_id)
         hashes = [h.hex() for h in BlockHasher(model_id, block_size, algorithm).hash_prompt(ids, args.cache_salt)]
         data = {"model_id": model_id, "block_size": block_size, "hash_algorithm": algorithm, "num_tokens": len(ids),
                 "block_hashes": hashes}

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 
 class KVMeshError(Exception):
-    """Base class; the message is shown to the client as is, so make it actionable."""
+    """Base class; the message is shown to the client as is, so make it actionable.
+
+    ``param``: the request field the error is about (an OpenAI error object's ``param``), when
+    there is one; gRPC carries it in the message only.
+    """
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
 
 
 class InvalidArgument(KVMeshError, ValueError):

@@ -30,6 +30,8 @@ MAX_CHAIN_BLOCKS = 65_536
 """Block hashes in one Lookup (and in one event or snapshot message)."""
 MAX_TOKEN_ID = 2**31
 """Token ids are hashed as int32 (docs/block-hashing.md): every id must be below this."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Stop token ids in one request's sampling parameters."""
 
 EXCERPT_CHARS = 40
 """Characters of client input an error message quotes at most."""

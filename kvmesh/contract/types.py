@@ -10,8 +10,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvmesh.contract.errors import InvalidArgument
+from kvmesh.contract.limits import MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, excerpt
+
 DEFAULT_MAX_TOKENS = 16
 """max_tokens of a request that sets none (fewer when the prompt leaves less room)."""
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest finite 32-bit float: temperature travels as one (common.proto)."""
 
 FinishReason = Literal["stop", "length", "abort"]
 """Why a request ended: a stop condition, max_tokens / max_model_len, or cancelled."""
@@ -36,19 +42,34 @@ class SamplingParams:
     """Do not stop at the model's EOS token."""
 
     def validate(self) -> None:
-        """Raises ValueError with a message a user can act on."""
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1 (leave it unset for the default), got {self.max_tokens!r}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        """Raises InvalidArgument (a ValueError) naming the field, with a message a user can act on.
+
+        Every bound is the range of the field's protobuf type (common.proto), so a value that passes
+        always reaches the worker as sent: ``max_tokens`` uint32, ``top_k`` int32, ``seed`` uint64,
+        ``temperature``/``top_p`` 32-bit floats; stop token ids are token ids (< 2**31, hashed as
+        int32), at most MAX_STOP_TOKEN_IDS of them.
+        """
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens < 2**32):
+            raise InvalidArgument(f"max_tokens must be an integer in [1, 2**32) (leave it unset for the default), "
+                                  f"got {excerpt(self.max_tokens)}", param="max_tokens")
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= FLOAT32_MAX):
+            raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy) and at most {FLOAT32_MAX:.4g} "
+                                  f"(a 32-bit float), got {excerpt(self.temperature)}", param="temperature")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (leave it unset for 1), got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise InvalidArgument(f"top_p must be in (0, 1] (leave it unset for 1), got {excerpt(self.top_p)}",
+                                  param="top_p")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
+            raise InvalidArgument(f"top_k must be an integer in [0, 2**31) (0 disables it), got {excerpt(self.top_k)}",
+                                  param="top_k")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise InvalidArgument(f"seed must be an integer in [0, 2**64), got {excerpt(self.seed)}", param="seed")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}",
+                                  param="stop_token_ids")
+        for i, t in enumerate(self.stop_token_ids):
+            if not isinstance(t, int) or not 0 <= t < MAX_TOKEN_ID:
+                raise InvalidArgument(f"stop_token_ids must be non-negative integers below 2**31 (token ids), "
+                                      f"got stop_token_ids[{i}] = {excerpt(t)}", param="stop_token_ids")
 
     @property
     def greedy(self) -> bool:

@@ -33,15 +33,23 @@ ERROR_TYPE_OF: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable_error",
 }
+"""A status not listed is ``invalid_request_error`` below 500 and ``server_error`` from 500 on."""
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
-"""Largest request body accepted (413 past it): the gRPC API's message limit."""
+WWW_AUTHENTICATE = (b"www-authenticate", b'Bearer realm="kvmesh"')
+"""The header every 401 carries (RFC 6750): the scheme the client must use."""
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPE_OF.get(status, "invalid_request_error" if status < 500 else "server_error")
 
 
 def status_for(exc: BaseException) -> tuple[int, str]:
@@ -55,16 +63,21 @@ def status_for(exc: BaseException) -> tuple[int, str]:
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """An OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": ERROR_TYPE_OF.get(status, "server_error"), "param": param,
-                      "code": code}}
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def param_of(exc: BaseException) -> str | None:
+    """The request field an error names (``KVMeshError.param``), if any."""
+    return getattr(exc, "param", None)
 
 
 def check_bearer(authorization: str | None, token: str | None) -> str | None:
     """None when the request may pass (``token`` None: no auth, or the right one sent); else why not."""
     if not token:
         return None
-    got = (authorization or "").encode()
-    if hmac.compare_digest(got, f"Bearer {token}".encode()):
+    scheme, _, credentials = (authorization or "").strip().partition(" ")
+    # NOTE: the scheme is case-insensitive (RFC 7235 section 2.1); the token is compared in constant time.
+    if scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), token.encode()):
         return None
     reason = "missing" if not authorization else "wrong"
     return f"{reason} API key: send the header 'Authorization: Bearer <api token>'"

@@ -456,12 +456,14 @@ class AioServer:
     """A ``grpc.aio`` server with health, reflection, the auth and error interceptors and
     graceful stop. Build it on the loop that will run it."""
 
-    def __init__(self, host: str, port: int, token_name: str = "admin token") -> None:
+    def __init__(self, host: str, port: int, token_name: str = "admin token",
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        """``max_receive_bytes``: a larger request message is RESOURCE_EXHAUSTED before it is decoded."""
         sec = security.current()
         auth = [security.BearerTokenInterceptor(sec.server_token, token_name)] if sec.server_token else []
         self.gate = DrainGate()
-        self.server = grpc.aio.server(interceptors=[*auth, ErrorMappingInterceptor(self.gate)],
-                                      options=CHANNEL_OPTIONS)
+        options = [*CHANNEL_OPTIONS[:1], ("grpc.max_receive_message_length", max_receive_bytes)]
+        self.server = grpc.aio.server(interceptors=[*auth, ErrorMappingInterceptor(self.gate)], options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -113,6 +114,46 @@ def test_admin_commands_against_a_real_server(kv_process):
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 0
+
+
+def test_admin_lookup_finds_the_tokenizer_and_says_0_blocks_for_a_short_prompt(kv_process, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    _, address, _ = kv_process
+    pb_grpc.KVServiceStub(dial(address)).RegisterWorker(pb.RegisterWorkerRequest(
+        worker_id="w1", address="10.0.0.1:50061", model_id="tiny", block_size=4,
+        hash_algorithm=pb.HASH_ALGORITHM_SHA256_128, num_blocks=64, epoch=1), timeout=5)
+    # The model kept where `kvmesh up` keeps its demo model: $KVMESH_CACHE_DIR/models/<id>.
+    vocab = ["[unk]", "a", "b", "c", "d", "e", "f", "g", "h"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="[unk]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    tok.save(str(tmp_path / "models" / "tiny" / "tokenizer.json"))
+    env = {**os.environ, "KVMESH_CACHE_DIR": str(tmp_path)}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([KVMESH, "admin", *args, "--kv-service", address], capture_output=True, text=True,
+                              timeout=30, env=env)
+
+    found = run("lookup", "--text", "a b c d e f g h", "--json")  # no --model: the kv_service's one model, by id
+    assert found.returncode == 0, found.stderr
+    assert (json.loads(found.stdout)["num_tokens"], json.loads(found.stdout)["num_blocks_queried"]) == (8, 2)
+    assert run("lookup", "--text", "a b c d", "--model", "tiny").returncode == 0  # --model as the id
+    short = run("lookup", "--text", "a b", "--model", "tiny")
+    assert short.returncode == 0 and short.stdout.startswith("2 tokens, 0 full blocks of 4"), short
+    assert json.loads(run("lookup", "--tokens", "1", "--json").stdout)["workers"] == []
+    assert run("hash", "--text", "a b").stdout.startswith("2 tokens, 0 full blocks of 4")
+    missing = run("lookup", "--text", "a", "--model", "nope")
+    assert missing.returncode == 2 and "no tokenizer for model 'nope'" in missing.stderr and "--model DIR" in missing.stderr
+
+
+def test_admin_output_into_a_closed_pipe_is_no_traceback(kv_process):
+    _, address, _ = kv_process
+    proc = subprocess.Popen([KVMESH, "admin", "stats", "--kv-service", address], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before anything is written (`| head -0`)
+    assert proc.wait(timeout=30) == 128 + signal.SIGPIPE
+    assert proc.stderr.read() == ""
 
 
 def test_admin_reports_an_unreachable_service():

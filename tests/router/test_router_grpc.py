@@ -148,15 +148,15 @@ def test_bad_input_is_invalid_argument(stack):
         (dict(), "the request sets no input: set text, token_ids or chat"),
         (dict(token_ids=router_pb2.TokenIds(ids=[])), "token_ids is empty: send at least one prompt token"),
         (dict(text="hi", sampling=common_pb2.SamplingParams(temperature=-1.0)),
-         "temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+         "temperature must be a finite number >= 0 (0 = greedy) and at most 3.403e+38 (a 32-bit float), got -1.0"),
         (dict(text="hi", sampling=common_pb2.SamplingParams(temperature=float("inf"))),
-         "temperature must be a finite number >= 0 (0 = greedy), got inf"),
+         "temperature must be a finite number >= 0 (0 = greedy) and at most 3.403e+38 (a 32-bit float), got inf"),
         (dict(text="hi", sampling=common_pb2.SamplingParams(top_p=1.5)),
          "top_p must be in (0, 1] (leave it unset for 1), got 1.5"),
         (dict(text="hi", sampling=common_pb2.SamplingParams(top_p=0.0)),
          "top_p must be in (0, 1] (leave it unset for 1), got 0.0"),
         (dict(text="hi", sampling=common_pb2.SamplingParams(max_tokens=0)),
-         "max_tokens must be an integer >= 1 (leave it unset for the default), got 0"),
+         "max_tokens must be an integer in [1, 2**32) (leave it unset for the default), got 0"),
     ]
     for kw, message in cases:
         with pytest.raises(grpc.RpcError) as err:

@@ -159,7 +159,7 @@ def test_no_worker_and_bad_prompts():
              (GenerateInput("", None, SamplingParams()), "text is empty"),
              (GenerateInput(None, None, SamplingParams()), "set text, token_ids or chat"),
              (GenerateInput("hi", None, SamplingParams()), "no tokenizer"),
-             (GenerateInput(None, [2**32] * 4, SamplingParams()), "token_ids: token ids must be integers")]
+             (GenerateInput(None, [2**32] * 4, SamplingParams()), r"token_ids\[0\] is 4294967296: token ids are integers in \[0, 2\*\*31\)")]
     for inp, message in cases:
         with pytest.raises(InvalidArgument, match=message):
             asyncio.run(collect(router.generate(inp)))

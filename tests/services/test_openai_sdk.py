@@ -189,9 +189,9 @@ def test_bad_requests_are_400_with_the_routers_message(mesh):
         (dict(model=mesh.a, messages=user, n=2), "n=2: kvmesh returns one choice per request"),
         (dict(model=mesh.a, messages=[]), "messages is empty"),
         (dict(model=mesh.a, messages=[{"role": "tool", "content": "x"}]), "roles are system, user and assistant"),
-        (dict(model=mesh.a, messages=user, max_tokens=0), "max_tokens must be an integer >= 1"),
-        (dict(model=mesh.a, messages=[{"content": "no role"}]), "messages.0.role: Field required"),
-        (dict(model=mesh.a, messages=user, extra_body={"top_k": -5}), "top_k must be an integer >= 0"),
+        (dict(model=mesh.a, messages=user, max_tokens=0), "max_tokens must be an integer in [1, 2**32)"),
+        (dict(model=mesh.a, messages=[{"content": "no role"}]), "messages[0].role: Field required"),
+        (dict(model=mesh.a, messages=user, extra_body={"top_k": -5}), "top_k must be an integer in [0, 2**31)"),
     ]
     for kw, message in cases:
         with pytest.raises(openai.BadRequestError) as err:
@@ -318,9 +318,14 @@ def test_curl_style_raw_json(mesh):
     req = urllib.request.Request(f"http://127.0.0.1:{mesh.router.http_port}/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     answer = json.loads(urllib.request.urlopen(req).read())
-    assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] <= 3
+    usage = answer["usage"]
+    assert answer["object"] == "chat.completion" and 0 < usage["completion_tokens"] <= 3
+    assert usage["prompt_tokens"] > 0 and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 0
     bad = urllib.request.Request(f"http://127.0.0.1:{mesh.router.http_port}/v1/chat/completions", data=b"{not json",
                                  headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(bad)
-    assert err.value.code == 400 and json.loads(err.value.read())["error"]["type"] == "invalid_request_error"
+    error = json.loads(err.value.read())["error"]
+    assert err.value.code == 400 and error["type"] == "invalid_request_error"
+    assert error["message"].startswith("the request body is not valid JSON")

@@ -163,7 +163,7 @@ def test_client_cancel_frees_the_workers_blocks(stack):
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
     ({"top_p": 1.5}, "top_p must be in (0, 1]"),
-    ({"top_k": -1}, "top_k must be an integer >= 0"),
+    ({"top_k": -1}, "top_k must be an integer in [0, 2**31)"),
     ({"prompt": [3] * 600}, "the model's context is 512 tokens"),  # the router refuses it before any worker
     ({"prompt": [3, 10**6]}, "outside the vocabulary"),
 ])

@@ -82,7 +82,7 @@ def test_client_cancel_frees_blocks(start_worker):
     ([], {}, "prompt is empty"),
     ([5, 6], {"temperature": -1.0}, "temperature must be a finite number >= 0"),
     ([5, 6], {"top_p": 1.5}, "top_p must be in (0, 1]"),
-    ([5, 6], {"top_k": -2}, "top_k must be an integer >= 0"),
+    ([5, 6], {"top_k": -2}, "top_k must be an integer in [0, 2**31)"),
 ])
 def test_bad_input_is_invalid_argument_and_worker_keeps_serving(start_worker, ids, sampling, message):
     worker = start_worker("w1", None)
