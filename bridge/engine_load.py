@@ -45,6 +45,8 @@ NAMES = {
     },
 }
 ENGINES = tuple(NAMES)
+_WANTED = {e: frozenset(n.values()) | {"vllm:cache_config_info", "sglang:max_total_num_tokens"}
+           for e, n in NAMES.items()}
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,6 +62,24 @@ class EngineStatus:
     """Prompt tokens looked up in the engine's prefix cache so far."""
     prefix_cache_hits: int
     """Of those, tokens found cached."""
+
+
+def _wanted(text: str, names: frozenset[str]) -> str:
+    """The lines of the series in ``names`` (and their # TYPE lines): vLLM's page is ~60 KB of
+    histograms, ~6 ms for the parser whole, ~0.1 ms for these."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            family = line.split(" ", 3)[2]
+            if any(n.startswith(family) for n in names):
+                keep.append(line)
+            continue
+        if line and line[0] != "#":
+            end = line.find("{")
+            name = line[: end if end >= 0 else line.find(" ")]
+            if name in names:
+                keep.append(line)
+    return "\n".join(keep) + "\n"
 
 
 def _samples(text: str) -> tuple[dict[str, float], dict[str, dict[str, str]]]:
@@ -85,7 +105,7 @@ def parse_status(text: str, engine: str, block_size: int) -> EngineStatus:
     """The engine's load in kvmesh terms (``block_size``: kvmesh's). Raises ValueError on text
     that is not Prometheus exposition format."""
     n = NAMES[engine]
-    v, infos = _samples(text)
+    v, infos = _samples(_wanted(text, _WANTED[engine]))
     cache = infos.get("vllm:cache_config_info", {})
     engine_bs = _int_label(cache, "block_size")
     capacity = _int_label(cache, "num_gpu_blocks") * engine_bs

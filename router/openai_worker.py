@@ -109,7 +109,8 @@ class OpenAIWorkerCall:
             raise WorkerError(Failure.UNAVAILABLE, f"{type(exc).__name__}: {exc}") from None
 
     async def _events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        """The ``data:`` payloads of the server-sent events, in order."""
+        """The ``data:`` payloads of the server-sent events, in order, up to ``[DONE]`` (read: a
+        response read to its end returns its connection to the pool; one left unread is closed)."""
         buf = b""
         async for piece in resp.content.iter_any():
             buf += piece
@@ -127,10 +128,13 @@ class OpenAIWorkerCall:
         held: list[int] = []
         finish: str | None = None
         completion = 0
+        last: WorkerChunk | None = None
         wid = self._endpoint.worker_id
         async for data in self._events(resp):
             if data == b"[DONE]":
                 break
+            if last is not None:
+                continue  # NOTE: nothing is expected between the usage and [DONE]
             try:
                 msg = json.loads(data)
             except ValueError:
@@ -150,16 +154,19 @@ class OpenAIWorkerCall:
                     yield WorkerChunk(ids, worker_id=wid)
             if usage is not None and finish is not None:
                 details = usage.get("prompt_tokens_details") or {}
-                yield WorkerChunk(held, finish, Usage(int(usage.get("prompt_tokens", 0)),
-                                                      int(details.get("cached_tokens") or 0),
-                                                      int(usage.get("completion_tokens", completion))), wid)
-                return
-        if finish is not None:  # a server that sends no usage chunk
+                # NOTE: held until [DONE] is read: the caller stops at the last chunk, and the
+                # connection goes back to the pool only once the response is read to its end.
+                last = WorkerChunk(held, finish, Usage(int(usage.get("prompt_tokens", 0)),
+                                                       int(details.get("cached_tokens") or 0),
+                                                       int(usage.get("completion_tokens", completion))), wid)
+        if last is not None:
+            yield last
+        elif finish is not None:  # a server that sends no usage chunk
             yield WorkerChunk(held, finish, Usage(len(self._request.prompt_token_ids), 0, completion), wid)
 
     def cancel(self) -> None:
-        """Closes the connection: the engine aborts the request."""
-        if self._resp is not None:
+        """Closes the connection if the response is still open: the engine aborts the request."""
+        if self._resp is not None and not self._resp.closed:
             self._resp.close()
 
 

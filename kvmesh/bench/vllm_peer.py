@@ -39,7 +39,7 @@ PEER_PYTHON_ENV = "KVMESH_PEER_PYTHON"
 
 def peer_python() -> Path:
     """The peer virtualenv's interpreter. Raises FileNotFoundError with the command that makes it."""
-    path = Path(os.environ.get(PEER_PYTHON_ENV) or REPO / ".venv-peer" / "bin" / "python")
+    path = Path(os.environ.get(PEER_PYTHON_ENV) or REPO / ".venv-peer" / "bin" / "python").absolute()
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: vLLM's peer virtualenv is made by `make peer-venv`")
     return path
