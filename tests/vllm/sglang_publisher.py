@@ -39,7 +39,9 @@ def load_sglang_kv_events():
 
 
 def main() -> None:
-    pub_port, replay_port, script = int(sys.argv[1]), int(sys.argv[2]), json.load(open(sys.argv[3]))
+    pub_port, replay_port = int(sys.argv[1]), int(sys.argv[2])
+    with open(sys.argv[3]) as f:
+        script = json.load(f)
     kv = load_sglang_kv_events()
     publisher = kv.ZmqEventPublisher(attn_dp_rank=0, endpoint=f"tcp://*:{pub_port}",
                                      replay_endpoint=f"tcp://*:{replay_port}")
