@@ -129,7 +129,7 @@ class LLMEngine:
         self._inbox: deque[tuple[str, Any]] = deque()
         self._live: set[str] = set()
         # NOTE: cumulative work and time of every step, reported in the load so that routers can
-        # learn this worker's step-time coefficients (router/cost.py) instead of assuming them.
+        # learn this worker's step-time coefficients (router/policies/cost.py) instead of assuming them.
         self._work = StepWork()
         self._busy_s = 0.0
         self._steps = 0

@@ -10,7 +10,7 @@ that routes in production. Everything here is decision logic:
 - merging the Lookup answer (matched blocks, and each worker's load, fresher than discovery's)
   with the speculative map (router/speculative.py) and this router's in-flight view
   (router/inflight.py) into :class:`Candidate`s;
-- the policy's pick (router/policy.py: hot-spot guard, rendezvous fallback) and the speculative
+- the policy's pick (router/policies/: hot-spot guard, rendezvous fallback) and the speculative
   record of it; the in-flight accounting of the request on the chosen worker.
 
 No grpc, no redis, no threads, no wall clock: time is the injected ``clock`` (monotonic seconds),
@@ -35,7 +35,7 @@ from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.types import ModelSpec
 from kvmesh.router.inflight import InFlight, Ticket
-from kvmesh.router.policy import Candidate, Decision, RouteQuery, RouterPolicy, uncached_tokens
+from kvmesh.router.policies.base import Candidate, Decision, RouteQuery, RouterPolicy, uncached_tokens
 from kvmesh.router.speculative import SpeculativeIndex
 from kvmesh.router.upstream import IndexMatch, IndexUnavailable, PrefixIndex, WorkerEndpoint
 
@@ -111,7 +111,7 @@ class RoutingCore:
     """One router's decision state: policy, speculative map, in-flight view, index breaker.
 
     Args:
-        policy: the routing policy (router/policy.py).
+        policy: the routing policy (router/policies/).
         speculative_ttl_s: how long a pick counts as the worker holding the prompt's blocks (0 = off).
         index_retry_s: after a failed Lookup, skip the index this long.
         clock: monotonic seconds (time.monotonic live, the virtual clock in the simulator).

@@ -1,4 +1,4 @@
-"""What the gRPC adapter (router/server.py) and the OpenAI HTTP adapter (router/openai_api.py) both
+"""What the gRPC adapter (router/adapters/grpc_api.py) and the OpenAI HTTP adapter (router/adapters/openai_api.py) both
 call: pick the request's model, admit the stream under ``--max-streams``, run that model's request
 path and count the outcome. Both protocols thus share one stream limit, one set of metrics and
 one validation path; an adapter only converts messages.

@@ -1,7 +1,7 @@
 """The router's own view of the work it has sent to each worker and not seen finish.
 
 Fresh for this router's traffic (a heartbeat never lags it) and blind to other routers; the
-policy combines it with the worker's reported load (router/policy.py, ``queued_tokens``).
+policy combines it with the worker's reported load (router/policies/, ``queued_tokens``).
 
 This module imports neither grpc nor redis.
 """

@@ -21,10 +21,10 @@ from tokenizers import Tokenizer
 
 from kvmesh.contract.errors import InvalidArgument, NotFound
 from kvmesh.contract.modelinfo import context_length, load_tokenizer, model_id_for
-from kvmesh.router.chat_template import ChatTemplate
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.router import Router
+from kvmesh.router.text.chat_template import ChatTemplate
 from kvmesh.router.upstream import AsyncPrefixIndex, WorkerPool
 
 log = logging.getLogger("kvmesh.router")
@@ -68,7 +68,7 @@ class ModelSet:
 
     Args:
         config: the router's flags (``model_dirs``, ``model_id``).
-        make_pool: a worker pool for a model id (router/discovery.py's GrpcWorkerPool live).
+        make_pool: a worker pool for a model id (router/adapters/discovery.py's GrpcWorkerPool live).
         index: the kv_service Lookup shared by every model (each Lookup names its model).
         metrics: the server's metrics, shared by every model's request path.
     """

@@ -1,6 +1,6 @@
 """The request path: validate, tokenize, hash, look up, pick, forward, stream back.
 
-The gRPC adapter (router/server.py) and the OpenAI HTTP adapter (router/openai_api.py) turn a
+The gRPC adapter (router/adapters/grpc_api.py) and the OpenAI HTTP adapter (router/adapters/openai_api.py) turn a
 request into a :class:`GenerateInput`, iterate :meth:`Router.generate` (through router/frontend.py,
 which picks the model's Router) and turn each :class:`GenerateOutput` into their messages. Workers and
 the index are reached through router/upstream.py's protocols, so this module imports neither
@@ -8,11 +8,11 @@ grpc nor redis; errors are kvmesh.contract.errors, mapped to status codes by kvm
 
 Everything here runs on the router's event loop. The decisions (chain, candidates, pick, in-flight
 accounting) are router/core.py's synchronous code; only I/O is awaited: the Lookup, the worker's
-stream, and tokenizing a long text (router/prompt.py: on a thread of the tokenizer pool, within
+stream, and tokenizing a long text (router/text/prompt.py: on a thread of the tokenizer pool, within
 the prompt bounds). A client that goes away cancels the request's task; the cancellation reaches
 the open worker call at its await, and the ``finally`` blocks free its in-flight share.
 
-Every request is validated here (router/prompt.py), whichever front end built it, before any work
+Every request is validated here (router/text/prompt.py), whichever front end built it, before any work
 is spent on it. Public messages name no worker and no address (a client has no use for the mesh's
 topology): the details go to this router's log, under the request's id.
 """
@@ -39,14 +39,16 @@ from kvmesh.contract.errors import (
 )
 from kvmesh.contract.limits import MAX_CHAIN_BLOCKS
 from kvmesh.contract.types import DEFAULT_MAX_TOKENS, SamplingParams, Usage
-from kvmesh.router.chat_template import ChatTemplate
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RoutePlan, RoutingCore
-from kvmesh.router.detokenize import IncrementalDetokenizer
 from kvmesh.router.inflight import InFlight
 from kvmesh.router.metrics import RouterMetrics
-from kvmesh.router.policy import Decision, PolicyConfig, RouterPolicy, make_policy
-from kvmesh.router.prompt import (
+from kvmesh.router.policies import make_policy
+from kvmesh.router.policies.base import Decision, PolicyConfig, RouterPolicy
+from kvmesh.router.speculative import SpeculativeIndex
+from kvmesh.router.text.chat_template import ChatTemplate
+from kvmesh.router.text.detokenize import IncrementalDetokenizer
+from kvmesh.router.text.prompt import (
     RENDER_ON_LOOP_MESSAGES,
     TOKENIZE_ON_LOOP_CHARS,
     PromptLimits,
@@ -55,8 +57,7 @@ from kvmesh.router.prompt import (
     check_message_count,
     check_token_id_range,
 )
-from kvmesh.router.speculative import SpeculativeIndex
-from kvmesh.router.stop_strings import StopStrings, check_stop_strings
+from kvmesh.router.text.stop_strings import StopStrings, check_stop_strings
 from kvmesh.router.upstream import (
     RETRIABLE,
     AsyncPrefixIndex,
@@ -78,7 +79,7 @@ ABORT_DRAIN_S = 2.0
 
 @dataclass(slots=True, frozen=True)
 class ChatInput:
-    """A conversation for the model's chat template (router/chat_template.py)."""
+    """A conversation for the model's chat template (router/text/chat_template.py)."""
 
     messages: Sequence[Mapping[str, Any]]
     """``{"role", "content"[, "name"]}`` each, content as text."""
@@ -102,7 +103,7 @@ class GenerateInput:
     """Time the client has left (its gRPC deadline); None = no client deadline."""
     chat: ChatInput | None = None
     stop: Sequence[str] = ()
-    """Stop strings (router/stop_strings.py); they need the model's tokenizer."""
+    """Stop strings (router/text/stop_strings.py); they need the model's tokenizer."""
     include_stop_str_in_output: bool = False
 
 
@@ -125,7 +126,7 @@ class Router:
 
     Args:
         config: the router's flags.
-        pool: the workers of the model (router/discovery.py).
+        pool: the workers of the model (router/adapters/discovery.py).
         index: the kv_service Lookup, or None to route without an index.
         tokenizer: the model's tokenizer, or None (clients must then send token ids).
         metrics: where to count (the server's, served on /metrics); default: a private registry.
@@ -200,7 +201,7 @@ class Router:
     # -- decision path (tokenize + hash + lookup + pick) ------------------------------------
     async def tokenize(self, inp: GenerateInput, limits: PromptLimits | None = None) -> list[int]:
         """The prompt's token ids within the prompt bounds; raises InvalidArgument on an empty or
-        missing prompt, InvalidArgument / ResourceExhausted past a bound (router/prompt.py)."""
+        missing prompt, InvalidArgument / ResourceExhausted past a bound (router/text/prompt.py)."""
         limits = limits or self.limits()
         if inp.token_ids is not None:
             if not inp.token_ids:
@@ -239,7 +240,7 @@ class Router:
                                          extra=chat.template_kwargs)
 
     async def _render(self, chat: ChatInput) -> str:
-        """:meth:`render_chat`, on the tokenizer pool for a long conversation (router/prompt.py)."""
+        """:meth:`render_chat`, on the tokenizer pool for a long conversation (router/text/prompt.py)."""
         small = len(chat.messages) <= RENDER_ON_LOOP_MESSAGES and sum(
             len(m.get("content") or "") for m in chat.messages) <= TOKENIZE_ON_LOOP_CHARS
         if small or self.prompts is None:

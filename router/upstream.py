@@ -1,7 +1,7 @@
 """What the request path needs from the outside, as plain types and protocols.
 
 router/router.py (the request path) talks to workers and the prefix index only through these;
-router/discovery.py implements them over gRPC. Keeping the request path free of grpc lets the
+router/adapters/discovery.py implements them over gRPC. Keeping the request path free of grpc lets the
 tests drive it with fakes and keeps one place (discovery.py) that reads gRPC status codes.
 
 This module imports neither grpc nor redis.

@@ -16,7 +16,8 @@ def _floats(text: str) -> list[float]:
 def register(sub: argparse._SubParsersAction) -> None:
     from kvmesh.commands.common import add_cost_model_args
     from kvmesh.model_worker.sim_runner import CostModel
-    from kvmesh.router.policy import PolicyConfig, policy_names
+    from kvmesh.router.policies import policy_names
+    from kvmesh.router.policies.base import PolicyConfig
     from kvmesh.sim.mesh import SimConfig
     from kvmesh.sim.workload import GENERATORS
 
@@ -86,7 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--network-ms", type=float, default=d.network_s * 1000, help="router <-> worker hop (default 1)")
     g.add_argument("--speculative-ttl-s", type=float, default=d.speculative_ttl_s, help="(default 2)")
     g.add_argument("--max-attempts", type=int, default=d.max_attempts, help="workers tried per request (default 3)")
-    g = p.add_argument_group("policy knobs (router/policy.py PolicyConfig)")
+    g = p.add_argument_group("policy knobs (router/policies/ PolicyConfig)")
     g.add_argument("--decode-cost", type=int, default=pc.decode_cost_tokens)
     g.add_argument("--overlap-weight", type=float, default=pc.overlap_weight)
     g.add_argument("--decode-harm-weight", type=float, default=pc.decode_harm_weight)
@@ -105,7 +106,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def config_from(args: argparse.Namespace):
     from kvmesh.model_worker.sim_runner import CostModel
-    from kvmesh.router.policy import PolicyConfig
+    from kvmesh.router.policies.base import PolicyConfig
     from kvmesh.sim.mesh import SimConfig
 
     cost = CostModel(**{f: getattr(args, f"sim_{f}") for f in CostModel.__dataclass_fields__})
@@ -130,7 +131,7 @@ def config_from(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.router.policy import POLICIES, policy_names
+    from kvmesh.router.policies import POLICIES, policy_names
     from kvmesh.sim import report
     from kvmesh.sim.run import Sim, dump, sweep
     from kvmesh.sim.workload import load_trace, make_workload

@@ -92,7 +92,7 @@ class Load:
 
     The first five fields are the worker's state now. The counters after them are cumulative since
     the worker started: what its steps computed and how long they took. A router learns the
-    worker's step-time coefficients from their deltas between two reports (router/cost.py). A worker
+    worker's step-time coefficients from their deltas between two reports (router/policies/cost.py). A worker
     that does not report them (an older one) leaves them 0.
     """
 

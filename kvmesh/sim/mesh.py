@@ -55,7 +55,8 @@ from kvmesh.model_worker.scheduler import RequestOutput
 from kvmesh.model_worker.sim_runner import DEFAULT_SIM_NUM_BLOCKS, CostModel, SimRunner
 from kvmesh.router.core import CountingObserver, RoutePlan, RoutingCore
 from kvmesh.router.inflight import Ticket
-from kvmesh.router.policy import PolicyConfig, make_policy
+from kvmesh.router.policies import make_policy
+from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.upstream import IndexMatch, IndexUnavailable, WorkerEndpoint
 from kvmesh.sim.workload import Workload
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from kvmesh.contract.types import Load
-from kvmesh.router.approx_tree import ApproxPrefixTree, ApproxTreeConfig, ApproxTreePolicy
-from kvmesh.router.policy import POLICIES, Candidate, PolicyConfig, RouteQuery, make_policy
+from kvmesh.router.policies import POLICIES, make_policy
+from kvmesh.router.policies.approx_tree import ApproxPrefixTree, ApproxTreeConfig, ApproxTreePolicy
+from kvmesh.router.policies.base import Candidate, PolicyConfig, RouteQuery
 
 
 def _q(*hashes: bytes, prompt_len: int | None = None) -> RouteQuery:

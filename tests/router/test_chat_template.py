@@ -1,4 +1,4 @@
-"""router/chat_template.py renders exactly what transformers' apply_chat_template renders, on the
+"""router/text/chat_template.py renders exactly what transformers' apply_chat_template renders, on the
 checkpoints `kvmesh make-model` writes and on templates written the other ways transformers reads."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from kvmesh.contract.errors import InvalidArgument
 from kvmesh.make_model import CHAT_TEMPLATE, ModelSpec, make_model
-from kvmesh.router.chat_template import ChatTemplate
 from kvmesh.router.models import ModelFiles
+from kvmesh.router.text.chat_template import ChatTemplate
 
 TINY = ModelSpec(arch="qwen2", layers=1, hidden_size=32, heads=2, kv_heads=1, intermediate_size=64,
                  max_position_embeddings=256)

@@ -8,16 +8,10 @@ import hashlib
 import pytest
 
 from kvmesh.contract.types import Load
-from kvmesh.router.cost import StepCostLearner
-from kvmesh.router.policy import (
-    POLICIES,
-    Candidate,
-    KvAwarePolicy,
-    PolicyConfig,
-    RouteQuery,
-    make_policy,
-    predicted_ttft,
-)
+from kvmesh.router.policies import POLICIES, make_policy
+from kvmesh.router.policies.base import Candidate, PolicyConfig, RouteQuery
+from kvmesh.router.policies.cost import StepCostLearner
+from kvmesh.router.policies.kv_aware import KvAwarePolicy, predicted_ttft
 
 BS = 16
 TRUE = dict(step_s=0.006, prefill_token_s=60e-6, prefill_pair_s=1.3e-9, decode_seq_s=50e-6, decode_context_token_s=40e-9)

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from kvmesh.contract import errors
-from kvmesh.router.openai_protocol import ChatCompletionRequest, CompletionRequest
-from kvmesh.router.request_body import BodyBounds, BodyParser, BodyTooLarge, read_json_body
+from kvmesh.router.adapters.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.router.adapters.request_body import BodyBounds, BodyParser, BodyTooLarge, read_json_body
 from kvmesh.transport import http, rpc
 
 

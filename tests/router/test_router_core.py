@@ -5,7 +5,8 @@ from __future__ import annotations
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import Load, ModelSpec
 from kvmesh.router.core import CountingObserver, RoutingCore
-from kvmesh.router.policy import PolicyConfig, make_policy
+from kvmesh.router.policies import make_policy
+from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.upstream import IndexMatch, IndexUnavailable, WorkerEndpoint
 
 SPEC = ModelSpec("m", 4, "sha256_128")

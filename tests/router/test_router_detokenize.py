@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.make_model import train_tokenizer
-from kvmesh.router.detokenize import IncrementalDetokenizer
+from kvmesh.router.text.detokenize import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

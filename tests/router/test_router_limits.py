@@ -19,10 +19,11 @@ from kvmesh.kv_service.server import KVServiceServer
 from kvmesh.kv_service.store_memory import MemoryIndex
 from kvmesh.loopback import free_port
 from kvmesh.make_model import train_tokenizer
+from kvmesh.router.adapters.kv_client import KVServiceClient
 from kvmesh.router.core import CountingObserver, RoutingCore
-from kvmesh.router.discovery import KVServiceClient
-from kvmesh.router.policy import PolicyConfig, make_policy
-from kvmesh.router.prompt import PromptLimits, PromptTokenizer
+from kvmesh.router.policies import make_policy
+from kvmesh.router.policies.base import PolicyConfig
+from kvmesh.router.text.prompt import PromptLimits, PromptTokenizer
 from kvmesh.router.upstream import IndexUnavailable, WorkerEndpoint
 from kvmesh.transport.rpc import LoopThread, invalid_utf8_field
 from kvmesh.v1 import router_pb2

@@ -8,17 +8,10 @@ import math
 import pytest
 
 from kvmesh.contract.types import Load
-from kvmesh.router.policy import (
-    Candidate,
-    KvAwarePolicy,
-    PolicyConfig,
-    PrefixHashPolicy,
-    RouteQuery,
-    make_policy,
-    policy_names,
-    queued_tokens,
-    rendezvous_weight,
-)
+from kvmesh.router.policies import make_policy, policy_names
+from kvmesh.router.policies.base import Candidate, PolicyConfig, RouteQuery, queued_tokens, rendezvous_weight
+from kvmesh.router.policies.basic import PrefixHashPolicy
+from kvmesh.router.policies.kv_aware import KvAwarePolicy
 
 BS = 16
 

@@ -1,4 +1,4 @@
-"""Stop strings on text deltas (router/stop_strings.py) and in the request path (router/router.py)."""
+"""Stop strings on text deltas (router/text/stop_strings.py) and in the request path (router/router.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kvmesh.contract.types import SamplingParams, Usage
 from kvmesh.make_model import train_tokenizer
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.router import GenerateInput, Router
-from kvmesh.router.stop_strings import StopStrings, check_stop_strings
+from kvmesh.router.text.stop_strings import StopStrings, check_stop_strings
 from kvmesh.router.upstream import WorkerChunk
 
 from .test_router_path import FakeIndex, FakePool, collect

@@ -134,7 +134,7 @@ def test_a_run_that_raises_is_reported_and_the_sweep_keeps_the_rest(monkeypatch,
     # not throw away the other policies' finished results: the JSON lists the failure with its
     # policy, rate and seed, keeps the rest, and the command exits non-zero.
     from kvmesh.commands import simulate as cmd
-    from kvmesh.router.policy import POLICIES
+    from kvmesh.router.policies import POLICIES
 
     cls = POLICIES["least-loaded"]
 

@@ -34,7 +34,7 @@ import ijson
 
 from kvmesh.contract.errors import InvalidArgument, RequestTooLarge
 from kvmesh.contract.limits import MAX_STOP_TOKEN_IDS
-from kvmesh.router.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from kvmesh.router.text.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 try:
     _ijson = ijson.get_backend("yajl2_c")

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.contract.types import H100_8B_KV_BLOCKS
-from kvmesh.router.policy import POLICIES, Candidate, Decision, PolicyConfig, RouteQuery, RouterPolicy
+from kvmesh.router.policies.base import Candidate, Decision, PolicyConfig, RouteQuery, RouterPolicy
 
 
 @dataclass(slots=True)
@@ -118,6 +118,3 @@ class ApproxTreePolicy(RouterPolicy):
         tied = [i for i, k in enumerate(keys) if k == low]
         # NOTE: called under self._lock, so the RNG is drawn directly (_choice_index would re-lock).
         return tied[0] if len(tied) == 1 else tied[self._rng.randrange(len(tied))]
-
-
-POLICIES[ApproxTreePolicy.name] = ApproxTreePolicy

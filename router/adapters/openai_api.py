@@ -14,11 +14,11 @@ the gRPC adapter. This module only converts JSON to GenerateInput and outputs to
   open (probes, scrapers), as gRPC health does. TLS when the router serves TLS (the same
   certificate, key and client CA).
 
-The front door (docs/security.md): a POST body is read by router/request_body.py, parsed as it
+The front door (docs/security.md): a POST body is read by router/adapters/request_body.py, parsed as it
 arrives and refused at the first element past a bound, never buffered whole; connections whose
 request is slow to arrive are closed by kvmesh/transport/http_guard.py. What is left that grows
 with a request (rendering a long conversation, tokenizing a long text) runs on the tokenizer pool
-(router/prompt.py), so no request holds the loop that HTTP and gRPC share.
+(router/text/prompt.py), so no request holds the loop that HTTP and gRPC share.
 """
 
 from __future__ import annotations
@@ -46,11 +46,16 @@ from starlette.requests import ClientDisconnect
 
 from kvmesh.contract.errors import InvalidArgument, KVMeshError, Unauthenticated
 from kvmesh.contract.types import Usage
+from kvmesh.router.adapters.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from kvmesh.router.adapters.request_body import BodyBounds, BodyTooLarge, read_json_body
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.frontend import Frontend
 from kvmesh.router.models import ServedModel
-from kvmesh.router.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from kvmesh.router.request_body import BodyBounds, BodyTooLarge, read_json_body
 from kvmesh.router.router import GenerateOutput
 from kvmesh.transport import http, security
 from kvmesh.transport.http_guard import ReadGuard

@@ -6,7 +6,7 @@ Parameters follow OpenAI's API; extra parameters follow vLLM's names (``top_k``,
 ``continue_final_message``, ``chat_template_kwargs``, ``cache_salt``, ``return_token_ids``). A
 parameter kvmesh cannot honour (``n`` > 1, logprobs, penalties, tools, ...) is refused with 400
 naming it (``param``), never silently ignored; unknown fields are ignored, as OpenAI and vLLM do.
-The body reaches these models already bounded (router/request_body.py: message, part, stop and
+The body reaches these models already bounded (router/adapters/request_body.py: message, part, stop and
 token-id counts), so validating them costs what the bounds allow.
 Value checks (ranges, limits) are the router's own (SamplingParams.validate, router/router.py),
 the same for gRPC and HTTP.
@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.types import SamplingParams
-from kvmesh.router.prompt import check_token_id_range
 from kvmesh.router.router import ChatInput, GenerateInput
+from kvmesh.router.text.prompt import check_token_id_range
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 """OpenAI's default: an HTTP request that sets no temperature samples (gRPC's default is greedy)."""

@@ -1,4 +1,4 @@
-"""Which worker gets a request: the base policy, kvmesh's own policies, and the policy registry.
+"""What every routing policy sees and returns, and the helpers they share.
 
 A policy sees one :class:`RouteQuery` (the prompt's length and block chain) and the live
 :class:`Candidate` workers, and returns a :class:`Decision`. Policies are pure: no grpc, no I/O,
@@ -6,7 +6,7 @@ no clock; randomness comes from a seedable ``random.Random`` so tests pin every 
 
 kv-aware scores each candidate by the request's predicted time to first token there plus what
 its prefill costs the others (``KvAwarePolicy``; docs/router.md). The field's policies are in
-router/field_policies.py. Queued work in tokens (least-loaded, the rendezvous fallback's bound):
+router/policies/field.py. Queued work in tokens (least-loaded, the rendezvous fallback's bound):
 
     reported = load.queued_prefill_tokens + decode_cost * (load.num_running + load.num_waiting)
     own      = inflight_prefill_tokens + decode_cost * inflight_requests
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import abc
 import hashlib
-import math
 import random
 import threading
 import time
@@ -28,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvmesh.contract.types import Load
-from kvmesh.router.cost import StepCost, StepCostLearner
 
 
 @dataclass(slots=True)
@@ -208,166 +206,3 @@ def used_blocks(c: Candidate) -> int:
     """KV blocks held by the worker's requests: its report or this router's view, the larger."""
     reported = c.load.num_total_blocks - c.load.num_free_blocks if c.load.num_total_blocks else 0
     return max(reported, c.inflight_blocks)
-
-
-class KvAwarePolicy(RouterPolicy):
-    """Least predicted time to first token plus what the request costs the others; rendezvous when blind.
-
-    The prediction for worker w (docs/router.md, "kv-aware"):
-
-        Q = prompt tokens queued for prefill at w, u = this prompt's tokens w does not hold,
-        h = those it holds, D = requests running at w, C = context they hold (tokens),
-        B = w's token budget per step, S = ceil((Q + u) / B) prefill steps until ours is done:
-
-        ttft = prefill_token_s * (Q + u)
-             + prefill_pair_s * (u * h + u * (u + 1) / 2 + Q * pairs_per_prefill_token)
-             + S * (step_s + decode_seq_s * D + decode_context_token_s * C)
-
-    i.e. the queued prefill ahead of it, its own uncached prefill (attention over the cached part
-    included), and the decodes that share every one of those steps. The score adds
-    ``(decode_harm_weight * D + work_weight * (1 + W)) * own``, ``own`` being the time its own
-    prefill takes: the D requests decoding on w wait for it, and a recomputed prefix is capacity
-    lost to everyone, the more so the more requests wait (W: the mean waiting per worker).
-    The coefficients are learned online from the workers' reports (router/cost.py); until there
-    are enough, the same prediction runs in token units (a prefill token costs 1).
-    """
-
-    name = "kv-aware"
-    uses_index = True
-
-    def __init__(self, config: PolicyConfig | None = None) -> None:
-        super().__init__(config)
-        self.cost = StepCostLearner()
-
-    def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
-        for c in candidates:
-            self.cost.observe(c.worker_id, c.load)
-        if not query.index_ok and not any(c.matched_blocks for c in candidates):
-            return self.rendezvous(query, candidates, "fallback")
-        # NOTE: until the workers' reports have taught the step cost, the same prediction in
-        # token units: a prefill token costs 1, nothing else is known.
-        model = self.cost.estimate() or NOMINAL_COST
-        lam = self.config.decode_harm_weight
-        # NOTE: work delays everyone who arrives while the mesh is backlogged: the more requests
-        # wait at the workers, the more a recomputed prefix costs beyond this request's latency.
-        waiting = sum(max(c.load.num_waiting, c.inflight_waiting) for c in candidates) / len(candidates)
-        kappa = self.config.work_weight * (1.0 + waiting)
-        scores = []
-        for c in candidates:
-            ttft, own = predicted_ttft(model, query, c, self.config.default_step_tokens)
-            scores.append(ttft + (lam * decoders(c) + kappa) * own)
-        i = self._sample_index(scores) if self.config.temperature > 0 else self._argmin_index(scores)
-        chosen = candidates[i]
-        # NOTE: no token-count guard: a hot spot's queue is in its predicted time already.
-        return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks else "load",
-                        round(scores[i] * (1000 if model is not NOMINAL_COST else 1)))
-
-    def _argmin_index(self, scores: Sequence[float]) -> int:
-        best = min(scores)
-        return self._choice_index([i for i, s in enumerate(scores) if s == best])
-
-    def _sample_index(self, scores: Sequence[float]) -> int:
-        """Softmax over the scores normalized to [0, 1] (best 0, worst 1), at ``temperature``."""
-        best, worst = min(scores), max(scores)
-        if worst <= best:
-            return self._argmin_index(scores)
-        scale = self.config.temperature * (worst - best)
-        weights = [math.exp(-(s - best) / scale) for s in scores]
-        with self._lock:  # one RNG shared by the server's threads
-            return self._rng.choices(range(len(scores)), weights)[0]
-
-
-NOMINAL_COST = StepCost(step_s=0.0, prefill_token_s=1.0, prefill_pair_s=0.0, decode_seq_s=0.0,
-                        decode_context_token_s=0.0, pairs_per_prefill_token=0.0)
-"""kv-aware's step cost before any is learned: time in prefill tokens."""
-
-
-def decoders(c: Candidate) -> int:
-    """Requests at the worker that share its steps: its report or this router's view, the larger."""
-    return max(c.load.num_running, c.inflight_requests)
-
-
-def predicted_ttft(m: StepCost, q: RouteQuery, c: Candidate, default_step_tokens: int = 2048) -> tuple[float, float]:
-    """(seconds until this request's first token on the candidate, seconds its own prefill adds
-    to the worker's steps) (see KvAwarePolicy)."""
-    u = uncached_tokens(c, q)
-    h = q.prompt_len - u
-    queue = queued_prefill(c)
-    budget = c.load.max_num_batched_tokens or default_step_tokens
-    steps = max(1, -(-(queue + u) // budget))
-    own_steps = -(-u // budget)
-    per_step = m.step_s + m.decode_seq_s * decoders(c) + m.decode_context_token_s * used_blocks(c) * q.block_size
-    own = m.prefill_token_s * u + m.prefill_pair_s * (u * h + u * (u + 1) / 2) + own_steps * per_step
-    ttft = (m.prefill_token_s * queue + m.prefill_pair_s * queue * m.pairs_per_prefill_token
-            + own + (steps - own_steps) * per_step)
-    return ttft, own
-
-
-class RoundRobinPolicy(RouterPolicy):
-    """Each request to the next worker in worker-id order, from a random start; ignores cache and load."""
-
-    name = "round-robin"
-
-    def __init__(self, config: PolicyConfig | None = None) -> None:
-        super().__init__(config)
-        # NOTE: a random start: several routers (or restarted ones) that all began at the first
-        # worker would send the first requests of a burst, one from each router, to the same worker.
-        self._next = self._rng.randrange(1 << 16)
-
-    def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
-        ordered = sorted(candidates, key=lambda c: c.worker_id)
-        with self._lock:
-            i = self._next % len(ordered)
-            self._next += 1
-        return Decision(ordered[i].worker_id, "round_robin", 0)
-
-
-class LeastLoadedPolicy(RouterPolicy):
-    """The worker with the least queued work (ties at random); ignores the cache."""
-
-    name = "least-loaded"
-
-    def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
-        return self.least_loaded(candidates)
-
-
-class PrefixHashPolicy(RouterPolicy):
-    """Consistent (rendezvous) hashing of the leading blocks, bounded by load; no index."""
-
-    name = "prefix-hash"
-
-    def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
-        return self.rendezvous(query, candidates, "prefix_hash")
-
-
-POLICIES: dict[str, type[RouterPolicy]] = {
-    p.name: p for p in (KvAwarePolicy, RoundRobinPolicy, LeastLoadedPolicy, PrefixHashPolicy)
-}
-
-
-POLICY_ORDER = ("kv-aware", "round-robin", "least-loaded", "prefix-hash", "approx-tree", "dynamo", "llm-d", "preble",
-                "lmetric")
-"""The order policies are listed and run in (tables, JSON). NOTE: not the registry's insertion order,
-which depends on which policy module was imported first."""
-
-
-def policy_names() -> list[str]:
-    """Every registered policy name: ``POLICY_ORDER`` first, any other after it, alphabetically."""
-    rank = {name: i for i, name in enumerate(POLICY_ORDER)}
-    return sorted(POLICIES, key=lambda n: (rank.get(n, len(rank)), n))
-
-
-def make_policy(name: str, config: PolicyConfig | None = None) -> RouterPolicy:
-    """The policy registered under ``name`` (``--policy``).
-
-    Raises:
-        ValueError: no policy has that name.
-    """
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(policy_names())}") from None
-    return cls(config)
-
-import kvmesh.router.approx_tree  # noqa: E402,F401 - registers "approx-tree" (it subclasses RouterPolicy)
-import kvmesh.router.field_policies  # noqa: E402,F401 - registers dynamo, llm-d, preble, lmetric

@@ -4,7 +4,7 @@ code of those projects is copied.
 
 Every policy sees the same inputs as kv-aware: the Lookup's prefix matches (max with the
 speculative map), the worker's last reported load and this router's in-flight view, combined as
-in router/policy.py (the larger of the report and the own view). Where the original reads a
+in router/policies/ (the larger of the report and the own view). Where the original reads a
 signal kvmesh does not carry, the nearest one is used and the docstring says so.
 
 This module imports neither grpc nor redis.
@@ -15,9 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from kvmesh.router.cost import StepCostLearner
-from kvmesh.router.policy import (
-    POLICIES,
+from kvmesh.router.policies.base import (
     Candidate,
     Decision,
     PolicyConfig,
@@ -28,6 +26,7 @@ from kvmesh.router.policy import (
     uncached_tokens,
     used_blocks,
 )
+from kvmesh.router.policies.cost import StepCostLearner
 
 
 def _blocks(tokens: int, block_size: int) -> int:
@@ -113,7 +112,7 @@ class PreblePolicy(RouterPolicy):
 
     Windowed load of a worker: over the requests this router sent it in the last ``window_s``
     (Preble: 3 minutes), each one's prefill time (its missed tokens) plus its decode time
-    (max_tokens x a decode step). Times come from the learned step cost (router/cost.py; Preble
+    (max_tokens x a decode step). Times come from the learned step cost (router/policies/cost.py; Preble
     fits a profiled model per GPU), a plain token count before enough reports. Preble's
     post-assignment load adjustment is approximated by kvmesh's hot-spot test on those windowed
     loads (an exploit target above ``balance_factor`` x the mean goes to the least loaded worker);
@@ -208,7 +207,3 @@ class LmetricPolicy(RouterPolicy):
         i = self._choice_index([i for i, k in enumerate(keys) if k == best])
         chosen = candidates[i]
         return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks else "load", best[0])
-
-
-for _cls in (DynamoPolicy, LlmdPolicy, PreblePolicy, LmetricPolicy):
-    POLICIES[_cls.name] = _cls
