@@ -17,10 +17,9 @@ No grpc, no redis, no threads, no wall clock: time is the injected ``clock`` (mo
 and the index is anything with a ``lookup`` (router/upstream.py's ``PrefixIndex``). Metrics go to
 an injected :class:`DecisionObserver`; the live router maps them to Prometheus.
 
-An asynchronous caller splits :meth:`RoutingCore.plan` in its three parts: :meth:`~RoutingCore.chain`,
-:meth:`~RoutingCore.index_allowed` then its own (awaited) Lookup reported with
-:meth:`~RoutingCore.lookup_succeeded` / :meth:`~RoutingCore.lookup_failed`, then
-:meth:`~RoutingCore.build`.
+A plan is :meth:`RoutingCore.prepare` (the chain and whether to ask the index), the Lookup (awaited
+live, router/router.py; answered at once in the simulator, :meth:`RoutingCore.plan`), then
+:meth:`RoutingCore.complete` (the outcome taken in, the candidates built): one code for both.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from typing import Protocol
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import InvalidArgument
+from kvmesh.contract.limits import MAX_CHAIN_BLOCKS
 from kvmesh.contract.types import ModelSpec
 from kvmesh.router.inflight import InFlight, Ticket
 from kvmesh.router.policies.base import Candidate, Decision, RouteQuery, RouterPolicy, uncached_tokens
@@ -92,6 +92,20 @@ class IndexBreaker:
 
     def succeeded(self) -> None:
         self._down_until = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class PendingPlan:
+    """A plan waiting for its Lookup (:meth:`RoutingCore.prepare`)."""
+
+    spec: ModelSpec
+    token_ids: Sequence[int]
+    chain: list[bytes]
+    lookup: list[bytes] | None
+    """The blocks to ask the index for; None = no Lookup (the policy reads no index, no full block,
+    no index configured, or the breaker is open)."""
+    index_ok: bool
+    max_tokens: int
 
 
 @dataclass(slots=True)
@@ -213,33 +227,60 @@ class RoutingCore:
         return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok, max_tokens),
                          usable or candidates, eps)
 
+    def prepare(self, spec: ModelSpec, token_ids: Sequence[int], have_index: bool, *, cache_salt: str = "",
+              chain: list[bytes] | None = None, max_tokens: int = 0) -> PendingPlan:
+        """Steps 1-2 of a plan: the chain, and whether (and for which blocks) to ask the index.
+
+        The caller asks the index for ``pending.lookup`` when it is not None (a Lookup awaited live,
+        answered at once in the simulator) and hands the outcome to :meth:`complete`. ``chain`` may be
+        passed when the caller already has the prompt's hashes (the simulator hashes each prompt
+        once per trace).
+        """
+        if chain is None:
+            chain = self.chain(spec, token_ids, cache_salt)
+        lookup = None
+        index_ok = True
+        if self.wants_index(chain):
+            index_ok = self.index_allowed(have_index)
+            if index_ok:
+                # NOTE: the index answers at most MAX_CHAIN_BLOCKS blocks; a longer prompt
+                # (--max-prompt-tokens 0) is looked up by its leading ones, never refused.
+                lookup = chain[:MAX_CHAIN_BLOCKS]
+        return PendingPlan(spec, token_ids, chain, lookup, index_ok, max_tokens)
+
+    def complete(self, pending: PendingPlan, endpoints: Iterable[WorkerEndpoint],
+               outcome: Sequence[IndexMatch] | IndexUnavailable | None, seconds: float = 0.0, *,
+               adopt: bool, healthy: Callable[[str], bool] = lambda _w: True) -> RoutePlan:
+        """Steps 3 of a plan: the Lookup's ``outcome`` (its answer, or the IndexUnavailable it raised;
+        None when none was asked) taken in, the candidates built."""
+        answer: Sequence[IndexMatch] | None = None
+        index_ok = pending.index_ok
+        if pending.lookup is not None:
+            if isinstance(outcome, IndexUnavailable):
+                self.lookup_failed(outcome)
+                index_ok = False
+            else:
+                self.lookup_succeeded(seconds)
+                answer = outcome
+        return self.build(pending.spec, pending.token_ids, pending.chain, endpoints, answer, index_ok, adopt=adopt,
+                          healthy=healthy, max_tokens=pending.max_tokens)
+
     def plan(self, spec: ModelSpec, token_ids: Sequence[int], endpoints: Iterable[WorkerEndpoint],
              index: PrefixIndex | None, *, cache_salt: str = "", adopt: bool = True,
              healthy: Callable[[str], bool] = lambda _w: True, chain: list[bytes] | None = None,
              max_tokens: int = 0) -> RoutePlan:
-        """Chain + at most one Lookup + candidates, with a synchronous index.
-
-        ``chain`` may be passed when the caller already has the prompt's hashes (the simulator
-        hashes each prompt once per trace).
-        """
-        if chain is None:
-            chain = self.chain(spec, token_ids, cache_salt)
-        answer: Sequence[IndexMatch] | None = None
-        index_ok = True
-        if self.wants_index(chain):
-            index_ok = self.index_allowed(index is not None)
-            if index_ok:
-                assert index is not None
-                t0 = self.clock()
-                try:
-                    answer = index.lookup(spec.model_id, chain)
-                except IndexUnavailable as exc:
-                    self.lookup_failed(exc)
-                    index_ok = False
-                else:
-                    self.lookup_succeeded(self.clock() - t0)
-        return self.build(spec, token_ids, chain, endpoints, answer, index_ok, adopt=adopt, healthy=healthy,
-                          max_tokens=max_tokens)
+        """:meth:`prepare` + at most one Lookup of a synchronous index + :meth:`complete` (the simulator's)."""
+        pending = self.prepare(spec, token_ids, index is not None, cache_salt=cache_salt, chain=chain,
+                             max_tokens=max_tokens)
+        outcome: Sequence[IndexMatch] | IndexUnavailable | None = None
+        t0 = self.clock()
+        if pending.lookup is not None:
+            assert index is not None
+            try:
+                outcome = index.lookup(spec.model_id, pending.lookup)
+            except IndexUnavailable as exc:
+                outcome = exc
+        return self.complete(pending, endpoints, outcome, self.clock() - t0, adopt=adopt, healthy=healthy)
 
     # -- 4. the pick ----------------------------------------------------------------------------
     def pick(self, plan: RoutePlan, candidates: Sequence[Candidate] | None = None) -> Decision:

@@ -34,11 +34,10 @@ from kvmesh.contract.errors import (
     InvalidArgument,
     KVMeshError,
     RequestTooLarge,
-    ResourceExhausted,
     Unavailable,
 )
-from kvmesh.contract.limits import MAX_CHAIN_BLOCKS
 from kvmesh.contract.types import DEFAULT_MAX_TOKENS, SamplingParams, Usage
+from kvmesh.router.attempts import Attempts
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RoutePlan, RoutingCore
 from kvmesh.router.inflight import InFlight
@@ -59,7 +58,6 @@ from kvmesh.router.text.prompt import (
 )
 from kvmesh.router.text.stop_strings import StopStrings, check_stop_strings
 from kvmesh.router.upstream import (
-    RETRIABLE,
     AsyncPrefixIndex,
     Failure,
     IndexMatch,
@@ -264,27 +262,19 @@ class Router:
 
     async def plan(self, token_ids: list[int], cache_salt: str = "", max_tokens: int = 0) -> RoutePlan:
         """Hashes the prompt, asks the index at most once and builds the candidates: router/core.py's
-        ``plan`` with the Lookup awaited."""
+        ``prepare`` / ``complete`` around the awaited Lookup."""
         core, spec = self.core, self.pool.model_spec()
-        chain = core.chain(spec, token_ids, cache_salt)
-        answer: list[IndexMatch] | None = None
-        index_ok = True
-        if core.wants_index(chain):
-            index_ok = core.index_allowed(self.index is not None)
-            if index_ok:
-                assert self.index is not None
-                t0 = time.perf_counter()
-                try:
-                    # NOTE: the index answers at most MAX_CHAIN_BLOCKS blocks; a longer prompt
-                    # (--max-prompt-tokens 0) is looked up by its leading ones, never refused.
-                    answer = await self.index.lookup(spec.model_id, chain[:MAX_CHAIN_BLOCKS])
-                except IndexUnavailable as exc:
-                    core.lookup_failed(exc)
-                    index_ok = False
-                else:
-                    core.lookup_succeeded(time.perf_counter() - t0)
-        return core.build(spec, token_ids, chain, self.pool.endpoints(), answer, index_ok,
-                          adopt=self.pool.discovers_from_index, healthy=self.pool.healthy, max_tokens=max_tokens)
+        pending = core.prepare(spec, token_ids, self.index is not None, cache_salt=cache_salt, max_tokens=max_tokens)
+        outcome: list[IndexMatch] | IndexUnavailable | None = None
+        t0 = time.perf_counter()
+        if pending.lookup is not None:
+            assert self.index is not None
+            try:
+                outcome = await self.index.lookup(spec.model_id, pending.lookup)
+            except IndexUnavailable as exc:
+                outcome = exc
+        return core.complete(pending, self.pool.endpoints(), outcome, time.perf_counter() - t0,
+                           adopt=self.pool.discovers_from_index, healthy=self.pool.healthy)
 
     async def decide(self, inp: GenerateInput) -> tuple[RoutePlan, Decision]:
         """Tokenize + hash + lookup + pick, and the speculative record: all the server does
@@ -363,23 +353,14 @@ class Router:
                                                                                  self.config.request_timeout_s)
         deadline = time.monotonic() + budget
         request = WorkerRequest(rid, plan.token_ids, inp.sampling, inp.cache_salt)
-        remaining = list(plan.candidates)
-        failures: list[tuple[WorkerEndpoint, WorkerError]] = []
+        attempts = Attempts(self.core, plan, decision, self.config.max_attempts, deadline, self.pool.mark_unhealthy)
         first = True
-        for attempt in range(self.config.max_attempts):
-            if attempt:
-                if not remaining:
-                    break
-                decision = self.core.pick(plan, remaining)
-            remaining = [c for c in remaining if c.worker_id != decision.worker_id]
+        while (decision := attempts.next(time.monotonic())) is not None:
             endpoint = plan.endpoints[decision.worker_id]
             route.update(reason=decision.reason, matched=plan.candidate(decision.worker_id).matched_blocks,
                          blocks=len(plan.query.block_hashes))
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
             try:
-                async for out in self._stream(endpoint, plan, request, left, inp):
+                async for out in self._stream(endpoint, plan, request, deadline - time.monotonic(), inp):
                     if first:
                         out, first = replace(out, request_id=rid), False
                     yield out
@@ -387,25 +368,16 @@ class Router:
             except WorkerError as exc:  # only ever raised before the first token
                 if exc.failure is Failure.CANCELLED:
                     return
-                if exc.failure is Failure.INVALID:
-                    # NOTE: the worker's own words about the request, without who said it.
-                    raise InvalidArgument(exc.details) from None
-                failures.append((endpoint, exc))
-                if exc.failure not in RETRIABLE:
+                # NOTE: an INVALID failure raises with the worker's own words, without who said it.
+                if not attempts.failed(endpoint.worker_id, exc.failure, f"{endpoint.address}: {exc}", exc.details):
                     break
-                if exc.failure is Failure.UNAVAILABLE:
-                    self.pool.mark_unhealthy(endpoint.worker_id)
                 self.metrics.retries.labels(exc.failure.value).inc()
                 log.info("request %s: worker %s at %s %s before the first token (%s); trying another",
                          rid, endpoint.worker_id, endpoint.address, exc.failure.value, exc)
-        if failures:
+        if attempts.failures:
             log.warning("request %s: no worker took it: %s", rid,
-                        "; ".join(f"{e.worker_id} at {e.address}: {x.failure.value} ({x})" for e, x in failures))
-        kinds = ", ".join(x.failure.value for _, x in failures) or "the deadline passed"
-        if failures and all(x.failure is Failure.BUSY for _, x in failures):
-            raise ResourceExhausted(f"every worker tried is at capacity ({len(failures)} attempt(s)): retry later")
-        raise Unavailable(f"no worker could take the request after {len(failures)} attempt(s) ({kinds}): "
-                          "retry later")
+                        "; ".join(f"{w}: {f.value} ({m})" for w, f, m in attempts.failures))
+        raise attempts.error()
 
     async def _stream(self, endpoint: WorkerEndpoint, plan: RoutePlan, request: WorkerRequest,
                       timeout_s: float, inp: GenerateInput) -> AsyncIterator[GenerateOutput]:

@@ -2,21 +2,17 @@
 
 Shared by every kind of worker: kvmesh's own (model_worker/server.py: the engine loop is the event
 source) and the bridges in front of other engines (bridge/: vLLM's or SGLang's KV events, re-hashed).
+What a message carries and when it may go is kvmesh/transport/event_batcher.py's (the simulator
+drives the same core); this adapter adds the threads, the gRPC calls and the error policy:
 
-- On start: register (a new epoch) and publish all-cleared as seq 1.
-- Every engine step: the step's events, queued for a PublishEvents stream. A batch (epoch, seq+1)
-  goes out at most every ``BATCH_INTERVAL_S`` and carries every step's events queued meanwhile, in
-  order: a busy worker steps hundreds of times a second, and one message (one Redis script) per
-  step would load the kv_service for nothing; the index trails the engine by that interval.
-- RESYNC, a broken stream or a lost registration: (re-register if needed, then) ask the engine
-  loop for a snapshot of the cached blocks and send it as the next batch.
-- Every message carries the engine's load as it is sent, and when the load changed but no events
-  are queued, a message with the load alone goes out (at the same pace): routers see a worker's
-  queue through Lookup as fresh as the event stream, not a heartbeat old (several routers, each
-  blind to the others' in-flight requests, would otherwise herd onto one worker).
-- Heartbeat every lease/3 with the engine's load; NOT_FOUND means the lease expired: register
-  again (the index dropped our blocks), then snapshot. An answer with ``resync`` (an operator
-  flushed our blocks from the index) asks for a snapshot too.
+- On start: register (a new epoch); the first message of the stream is all-cleared.
+- Every step's events go to the batcher; the stream thread sends its messages (merged events at
+  most every ``interval_s``, or the load alone when it changed), numbered as sent.
+- RESYNC, a broken stream or a lost registration: (re-register if needed, then) ask the event
+  source for a snapshot of the cached blocks and send it as the next message.
+- Heartbeat every lease/3 with the load; NOT_FOUND means the lease expired: register again (the
+  index dropped our blocks), then snapshot. An answer with ``resync`` (an operator flushed our
+  blocks from the index) asks for a snapshot too.
 The kv_service being down never blocks the engine: batches queue up to a bound, then collapse
 into "snapshot when it is back".
 """
@@ -24,7 +20,6 @@ into "snapshot when it is back".
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,15 +28,13 @@ import grpc
 
 from kvmesh.contract.convert import algorithm_to_pb, event_to_pb, load_to_pb
 from kvmesh.contract.types import KVCacheEvent, Load
+from kvmesh.transport.event_batcher import EventBatcher, Message
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvmesh.worker.publisher")
 
-MAX_QUEUED_BATCHES = 1024
-BATCH_INTERVAL_S = 0.02
-_NOTHING = object()
 RPC_TIMEOUT_S = 5.0
 
 
@@ -62,40 +55,45 @@ class KVPublisher:
         self._stub = pb_grpc.KVServiceStub(dial(target))
         self.epoch = time.time_ns() // 1000  # microseconds: < 2**53, new on every start
         self.lease_ttl_s = 10.0
-        self.batch_interval_s = BATCH_INTERVAL_S
-        self._seq = 0
-        self._out: queue.Queue[pb.PublishEventsRequest | None] = queue.Queue()
-        self._need_snapshot = threading.Event()
+        self.batcher = EventBatcher()
+        self._snapshot: list[bytes] | None = None
+        """The snapshot the event source took, to go out next."""
+        self._stream_gen = 0
+        """The live stream's number: a dead stream's request iterator ends instead of taking a
+        message meant for the next one."""
+        self._cond = threading.Condition()
         self._registered = threading.Event()
         self._stop = threading.Event()
-        self._lock = threading.Lock()
         self._register_lock = threading.Lock()
         self.resyncs = 0
         self._threads = [threading.Thread(target=self._stream_loop, name="kv-publish", daemon=True),
                          threading.Thread(target=self._heartbeat_loop, name="kv-heartbeat", daemon=True)]
 
-    # -- engine-loop side (EventSink) ----------------------------------------------------
+    # -- event-source side (EventSink) -----------------------------------------------------
     def publish(self, events: list[KVCacheEvent]) -> None:
-        if self._need_snapshot.is_set():
-            return  # the coming snapshot supersedes these
-        if self._out.qsize() >= MAX_QUEUED_BATCHES:
-            log.warning("kv_service is not keeping up; dropping queued events for a snapshot")
-            self._request_snapshot()
-            return
-        self._enqueue(pb.PublishEventsRequest(events=[event_to_pb(e) for e in events]))
+        with self._cond:
+            owed = self.batcher.need_snapshot
+            if not self.batcher.add(events) and not owed:
+                log.warning("kv_service is not keeping up; dropping queued events for a snapshot")
+                self._wake_engine()
+            self._cond.notify_all()
 
     def wants_snapshot(self) -> bool:
-        return self._need_snapshot.is_set() and self._registered.is_set()
+        return self.batcher.need_snapshot and self._snapshot is None and self._registered.is_set()
 
     def request_snapshot(self) -> None:
         """The source's state may differ from what was published (events were lost upstream): the
         queued batches go and the next thing sent is a snapshot (``wants_snapshot``)."""
-        self._request_snapshot()
+        with self._cond:
+            self.batcher.resync()
+            self._snapshot = None
+            self._cond.notify_all()
+        self._wake_engine()
 
     def publish_snapshot(self, hashes: list[bytes]) -> None:
-        self._need_snapshot.clear()
-        self._drain()
-        self._enqueue(pb.PublishEventsRequest(snapshot=True, snapshot_hashes=hashes))
+        with self._cond:
+            self._snapshot = hashes
+            self._cond.notify_all()
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> KVPublisher:
@@ -105,8 +103,8 @@ class KVPublisher:
 
     def stop(self) -> None:
         self._stop.set()
-        with self._lock:
-            self._out.put(None)
+        with self._cond:
+            self._cond.notify_all()
         for t in self._threads:
             t.join(2.0)
 
@@ -114,45 +112,6 @@ class KVPublisher:
         return self._registered.wait(timeout)
 
     # -- internals -----------------------------------------------------------------------
-    def _enqueue(self, req: pb.PublishEventsRequest) -> None:
-        with self._lock:
-            self._out.put(req)
-
-    def _drain(self) -> None:
-        try:
-            while True:
-                if self._out.get_nowait() is None:
-                    self._out.put(None)
-                    return
-        except queue.Empty:
-            pass
-
-    def _new_stream_queue(self, head: pb.PublishEventsRequest | None = None) -> queue.Queue:
-        """A fresh queue for the next stream. With ``head`` (the first stream of a registration: its
-        all-cleared), the batches queued before it follow it: events of a source that ran before
-        the kv_service answered are not lost."""
-        # NOTE: one queue per stream: a dead stream's request iterator can never take (and
-        # lose) a batch meant for the next stream.
-        fresh: queue.Queue[pb.PublishEventsRequest | None] = queue.Queue()
-        with self._lock:
-            old, self._out = self._out, fresh
-            if head is not None:
-                fresh.put(head)
-                while True:
-                    try:
-                        item = old.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is not None:
-                        fresh.put(item)
-        old.put(None)
-        return fresh
-
-    def _request_snapshot(self) -> None:
-        self._need_snapshot.set()
-        self._drain()
-        self._wake_engine()
-
     def _register(self) -> None:
         """Registers (retrying with backoff until it works or we stop)."""
         with self._register_lock:
@@ -175,72 +134,65 @@ class KVPublisher:
                 self._stop.wait(delay)
                 delay = min(delay * 2, 5.0)
                 continue
-            with self._lock:
-                self._seq = 0
+            with self._cond:
+                self.batcher.restart_numbering()
             self.lease_ttl_s = resp.lease_ttl_ms / 1000
             self._registered.set()
             log.info("registered %s with kv_service %s (epoch %d)", self._reg.worker_id, self.target, self.epoch)
             return
 
-    def _requests(self, q: queue.Queue) -> Iterator[pb.PublishEventsRequest]:
-        """The stream's batches: queued step batches merged (up to a snapshot), numbered as sent."""
-        held: object = _NOTHING
-        last_sent = 0.0
-        sent_state: tuple[int, ...] | None = None
-        while True:
-            if held is _NOTHING:
-                try:
-                    item = q.get(timeout=self.batch_interval_s)
-                except queue.Empty:
-                    if self._need_snapshot.is_set() or self._load().queue_state() == sent_state:
-                        continue
-                    item = pb.PublishEventsRequest()  # the load alone (attached below)
-            else:
-                item = held
-            held = _NOTHING
-            if item is None or self._stop.is_set():
-                return
-            if not item.snapshot:
-                wait = last_sent + self.batch_interval_s - time.monotonic()
-                if wait > 0:
-                    self._stop.wait(wait)
-                while True:
-                    try:
-                        more = q.get_nowait()
-                    except queue.Empty:
-                        break
-                    if more is None or more.snapshot:
-                        held = more  # NOTE: a snapshot replaces all before it: never merged
-                        break
-                    item.events.extend(more.events)
-            load = self._load()
-            item.load.CopyFrom(load_to_pb(load))
-            sent_state = load.queue_state()
-            with self._lock:
-                self._seq += 1
-                item.worker_id, item.epoch, item.seq = self._reg.worker_id, self.epoch, self._seq
-            last_sent = time.monotonic()
-            yield item
+    def _next(self, gen: int) -> Message | None:
+        """The stream's next message, when it may go; None when the stream is over."""
+        with self._cond:
+            while True:
+                if self._stop.is_set() or gen != self._stream_gen:
+                    return None
+                now = time.monotonic()
+                if self._snapshot is not None:
+                    hashes, self._snapshot = self._snapshot, None
+                    return self.batcher.take_snapshot(now, hashes, self._load())
+                due = self.batcher.next_due()
+                if now < due:
+                    self._cond.wait(due - now)
+                    continue
+                msg = self.batcher.take(now, self._load())
+                if msg is not None:
+                    return msg
+                # NOTE: nothing to send: look again after a slot (events wake it sooner).
+                self._cond.wait(self.batcher.interval_s)
+
+    def _requests(self, gen: int) -> Iterator[pb.PublishEventsRequest]:
+        while (msg := self._next(gen)) is not None:
+            req = pb.PublishEventsRequest(worker_id=self._reg.worker_id, epoch=self.epoch, seq=msg.seq,
+                                          events=[event_to_pb(e) for e in msg.events])
+            if msg.snapshot is not None:
+                req.snapshot = True
+                req.snapshot_hashes.extend(msg.snapshot)
+            if msg.load is not None:
+                req.load.CopyFrom(load_to_pb(msg.load))
+            yield req
 
     def _stream_loop(self) -> None:
         self._register()
         first = True
         while not self._stop.is_set():
-            if first:
-                # NOTE: seq 1 of a new registration: the index starts empty for this epoch.
-                q = self._new_stream_queue(pb.PublishEventsRequest(
-                    events=[pb.KVEvent(all_cleared=pb.AllBlocksCleared())]))
-                first = False
-            else:
-                q = self._new_stream_queue()
+            with self._cond:
+                self._stream_gen += 1
+                gen = self._stream_gen
+                if first:
+                    # NOTE: seq 1 of a new registration: the index starts empty for this epoch.
+                    self.batcher.register()
+                self._cond.notify_all()
+            if not first:
                 # Whatever was in flight on the old stream may be lost: a snapshot makes it true.
-                self._request_snapshot()
+                self.request_snapshot()
+            first = False
             try:
-                for ack in self._stub.PublishEvents(self._requests(q)):
+                for ack in self._stub.PublishEvents(self._requests(gen)):
                     if ack.action == pb.PUBLISH_ACTION_RESYNC:
                         self.resyncs += 1
                         log.info("kv_service asked for a resync: %s", ack.reason)
-                        self._request_snapshot()
+                        self.request_snapshot()
             except grpc.RpcError as err:
                 if self._stop.is_set():
                     return
@@ -263,18 +215,18 @@ class KVPublisher:
                 resp = self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self._reg.worker_id, epoch=self.epoch,
                                                                 load=load_to_pb(self._load())), timeout=RPC_TIMEOUT_S)
                 self.lease_ttl_s = resp.lease_ttl_ms / 1000
-                if resp.resync and not self._need_snapshot.is_set():
+                if resp.resync and not self.batcher.need_snapshot:
                     # NOTE: the index dropped our blocks (FlushWorker): a snapshot makes it hold
                     # exactly our cache again, idle or not.
                     log.info("kv_service flushed this worker's blocks; sending a snapshot")
                     self.resyncs += 1
-                    self._request_snapshot()
+                    self.request_snapshot()
             except grpc.RpcError as err:
                 if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                     log.warning("lease lost (%s); registering again", err.details())
                     self._registered.clear()
                     self._register()
-                    self._request_snapshot()
+                    self.request_snapshot()
                     continue
                 log.debug("heartbeat failed: %s", err.code().name)
             self._stop.wait(max(0.05, self.lease_ttl_s / 3))

@@ -4,7 +4,6 @@ WorkerPool over worker_calls.py)."""
 from __future__ import annotations
 
 import logging
-import time
 
 import grpc
 
@@ -18,14 +17,11 @@ from kvmesh.router.upstream import (
     WorkerEndpoint,
     WorkerRequest,
 )
+from kvmesh.router.worker_set import WorkerSet
 from kvmesh.transport.security import call_metadata
 from kvmesh.v1 import worker_pb2 as w_pb
 
 log = logging.getLogger("kvmesh.router.discovery")
-
-EMPTY_GRACE_S = 5.0
-"""How long an index that suddenly lists none of the model's workers is doubted (the last set kept)."""
-
 
 class GrpcWorkerPool:
     """The workers of one model, as :class:`WorkerDiscovery` last saw them, and calls to them.
@@ -42,34 +38,32 @@ class GrpcWorkerPool:
         self.model_id = model_id
         self.config = config
         self.discovers_from_index = discovers_from_index
-        self.problem = ""
-        """Why the worker set is empty or stale (shown in UNAVAILABLE messages: no addresses)."""
+        self.workers = WorkerSet(config.unhealthy_s, discovers_from_index)
         self.max_model_len = 0
         """The smallest max_model_len the static workers report (0 = unknown; kv_service discovery
         does not carry it)."""
         self._channels = channels
-        self._endpoints: list[WorkerEndpoint] = []
-        self._spec: ModelSpec | None = None
-        self._unhealthy: dict[str, float] = {}
-        self._empty_since: float | None = None
         self._md = call_metadata()
 
     # -- WorkerPool -------------------------------------------------------------------------
+    @property
+    def problem(self) -> str:
+        return self.workers.problem
+
     def endpoints(self) -> list[WorkerEndpoint]:
-        return self._endpoints
+        return self.workers.endpoints
 
     def model_spec(self) -> ModelSpec:
-        if self._spec is not None:
-            return self._spec
+        if self.workers.spec is not None:
+            return self.workers.spec
         # NOTE: no worker seen yet: hash with the flags (a static pool's workers never report an algorithm).
         return ModelSpec(self.model_id, self.config.block_size, algorithm_name(self.config.hash_algorithm))
 
     def healthy(self, worker_id: str) -> bool:
-        until = self._unhealthy.get(worker_id)
-        return until is None or time.monotonic() >= until
+        return self.workers.healthy(worker_id)
 
     def mark_unhealthy(self, worker_id: str) -> None:
-        self._unhealthy[worker_id] = time.monotonic() + self.config.unhealthy_s
+        self.workers.mark_unhealthy(worker_id)
 
     def generate(self, endpoint: WorkerEndpoint, request: WorkerRequest,
                  timeout_s: float) -> GrpcWorkerCall | OpenAIWorkerCall:
@@ -95,22 +89,8 @@ class GrpcWorkerPool:
     # -- fed by WorkerDiscovery ------------------------------------------------------------------
     def update(self, endpoints: list[WorkerEndpoint], spec: ModelSpec | None, problem: str = "") -> None:
         """The model's live workers of the last poll (``spec`` None: keep the last one)."""
-        if spec is not None:
-            self._spec = spec
-        self.problem = problem
-        if not endpoints and self._endpoints and self.discovers_from_index:
-            # NOTE: a Redis that restarted empty lists no worker until each one's next heartbeat
-            # gets NOT_FOUND and it registers again (a third of a lease). Dropping every worker at
-            # once would fail every request in that window; a worker that really died fails its
-            # requests as UNAVAILABLE (retried elsewhere) either way.
-            now = time.monotonic()
-            self._empty_since = self._empty_since or now
-            if now - self._empty_since < EMPTY_GRACE_S:
-                return
-        self._empty_since = None
-        # NOTE: replaced, never mutated: a request that read the list keeps a consistent one.
-        self._endpoints = endpoints
+        self.workers.update(endpoints, spec, problem)
 
     def set_problem(self, problem: str) -> None:
         """The source failed: keep the last good set, say why it may be stale."""
-        self.problem = problem
+        self.workers.set_problem(problem)

@@ -17,7 +17,6 @@ import grpc
 import pytest
 
 from kvmesh.testing import wait_until
-from kvmesh.transport import kv_publisher
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as kpb
@@ -147,8 +146,8 @@ def test_event_queue_overflow_sends_a_snapshot(kv_server, start_worker, monkeypa
     wait_until(lambda: index_equals_cache(kv, worker), what="the index to hold the first prompt")
     # A kv_service that falls behind, made small: the stream takes a batch at most once a second
     # and the queue overflows past 2 batches, so the steps of a few concurrent requests overflow it.
-    monkeypatch.setattr(kv_publisher, "MAX_QUEUED_BATCHES", 2)
-    worker.publisher.batch_interval_s = 1.0
+    worker.publisher.batcher.max_queued = 2
+    worker.publisher.batcher.interval_s = 1.0
     caplog.set_level(logging.WARNING, logger="kvmesh.worker.publisher")
     threads = [threading.Thread(target=generate, args=(worker, prompt(10 + k, 40 + 7 * k), 40)) for k in range(4)]
     for t in threads:
