@@ -88,12 +88,15 @@ class LLMEngine:
         runner_factory: builds the runner from the checked configs (default ModelRunner); it must
             offer ``num_blocks`` and ``execute(SchedulerOutput)``, as model_worker/sim_runner.py does.
             A runner without ``execute_window`` runs one decode step per ``step()`` whatever
-            ``num_scheduler_steps`` says; one with ``batch_windows`` set returns a whole window's
-            tokens from ``execute_window_batch`` (the simulator's runner).
+            ``num_scheduler_steps`` says.
+        scheduler_factory: builds the scheduler (default Scheduler) from its config and the KV
+            cache manager (the simulator's commits whole windows: kvmesh/sim/engine.py).
     """
 
     def __init__(self, config: EngineConfig | None = None, *,
-                 runner_factory: Callable[[EngineConfig, ModelConfig], Any] | None = None, **kwargs: Any) -> None:
+                 runner_factory: Callable[[EngineConfig, ModelConfig], Any] | None = None,
+                 scheduler_factory: Callable[[SchedulerConfig, KVCacheManager], Scheduler] = Scheduler,
+                 **kwargs: Any) -> None:
         config = config if config is not None else EngineConfig(**kwargs)
         self.model_config = ModelConfig.from_dir(config.model)
         config.check(self.model_config)
@@ -115,7 +118,7 @@ class LLMEngine:
             kv_cache_config=kv_cache_config,
         )
         assert config.max_model_len is not None
-        self.scheduler = Scheduler(
+        self.scheduler = scheduler_factory(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -138,22 +141,9 @@ class LLMEngine:
         (the simulated runner), else the wall time of its forward passes."""
         self._stats = self._snapshot()
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams | None = None,
-        cache_salt: str = "",
-        block_hashes: list[bytes] | None = None,
-        validate_tokens: bool = True,
-    ) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                    cache_salt: str = "") -> None:
         """Queues a request; it starts at the next ``step()``.
-
-        ``block_hashes`` are the prompt's full-block hashes when the caller has them already (the
-        simulator hashes each prompt once per trace); they must be this engine's hashes of this prompt.
-        ``validate_tokens=False`` skips the per-token vocabulary check, for in-process callers that
-        made the ids themselves (the simulator: its runner reads no token id, and the check is a
-        Python loop over the prompt); lengths are checked either way.
 
         Raises:
             ValueError: the request is malformed or can never fit; nothing else is affected.
@@ -162,35 +152,46 @@ class LLMEngine:
         params = (replace(sampling_params, stop_token_ids=copy.copy(sampling_params.stop_token_ids))
                   if sampling_params is not None else SamplingParams())
         params.validate()
-        self.check_prompt(prompt_token_ids, validate_tokens)
-        room = self.config.max_model_len - len(prompt_token_ids)
+        self.check_prompt(prompt_token_ids)
         if params.max_tokens is None:
-            params.max_tokens = min(DEFAULT_MAX_TOKENS, room)
-        elif params.max_tokens > room:
-            raise ValueError(
-                f"max_tokens is {params.max_tokens}, but the prompt's {len(prompt_token_ids)} tokens leave room for "
-                f"{room} of max_model_len {self.config.max_model_len}; ask for at most {room}")
+            params.max_tokens = min(DEFAULT_MAX_TOKENS, self.config.max_model_len - len(prompt_token_ids))
         extra_eos = self.eos_token_ids[1:]
         if extra_eos and not params.ignore_eos:
             params = replace(params, stop_token_ids=[*params.stop_token_ids, *extra_eos])
-        request = Request(
+        self.submit(Request(
             request_id,
             prompt_token_ids,
             params,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             block_hasher=self.block_hasher if self.config.enable_prefix_caching else None,
             cache_salt=cache_salt,
-            block_hashes=block_hashes,
-        )
+        ))
+
+    def submit(self, request: Request) -> None:
+        """Queues a request the caller built (:meth:`add_request` builds them from a prompt; the
+        simulator builds its own, with its workload's block hashes). Checks what every request must
+        meet: a non-empty prompt that leaves room for its ``max_tokens`` in ``max_model_len``.
+
+        Raises:
+            ValueError: it can never fit. AlreadyExists: its id is live.
+        """
+        n, max_len = request.num_prompt_tokens, self.config.max_model_len
+        assert max_len is not None
+        self.check_prompt_length(n)
+        room = max_len - n
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and max_tokens > room:
+            raise ValueError(
+                f"max_tokens is {max_tokens}, but the prompt's {n} tokens leave room for "
+                f"{room} of max_model_len {max_len}; ask for at most {room}")
         with self._lock:
-            if request_id in self._live:
-                raise AlreadyExists(f"request id {excerpt(request_id)} is already in use")
-            self._live.add(request_id)
+            if request.request_id in self._live:
+                raise AlreadyExists(f"request id {excerpt(request.request_id)} is already in use")
+            self._live.add(request.request_id)
             self._inbox.append(("add", request))
 
-    def check_prompt(self, prompt_token_ids: list[int], validate_tokens: bool = True) -> None:
-        """Raises ValueError naming the problem: empty, too long for max_model_len, or an id outside the vocabulary."""
-        n = len(prompt_token_ids)
+    def check_prompt_length(self, n: int) -> None:
+        """Raises ValueError unless a prompt of ``n`` tokens fits (and leaves room for one token)."""
         if n == 0:
             raise ValueError("the prompt is empty; it needs at least one token")
         max_len = self.config.max_model_len
@@ -200,8 +201,10 @@ class LLMEngine:
                 f"the prompt has {n} tokens but max_model_len is {max_len}; shorten it to at most "
                 f"{max_len - 1} tokens to leave room for one generated token"
             )
-        if not validate_tokens:
-            return
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raises ValueError naming the problem: empty, too long for max_model_len, or an id outside the vocabulary."""
+        self.check_prompt_length(len(prompt_token_ids))
         vocab = self.model_config.vocab_size
         for i, t in enumerate(prompt_token_ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
@@ -264,32 +267,24 @@ class LLMEngine:
             if not out.is_empty:
                 self._work.add(out.work())
                 self._steps += 1
-        elif getattr(runner, "batch_windows", False):
-            sampled = runner.execute_window_batch(out)
-            work = self._work
-            for s in out.scheduled:
-                m = len(sampled.get(s.request.request_id, ()))
-                work.decode_seqs += m
-                work.decode_context_tokens += m * (s.start + 1) + m * (m - 1) // 2
-            self._steps += max(map(len, sampled.values()), default=0)
-            commit(self.scheduler.update_from_window(out, sampled))
-            self._drain_inbox()
         else:
             num_done = 0
-            starts = {s.request.request_id: s.start + 1 for s in out.scheduled}
+            # NOTE: per row, the context its next token attends to; a runner hands over one token per
+            # row per inner step (the GPU's) or several at once (the simulator's whole windows).
+            context = {s.request.request_id: s.start + 1 for s in out.scheduled}
             work = self._work
-            rows, base = len(starts), sum(starts.values())
 
-            def on_step(tokens: dict[str, int]) -> list[str]:
-                nonlocal num_done, rows, base
-                # NOTE: inner step k decodes every listed row at context start + 1 + k; the rows
-                # only shrink, so their sum is recomputed only when one left.
-                if len(tokens) != rows:
-                    rows, base = len(tokens), sum(starts[rid] for rid in tokens)
-                work.decode_seqs += rows
-                work.decode_context_tokens += base + num_done * rows
-                num_done += 1
-                commit(self.scheduler.update_from_output(out, {rid: [t] for rid, t in tokens.items()}))
+            def on_step(tokens: dict[str, list[int]]) -> list[str]:
+                nonlocal num_done
+                steps = 0
+                for rid, ts in tokens.items():
+                    m, c = len(ts), context[rid]
+                    work.decode_seqs += m
+                    work.decode_context_tokens += m * c + m * (m - 1) // 2
+                    context[rid] = c + m
+                    steps = max(steps, m)
+                num_done += steps
+                commit(self.scheduler.update_from_output(out, tokens))
                 # NOTE: aborts take effect between inner steps; adds only queue until the next schedule().
                 self._drain_inbox()
                 return self.scheduler.prepare_window_step(out) if num_done < out.num_steps else []

@@ -25,7 +25,7 @@ from kvmesh.model_worker.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
-WindowStepCallback = Callable[[dict[str, int]], list[str]]
+WindowStepCallback = Callable[[dict[str, list[int]]], list[str]]
 """Called after each inner step of a window with request id -> its token; returns the ids still running."""
 
 _DEFAULT_CPU_FRACTION = 0.05
@@ -260,7 +260,7 @@ class ModelRunner:
 
         def deliver(batch: list[Request], wait: Callable[[], list[int]]) -> set[str]:
             tokens = wait()
-            return set(on_step({r.request_id: t for r, t in zip(batch, tokens, strict=True)}))
+            return set(on_step({r.request_id: [t] for r, t in zip(batch, tokens, strict=True)}))
 
         for step in range(out.num_steps):
             if step > 0:

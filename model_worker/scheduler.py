@@ -8,13 +8,14 @@ Multi-step decode: when every scheduled request decodes and no waiting request c
 batch with ``num_steps > 1``; the runner then runs that many forward passes without coming back
 here. After each inner step ``update_from_output()`` commits that step's tokens (stop rules apply
 per token, so a request can finish mid-window) and ``prepare_window_step()`` readies the next one.
-A runner that returns a whole window's tokens at once (the virtual-time simulator's) has them
-committed by ``update_from_window()``, which is equivalent to those per-step calls.
+(The virtual-time simulator commits a whole window at once with its own scheduler, kvmesh/sim/engine.py,
+under the same stop rule: ``stop_after()``.)
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.model_worker.kv_cache_manager import KVCacheManager
@@ -407,9 +408,9 @@ class Scheduler:
             new_ids: list[int] = []
             if sched.sample:
                 for token in sampled.get(request.request_id, ()):
+                    _, status = self.stop_after(request, (token,))
                     request.append_output_token_ids(token)
                     new_ids.append(token)
-                    status = self._check_stop(request)
                     if status is not None:
                         _ = sched.block_tables  # NOTE: this step's table, read before the blocks go
                         self.running.remove(request)
@@ -428,112 +429,26 @@ class Scheduler:
                 )
         return results
 
-    def update_from_window(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[RequestOutput]:
-        """Commits a whole multi-step window at once.
+    def stop_after(self, request: Request, tokens: Sequence[int]) -> tuple[int, RequestStatus | None]:
+        """The stop rule: of ``tokens`` about to be appended to ``request``, how many it takes and
+        the status it finishes with after them (None: it goes on).
 
-        Equivalent to ``update_from_output`` with each inner step's tokens followed by
-        ``prepare_window_step`` between steps: the same tokens, stop rules per token, blocks cached
-        as they complete, and finished requests freed in step order (then batch order), so the free
-        queue, the prefix cache and the set of block events are the same. Only the order of block
-        events within the window differs (request by request instead of step by step).
-
-        Args:
-            output: the window ``schedule()`` returned (``num_steps > 1``).
-            sampled: request id -> its tokens, one per inner step it ran (at most its ``window_steps``).
-
-        Returns:
-            One RequestOutput per request that got tokens or finished, in batch order, carrying all
-            of its tokens of the window.
-        """
-        if not self._full_attention_only:
-            return self._window_step_by_step(output, sampled)
-        bs = self.kv_cache_manager.block_size
-        results: list[RequestOutput] = []
-        finishing: list[tuple[int, int, Request, RequestStatus, ScheduledRequest]] = []
-        for pos, sched in enumerate(output.scheduled):
-            request = sched.request
-            if request.is_finished:  # aborted after schedule()
-                continue
-            new_ids, status = self._commit_tokens(request, list(sampled.get(request.request_id, ())), bs)
-            if status is not None:
-                finishing.append((len(new_ids) - 1, pos, request, status, sched))
-            if new_ids:
-                results.append(RequestOutput(request.request_id, new_ids, False, None,
-                                             request.num_prompt_tokens, request.num_cached_tokens))
-        # NOTE: frees in step order, as the per-step path would: the free queue's order decides evictions.
-        finishing.sort(key=lambda f: (f[0], f[1]))
-        done: dict[str, Request] = {}
-        for _, _, request, status, sched in finishing:
-            _ = sched.block_tables  # NOTE: this step's table, read before the blocks go
-            self.running.remove(request)
-            self._finish(request, status)
-            done[request.request_id] = request
-        for i, out in enumerate(results):
-            request = done.get(out.request_id)
-            if request is not None:
-                results[i] = RequestOutput(out.request_id, out.new_token_ids, True, request.finish_reason,
-                                           out.num_prompt_tokens, out.num_cached_tokens)
-        return results
-
-    def _window_step_by_step(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[RequestOutput]:
-        """``update_from_window`` for sliding-window groups: their inner steps free blocks in step
-        order, so the window is replayed through the per-step path (one output per request)."""
-        merged: dict[str, RequestOutput] = {}
-        steps = max(map(len, sampled.values()), default=0)
-        for k in range(steps):
-            tokens = {rid: [t[k]] for rid, t in sampled.items() if len(t) > k}
-            for o in self.update_from_output(output, tokens):
-                prev = merged.get(o.request_id)
-                if prev is not None:
-                    o = RequestOutput(o.request_id, prev.new_token_ids + o.new_token_ids, o.finished, o.finish_reason,
-                                      o.num_prompt_tokens, o.num_cached_tokens)
-                merged[o.request_id] = o
-            if k < steps - 1:
-                self.prepare_window_step(output)
-        order = {s.request.request_id: i for i, s in enumerate(output.scheduled)}
-        return sorted(merged.values(), key=lambda o: order[o.request_id])
-
-    def _commit_tokens(self, request: Request, tokens: list[int], bs: int) -> tuple[list[int], RequestStatus | None]:
-        """A window's tokens of one full-attention request, committed a block at a time.
-
-        The same stop rules as ``_check_stop`` token by token (a stop token wins over the length
-        limit on the same token), and the same caching: between inner steps a block is cached when
-        the token just appended completes it; after the last inner step, or at a finish, nothing.
+        A stop token (EOS unless ignored, or one of ``stop_token_ids``) ends it and is kept; else
+        reaching ``max_tokens`` or ``max_model_len`` does. A stop token wins over the length limit
+        on the same token.
         """
         params = request.sampling_params
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos and request.eos_token_id is not None:
-            stops.add(request.eos_token_id)
         take, status = len(tokens), None
-        if stops and not stops.isdisjoint(tokens):
-            take = next(i for i, t in enumerate(tokens) if t in stops) + 1
-            status = RequestStatus.FINISHED_STOPPED
+        stops = params.stop_token_ids
+        eos = None if params.ignore_eos else request.eos_token_id
+        for i, t in enumerate(tokens):
+            if t == eos or t in stops:
+                take, status = i + 1, RequestStatus.FINISHED_STOPPED
+                break
         room = min(params.max_tokens - request.num_output_tokens, self.config.max_model_len - request.num_tokens)
         if room < take or (room == take and status is None):
             take, status = room, RequestStatus.FINISHED_LENGTH
-        kv, last = self.kv_cache_manager, len(tokens) - 1
-        pos = 0
-        while pos < take:
-            # tokens[pos:boundary + 1] bring num_tokens to the next multiple of the block size
-            boundary = pos + (bs - request.num_tokens % bs) - 1
-            end = min(take, boundary + 1)
-            request.num_computed_tokens += end - pos
-            request.append_output_token_ids(tokens[pos:end])
-            if end - 1 == boundary and boundary < last and not (status is not None and end == take):
-                got = kv.allocate_slots(request, 1)  # caches the block this token completed
-                assert got == [], "an inner step needed a block outside its window's lookahead"
-            pos = end
-        return tokens[:take], status
-
-    def _check_stop(self, request: Request) -> RequestStatus | None:
-        # NOTE: a stop token wins over the length limit when both hold on the same token.
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if (not params.ignore_eos and last == request.eos_token_id) or last in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        return take, status
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

@@ -8,7 +8,7 @@ events and load reports are the real ones.
 
 With ``time_scale=0`` nothing sleeps: the modelled duration of each step is only returned
 (``last_step_s``; ``step_elapsed_s`` inside a multi-step window), and the virtual-time simulator
-(kvmesh/sim/) advances its own clock by it.
+(kvmesh/sim/, whose runner runs whole windows: kvmesh/sim/engine.py) advances its own clock by it.
 
 Cost model of one step (seconds), docs/benchmarks.md#cost-model:
 
@@ -72,6 +72,13 @@ class CostModel:
     decode_kv_token_s: float = 40e-9
     """Per context token read by a decode step: 128 KiB / 3.35 TB/s."""
 
+    def time(self, prefill_tokens: int, prefill_pairs: float, decode_seqs: int, decode_context_tokens: int) -> float:
+        """Seconds one step with this work takes (the one formula; 0 for no work at all)."""
+        if not prefill_tokens and not decode_seqs:
+            return 0.0
+        return (self.step_overhead_s + self.prefill_token_s * prefill_tokens + self.attn_pair_s * prefill_pairs
+                + self.decode_seq_s * decode_seqs + self.decode_kv_token_s * decode_context_tokens)
+
     def step_time(self, prefills: list[tuple[int, int]], decode_contexts: list[int]) -> float:
         """Seconds one step takes.
 
@@ -79,22 +86,15 @@ class CostModel:
             prefills: per prefill chunk, (tokens already in the KV cache before it, new tokens).
             decode_contexts: per decoding sequence, its context length (tokens it attends to).
         """
-        if not prefills and not decode_contexts:
-            return 0.0
-        new = sum(n for _, n in prefills)
-        pairs = sum(n * (start + (n + 1) / 2) for start, n in prefills)
-        return (self.step_overhead_s + self.prefill_token_s * new + self.attn_pair_s * pairs
-                + self.decode_seq_s * len(decode_contexts) + self.decode_kv_token_s * sum(decode_contexts))
+        return self.time(sum(n for _, n in prefills), sum(n * (start + (n + 1) / 2) for start, n in prefills),
+                         len(decode_contexts), sum(decode_contexts))
 
     def work_time(self, w: StepWork) -> float:
-        """:meth:`step_time` of a step's work counts (the same formula: it is linear in them)."""
-        if not w.prefill_tokens and not w.decode_seqs:
-            return 0.0
-        return (self.step_overhead_s + self.prefill_token_s * w.prefill_tokens + self.attn_pair_s * w.prefill_pairs
-                + self.decode_seq_s * w.decode_seqs + self.decode_kv_token_s * w.decode_context_tokens)
+        """:meth:`time` of a step's work counts."""
+        return self.time(w.prefill_tokens, w.prefill_pairs, w.decode_seqs, w.decode_context_tokens)
 
     def batch_time(self, out: SchedulerOutput) -> float:
-        """:meth:`step_time` of a scheduled batch: a request computing tokens past its prompt decodes."""
+        """:meth:`time` of a scheduled batch: a request computing tokens past its prompt decodes."""
         return self.work_time(out.work())
 
 
@@ -167,16 +167,6 @@ class SimRunner:
         self.step_elapsed_s = 0.0
         """Modelled seconds since the current step began; inside a window, when the inner step whose
         tokens ``on_step`` is given ended."""
-        self.window_deadline_s = float("inf")
-        """A multi-step window ends after the first inner step that ends at or past this many
-        seconds since the window began (the simulator sets it to the next arrival)."""
-        self.stop_window_on_exit: Callable[[], bool] | None = None
-        """Asked when a row leaves a window (it finished); True ends the window there (the simulator:
-        when requests wait for the freed slot). With the deadline, windows end where one-step
-        scheduling would admit a request (kvmesh/sim/mesh.py)."""
-        self.batch_windows = False
-        """Run multi-step windows with :meth:`execute_window_batch` (the simulator sets it)."""
-        self.row_elapsed_s: dict[str, float] = {}
         self._lock = threading.Lock()
         # NOTE: back-to-back steps are paced against a running deadline, so up to
         # _ABSORB_S of host overhead between them is absorbed instead of added (a GPU overlaps
@@ -186,7 +176,6 @@ class SimRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         """Sleeps for the batch's modelled time; returns request id -> one token for the rows that sample."""
         self.step_elapsed_s = 0.0
-        self.row_elapsed_s = {}
         if out.is_empty:
             self.last_step_s = 0.0
             return {}
@@ -195,7 +184,7 @@ class SimRunner:
         self.last_step_s = self.step_elapsed_s
         return {s.request.request_id: [self._token(s.request)] for s in out.scheduled if s.sample}
 
-    def execute_window(self, out: SchedulerOutput, on_step: Callable[[dict[str, int]], list[str]]) -> None:
+    def execute_window(self, out: SchedulerOutput, on_step: Callable[[dict[str, list[int]]], list[str]]) -> None:
         """A multi-step decode window (``--num-scheduler-steps``): up to ``out.num_steps`` decode steps.
 
         Each inner step is costed and slept on its own, with every context one token longer than
@@ -205,84 +194,20 @@ class SimRunner:
         """
         rows = {s.request.request_id: s for s in out.scheduled}
         self.step_elapsed_s = 0.0
-        self.row_elapsed_s = {}
         base = sum(s.start + 1 for s in rows.values())
-        cost = self.cost
         try:
             for step in range(out.num_steps):
                 n = len(rows)
-                t = cost.step_overhead_s + cost.decode_seq_s * n + cost.decode_kv_token_s * (base + step * n)
-                self._run(t, 0, n)
-                active = on_step({rid: self._token(s.request) for rid, s in rows.items()})
+                self._run(self.cost.time(0, 0.0, n, base + step * n), 0, n)
+                active = on_step({rid: [self._token(s.request)] for rid, s in rows.items()})
                 if len(active) != n:
                     keep = set(active)
                     rows = {rid: s for rid, s in rows.items() if rid in keep}
                     base = sum(s.start + 1 for s in rows.values())
-                if not rows or self.step_elapsed_s >= self.window_deadline_s:
-                    return
-                if len(active) != n and self.stop_window_on_exit is not None and self.stop_window_on_exit():
+                if not rows:
                     return
         finally:
             self.last_step_s = self.step_elapsed_s
-
-    def execute_window_batch(self, out: SchedulerOutput) -> dict[str, list[int]]:
-        """A whole multi-step window in one call, for the virtual-time simulator.
-
-        The same inner steps as :meth:`execute_window` (each costed with the rows still in it, a
-        row leaving after its ``window_steps``), but every row's tokens come back at once, for
-        ``Scheduler.update_from_window``: no per-token round trip through the engine. The window
-        ends early as ``window_deadline_s`` / ``stop_window_on_exit`` say; every row then has the
-        tokens of the steps run. ``row_elapsed_s`` gives, per row, when its last token was ready
-        (seconds since the window began).
-        """
-        rows = out.scheduled
-        self.step_elapsed_s = 0.0
-        self.row_elapsed_s = {}
-        if not rows:
-            self.last_step_s = 0.0
-            return {}
-        c = self.cost
-        c0, cs, ck = c.step_overhead_s, c.decode_seq_s, c.decode_kv_token_s
-        deadline, on_exit = self.window_deadline_s, self.stop_window_on_exit
-        # NOTE: rows ordered by how many steps they take; the batch shrinks as they run out, and
-        # ``base`` (the contexts at step 0 of the rows still in) drops by theirs.
-        ends = sorted(s.window_steps for s in rows)
-        by_end: dict[int, int] = {}
-        for s in rows:
-            by_end[s.window_steps] = by_end.get(s.window_steps, 0) + s.start + 1
-        n, base = len(rows), sum(by_end.values())
-        at_step: list[float] = []
-        elapsed, seqs, i, step, last = 0.0, 0, 0, 0, ends[-1]
-        while step < last:
-            elapsed += c0 + cs * n + ck * (base + step * n)
-            seqs += n
-            at_step.append(elapsed)
-            step += 1
-            left = 0
-            while i < len(ends) and ends[i] == step:
-                i += 1
-                left += 1
-            if left:
-                n -= left
-                base -= by_end[step]
-            if n == 0 or elapsed >= deadline or (left and on_exit is not None and on_exit()):
-                break
-        with self._lock:
-            self.stats.busy_s += elapsed
-            self.stats.steps += step
-            self.stats.decode_tokens += seqs
-        self.step_elapsed_s = self.last_step_s = elapsed
-        tokens: dict[str, list[int]] = {}
-        row_elapsed = self.row_elapsed_s
-        for s in rows:
-            m = min(s.window_steps, step)
-            r = s.request
-            rid = r.request_id
-            stop = r.sampling_params.stop_token_ids
-            tokens[rid] = sim_token_ids(rid, r.num_tokens, m, self.vocab_size,
-                                        self._eos.union(stop) if stop else self._eos)
-            row_elapsed[rid] = at_step[m - 1]
-        return tokens
 
     def _token(self, r: Request) -> int:
         return self._token_at(r, r.num_tokens)
@@ -291,14 +216,17 @@ class SimRunner:
         stop = r.sampling_params.stop_token_ids
         return sim_token_id(r.request_id, position, self.vocab_size, self._eos.union(stop) if stop else self._eos)
 
+    def _account(self, t: float, steps: int, prefill_tokens: int, decode_tokens: int) -> None:
+        with self._lock:
+            self.stats.busy_s += t
+            self.stats.steps += steps
+            self.stats.prefill_tokens += prefill_tokens
+            self.stats.decode_tokens += decode_tokens
+
     def _run(self, t: float, prefill_tokens: int, decode_tokens: int) -> None:
         """Accounts one step of ``t`` modelled seconds and sleeps it, scaled and paced."""
         self.step_elapsed_s += t
-        with self._lock:
-            self.stats.busy_s += t
-            self.stats.steps += 1
-            self.stats.prefill_tokens += prefill_tokens
-            self.stats.decode_tokens += decode_tokens
+        self._account(t, 1, prefill_tokens, decode_tokens)
         if self.time_scale > 0:
             now = time.monotonic()
             start = self._deadline if now - self._deadline < _ABSORB_S else now

@@ -45,20 +45,25 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvmesh.contract.block_hash import XXH3_128
-from kvmesh.contract.types import AllBlocksCleared, KVCacheEvent, Load, SamplingParams
+from kvmesh.contract.types import KVCacheEvent, Load, SamplingParams
 from kvmesh.kv_service.index import Action, Registration
 from kvmesh.kv_service.service import KVService, ServiceConfig, run_now
 from kvmesh.kv_service.store_memory import MemoryIndex
 from kvmesh.model_worker.config import EngineConfig
 from kvmesh.model_worker.llm_engine import LLMEngine
+from kvmesh.model_worker.request import Request
 from kvmesh.model_worker.scheduler import RequestOutput
-from kvmesh.model_worker.sim_runner import DEFAULT_SIM_NUM_BLOCKS, CostModel, SimRunner
-from kvmesh.router.core import CountingObserver, RoutePlan, RoutingCore
+from kvmesh.model_worker.sim_runner import DEFAULT_SIM_NUM_BLOCKS, CostModel
+from kvmesh.router.attempts import Attempts
+from kvmesh.router.core import CountingObserver, RoutingCore
 from kvmesh.router.inflight import Ticket
 from kvmesh.router.policies import make_policy
 from kvmesh.router.policies.base import PolicyConfig
-from kvmesh.router.upstream import IndexMatch, IndexUnavailable, WorkerEndpoint
+from kvmesh.router.upstream import Failure, IndexMatch, IndexUnavailable, WorkerEndpoint
+from kvmesh.router.worker_set import WorkerSet
+from kvmesh.sim.engine import WindowRunner, WindowScheduler
 from kvmesh.sim.workload import Workload
+from kvmesh.transport.event_batcher import EventBatcher, Message
 
 MODEL_ID = "sim-8b"
 PLACEHOLDER_TOKEN = 2
@@ -113,6 +118,7 @@ class SimConfig:
     speculative_ttl_s: float = 2.0
     max_attempts: int = 3
     unhealthy_s: float = 5.0
+    request_timeout_s: float = 600.0
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     # -- faults
     event_loss: float = 0.0
@@ -222,10 +228,9 @@ class _Attempt:
 
     record: RequestRecord
     router: SimRouter
-    plan: RoutePlan
+    attempts: Attempts
     ticket: Ticket
     request_id: str
-    tried: list[str]
 
 
 class SimWorker:
@@ -238,19 +243,15 @@ class SimWorker:
         self.epoch = 0
         self.up = False
         self.engine: LLMEngine | None = None
-        self.runner: SimRunner | None = None
+        self.runner: WindowRunner | None = None
         self.busy_until = 0.0
         self.stepping = False
         self.attempts: dict[str, _Attempt] = {}
         self._pre_stats = None
-        # publisher state
-        self.seq = 0
-        self.queued: list[KVCacheEvent] = []
+        # the publisher: the live one's batching core on the virtual clock
+        self.batcher = EventBatcher()
         self.flush_at: float | None = None
         """When the next message is due (None: none due)."""
-        self.sent_state: tuple[int, ...] | None = None
-        self.last_sent = -1.0
-        self.need_snapshot = False
         self.resyncs = 0
         self.busy_s = 0.0
         self._step_start = 0.0
@@ -258,10 +259,10 @@ class SimWorker:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         cfg = self.mesh.cfg
-        runner_box: list[SimRunner] = []
+        runner_box: list[WindowRunner] = []
 
-        def factory(config, model_config) -> SimRunner:
-            runner_box.append(SimRunner(config, model_config, cfg.cost, time_scale=0.0))
+        def factory(config, model_config) -> WindowRunner:
+            runner_box.append(WindowRunner(config, model_config, cfg.cost, time_scale=0.0))
             return runner_box[0]
 
         steps = cfg.num_scheduler_steps if cfg.num_scheduler_steps > 1 else cfg.window_steps
@@ -269,22 +270,21 @@ class SimWorker:
             model=str(self.mesh.model_dir), model_id=MODEL_ID, block_size=cfg.block_size,
             num_blocks=cfg.blocks_per_worker(), max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, hash_algorithm=XXH3_128,
-            num_scheduler_steps=steps), runner_factory=factory)
+            num_scheduler_steps=steps), runner_factory=factory, scheduler_factory=WindowScheduler)
         self.runner = runner_box[0]
-        self.runner.batch_windows = True
         if cfg.num_scheduler_steps == 1:
             engine = self.engine
             self.runner.stop_window_on_exit = lambda: engine.scheduler.num_waiting > 0
         self.epoch += 1
         self.up = True
-        self.seq = 0
-        self.queued = []
-        self.need_snapshot = False
+        # NOTE: a new process, a new publisher (kvmesh/transport/kv_publisher.py).
+        self.batcher = EventBatcher(cfg.event_batch_s, load_reports=cfg.load_on_events)
         svc = self.mesh.index.svc
         run_now(svc.register(Registration(self.worker_id, self.address, MODEL_ID, cfg.block_size, XXH3_128,
                                           self.engine.kv_cache_manager.num_blocks, self.epoch)))
-        # NOTE: seq 1 of a new registration: the index starts empty for this epoch (kv_publisher).
-        self._enqueue([AllBlocksCleared()])
+        # NOTE: its first message: the index starts empty for this epoch.
+        self.batcher.register()
+        self._flush_by(self.batcher.next_due())
 
     def kill(self) -> None:
         """The process dies: in-flight streams break, the engine and its cache are gone."""
@@ -307,9 +307,9 @@ class SimWorker:
         # handed to the engine are placeholders of the right length: a simulated forward pass reads
         # none, and they only ever feed the hashes of generated blocks, which no prompt shares.
         try:
-            self.engine.add_request(a.request_id, [PLACEHOLDER_TOKEN] * r.prompt_len,
-                                    SamplingParams(max_tokens=r.output_len, ignore_eos=True),
-                                    block_hashes=self.mesh.chains[r.index], validate_tokens=False)
+            self.engine.submit(Request(a.request_id, [PLACEHOLDER_TOKEN] * r.prompt_len,
+                                       SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                                       block_hasher=self.engine.block_hasher, block_hashes=self.mesh.chains[r.index]))
         except ValueError as exc:
             # NOTE: what a live worker answers INVALID_ARGUMENT to (e.g. longer than max_model_len):
             # the router does not retry it, the request fails.
@@ -375,7 +375,7 @@ class SimWorker:
             self._enqueue(events)
         else:
             self._load_changed()
-        if self.need_snapshot:
+        if self.batcher.need_snapshot:
             self._send_snapshot()
         if engine.has_unfinished_requests():
             self._step()
@@ -384,16 +384,14 @@ class SimWorker:
 
     # -- kv publisher ------------------------------------------------------------------------------
     def _enqueue(self, events: list[KVCacheEvent]) -> None:
-        if self.need_snapshot:
-            return  # the coming snapshot supersedes these
-        self.queued.extend(events)
-        self._flush_by(self.last_sent + self.mesh.cfg.event_batch_s)
+        if self.batcher.add(events):
+            self._flush_by(self.batcher.next_due())
 
     def _load_changed(self) -> None:
-        """The load may have changed with no events to carry it: a load-only message is due in the
-        next message slot (the live publisher's queue wait times out after one batch interval)."""
-        if self.mesh.cfg.load_on_events and not self.need_snapshot:
-            self._flush_by(self.last_sent + self.mesh.cfg.event_batch_s)
+        """The load may have changed with no events to carry it: a load-only message may be due in
+        the next message slot (the live publisher looks again after each slot)."""
+        if self.batcher.load_reports and not self.batcher.need_snapshot:
+            self._flush_by(self.batcher.next_due())
 
     def _flush_by(self, t: float) -> None:
         t = max(self.mesh.q.now, t)
@@ -406,23 +404,22 @@ class SimWorker:
             return  # NOTE: a killed incarnation's, or superseded by an earlier one
         self.flush_at = None
         mesh = self.mesh
-        load = self.load_now() if mesh.cfg.load_on_events else None
-        if not self.queued and (load is None or self.need_snapshot or load.queue_state() == self.sent_state):
+        msg = self.batcher.take(mesh.q.now, self.load_now() if self.batcher.load_reports else None)
+        if msg is None:
             return
-        events, self.queued = self.queued, []
-        if load is not None:
-            self.sent_state = load.queue_state()
-        self.seq += 1
-        self.last_sent = mesh.q.now
         if mesh.cfg.event_loss and mesh.rng.random() < mesh.cfg.event_loss:
             mesh.lost_batches += 1
             return
-        mesh.q.after(mesh.cfg.event_delay_s, self._deliver, self.epoch, self.seq, events, load)
+        mesh.q.after(mesh.cfg.event_delay_s, self._deliver, self.epoch, msg)
 
-    def _deliver(self, epoch: int, seq: int, events: list[KVCacheEvent], load: Load | None) -> None:
+    def _deliver(self, epoch: int, msg: Message) -> None:
         if epoch != self.epoch:
             return  # NOTE: a killed incarnation's stream died with it
-        result = run_now(self.mesh.index.svc.publish(self.worker_id, epoch, seq, events, load))
+        svc = self.mesh.index.svc
+        if msg.snapshot is not None:
+            run_now(svc.snapshot(self.worker_id, epoch, msg.seq, msg.snapshot, msg.load))
+            return
+        result = run_now(svc.publish(self.worker_id, epoch, msg.seq, msg.events, msg.load))
         if result.action == Action.RESYNC and epoch == self.epoch and self.up:
             self.resyncs += 1
             # NOTE: the ack travels back; then the engine loop takes the snapshot at its next sync.
@@ -431,26 +428,17 @@ class SimWorker:
     def _resync(self) -> None:
         if not self.up:
             return
-        self.need_snapshot = True
-        self.queued = []
+        self.batcher.resync()
         if not self.stepping:
             self._send_snapshot()
 
     def _send_snapshot(self) -> None:
         assert self.engine is not None
-        self.need_snapshot = False
         # NOTE: the pool's map in insertion order (oldest cached first): deterministic, unlike a set.
         hashes = list(self.engine.kv_cache_manager.block_pool.cached_block_hash_to_block)
-        self.seq += 1
-        self.last_sent = self.mesh.q.now
-        load = self.load_now() if self.mesh.cfg.load_on_events else None
-        if load is not None:
-            self.sent_state = load.queue_state()
-        self.mesh.q.after(self.mesh.cfg.event_delay_s, self._deliver_snapshot, self.epoch, self.seq, hashes, load)
-
-    def _deliver_snapshot(self, epoch: int, seq: int, hashes: list[bytes], load: Load | None) -> None:
-        if epoch == self.epoch:
-            run_now(self.mesh.index.svc.snapshot(self.worker_id, epoch, seq, hashes, load))
+        msg = self.batcher.take_snapshot(self.mesh.q.now, hashes,
+                                         self.load_now() if self.batcher.load_reports else None)
+        self.mesh.q.after(self.mesh.cfg.event_delay_s, self._deliver, self.epoch, msg)
 
     def load_now(self) -> Load:
         """The load the live worker would report now."""
@@ -473,7 +461,8 @@ class SimWorker:
 
 # -- routers --------------------------------------------------------------------------------------
 class SimRouter:
-    """One router: RoutingCore + policy, discovery by polling the index, retries as router.py."""
+    """One router: the live router's cores (RoutingCore, WorkerSet, Attempts) on the virtual clock;
+    discovery polls the index every ``discovery_s``."""
 
     def __init__(self, mesh: Mesh, index: int) -> None:
         self.mesh = mesh
@@ -484,36 +473,37 @@ class SimRouter:
         self.observer = CountingObserver()
         self.core = RoutingCore(make_policy(cfg.policy, pc), speculative_ttl_s=cfg.speculative_ttl_s,
                                 index_retry_s=cfg.index_retry_s, clock=lambda: mesh.q.now, observer=self.observer)
-        self.endpoints: list[WorkerEndpoint] = []
-        self.unhealthy: dict[str, float] = {}
+        self.workers = WorkerSet(cfg.unhealthy_s, clock=lambda: mesh.q.now)
         self.spec = mesh.spec
 
     def discover(self) -> None:
-        self.endpoints = self.mesh.index.endpoints()
+        self.workers.update(self.mesh.index.endpoints())
         self.mesh.q.after(self.mesh.cfg.discovery_s, self.discover)
-
-    def healthy(self, worker_id: str) -> bool:
-        until = self.unhealthy.get(worker_id)
-        return until is None or self.mesh.q.now >= until
 
     def route(self, rec: RequestRecord) -> None:
         mesh = self.mesh
         chain = mesh.chains[rec.index]
-        plan = self.core.plan(self.spec, _Length(rec.prompt_len), self.endpoints, mesh.index, chain=chain,
-                              healthy=self.healthy, max_tokens=rec.output_len)
+        plan = self.core.plan(self.spec, _Length(rec.prompt_len), self.workers.endpoints, mesh.index, chain=chain,
+                              healthy=self.workers.healthy, max_tokens=rec.output_len)
         if not plan.candidates:
             rec.failed = "no worker"
             mesh.request_done(rec)
             return
         delay = mesh.cfg.lookup_latency_s if self.core.wants_index(chain) and plan.query.index_ok else 0.0
-        self._send(rec, plan, plan.candidates, [], delay)
+        attempts = Attempts(self.core, plan, self.core.pick(plan), mesh.cfg.max_attempts,
+                            rec.arrival + mesh.cfg.request_timeout_s, self.workers.mark_unhealthy)
+        self._send(rec, attempts, delay)
 
-    def _send(self, rec: RequestRecord, plan: RoutePlan, candidates, tried: list[str], delay: float) -> None:
-        decision = self.core.pick(plan, candidates)
-        ticket = self.core.start(plan, decision.worker_id)
+    def _send(self, rec: RequestRecord, attempts: Attempts, delay: float) -> None:
+        decision = attempts.next(self.mesh.q.now)
+        if decision is None:
+            rec.failed = f"no worker could take it after {rec.attempts} attempt(s)"
+            self.mesh.request_done(rec)
+            return
+        ticket = self.core.start(attempts.plan, decision.worker_id)
         rec.attempts += 1
         rec.worker = decision.worker_id
-        a = _Attempt(rec, self, plan, ticket, f"r{rec.index}.{rec.attempts}", [*tried, decision.worker_id])
+        a = _Attempt(rec, self, attempts, ticket, f"r{rec.index}.{rec.attempts}")
         worker = self.mesh.workers_by_id[decision.worker_id]
         self.mesh.q.after(delay + self.mesh.cfg.network_s, worker.submit, a)
 
@@ -531,20 +521,19 @@ class SimRouter:
         self.mesh.request_done(a.record)
 
     def worker_failed(self, a: _Attempt, worker_id: str) -> None:
-        """UNAVAILABLE from the worker: before the first token retry elsewhere, after it fail."""
+        """UNAVAILABLE from the worker: before the first token the next worker, after it a failure."""
         self.core.finish(a.ticket)
-        self.unhealthy[worker_id] = self.mesh.q.now + self.mesh.cfg.unhealthy_s
         rec = a.record
         if rec.first_token is not None:
+            self.workers.mark_unhealthy(worker_id)
             rec.failed = f"worker {worker_id} failed mid-stream"
             self.mesh.request_done(rec)
             return
-        remaining = [c for c in a.plan.candidates if c.worker_id not in a.tried]
-        if not remaining or rec.attempts >= self.mesh.cfg.max_attempts:
+        if a.attempts.failed(worker_id, Failure.UNAVAILABLE, "the worker is down (simulated)"):
+            self._send(rec, a.attempts, 0.0)
+        else:
             rec.failed = f"no worker could take it after {rec.attempts} attempt(s)"
             self.mesh.request_done(rec)
-            return
-        self._send(rec, a.plan, remaining, a.tried, 0.0)
 
 
 class _Length:

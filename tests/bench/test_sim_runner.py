@@ -7,6 +7,7 @@ import pytest
 from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ensure_default_model
 from kvmesh.model_worker.llm_engine import LLMEngine
+from kvmesh.model_worker.request import Request
 from kvmesh.model_worker.sim_runner import CostModel, SimRunner, sim_token_id
 
 
@@ -117,11 +118,15 @@ def test_engine_work_counters_explain_the_step_time_exactly(num_scheduler_steps)
     assert (load.prefill_tokens, load.decode_tokens, load.max_num_batched_tokens) == (3 * 58, 9 + 9 + 5 - 3, 32)
 
 
-def test_precomputed_block_hashes_are_used_and_checked():
+def test_a_request_built_with_its_block_hashes_is_submitted_and_checked():
+    # the simulator submits requests it built with its workload's block hashes (kvmesh/sim/mesh.py)
     engine = LLMEngine(model=str(ensure_default_model()), num_blocks=64, max_model_len=512,
                        runner_factory=lambda cfg, mc: SimRunner(cfg, mc, CostModel(), time_scale=0.0))
     prompt = list(range(2, 50))
     hashes = engine.block_hasher.hash_prompt(prompt)
-    engine.add_request("a", prompt, SamplingParams(max_tokens=1), block_hashes=hashes)
+    engine.submit(Request("a", prompt, SamplingParams(max_tokens=1), block_hasher=engine.block_hasher,
+                          block_hashes=hashes))
     with pytest.raises(ValueError, match="2 block hashes given for a prompt of 3 full blocks"):
-        engine.add_request("b", prompt, SamplingParams(max_tokens=1), block_hashes=hashes[:2])
+        Request("b", prompt, SamplingParams(max_tokens=1), block_hasher=engine.block_hasher, block_hashes=hashes[:2])
+    with pytest.raises(ValueError, match="leave room for 464 of max_model_len 512"):
+        engine.submit(Request("c", prompt, SamplingParams(max_tokens=500), block_hasher=engine.block_hasher))

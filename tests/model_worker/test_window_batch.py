@@ -1,5 +1,5 @@
-"""Scheduler.update_from_window (a whole multi-step window committed at once, as the virtual-time
-simulator's runner returns it) against the per-step path (update_from_output + prepare_window_step
+"""The simulator's WindowScheduler.update_from_window (kvmesh/sim/engine.py: a whole multi-step
+window committed at once) against the production scheduler's per-step path (update_from_output + prepare_window_step
 after every inner step): the same tokens, finishes, free queue, prefix cache and block events."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from kvmesh.model_worker.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.request import Request
 from kvmesh.model_worker.scheduler import Scheduler, SchedulerConfig
+from kvmesh.sim.engine import WindowScheduler
 
 BS = 16
 EOS = 1
@@ -34,9 +35,10 @@ def requests() -> list[Request]:
     return out
 
 
-def scheduler(windows: list[int | None]) -> Scheduler:
+def scheduler(windows: list[int | None], batched: bool = False) -> Scheduler:
     kv = KVCacheManager(num_blocks=200, block_size=BS, kv_cache_config=KVCacheConfig.from_sliding_windows(windows, BS))
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=256, num_scheduler_steps=6), kv)
+    return (WindowScheduler if batched else Scheduler)(
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=256, num_scheduler_steps=6), kv)
 
 
 def drive(s: Scheduler, batched: bool) -> tuple[dict[str, list[int]], dict[str, str | None], list]:
@@ -54,6 +56,7 @@ def drive(s: Scheduler, batched: bool) -> tuple[dict[str, list[int]], dict[str, 
         elif batched:
             sampled = {x.request.request_id: [token(x.request.request_id, x.request.num_tokens + k)
                                               for k in range(x.window_steps)] for x in out.scheduled}
+            assert isinstance(s, WindowScheduler)
             outputs = s.update_from_window(out, sampled)
         else:
             outputs = []
@@ -80,7 +83,7 @@ def flat(events: list) -> list[tuple]:
 
 @pytest.mark.parametrize("windows", [[None], [None, 48]], ids=["full-attention", "hybrid-sliding-window"])
 def test_window_committed_at_once_equals_step_by_step(windows):
-    a, b = scheduler(windows), scheduler(windows)
+    a, b = scheduler(windows), scheduler(windows, batched=True)
     per_step, batched = drive(a, False), drive(b, True)
     assert per_step[0] == batched[0]
     assert per_step[1] == batched[1] and batched[1]["r2"] == "stop" and batched[1]["r0"] == "length"
