@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 
 from kvmesh.contract.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128, algorithm_name
 from kvmesh.contract.settings import flag
+from kvmesh.model_worker.scheduler import SchedulerConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _DTYPES = {
@@ -142,9 +144,10 @@ def _sliding_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> l
     return [None] * num_layers
 
 
-@dataclass(slots=True)
-class EngineConfig:
-    """Everything the engine is told; ``check`` runs once in ``LLMEngine.__init__``."""
+@dataclass(slots=True, kw_only=True)
+class EngineConfig(SchedulerConfig):
+    """Everything the engine is told (the scheduler's settings included: SchedulerConfig); ``check``
+    runs once in ``LLMEngine.__init__``."""
 
     model: str
     """Directory with config.json, *.safetensors and tokenizer.json."""
@@ -155,12 +158,6 @@ class EngineConfig:
     memory_fraction: float | None = None
     """CUDA: share of total GPU memory for weights + KV (none = 0.9). CPU: share of available RAM
     for the KV cache (none = 0.05)."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step (prefill chunks + decodes)."""
-    max_num_seqs: int = 128
-    """Running requests at most."""
-    max_model_len: int | None = None
-    """Prompt + output tokens at most; none = the model's max_position_embeddings."""
     enable_prefix_caching: bool = flag(True, name="no-prefix-caching")
     """Reuse cached KV blocks of earlier prompts (vLLM's automatic prefix caching)."""
     hash_algorithm: str = SHA256_128
@@ -173,8 +170,6 @@ class EngineConfig:
     """Seeds the generator of sampled requests that have no seed of their own."""
     model_id: str | None = None
     """Model identity in block hashes and the index; none = the model directory's name (docs/block-hashing.md)."""
-    num_scheduler_steps: int = 1
-    """Decode steps per scheduler call when the batch is all decodes (multi-step decode); 1 = off."""
 
     def check(self, model_config: ModelConfig) -> None:
         """Validates and fills derived fields; raises ValueError with what to change."""
@@ -184,14 +179,9 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.max_model_len is None:
             self.max_model_len = model_config.max_position_embeddings
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        self.validate()
         self.hash_algorithm = algorithm_name(self.hash_algorithm)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -202,6 +192,13 @@ class EngineConfig:
             else:
                 self.dtype = "float32"
         parse_dtype(self.dtype)
+
+    def scheduler_config(self, num_scheduler_steps: int | None = None) -> SchedulerConfig:
+        """The scheduler's part (``num_scheduler_steps`` overridden: a runner without windows runs 1)."""
+        out = SchedulerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulerConfig)})
+        if num_scheduler_steps is not None:
+            out.num_scheduler_steps = num_scheduler_steps
+        return out
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -119,14 +119,7 @@ class LLMEngine:
         )
         assert config.max_model_len is not None
         self.scheduler = scheduler_factory(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=config.max_model_len,
-                num_scheduler_steps=config.num_scheduler_steps if hasattr(self.runner, "execute_window") else 1,
-            ),
-            self.kv_cache_manager,
-        )
+            config.scheduler_config(None if hasattr(self.runner, "execute_window") else 1), self.kv_cache_manager)
         self._lock = threading.Lock()
         # NOTE: ("add", Request) / ("abort", id) in call order; only step() touches the scheduler.
         self._inbox: deque[tuple[str, Any]] = deque()

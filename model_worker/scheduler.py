@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvmesh.contract.settings import flag
 from kvmesh.model_worker.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.kv_cache_spec import FullAttentionSpec
 from kvmesh.model_worker.request import Request, RequestStatus
@@ -25,22 +26,28 @@ from kvmesh.model_worker.request import Request, RequestStatus
 
 @dataclass(slots=True)
 class SchedulerConfig:
+    """What the scheduler is told: one declaration of these settings, for the engine (EngineConfig
+    extends it) and the simulator's engines (kvmesh/sim/mesh.py); `kvmesh worker` and `kvmesh
+    simulate` derive the same flags from it."""
+
     max_num_seqs: int = 128
-    """Requests running at once, at most."""
+    """Running requests at most."""
     max_num_batched_tokens: int = 2048
-    """Tokens computed in one step (prefill chunks plus decodes), at most."""
-    max_model_len: int = 4096
-    """Prompt plus generated tokens of one request, at most."""
-    enable_chunked_prefill: bool = True
+    """Token budget of one step (prefill chunks + decodes)."""
+    max_model_len: int | None = None
+    """Prompt + output tokens at most; none = the model's max_position_embeddings."""
+    enable_chunked_prefill: bool = flag(True, name="no-chunked-prefill")
     """Split a prompt over steps when it exceeds the step's remaining budget."""
     num_scheduler_steps: int = 1
-    """Decode steps per ``schedule()`` when the batch is all decodes; 1 = one step per call."""
+    """Decode steps per scheduler call when the batch is all decodes (multi-step decode); 1 = off."""
 
     def validate(self) -> None:
         """Raises ValueError on a configuration that could never schedule some request."""
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_scheduler_steps"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is None or self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1 (the model's context when unset), got {self.max_model_len}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "

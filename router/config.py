@@ -1,11 +1,54 @@
-"""The router's one config type (flags of `kvmesh router`)."""
+"""The router's config (flags of `kvmesh router`), and its routing settings: the group the live router and
+the simulator's routers share (`kvmesh simulate` takes the same flags).
+
+This module imports neither grpc nor redis.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvmesh.contract.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128
 from kvmesh.contract.settings import flag
+from kvmesh.router.policies.base import PolicyConfig
+
+
+@dataclass(slots=True)
+class RoutingConfig:
+    """How a router picks and retries: one declaration for the live router and the simulator."""
+
+    policy: str = "kv-aware"
+    """Routing policy (docs/router.md)."""
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    """The policies' knobs (a group: its fields are the flags)."""
+    lookup_timeout_ms: float = 50.0
+    """Deadline of one kv_service Lookup; past it the request routes by rendezvous hash."""
+    index_retry_s: float = flag(1.0, name="index-retry")
+    """Seconds to skip the index after a failed Lookup (no Lookup deadline per request while it is down)."""
+    speculative_ttl_s: float = flag(2.0, name="speculative-ttl")
+    """Seconds a routed prompt's blocks count as held by its worker before the index says so; 0 = off."""
+    max_attempts: int = 3
+    """Workers tried before the first token (1 = no retry)."""
+    first_token_timeout_s: float = flag(60.0, name="first-token-timeout")
+    """Seconds without a token after which a worker is abandoned and the request retried elsewhere; 0 = off."""
+    request_timeout_s: float = flag(600.0, name="request-timeout")
+    """Deadline in seconds of a forwarded Generate (the client's deadline wins when shorter)."""
+    unhealthy_s: float = flag(5.0, name="unhealthy-time")
+    """Seconds a worker that failed a call is skipped (unless every worker is)."""
+    discovery_interval_s: float = flag(1.0, name="discovery-interval")
+    """Seconds between ListWorkers / GetLoad polls."""
+
+    def check(self) -> None:
+        """Raises ValueError with the flag to fix."""
+        if self.lookup_timeout_ms <= 0 or self.request_timeout_s <= 0:
+            raise ValueError("--lookup-timeout-ms and --request-timeout must be > 0")
+        if self.max_attempts < 1:
+            raise ValueError(f"--max-attempts must be >= 1, got {self.max_attempts}")
+        if self.speculative_ttl_s < 0 or self.index_retry_s < 0 or self.unhealthy_s < 0:
+            raise ValueError("--speculative-ttl, --index-retry and --unhealthy-time must be >= 0")
+        if not self.discovery_interval_s > 0:
+            raise ValueError(f"--discovery-interval must be > 0, got {self.discovery_interval_s}")
+        self.policy_config.check()
 
 
 @dataclass(slots=True)
@@ -26,48 +69,12 @@ class RouterConfig:
     model served before any worker of it registers."""
     workers: list[str] = flag(default_factory=list, metavar="HOST:PORT,...")
     """Static worker addresses instead of discovery from kv_service."""
-    policy: str = "kv-aware"
-    """Routing policy (docs/router.md)."""
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    """How requests are routed (a group: its fields are the flags)."""
     block_size: int = DEFAULT_BLOCK_SIZE
     """Tokens per block when no worker reports it yet (they always do when reachable)."""
     hash_algorithm: str = SHA256_128
     """Block hash when kv_service does not report it (static workers do not)."""
-    lookup_timeout_ms: float = 50.0
-    """Deadline of one kv_service Lookup; past it the request routes by rendezvous hash."""
-    index_retry_s: float = flag(1.0, name="index-retry")
-    """Seconds to skip the index after a failed Lookup (no Lookup deadline per request while it is down)."""
-    request_timeout_s: float = flag(600.0, name="request-timeout")
-    """Deadline in seconds of a forwarded Generate (the client's deadline wins when shorter)."""
-    first_token_timeout_s: float = flag(60.0, name="first-token-timeout")
-    """Seconds without a token after which a worker is abandoned and the request retried elsewhere; 0 = off."""
-    max_attempts: int = 3
-    """Workers tried before the first token (1 = no retry)."""
-    decode_cost_tokens: int = flag(32, name="decode-cost")
-    """Tokens of work charged per running or queued request."""
-    overlap_weight: float = 1.0
-    """dynamo: weight of the uncached prefill blocks against the decode blocks (Dynamo's overlap score weight)."""
-    decode_harm_weight: float = 0.5
-    """kv-aware: weight of the delay a request's prefill adds to the requests decoding on the worker, against
-    its own predicted time to first token."""
-    work_weight: float = 1.0
-    """kv-aware: weight of the prefill work a request adds to the mesh (capacity a recomputed prefix costs),
-    against its own predicted time to first token."""
-    router_temperature: float = 0.0
-    """kv-aware: 0 = the best predicted worker wins; > 0 = softmax sampling over the scores normalized to [0, 1]
-    at this temperature (Dynamo's --router-temperature), so several routers spread a burst (docs/router.md)."""
-    balance_factor: float = 2.0
-    """Hot-spot test of the rendezvous fallback (and preble's, on its windowed loads): a worker queued over
-    this x the mean (and, for the fallback, over the least loaded by --balance-min-tokens) is skipped."""
-    balance_min_tokens: int = 2048
-    """The rendezvous fallback's hot-spot margin in tokens."""
-    fallback_prefix_blocks: int = 4
-    """Without the index: leading blocks whose rendezvous hash picks the worker."""
-    speculative_ttl_s: float = flag(2.0, name="speculative-ttl")
-    """Seconds a routed prompt's blocks count as held by its worker before the index says so; 0 = off."""
-    discovery_interval_s: float = flag(1.0, name="discovery-interval")
-    """Seconds between ListWorkers / GetLoad polls."""
-    unhealthy_s: float = flag(5.0, name="unhealthy-time")
-    """Seconds a worker that failed a call is skipped (unless every worker is)."""
     rpc_timeout_s: float = flag(2.0, name="rpc-timeout")
     """Deadline in seconds of discovery calls (ListWorkers, GetLoad)."""
     max_streams: int = 1024
@@ -101,8 +108,6 @@ class RouterConfig:
     connection past it gets 429 and is closed (slow clients cannot hold every socket)."""
     http_keep_alive_s: float = flag(30.0, name="http-keep-alive")
     """Seconds an idle HTTP keep-alive connection stays open between requests."""
-    seed: int | None = None
-    """Seeds the policy's tie-break RNG (tests)."""
 
     def check(self) -> None:
         """Raises ValueError with the flag to fix."""
@@ -111,19 +116,7 @@ class RouterConfig:
         if any(w.startswith(("http://", "https://")) for w in self.workers):
             raise ValueError("--workers lists kvmesh workers (host:port); a vLLM or SGLang server joins through "
                              "its bridge (`kvmesh bridge`) and the kv_service (docs/vllm.md)")
-        if self.lookup_timeout_ms <= 0 or self.request_timeout_s <= 0:
-            raise ValueError("--lookup-timeout-ms and --request-timeout must be > 0")
-        if self.max_attempts < 1:
-            raise ValueError(f"--max-attempts must be >= 1, got {self.max_attempts}")
-        if not self.overlap_weight >= 0:
-            raise ValueError(f"--overlap-weight must be >= 0, got {self.overlap_weight}")
-        if not self.decode_harm_weight >= 0 or not self.work_weight >= 0:
-            raise ValueError(f"--decode-harm-weight and --work-weight must be >= 0, got {self.decode_harm_weight}, "
-                             f"{self.work_weight}")
-        if not self.router_temperature >= 0:
-            raise ValueError(f"--router-temperature must be >= 0, got {self.router_temperature}")
-        if self.balance_factor < 1.0:
-            raise ValueError(f"--balance-factor must be >= 1.0, got {self.balance_factor}")
+        self.routing.check()
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"--http-port must be in [0, 65535] (0 = a free port), got {self.http_port}")
         if (self.max_streams < 1 or (self.max_prompt_tokens or 0) < 0 or (self.max_prompt_bytes or 0) < 0

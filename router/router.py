@@ -43,7 +43,7 @@ from kvmesh.router.core import RoutePlan, RoutingCore
 from kvmesh.router.inflight import InFlight
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.policies import make_policy
-from kvmesh.router.policies.base import Decision, PolicyConfig, RouterPolicy
+from kvmesh.router.policies.base import Decision, RouterPolicy
 from kvmesh.router.speculative import SpeculativeIndex
 from kvmesh.router.text.chat_template import ChatTemplate
 from kvmesh.router.text.detokenize import IncrementalDetokenizer
@@ -145,14 +145,10 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self.prompts = (PromptTokenizer(tokenizer, self.metrics.tokenized_chars.inc, self.metrics.tokenizing.inc)
                         if tokenizer is not None else None)
-        policy = policy or make_policy(config.policy, PolicyConfig(
-            decode_cost_tokens=config.decode_cost_tokens, overlap_weight=config.overlap_weight,
-            decode_harm_weight=config.decode_harm_weight, work_weight=config.work_weight,
-            temperature=config.router_temperature, balance_factor=config.balance_factor,
-            balance_min_tokens=config.balance_min_tokens, fallback_prefix_blocks=config.fallback_prefix_blocks,
-            seed=config.seed))
-        self.core = RoutingCore(policy, speculative_ttl_s=config.speculative_ttl_s,
-                                index_retry_s=config.index_retry_s, observer=self.metrics)
+        routing = config.routing
+        policy = policy or make_policy(routing.policy, routing.policy_config)
+        self.core = RoutingCore(policy, speculative_ttl_s=routing.speculative_ttl_s,
+                                index_retry_s=routing.index_retry_s, observer=self.metrics)
         if speculative is not None:
             self.core.speculative = speculative
 
@@ -349,11 +345,11 @@ class Router:
 
     async def _generate(self, inp: GenerateInput, rid: str, route: dict[str, object]) -> AsyncIterator[GenerateOutput]:
         plan, decision = await self.decide(inp)
-        budget = self.config.request_timeout_s if inp.timeout_s is None else min(inp.timeout_s,
-                                                                                 self.config.request_timeout_s)
+        budget = self.config.routing.request_timeout_s if inp.timeout_s is None else min(inp.timeout_s,
+                                                                                 self.config.routing.request_timeout_s)
         deadline = time.monotonic() + budget
         request = WorkerRequest(rid, plan.token_ids, inp.sampling, inp.cache_salt)
-        attempts = Attempts(self.core, plan, decision, self.config.max_attempts, deadline, self.pool.mark_unhealthy)
+        attempts = Attempts(self.core, plan, decision, self.config.routing.max_attempts, deadline, self.pool.mark_unhealthy)
         first = True
         while (decision := attempts.next(time.monotonic())) is not None:
             endpoint = plan.endpoints[decision.worker_id]
@@ -391,7 +387,7 @@ class Router:
         try:
             call = self.pool.generate(endpoint, request, timeout_s)
             chunks = call.__aiter__()
-            first_token_s = self.config.first_token_timeout_s
+            first_token_s = self.config.routing.first_token_timeout_s
             try:
                 if 0 < first_token_s < timeout_s:
                     # NOTE: a worker that sits on a request is given up on while there is still

@@ -55,7 +55,7 @@ class RouterServer:
     async def _build(self) -> None:
         config = self.config
         # NOTE: aio channels belong to the loop they are made on: everything is built here.
-        self.kv = (KVServiceClient(config.kv_service, config.lookup_timeout_ms / 1000, config.rpc_timeout_s)
+        self.kv = (KVServiceClient(config.kv_service, config.routing.lookup_timeout_ms / 1000, config.rpc_timeout_s)
                    if config.kv_service else None)
         channels = WorkerChannels()
         from_index = not config.workers

@@ -9,7 +9,7 @@ import pytest
 
 from kvmesh.cli import build_parser
 from kvmesh.commands.config_args import add_config_args, attribute_docs, config_from_args
-from kvmesh.contract.settings import flag
+from kvmesh.contract.settings import NO_FLAG, flag
 from kvmesh.kv_service.config import KVServiceConfig
 from kvmesh.model_worker.config import EngineConfig, WorkerConfig
 from kvmesh.router.config import RouterConfig
@@ -30,12 +30,18 @@ def test_every_field_has_a_documented_flag(command, cls, given):
     parser = build_parser(only=command)
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
     dests = {a.dest: a for a in sub._actions}
-    docs = attribute_docs(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in given:
-            continue
-        assert f.name in dests, f"{cls.__name__}.{f.name} has no flag"
-        assert dests[f.name].help.startswith(docs[f.name].replace("%", "%%")), f.name
+    def check(klass: type) -> None:
+        docs = attribute_docs(klass)
+        for f in dataclasses.fields(klass):
+            if f.name in given or f.metadata.get(NO_FLAG):
+                continue
+            if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
+                check(f.default_factory)  # a group: its fields are the flags
+                continue
+            assert f.name in dests, f"{klass.__name__}.{f.name} has no flag"
+            assert dests[f.name].help.startswith(docs[f.name].replace("%", "%%")), f.name
+
+    check(cls)
 
 
 def test_flag_names_types_and_none():
@@ -43,8 +49,8 @@ def test_flag_names_types_and_none():
         ["router", "--kv-service", "none", "--workers", "a:1, b:2", "--request-timeout", "7.5", "--model", "/m",
          "--seed", "3"])
     cfg = config_from_args(RouterConfig, args)
-    assert (cfg.kv_service, cfg.workers, cfg.request_timeout_s, cfg.model_dirs, cfg.seed) == (
-        None, ["a:1", "b:2"], 7.5, ["/m"], 3)
+    assert (cfg.kv_service, cfg.workers, cfg.routing.request_timeout_s, cfg.model_dirs,
+            cfg.routing.policy_config.seed) == (None, ["a:1", "b:2"], 7.5, ["/m"], 3)
     engine = config_from_args(EngineConfig, build_parser(only="worker").parse_args(
         ["worker", "--no-prefix-caching", "--num-blocks", "64"]), model="m")
     assert (engine.enable_prefix_caching, engine.num_blocks) == (False, 64)

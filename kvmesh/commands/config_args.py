@@ -7,7 +7,9 @@ is an error at start-up: the docstring is the flag's help.
 
 Types: ``int``, ``float``, ``str``, ``bool`` (default False: ``--flag`` sets it; default True:
 ``--no-flag`` clears it) and ``list[str]`` / ``list[int]`` (comma-separated). An optional field
-(``X | None``) also takes ``none`` (or an empty value) for None.
+(``X | None``) also takes ``none`` (or an empty value) for None. A field whose type is a dataclass
+is a group: its fields become flags (flat, their defaults those of the group's default), and
+``config_from_args`` builds it back. A field made with ``code_only()`` gets no flag.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import cache
 from typing import Any
 
-from kvmesh.contract.settings import FLAG, METAVAR
+from kvmesh.contract.settings import FLAG, METAVAR, NO_FLAG
 
 
 @cache
@@ -97,27 +99,40 @@ def _parser_of(tp: Any, optional: bool, name: str) -> Callable[[str], Any]:
     return parse
 
 
+def _group_type(hints: dict[str, Any], f: dataclasses.Field) -> type | None:
+    tp, _ = _unwrap(hints[f.name])
+    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
 def add_config_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
                     exclude: Iterable[str] = (), prefix: str = "",
-                    choices: Mapping[str, Iterable[Any]] | None = None) -> None:
-    """Adds one flag per field of the dataclass ``cls``.
+                    choices: Mapping[str, Iterable[Any]] | None = None, defaults: Any = None) -> None:
+    """Adds one flag per field of the dataclass ``cls`` (a group's fields flat).
 
     Args:
-        exclude: fields that get no flag (set by the command itself).
+        exclude: fields that get no flag (set by the command itself); a group's field as
+            ``group.field`` (``routing.policy``).
         prefix: put before every flag name and ``dest`` (e.g. ``"sim-"`` -> ``--sim-step-overhead``).
         choices: allowed values per field name.
+        defaults: an instance whose values are the flags' defaults (a group's default); None = the
+            fields' own defaults.
     """
     docs = attribute_docs(cls)
     hints = typing.get_type_hints(cls)
     choices = choices or {}
     skip = set(exclude)
     for f in dataclasses.fields(cls):
-        if f.name in skip or not f.init:
+        if f.name in skip or not f.init or f.metadata.get(NO_FLAG):
+            continue
+        group = _group_type(hints, f)
+        if group is not None:
+            inner = getattr(defaults, f.name) if defaults is not None else _default_of(f)
+            add_config_args(p, group, exclude=_within(skip, f.name), prefix=prefix, choices=choices, defaults=inner)
             continue
         if f.name not in docs:
             raise TypeError(f"{cls.__name__}.{f.name} has no docstring: it is the help of its flag")
         tp, optional = _unwrap(hints[f.name])
-        default = _default_of(f)
+        default = getattr(defaults, f.name) if defaults is not None else _default_of(f)
         name = prefix + flag_name(f)
         dest = prefix.replace("-", "_") + f.name
         kwargs: dict[str, Any] = {"dest": dest}
@@ -145,9 +160,25 @@ def add_config_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: t
         p.add_argument(f"--{name}", **kwargs)
 
 
-def config_from_args(cls: type, args: argparse.Namespace, *, prefix: str = "", **overrides: Any) -> Any:
-    """Builds ``cls`` from the flags ``add_config_args`` added; ``overrides`` win."""
+def _within(exclude: set[str], group: str) -> set[str]:
+    """The entries of ``exclude`` that name fields of ``group`` (``group.x`` -> ``x``)."""
+    return {e[len(group) + 1:] for e in exclude if e.startswith(group + ".")}
+
+
+def config_from_args(cls: type, args: argparse.Namespace, *, prefix: str = "", exclude: Iterable[str] = (),
+                     **overrides: Any) -> Any:
+    """Builds ``cls`` from the flags ``add_config_args`` added (groups too; ``exclude`` as given
+    there: those fields keep their defaults); ``overrides`` win."""
     dest = prefix.replace("-", "_")
-    values = {f.name: getattr(args, dest + f.name) for f in dataclasses.fields(cls)
-              if f.init and hasattr(args, dest + f.name)}
+    hints = typing.get_type_hints(cls)
+    skip = set(exclude)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name in overrides or f.name in skip or f.metadata.get(NO_FLAG):
+            continue
+        group = _group_type(hints, f)
+        if group is not None:
+            values[f.name] = config_from_args(group, args, prefix=prefix, exclude=_within(skip, f.name))
+        elif hasattr(args, dest + f.name):
+            values[f.name] = getattr(args, dest + f.name)
     return cls(**(values | overrides))

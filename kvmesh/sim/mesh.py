@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvmesh.contract.block_hash import XXH3_128
+from kvmesh.contract.settings import code_only, flag
 from kvmesh.contract.types import KVCacheEvent, Load, SamplingParams
 from kvmesh.kv_service.index import Action, Registration
 from kvmesh.kv_service.service import KVService, ServiceConfig, run_now
@@ -52,18 +53,18 @@ from kvmesh.kv_service.store_memory import MemoryIndex
 from kvmesh.model_worker.config import EngineConfig
 from kvmesh.model_worker.llm_engine import LLMEngine
 from kvmesh.model_worker.request import Request
-from kvmesh.model_worker.scheduler import RequestOutput
+from kvmesh.model_worker.scheduler import RequestOutput, SchedulerConfig
 from kvmesh.model_worker.sim_runner import DEFAULT_SIM_NUM_BLOCKS, CostModel
 from kvmesh.router.attempts import Attempts
+from kvmesh.router.config import RoutingConfig
 from kvmesh.router.core import CountingObserver, RoutingCore
 from kvmesh.router.inflight import Ticket
 from kvmesh.router.policies import make_policy
-from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.upstream import Failure, IndexMatch, IndexUnavailable, WorkerEndpoint
 from kvmesh.router.worker_set import WorkerSet
 from kvmesh.sim.engine import WindowRunner, WindowScheduler
 from kvmesh.sim.workload import Workload
-from kvmesh.transport.event_batcher import EventBatcher, Message
+from kvmesh.transport.event_batcher import BATCH_INTERVAL_S, EventBatcher, Message
 
 MODEL_ID = "sim-8b"
 PLACEHOLDER_TOKEN = 2
@@ -71,71 +72,101 @@ SIM_TOKENS_PER_WORKER = DEFAULT_SIM_NUM_BLOCKS * 16
 """KV capacity of one simulated H100 in tokens (442,368), whatever the block size."""
 
 
+def _sim_engine() -> SchedulerConfig:
+    return SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=131_072)
+
+
 @dataclass(slots=True)
 class SimConfig:
-    """One simulated run: the mesh, the live system's delays, the policy, the faults."""
+    """One simulated run: the mesh, the live system's settings and delays, the faults, the SLO.
+
+    Where a setting is the live system's (the routers' RoutingConfig, the engines' SchedulerConfig,
+    the publisher's batching interval, the kv_service's lease), it is that declaration, with that
+    flag name; `kvmesh simulate` derives every flag from these fields.
+    """
 
     workers: int = 8
+    """Simulated workers."""
     routers: int = 1
-    policy: str = "kv-aware"
-    rate: float = 1.0
-    """Offered load: the workload's own arrival rate times this."""
+    """Routers sharing the index; arrivals are dealt to them in turn, each with its own in-flight view."""
     seed: int = 0
+    """Seeds the token synthesis, the policies' tie-breaks and the faults."""
+    rate: float = code_only(1.0)
+    """Offered load: the workload's own arrival rate times this (set per run)."""
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    """The routers' settings: the live router's (a group: its fields are the flags)."""
     # -- engines
+    engine: SchedulerConfig = field(default_factory=_sim_engine)
+    """The engines' scheduling: the live worker's settings (a group), an H100's defaults."""
     block_size: int = 64
-    """Tokens per KV block. NOTE: 64, not the live default 16, keeps the per-block Python work of
-    the real block pool and index a quarter as large (docs/benchmarks.md, simulator speed)."""
+    """Tokens per KV block (the live default is 16: 64 keeps the Python work per block of the real block
+    pool and index a quarter as large; docs/benchmarks.md, simulator speed)."""
     num_blocks: int | None = None
-    """Per worker; None = an H100's 442,368 tokens of KV (27,648 blocks of 16) in blocks of ``block_size``."""
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    max_model_len: int = 131_072
-    num_scheduler_steps: int = 1
+    """KV blocks per worker; none = an H100's 442,368 tokens (27,648 blocks of 16) in blocks of --block-size."""
     window_steps: int = 64
-    """Longest decode window the simulator runs as one event (only with ``num_scheduler_steps=1``)."""
-    cost: CostModel = field(default_factory=CostModel)
-    # -- the live system's delays (defaults: the live defaults)
-    event_batch_s: float = 0.02
-    """kv publisher: one message at most this often (kvmesh/transport/kv_publisher.py BATCH_INTERVAL_S)."""
-    event_delay_s: float = 0.002
-    """A message's trip from the worker to the index."""
-    heartbeat_s: float = 10.0 / 3
-    """Heartbeats (with the load): every lease / 3 (the publisher's period with the default 10 s lease)."""
-    load_on_events: bool = True
-    """Event messages carry the load, and a changed load goes out alone (kv_publisher.py); False:
-    only heartbeats report load (the live publisher until 2026-11-22; the goal-table runs of
-    2026-11-22 ran so)."""
-    lease_ttl_s: float = 10.0
-    discovery_s: float = 1.0
-    """Routers' ListWorkers poll (--discovery-interval)."""
-    lookup_latency_s: float = 0.002
-    """One Lookup round trip (measured ~2 ms p50 on loopback, docs/benchmarks.md)."""
-    lookup_timeout_s: float = 0.05
-    """The router's Lookup deadline (--lookup-timeout-ms 50): a slower Lookup fails."""
-    index_retry_s: float = 1.0
-    network_s: float = 0.001
-    """One hop router <-> worker (request out, first token and end of stream back)."""
-    speculative_ttl_s: float = 2.0
-    max_attempts: int = 3
-    unhealthy_s: float = 5.0
-    request_timeout_s: float = 600.0
-    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    """Longest decode window simulated as one event with --num-scheduler-steps 1 (kvmesh/sim/engine.py)."""
+    cost: CostModel = code_only(default_factory=CostModel)
+    """The step-time model (flags: --sim-*, as `kvmesh worker --simulate`)."""
+    # -- the live system's delays
+    event_batch_s: float = flag(BATCH_INTERVAL_S, name="event-batch-interval")
+    """Seconds between two event messages of a worker, at least (the live publisher's)."""
+    event_delay_s: float = flag(0.002, name="event-delay")
+    """Seconds an event message takes from the worker to the index."""
+    load_reports: str = "events"
+    """events: event messages carry the load and a changed load goes out alone (the live worker);
+    heartbeat: only heartbeats report it (the worker until 2026-11-22)."""
+    lease_ttl_ms: int = ServiceConfig().lease_ttl_ms
+    """The kv_service's worker lease; workers heartbeat every third of it (the live publisher's period)."""
+    lookup_latency_s: float = flag(0.002, name="lookup-latency")
+    """Seconds of one Lookup round trip (measured ~2 ms p50 on loopback, docs/benchmarks.md)."""
+    network_s: float = flag(0.001, name="network-delay")
+    """Seconds of one hop router <-> worker (request out, first token and end of stream back)."""
     # -- faults
     event_loss: float = 0.0
-    """Share of event messages lost on the way to the index (the next one is then out of order:
-    RESYNC, snapshot)."""
-    restart_at: Sequence[float] = ()
-    """When worker 0 is killed, as fractions of the arrival span (0.5 = mid-trace, at any rate);
-    it is back ``restart_down_s`` later with an empty cache and a new epoch."""
-    restart_down_s: float = 2.0
+    """Share of event messages lost on the way to the index (the next one is then out of order: RESYNC,
+    snapshot)."""
+    restart_at: list[float] = field(default_factory=list)
+    """When worker 0 is killed, as fractions of the arrival span (0.5 = mid-trace, at any rate); it is back
+    --restart-down later with an empty cache and a new epoch."""
+    restart_down_s: float = flag(2.0, name="restart-down")
+    """Seconds a restarted worker stays down."""
     # -- SLO
-    slo_ttft_s: float = 2.0
+    slo_ttft_s: float = flag(2.0, name="slo-ttft")
+    """TTFT limit: this many seconds ..."""
     slo_ttft_prefill_x: float = 2.0
-    slo_tpot_s: float = 0.1
-    stop_when_slo_lost: bool = False
+    """... plus this many times the request's own cold prefill time on the cost model."""
+    slo_tpot_s: float = flag(0.1, name="slo-tpot")
+    """Mean TPOT limit in seconds."""
+    slo_target: float = 0.9
+    """Capacity = the highest rate with at least this share of requests meeting the SLO."""
+    stop_when_slo_lost: bool = code_only(False)
     """End the run as soon as more than ``1 - slo_target`` of the requests missed the SLO (the
     capacity search only needs to know that attainment fell below the target)."""
-    slo_target: float = 0.9
+
+    @property
+    def policy(self) -> str:
+        return self.routing.policy
+
+    @property
+    def load_on_events(self) -> bool:
+        return self.load_reports == "events"
+
+    @property
+    def heartbeat_s(self) -> float:
+        return self.lease_ttl_ms / 1000 / 3
+
+    def check(self) -> None:
+        """Raises ValueError with the flag to fix."""
+        if self.workers < 1 or self.routers < 1:
+            raise ValueError("--workers and --routers must be >= 1")
+        if not 0 <= self.event_loss < 1:
+            raise ValueError(f"--event-loss must be in [0, 1), got {self.event_loss}")
+        if not all(0 <= f <= 1 for f in self.restart_at):
+            raise ValueError("--restart-at takes fractions in [0, 1]")
+        if self.load_reports not in ("events", "heartbeat"):
+            raise ValueError(f"--load-reports must be events or heartbeat, got {self.load_reports!r}")
+        self.routing.check()
+        self.engine.validate()
 
     def blocks_per_worker(self) -> int:
         return self.num_blocks or SIM_TOKENS_PER_WORKER // self.block_size + 1
@@ -205,11 +236,11 @@ class SimIndex:
     def __init__(self, q: EventQueue, cfg: SimConfig) -> None:
         self.q = q
         self.cfg = cfg
-        self.svc = KVService(MemoryIndex(), ServiceConfig(lease_ttl_ms=int(cfg.lease_ttl_s * 1000)),
+        self.svc = KVService(MemoryIndex(), ServiceConfig(lease_ttl_ms=cfg.lease_ttl_ms),
                              clock=lambda: int(q.now * 1000))
 
     def lookup(self, model_id: str, chain: Sequence[bytes]) -> list[IndexMatch]:
-        if self.cfg.lookup_latency_s > self.cfg.lookup_timeout_s:
+        if self.cfg.lookup_latency_s * 1000 > self.cfg.routing.lookup_timeout_ms:
             raise IndexUnavailable("Lookup past its deadline (simulated)")
         return [IndexMatch(m.worker_id, m.address, m.matched_blocks, m.load)
                 for m in run_now(self.svc.lookup(model_id, chain))]
@@ -265,14 +296,15 @@ class SimWorker:
             runner_box.append(WindowRunner(config, model_config, cfg.cost, time_scale=0.0))
             return runner_box[0]
 
-        steps = cfg.num_scheduler_steps if cfg.num_scheduler_steps > 1 else cfg.window_steps
+        e = cfg.engine
+        steps = e.num_scheduler_steps if e.num_scheduler_steps > 1 else cfg.window_steps
         self.engine = LLMEngine(EngineConfig(
             model=str(self.mesh.model_dir), model_id=MODEL_ID, block_size=cfg.block_size,
-            num_blocks=cfg.blocks_per_worker(), max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, hash_algorithm=XXH3_128,
-            num_scheduler_steps=steps), runner_factory=factory, scheduler_factory=WindowScheduler)
+            num_blocks=cfg.blocks_per_worker(), max_num_batched_tokens=e.max_num_batched_tokens,
+            max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len, enable_chunked_prefill=e.enable_chunked_prefill,
+            hash_algorithm=XXH3_128, num_scheduler_steps=steps), runner_factory=factory, scheduler_factory=WindowScheduler)
         self.runner = runner_box[0]
-        if cfg.num_scheduler_steps == 1:
+        if e.num_scheduler_steps == 1:
             engine = self.engine
             self.runner.stop_window_on_exit = lambda: engine.scheduler.num_waiting > 0
         self.epoch += 1
@@ -328,7 +360,7 @@ class SimWorker:
         self._pre_stats = engine.last_step_stats  # NOTE: replaced, never mutated, at the step's end
         self._step_start = now
         self.stepping = True
-        if self.mesh.cfg.num_scheduler_steps == 1:
+        if self.mesh.cfg.engine.num_scheduler_steps == 1:
             # NOTE: windows end where one-step scheduling would admit a request: at the next
             # arrival, or (stop_window_on_exit) when a request finished while others wait.
             self.runner.window_deadline_s = self.mesh.next_delivery - now
@@ -467,18 +499,17 @@ class SimRouter:
     def __init__(self, mesh: Mesh, index: int) -> None:
         self.mesh = mesh
         cfg = mesh.cfg
-        pc = PolicyConfig(**{f: getattr(cfg.policy_config, f) for f in PolicyConfig.__dataclass_fields__})
-        pc.seed = cfg.seed * 1000 + index
-        pc.clock = lambda: mesh.q.now
+        r = cfg.routing
+        pc = replace(r.policy_config, seed=cfg.seed * 1000 + index, clock=lambda: mesh.q.now)
         self.observer = CountingObserver()
-        self.core = RoutingCore(make_policy(cfg.policy, pc), speculative_ttl_s=cfg.speculative_ttl_s,
-                                index_retry_s=cfg.index_retry_s, clock=lambda: mesh.q.now, observer=self.observer)
-        self.workers = WorkerSet(cfg.unhealthy_s, clock=lambda: mesh.q.now)
+        self.core = RoutingCore(make_policy(r.policy, pc), speculative_ttl_s=r.speculative_ttl_s,
+                                index_retry_s=r.index_retry_s, clock=lambda: mesh.q.now, observer=self.observer)
+        self.workers = WorkerSet(r.unhealthy_s, clock=lambda: mesh.q.now)
         self.spec = mesh.spec
 
     def discover(self) -> None:
         self.workers.update(self.mesh.index.endpoints())
-        self.mesh.q.after(self.mesh.cfg.discovery_s, self.discover)
+        self.mesh.q.after(self.mesh.cfg.routing.discovery_interval_s, self.discover)
 
     def route(self, rec: RequestRecord) -> None:
         mesh = self.mesh
@@ -490,8 +521,8 @@ class SimRouter:
             mesh.request_done(rec)
             return
         delay = mesh.cfg.lookup_latency_s if self.core.wants_index(chain) and plan.query.index_ok else 0.0
-        attempts = Attempts(self.core, plan, self.core.pick(plan), mesh.cfg.max_attempts,
-                            rec.arrival + mesh.cfg.request_timeout_s, self.workers.mark_unhealthy)
+        attempts = Attempts(self.core, plan, self.core.pick(plan), mesh.cfg.routing.max_attempts,
+                            rec.arrival + mesh.cfg.routing.request_timeout_s, self.workers.mark_unhealthy)
         self._send(rec, attempts, delay)
 
     def _send(self, rec: RequestRecord, attempts: Attempts, delay: float) -> None:
@@ -640,7 +671,7 @@ class Mesh:
 
     def cold_prefill_s(self, prompt_len: int) -> float:
         """The request's prefill alone on an idle worker, chunked as the engine chunks it."""
-        c, budget, t, start = self.cfg.cost, self.cfg.max_num_batched_tokens, 0.0, 0
+        c, budget, t, start = self.cfg.cost, self.cfg.engine.max_num_batched_tokens, 0.0, 0
         while start < prompt_len:
             n = min(budget, prompt_len - start)
             t += c.step_time([(start, n)], [])

@@ -142,7 +142,8 @@ class Sim:
     base: SimConfig
 
     def config(self, policy: str, rate: float, **changes) -> SimConfig:
-        return dataclasses.replace(self.base, policy=policy, rate=rate, **changes)
+        routing = dataclasses.replace(self.base.routing, policy=policy)
+        return dataclasses.replace(self.base, routing=routing, rate=rate, **changes)
 
     def run(self, policy: str, rate: float, *, stop_early: bool = False,
             progress: Callable[[float], None] | None = None) -> dict:
@@ -345,17 +346,22 @@ def sweep(sim: Sim, policies: Sequence[str], rates: Sequence[float] = (), *, cap
     return doc
 
 
-def settings_of(cfg: SimConfig, **extra) -> dict:
+def _settings(obj: object, top: bool = False) -> dict:
     out = {}
-    for f in dataclasses.fields(cfg):
-        if f.name in ("policy", "rate", "stop_when_slo_lost"):
-            continue
-        v = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(v):
-            v = {k: x for k, x in dataclasses.asdict(v).items() if not callable(x) and k != "seed"}
-        elif isinstance(v, tuple):
-            v = list(v)
-        out[f.name] = v
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        if top and f.name in ("rate", "stop_when_slo_lost"):
+            continue  # NOTE: per run, not a setting of the sweep
+        v = getattr(obj, f.name)
+        if callable(v) or (not top and f.name == "seed"):
+            continue  # a clock; a policy's seed (the simulator derives it per router)
+        out[f.name] = _settings(v) if dataclasses.is_dataclass(v) else list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def settings_of(cfg: SimConfig, **extra) -> dict:
+    out = _settings(cfg, top=True)
+    out.pop("routing", None)
+    out["routing"] = {k: v for k, v in _settings(cfg.routing).items() if k != "policy"}
     out["blocks_per_worker"] = cfg.blocks_per_worker()
     out.update(extra)
     return out

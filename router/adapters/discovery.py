@@ -66,7 +66,7 @@ class WorkerDiscovery:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.config.discovery_interval_s)
+            await asyncio.sleep(self.config.routing.discovery_interval_s)
             try:
                 await self.refresh()
             except Exception:  # noqa: BLE001 - keep polling; log and keep the last good set

@@ -38,7 +38,7 @@ class GrpcWorkerPool:
         self.model_id = model_id
         self.config = config
         self.discovers_from_index = discovers_from_index
-        self.workers = WorkerSet(config.unhealthy_s, discovers_from_index)
+        self.workers = WorkerSet(config.routing.unhealthy_s, discovers_from_index)
         self.max_model_len = 0
         """The smallest max_model_len the static workers report (0 = unknown; kv_service discovery
         does not carry it)."""

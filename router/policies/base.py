@@ -26,42 +26,52 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from kvmesh.contract.settings import code_only, flag
 from kvmesh.contract.types import Load
 
 
 @dataclass(slots=True)
 class PolicyConfig:
-    """Knobs shared by the policies (one set per router)."""
+    """Knobs shared by the policies (one set per router); `kvmesh router` and `kvmesh simulate` flags."""
 
-    decode_cost_tokens: int = 32
+    decode_cost_tokens: int = flag(32, name="decode-cost")
     """Tokens of work charged per running or queued request for its decode steps."""
     overlap_weight: float = 1.0
-    """dynamo: weight of the uncached prefill blocks against the decode blocks (Dynamo's overlap
-    score weight)."""
+    """dynamo: weight of the uncached prefill blocks against the decode blocks (Dynamo's overlap score weight)."""
+    decode_harm_weight: float = 0.5
+    """kv-aware: weight of the delay a request's prefill adds to the requests decoding on the worker, against
+    its own predicted time to first token."""
+    work_weight: float = 1.0
+    """kv-aware: weight of the prefill work a request adds to the mesh (capacity a recomputed prefix costs),
+    against its own predicted time to first token."""
+    temperature: float = flag(0.0, name="router-temperature")
+    """kv-aware: 0 = the best predicted worker wins; > 0 = softmax sampling over the scores normalized to [0, 1]
+    at this temperature (Dynamo's --router-temperature), so several routers spread a burst (docs/router.md)."""
     balance_factor: float = 2.0
-    """Hot-spot test (rendezvous fallback, preble): a worker whose queued work exceeds this times
-    the mean is overloaded ..."""
+    """Hot-spot test of the rendezvous fallback (and preble's, on its windowed loads): a worker queued over
+    this x the mean (and, for the fallback, over the least loaded by --balance-min-tokens) is skipped."""
     balance_min_tokens: int = 2048
-    """... and (rendezvous fallback) also exceeds the least loaded worker by this many tokens."""
+    """The rendezvous fallback's hot-spot margin in tokens."""
     fallback_prefix_blocks: int = 4
-    """Rendezvous key: the hash of this many leading blocks (or all, when fewer)."""
-    seed: int | None = None
-    """Seeds the tie-break RNG (tests); None = nondeterministic."""
+    """Without the index: leading blocks whose rendezvous hash picks the worker."""
     default_step_tokens: int = 2048
     """A worker's token budget per step when its load does not report one (an older worker)."""
-    decode_harm_weight: float = 0.5
-    """kv-aware: weight of the delay its prefill adds to the requests already decoding on the
-    worker (each of them waits for it) against its own time to first token."""
-    work_weight: float = 1.0
-    """kv-aware: weight of the work (its own prefill time) a request adds to the mesh, beyond its
-    latency: what the mesh loses of its capacity when a prompt is recomputed instead of reused."""
-    temperature: float = 0.0
-    """kv-aware: 0 = the best score wins; > 0 = a worker is drawn with probability proportional to
-    exp(-(score - best) / (temperature * (worst - best))) (Dynamo's --router-temperature): several
-    routers, each blind to the others' newest requests, then spread a burst instead of all sending
-    it to the worker each predicts best."""
-    clock: Callable[[], float] = time.monotonic
+    seed: int | None = None
+    """Seeds the policy's tie-break RNG (tests); none = nondeterministic."""
+    clock: Callable[[], float] = code_only(time.monotonic)
     """Monotonic seconds, for policies with a time window (the simulator's virtual clock)."""
+
+    def check(self) -> None:
+        """Raises ValueError with the flag to fix."""
+        if not self.overlap_weight >= 0:
+            raise ValueError(f"--overlap-weight must be >= 0, got {self.overlap_weight}")
+        if not self.decode_harm_weight >= 0 or not self.work_weight >= 0:
+            raise ValueError(f"--decode-harm-weight and --work-weight must be >= 0, got {self.decode_harm_weight}, "
+                             f"{self.work_weight}")
+        if not self.temperature >= 0:
+            raise ValueError(f"--router-temperature must be >= 0, got {self.temperature}")
+        if self.balance_factor < 1.0:
+            raise ValueError(f"--balance-factor must be >= 1.0, got {self.balance_factor}")
 
 
 @dataclass(slots=True)

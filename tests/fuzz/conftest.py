@@ -19,7 +19,8 @@ from kvmesh.loopback import free_port
 from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.model_worker.llm_engine import LLMEngine
 from kvmesh.model_worker.server import WorkerServer
-from kvmesh.router.config import RouterConfig
+from kvmesh.router.config import RouterConfig, RoutingConfig
+from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
 from kvmesh.stack import wait_serving
 from kvmesh.transport.rpc import dial
@@ -53,7 +54,8 @@ def worker_and_router(fuzz_model, redis_server) -> Iterator[tuple[str, str]]:
     engine = LLMEngine(model=str(fuzz_model), num_blocks=128, max_num_batched_tokens=256, max_model_len=512)
     worker = WorkerServer(engine, "fw1", "127.0.0.1", free_port(), kv_addr).start(wait_registered=10)
     router = RouterServer(RouterConfig(host="127.0.0.1", port=free_port(), kv_service=kv_addr,
-                                       model_dirs=[str(fuzz_model)], discovery_interval_s=0.2, seed=0)).start()
+                                       model_dirs=[str(fuzz_model)],
+                                       routing=RoutingConfig(discovery_interval_s=0.2, policy_config=PolicyConfig(seed=0)))).start()
     wait_serving(f"127.0.0.1:{router.port}", timeout=20)
     yield f"127.0.0.1:{worker.port}", f"127.0.0.1:{router.port}"
     router.stop(0.5)

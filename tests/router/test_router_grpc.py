@@ -14,7 +14,8 @@ from kvmesh.kv_service.service import ServiceConfig
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
 from kvmesh.make_model import train_tokenizer
-from kvmesh.router.config import RouterConfig
+from kvmesh.router.config import RouterConfig, RoutingConfig
+from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
 from kvmesh.transport.rpc import AioServer, LoopThread, dial
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -59,7 +60,7 @@ def stack(redis_url, redis_namespace, model_dir):
 
     def start_router(**kw) -> router_pb2_grpc.RouterStub:
         cfg = RouterConfig(host="127.0.0.1", port=0, kv_service=f"127.0.0.1:{kv.port}", model_dirs=[str(model_dir)],
-                           discovery_interval_s=0.1, seed=0, **kw)
+                           routing=RoutingConfig(discovery_interval_s=0.1, policy_config=PolicyConfig(seed=0)), **kw)
         r = RouterServer(cfg).start()
         ch = dial(f"127.0.0.1:{r.port}")
         started.append((r, ch))

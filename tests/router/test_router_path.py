@@ -10,7 +10,8 @@ import pytest
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvmesh.contract.types import Load, ModelSpec, SamplingParams, Usage
-from kvmesh.router.config import RouterConfig
+from kvmesh.router.config import RouterConfig, RoutingConfig
+from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.router import GenerateInput, Router
 from kvmesh.router.upstream import (
     Failure,
@@ -100,7 +101,8 @@ def run(router: Router, ids=PROMPT) -> list:
 
 def make(scripts: dict[str, list], index=None, **kw) -> tuple[Router, FakePool]:
     pool = FakePool(scripts)
-    return Router(RouterConfig(seed=0, **kw), pool, index if index is not None else FakeIndex()), pool
+    config = RouterConfig(routing=RoutingConfig(policy_config=PolicyConfig(seed=0), **kw))
+    return Router(config, pool, index if index is not None else FakeIndex()), pool
 
 
 def test_streams_tokens_and_last_message_carries_usage_and_served_by():

@@ -23,7 +23,8 @@ from kvmesh.loopback import free_port
 from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.model_worker.llm_engine import LLMEngine
 from kvmesh.model_worker.server import WorkerServer
-from kvmesh.router.config import RouterConfig
+from kvmesh.router.config import RouterConfig, RoutingConfig
+from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
 from kvmesh.testing import wait_until
 from kvmesh.transport import security
@@ -57,7 +58,7 @@ def door(redis_server, model_dir) -> Iterator[Door]:
     try:
         router = RouterServer(RouterConfig(
             host="127.0.0.1", port=0, http_port=0, kv_service=kv_addr, model_dirs=[str(model_dir)],
-            discovery_interval_s=0.1, seed=0, http_header_timeout_s=1.0, http_body_timeout_s=2.0,
+            routing=RoutingConfig(discovery_interval_s=0.1, policy_config=PolicyConfig(seed=0)), http_header_timeout_s=1.0, http_body_timeout_s=2.0,
             http_max_unfinished=3)).start()
     finally:
         security.configure(security.Security())

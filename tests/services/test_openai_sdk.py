@@ -25,7 +25,8 @@ from kvmesh.loopback import free_port
 from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.model_worker.llm_engine import LLMEngine
 from kvmesh.model_worker.server import WorkerServer
-from kvmesh.router.config import RouterConfig
+from kvmesh.router.config import RouterConfig, RoutingConfig
+from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
 from kvmesh.testing import wait_until
 from kvmesh.transport import security
@@ -63,8 +64,7 @@ def mesh(redis_server, model_dir, tmp_path_factory):
         engine = LLMEngine(model=str(d), num_blocks=256, max_num_batched_tokens=256, max_model_len=max_len)
         workers[wid] = WorkerServer(engine, wid, "127.0.0.1", free_port(), kv_addr).start(wait_registered=10)
     router = RouterServer(RouterConfig(host="127.0.0.1", port=0, http_port=0, kv_service=kv_addr,
-                                       model_dirs=[str(model_dir), str(qwen_dir)], discovery_interval_s=0.1,
-                                       seed=0)).start()
+                                       model_dirs=[str(model_dir), str(qwen_dir)], routing=RoutingConfig(discovery_interval_s=0.1, policy_config=PolicyConfig(seed=0)))).start()
     a, b = model_dir.name, qwen_dir.name
     wait_until(lambda: all(m.pool.endpoints() for m in router.models.all()), what="both models' workers")
     yield Mesh(router, a, b, {a: model_dir, b: qwen_dir}, workers)
@@ -218,7 +218,7 @@ def test_the_api_token_guards_v1_but_not_health(mesh):
     try:
         secured = RouterServer(RouterConfig(host="127.0.0.1", port=0, http_port=0,
                                             kv_service=mesh.router.config.kv_service,
-                                            model_dirs=[str(mesh.dirs[mesh.a])], discovery_interval_s=0.1)).start()
+                                            model_dirs=[str(mesh.dirs[mesh.a])], routing=RoutingConfig(discovery_interval_s=0.1))).start()
     finally:
         security.configure(security.Security())
     try:

@@ -16,7 +16,8 @@ from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import SamplingParams
 from kvmesh.loopback import free_port
 from kvmesh.model_worker.llm import LLM
-from kvmesh.router.config import RouterConfig
+from kvmesh.router.config import RouterConfig, RoutingConfig
+from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
 from kvmesh.stack import wait_serving
 from kvmesh.testing import wait_until
@@ -35,7 +36,7 @@ def start_router(model_dir):
 
     def start(kv_address: str, **kw) -> RouterServer:
         cfg = RouterConfig(host="127.0.0.1", port=free_port(), kv_service=kv_address, model_dirs=[str(model_dir)],
-                           discovery_interval_s=0.2, seed=0, **kw)
+                           routing=RoutingConfig(discovery_interval_s=0.2, policy_config=PolicyConfig(seed=0), **kw))
         server = RouterServer(cfg).start()
         started.append(server)
         wait_serving(f"127.0.0.1:{server.port}", timeout=20)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -57,7 +58,8 @@ def test_capacity_search_finds_the_rate_a_toy_worker_saturates_at():
     # (queueing grows ~0.8 ms per request just above it).
     reqs = [SimRequest(i, float(i), 1000, 1, ((-(i + 1), 1000),)) for i in range(100)]
     cost = CostModel(step_overhead_s=0.0, prefill_token_s=8e-4, attn_pair_s=0.0, decode_seq_s=0.0, decode_kv_token_s=0.0)
-    sim = Sim(Workload("toy", reqs), SimConfig(workers=1, max_num_batched_tokens=1000, cost=cost, slo_ttft_s=0.001,
+    engine = replace(SimConfig().engine, max_num_batched_tokens=1000)
+    sim = Sim(Workload("toy", reqs), SimConfig(workers=1, engine=engine, cost=cost, slo_ttft_s=0.001,
                                                slo_ttft_prefill_x=1.0, network_s=0.0, lookup_latency_s=0.0))
     capacity, runs = sim.capacity("round-robin")
     assert 1.25 / 1.02 <= capacity <= 1.2511
@@ -66,7 +68,7 @@ def test_capacity_search_finds_the_rate_a_toy_worker_saturates_at():
 
 def test_event_loss_restart_and_three_routers_finish_and_resync():
     w = load_trace_or_generated()
-    cfg = SimConfig(workers=4, routers=3, event_loss=0.3, restart_at=(0.5,), restart_down_s=1.0, seed=3)
+    cfg = SimConfig(workers=4, routers=3, event_loss=0.3, restart_at=[0.5], restart_down_s=1.0, seed=3)
     mesh = Mesh(cfg, w, sim_model_dir(), chains_for(w, cfg.block_size))
     records = mesh.run()
     assert all(r.finish is not None or r.failed for r in records)
@@ -85,7 +87,7 @@ def test_event_loss_restart_and_three_routers_finish_and_resync():
 def _index_lag(load_on_events: bool) -> float:
     """Mean over probes every 0.25 s of |requests at a worker by the index - by its engine|."""
     w = load_trace_or_generated()
-    cfg = SimConfig(workers=4, routers=3, seed=2, load_on_events=load_on_events)
+    cfg = SimConfig(workers=4, routers=3, seed=2, load_reports="events" if load_on_events else "heartbeat")
     mesh = Mesh(cfg, w, sim_model_dir(), chains_for(w, cfg.block_size))
     gaps: list[int] = []
     end = w.requests[-1].arrival_s
@@ -115,7 +117,7 @@ def test_event_messages_keep_the_index_load_fresh_for_every_router():
 
 def test_a_prompt_longer_than_the_engines_accept_fails_without_stopping_the_run():
     reqs = [SimRequest(i, float(i), n, 4, ((-(i + 1), n),)) for i, n in enumerate((1000, 5000, 1000))]
-    sim = Sim(Workload("long", reqs), SimConfig(workers=2, max_model_len=4096))
+    sim = Sim(Workload("long", reqs), SimConfig(workers=2, engine=replace(SimConfig().engine, max_model_len=4096)))
     res = sim.run("kv-aware", 1.0)
     assert (res["completed"], res["failed"]) == (2, 1)
 

@@ -23,7 +23,8 @@ from kvmesh.kv_service.service import ServiceConfig
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
 from kvmesh.make_model import ensure_default_model
-from kvmesh.router.config import RouterConfig
+from kvmesh.router.config import RouterConfig, RoutingConfig
+from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
 
 MODEL_ID = "default"
@@ -111,7 +112,8 @@ def mesh(vllm_servers, model_dir, redis_server) -> Iterator[Mesh]:
     kv = kv_service(redis_server.url)
     bridges = [bridge_for(s, kv) for s in vllm_servers]
     router = RouterServer(RouterConfig(host="127.0.0.1", port=0, kv_service=f"127.0.0.1:{kv.port}",
-                                       model_dirs=[model_dir], discovery_interval_s=0.2, seed=0)).start()
+                                       model_dirs=[model_dir],
+                                       routing=RoutingConfig(discovery_interval_s=0.2, policy_config=PolicyConfig(seed=0)))).start()
     try:
         yield Mesh(kv, router, bridges, vllm_servers, view_of(kv))
     finally:

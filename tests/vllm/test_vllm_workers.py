@@ -17,7 +17,7 @@ from kvmesh.bench.vllm_peer import EventProxy
 from kvmesh.bridge.engine_events import encode_batch
 from kvmesh.model_worker.llm_engine import LLMEngine
 from kvmesh.model_worker.server import WorkerServer
-from kvmesh.router.config import RouterConfig
+from kvmesh.router.config import RouterConfig, RoutingConfig
 from kvmesh.router.server import RouterServer
 from kvmesh.stack import kvmesh_cmd
 from kvmesh.testing import wait_until
@@ -155,7 +155,8 @@ def test_two_vllm_servers_and_a_kvmesh_worker_serve_one_model(mesh, model_dir):
     engine = LLMEngine(model=model_dir, num_blocks=256, max_model_len=2048)
     worker = WorkerServer(engine, "kvmesh-0", "127.0.0.1", 0, f"127.0.0.1:{mesh.kv.port}").start(wait_registered=10)
     rr = RouterServer(RouterConfig(host="127.0.0.1", port=0, kv_service=f"127.0.0.1:{mesh.kv.port}",
-                                   model_dirs=[model_dir], policy="round-robin", discovery_interval_s=0.2)).start()
+                                   model_dirs=[model_dir],
+                                   routing=RoutingConfig(policy="round-robin", discovery_interval_s=0.2))).start()
     from kvmesh.client import Client
 
     try:
