@@ -36,9 +36,8 @@ from pathlib import Path
 from kvmesh.loopback import die_with_parent, free_port
 from kvmesh.make_model import ensure_default_model
 from kvmesh.stack import LocalStack, StackConfig
-from kvmesh.testing import repo_root
 
-ROOT = repo_root()
+ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 32
 
 

@@ -49,11 +49,18 @@ from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.loopback import free_port, free_port_run
 from kvmesh.make_model import ensure_default_model
 from kvmesh.stack import LocalStack, StackConfig, kvmesh_cmd, wait_serving
-from kvmesh.testing import wait_until
 
 MODEL_ID = "default"
 VOCAB_HI = 650
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:

@@ -9,14 +9,14 @@ import uuid
 import pytest
 
 from kvmesh.loopback import RedisServer
-from kvmesh.testing import filter_own_stderr_at_exit
+from tests.support import filter_own_stderr_at_exit
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     """triton's nanobind extension reports the objects it still holds when the interpreter exits, a
     wall of ``nanobind: leaked ...`` lines after the summary that reads like a failure. Only those
-    lines are dropped (kvmesh/testing.py); the exit status and every other line of stderr stay.
+    lines are dropped (tests/support.py); the exit status and every other line of stderr stay.
 
     NOTE: at exit, not now: pytest puts its own stderr back after this hook; and before nanobind's
     own exit handler, which triton registered earlier (atexit runs the last registered first)."""

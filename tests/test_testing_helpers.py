@@ -1,10 +1,10 @@
-"""kvmesh/testing.py's stderr filter: only nanobind's leak report goes."""
+"""tests/support.py's stderr filter: only nanobind's leak report goes."""
 
 from __future__ import annotations
 
 import io
 
-from kvmesh.testing import filter_nanobind_leak_report
+from tests.support import filter_nanobind_leak_report
 
 
 def test_only_the_nanobind_leak_report_is_dropped():

@@ -9,9 +9,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.testing import wait_until
 from kvmesh.transport.rpc import AioServer, LoopThread, dial
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.support import wait_until
 
 
 class Ticker(worker_pb2_grpc.WorkerServicer):

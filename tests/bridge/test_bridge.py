@@ -13,11 +13,11 @@ from kvmesh.kv_service.server import KVServiceServer
 from kvmesh.kv_service.service import ServiceConfig
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
-from kvmesh.testing import wait_until
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 from tests.bridge.engine_double import EngineDouble
+from tests.support import wait_until
 
 HASH = BlockHasher("default", 16)
 A = list(range(0, 96))  # 3 engine blocks of 32 = 6 kvmesh blocks

@@ -17,7 +17,6 @@ import pytest
 from kvmesh.client import Client
 from kvmesh.loopback import free_port
 from kvmesh.stack import wait_serving
-from kvmesh.testing import wait_until
 from kvmesh.v1 import kv_service_pb2 as kpb
 from tests.faults.conftest import (
     LEASE_MS,
@@ -30,6 +29,7 @@ from tests.faults.conftest import (
     metric,
     prompt,
 )
+from tests.support import wait_until
 
 MODEL_ID = "tiny-llama"
 BLOCK = 16

@@ -20,13 +20,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.client import Client
 from kvmesh.contract.block_hash import SHA256_128
 from kvmesh.contract.convert import algorithm_to_pb
-from kvmesh.testing import wait_until
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc
 from tests.faults.conftest import Cluster, Proc, kv_stub
+from tests.support import wait_until
 
 SLOW = ("--sim-step-overhead", "0.05")  # 50 ms per step: 20 tokens a second
 SHORT = 10  # tokens of a stream that ends well inside a 3 s grace

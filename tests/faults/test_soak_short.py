@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvmesh.testing import repo_root
+from tests.support import repo_root
 
 
 @pytest.mark.timeout(180)

@@ -17,12 +17,12 @@ import grpc
 import pytest
 
 from kvmesh.client import Client
-from kvmesh.testing import wait_until
 from kvmesh.transport import security
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import worker_pb2 as wpb
 from kvmesh.v1 import worker_pb2_grpc as wpb_grpc
 from tests.faults.conftest import Cluster, Proc, kv_stub
+from tests.support import wait_until
 
 PROMPT = [(11 * i + 7) % 300 + 3 for i in range(80)]  # 5 full blocks
 

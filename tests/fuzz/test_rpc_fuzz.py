@@ -11,12 +11,12 @@ import grpc
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.testing import wire_field
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
 from tests.fuzz.conftest import assert_serving, outcome
+from tests.support import wire_field
 
 C = grpc.StatusCode
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from kvmesh.contract.types import SamplingParams
-from kvmesh.kernels.testing import import_kernel_module
 from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.model_worker.llm import LLM
+from tests.kernels.support import import_kernel_module
 
 HAS_CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.usefixtures("interpreter_env")

@@ -11,7 +11,7 @@ import pytest
 import xxhash
 
 from kvmesh.contract.block_hash import SHA256_128, XXH3_128, BlockHasher, algorithm_name
-from kvmesh.testing import repo_root
+from tests.support import repo_root
 
 
 def doc_vectors() -> list[dict]:

@@ -26,8 +26,8 @@ from kvmesh.model_worker.server import WorkerServer
 from kvmesh.router.config import RouterConfig, RoutingConfig
 from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
-from kvmesh.testing import wait_until
 from kvmesh.transport import security
+from tests.support import wait_until
 
 TOKEN = "s3cret"
 SOCKET_TIMEOUT_S = 60.0

@@ -11,13 +11,13 @@ import threading
 
 import pytest
 
-from kvmesh.testing import wait_until
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
 from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc
+from tests.support import wait_until
 
 
 @pytest.mark.parametrize("kv_server", [60_000], indirect=True)  # heartbeats 20 s apart

@@ -28,10 +28,10 @@ from kvmesh.model_worker.server import WorkerServer
 from kvmesh.router.config import RouterConfig, RoutingConfig
 from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
-from kvmesh.testing import wait_until
 from kvmesh.transport import security
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.support import wait_until
 
 TINY_QWEN = ModelSpec(arch="qwen2", layers=2, hidden_size=64, heads=4, kv_heads=2, intermediate_size=128,
                       max_position_embeddings=1024, seed=5, init_std=0.05)

@@ -20,11 +20,11 @@ from kvmesh.router.config import RouterConfig, RoutingConfig
 from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
 from kvmesh.stack import wait_serving
-from kvmesh.testing import wait_until
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
+from tests.support import wait_until
 
 SHARED = [(11 * i + 7) % 300 + 3 for i in range(80)]  # 5 full blocks of 16
 PROMPTS = [SHARED + [9, 8, 7], [4, 5, 6] * 9, SHARED[:40] + [1, 2, 3, 4]]

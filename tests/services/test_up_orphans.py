@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from kvmesh.loopback import free_port
-from kvmesh.testing import wait_until
+from tests.support import wait_until
 
 
 def descendants(pid: int) -> set[int]:

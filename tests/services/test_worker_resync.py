@@ -16,13 +16,13 @@ from concurrent import futures
 import grpc
 import pytest
 
-from kvmesh.testing import wait_until
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
 from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc
+from tests.support import wait_until
 
 PUBLISH = "/kvmesh.v1.KVService/PublishEvents"
 

@@ -9,13 +9,13 @@ import pytest
 
 from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.llm import LLM
-from kvmesh.testing import wait_until
 from kvmesh.transport.rpc import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
 from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc
+from tests.support import wait_until
 
 PROMPTS = [[(7 * i + 3) % 200 + 5 for i in range(n)] for n in (40, 70, 23)]
 

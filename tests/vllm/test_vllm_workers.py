@@ -20,7 +20,7 @@ from kvmesh.model_worker.server import WorkerServer
 from kvmesh.router.config import RouterConfig, RoutingConfig
 from kvmesh.router.server import RouterServer
 from kvmesh.stack import kvmesh_cmd
-from kvmesh.testing import wait_until
+from tests.support import wait_until
 from tests.vllm.conftest import MODEL_ID, agreement, bridge_for, kv_service, settle, tokens, view_of
 
 

@@ -1,4 +1,4 @@
-"""Test and benchmark helpers (not used by the services)."""
+"""Test helpers (in the tests, not the wheel)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import IO
 
 
 def repo_root() -> Path:
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[1]
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
@@ -65,7 +65,7 @@ def filter_own_stderr_at_exit() -> None:
     small child process, which writes to the original stderr until this process exits."""
     sys.stderr.flush()
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from kvmesh.testing import filter_nanobind_leak_report as f; "
+        [sys.executable, "-c", "import sys; from tests.support import filter_nanobind_leak_report as f; "
                                "f(sys.stdin, sys.stderr)"],
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=os.dup(2), text=True)
     assert child.stdin is not None
