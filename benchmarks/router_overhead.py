@@ -39,7 +39,7 @@ from kvmesh.make_model import CORPUS, train_tokenizer
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.router import GenerateInput
 from kvmesh.router.server import RouterServer
-from kvmesh.transport.rpc import dial, dial_aio
+from kvmesh.transport.channels import dial, dial_aio
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 

@@ -26,7 +26,7 @@ from kvmesh.bench.scrape import gauge, scrape
 from kvmesh.loopback import free_port
 from kvmesh.make_model import ensure_default_model
 from kvmesh.stack import LocalStack, StackConfig
-from kvmesh.transport.rpc import dial_aio
+from kvmesh.transport.channels import dial_aio
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 

@@ -43,7 +43,7 @@ from kvmesh.client import make_request
 from kvmesh.loopback import free_port
 from kvmesh.make_model import ensure_default_model
 from kvmesh.stack import LocalStack, StackConfig
-from kvmesh.transport.rpc import dial, dial_aio
+from kvmesh.transport.channels import dial, dial_aio
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
 from kvmesh.v1 import router_pb2_grpc, worker_pb2, worker_pb2_grpc

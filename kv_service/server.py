@@ -19,7 +19,8 @@ from kvmesh.contract.types import Load
 from kvmesh.kv_service.index import BlockIndex, Registration, WorkerMatch
 from kvmesh.kv_service.metrics import KVMetrics
 from kvmesh.kv_service.service import KVService, ServiceConfig, now_ms
-from kvmesh.transport.rpc import AioServer, LoopThread
+from kvmesh.transport.loop import LoopThread
+from kvmesh.transport.server import AioServer
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.contract.convert import PB_TO_FINISH, usage_from_pb
 from kvmesh.contract.types import Usage
-from kvmesh.transport.rpc import dial
+from kvmesh.transport.channels import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc

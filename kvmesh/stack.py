@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.loopback import RedisServer, die_with_parent
-from kvmesh.transport.rpc import dial
+from kvmesh.transport.channels import dial
 
 
 @dataclass(slots=True)

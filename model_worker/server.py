@@ -13,7 +13,8 @@ from kvmesh.model_worker.engine_loop import EngineLoop, TokenEvent, _Stream
 from kvmesh.model_worker.llm_engine import LLMEngine
 from kvmesh.model_worker.metrics import WorkerMetrics
 from kvmesh.transport.kv_publisher import KVPublisher, registration
-from kvmesh.transport.rpc import AioServer, LoopThread
+from kvmesh.transport.loop import LoopThread
+from kvmesh.transport.server import AioServer
 from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc
 

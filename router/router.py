@@ -4,7 +4,7 @@ The gRPC adapter (router/adapters/grpc_api.py) and the OpenAI HTTP adapter (rout
 request into a :class:`GenerateInput`, iterate :meth:`Router.generate` (through router/frontend.py,
 which picks the model's Router) and turn each :class:`GenerateOutput` into their messages. Workers and
 the index are reached through router/upstream.py's protocols, so this module imports neither
-grpc nor redis; errors are kvmesh.contract.errors, mapped to status codes by kvmesh/transport/rpc.py.
+grpc nor redis; errors are kvmesh.contract.errors, mapped to status codes by kvmesh/transport/.
 
 Everything here runs on the router's event loop. The decisions (chain, candidates, pick, in-flight
 accounting) are router/core.py's synchronous code; only I/O is awaited: the Lookup, the worker's

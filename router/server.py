@@ -19,7 +19,8 @@ from kvmesh.router.frontend import Frontend
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.models import ModelSet, ServedModel
 from kvmesh.router.router import Router
-from kvmesh.transport.rpc import AioServer, LoopThread
+from kvmesh.transport.loop import LoopThread
+from kvmesh.transport.server import AioServer
 from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
 

@@ -13,7 +13,7 @@ from kvmesh.kv_service.server import KVServiceServer
 from kvmesh.kv_service.store_memory import MemoryIndex
 from kvmesh.loopback import free_port
 from kvmesh.transport import security
-from kvmesh.transport.rpc import dial
+from kvmesh.transport.channels import dial
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 

@@ -1,4 +1,4 @@
-"""kvmesh/transport/rpc.py's AioServer on loopback: graceful drain and the in-flight count."""
+"""kvmesh/transport/'s AioServer on loopback: graceful drain and the in-flight count."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.transport.rpc import AioServer, LoopThread, dial
+from kvmesh.transport.channels import dial
+from kvmesh.transport.loop import LoopThread
+from kvmesh.transport.server import AioServer
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.support import wait_until
 

@@ -18,7 +18,7 @@ import numpy as np
 from kvmesh.bench.datasets import BenchRequest
 from kvmesh.bench.report import RequestRecord
 from kvmesh.client import make_request
-from kvmesh.transport.rpc import CHANNEL_OPTIONS
+from kvmesh.transport.channels import CHANNEL_OPTIONS
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
 
 

@@ -28,7 +28,7 @@ from kvmesh.bridge.engine_events import decode_batch
 from kvmesh.bridge.mirror import EngineMirror
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.loopback import die_with_parent, free_port
-from kvmesh.transport.rpc import dial
+from kvmesh.transport.channels import dial
 from kvmesh.v1 import kv_service_pb2 as kv_pb
 from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc
 

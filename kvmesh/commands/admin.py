@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _stub(args: argparse.Namespace):
-    from kvmesh.transport.rpc import dial
+    from kvmesh.transport.channels import dial
 
     apply_security(args)
     from kvmesh.v1 import kv_service_pb2_grpc

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.kv_service.config import DEFAULT_REDIS_URL, KVServiceConfig
     from kvmesh.kv_service.server import KVServiceServer
     from kvmesh.kv_service.service import ServiceConfig
-    from kvmesh.transport.rpc import wait_for_termination_signal
+    from kvmesh.transport.server import wait_for_termination_signal
 
     setup_logging(args.log_level)
     log = logging.getLogger("kvmesh.kv_service")

@@ -42,7 +42,7 @@ def config_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.router.server import RouterServer
-    from kvmesh.transport.rpc import wait_for_termination_signal
+    from kvmesh.transport.server import wait_for_termination_signal
 
     setup_logging(args.log_level)
     log = logging.getLogger("kvmesh.router")

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from kvmesh.model_worker.llm_engine import LLMEngine
     from kvmesh.model_worker.server import WorkerServer
-    from kvmesh.transport.rpc import wait_for_termination_signal
+    from kvmesh.transport.server import wait_for_termination_signal
 
     if worker.torch_threads:
         from kvmesh.model_worker.model_runner import set_cpu_threads

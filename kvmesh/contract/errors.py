@@ -1,4 +1,4 @@
-"""Errors the core raises; kvmesh/transport/rpc.py maps each to one gRPC status code, in one place.
+"""Errors the core raises; kvmesh/transport/ maps each to one gRPC status code, in one place.
 
 Core modules raise these (or ValueError, which means INVALID_ARGUMENT) and never import grpc.
 """

@@ -3,7 +3,7 @@
 Every id and string field of the API is bounded here, once, for every service; the .proto comments
 state the same numbers. A status message travels in gRPC trailers, whose size is limited (16 KiB
 by default; a client past it sees RESOURCE_EXHAUSTED or, with @grpc/grpc-js, a hung call): client
-input is quoted only through :func:`excerpt`, and kvmesh/transport/rpc.py caps every status message
+input is quoted only through :func:`excerpt`, and kvmesh/transport/ caps every status message
 at :data:`MAX_STATUS_MESSAGE_BYTES` as a backstop.
 
 No grpc and no redis here.

@@ -28,8 +28,8 @@ import grpc
 
 from kvmesh.contract.convert import algorithm_to_pb, event_to_pb, load_to_pb
 from kvmesh.contract.types import KVCacheEvent, Load
+from kvmesh.transport.channels import dial
 from kvmesh.transport.event_batcher import EventBatcher, Message
-from kvmesh.transport.rpc import dial
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 

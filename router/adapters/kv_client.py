@@ -16,7 +16,7 @@ from kvmesh.router.upstream import (
     IndexMatch,
     IndexUnavailable,
 )
-from kvmesh.transport.rpc import dial_aio
+from kvmesh.transport.channels import dial_aio
 from kvmesh.transport.security import call_metadata
 from kvmesh.v1 import kv_service_pb2 as kv_pb
 from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc

@@ -20,7 +20,7 @@ from kvmesh.router.upstream import (
     WorkerEndpoint,
     WorkerError,
 )
-from kvmesh.transport.rpc import dial_aio
+from kvmesh.transport.channels import dial_aio
 from kvmesh.v1 import worker_pb2_grpc as w_grpc
 
 FAILURE_OF: dict[grpc.StatusCode, Failure] = {

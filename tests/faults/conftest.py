@@ -24,7 +24,7 @@ from kvmesh.client import Client
 from kvmesh.loopback import RedisServer, die_with_parent, free_port
 from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.stack import kvmesh_cmd, wait_serving
-from kvmesh.transport.rpc import dial
+from kvmesh.transport.channels import dial
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
 

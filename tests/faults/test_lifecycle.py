@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.client import Client
 from kvmesh.contract.block_hash import SHA256_128
 from kvmesh.contract.convert import algorithm_to_pb
-from kvmesh.transport.rpc import dial
+from kvmesh.transport.channels import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import worker_pb2 as pb

@@ -118,7 +118,7 @@ def test_a_client_cert_from_another_ca_is_refused(mesh: dict[str, Proc], pki: Pa
     address = mesh[server].address
 
     def call() -> None:
-        from kvmesh.transport.rpc import dial
+        from kvmesh.transport.channels import dial
 
         channel = dial(address)
         try:

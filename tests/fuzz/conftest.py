@@ -23,7 +23,7 @@ from kvmesh.router.config import RouterConfig, RoutingConfig
 from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
 from kvmesh.stack import wait_serving
-from kvmesh.transport.rpc import dial
+from kvmesh.transport.channels import dial
 
 TINY = ModelSpec(arch="llama", layers=2, hidden_size=64, heads=4, kv_heads=2, intermediate_size=128,
                  max_position_embeddings=512, seed=11, init_std=0.05)

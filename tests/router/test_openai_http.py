@@ -5,23 +5,24 @@ from __future__ import annotations
 import json
 import re
 
+import grpc
 import pytest
 
 from kvmesh.contract import errors
 from kvmesh.router.adapters.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.router.adapters.request_body import BodyBounds, BodyParser, BodyTooLarge, read_json_body
-from kvmesh.transport import http, rpc
+from kvmesh.transport import http, status
 
 
 def test_every_error_grpc_maps_has_an_http_status_and_limits_are_400_not_429():
-    for cls in rpc.STATUS_OF:
+    for cls in status.STATUS_OF:
         assert http.status_for(cls("x"))[0] != 500, cls
     assert [http.status_for(e("m")) for e in (errors.InvalidArgument, errors.NotFound, errors.RequestTooLarge,
                                                 errors.ResourceExhausted, errors.Unavailable,
                                                 errors.Unauthenticated)] == [
         (400, "m"), (404, "m"), (400, "m"), (429, "m"), (503, "m"), (401, "m")]
     # gRPC keeps RESOURCE_EXHAUSTED for a request over a limit.
-    assert rpc.status_for(errors.RequestTooLarge("m"))[0] == rpc.grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status.status_for(errors.RequestTooLarge("m"))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert http.status_for(RuntimeError("secret detail")) == (500, "internal error (RuntimeError); see the server log")
     assert http.error_body(404, "gone", code="model_not_found") == {
         "error": {"message": "gone", "type": "invalid_request_error", "param": None, "code": "model_not_found"}}

@@ -17,7 +17,9 @@ from kvmesh.make_model import train_tokenizer
 from kvmesh.router.config import RouterConfig, RoutingConfig
 from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
-from kvmesh.transport.rpc import AioServer, LoopThread, dial
+from kvmesh.transport.channels import dial
+from kvmesh.transport.loop import LoopThread
+from kvmesh.transport.server import AioServer
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.v1 import kv_service_pb2 as kv_pb
 from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc

@@ -25,7 +25,8 @@ from kvmesh.router.policies import make_policy
 from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.text.prompt import PromptLimits, PromptTokenizer
 from kvmesh.router.upstream import IndexUnavailable, WorkerEndpoint
-from kvmesh.transport.rpc import LoopThread, invalid_utf8_field
+from kvmesh.transport.loop import LoopThread
+from kvmesh.transport.wire import invalid_utf8_field
 from kvmesh.v1 import router_pb2
 
 SPEC = ModelSpec("m", 4, "sha256_128")

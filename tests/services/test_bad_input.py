@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.loopback import die_with_parent, free_port, free_port_run
 from kvmesh.stack import LocalStack, StackConfig, kvmesh_cmd, wait_serving
-from kvmesh.transport.rpc import dial
+from kvmesh.transport.channels import dial
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc

@@ -222,7 +222,7 @@ def test_bad_inputs_are_refused_before_their_bodies_arrive_while_normal_requests
 def test_grpc_chat_counts_messages_before_making_them(door):
     import grpc
 
-    from kvmesh.transport.rpc import dial
+    from kvmesh.transport.channels import dial
     from kvmesh.v1 import router_pb2, router_pb2_grpc
 
     security.configure(security.Security(client_token=TOKEN))

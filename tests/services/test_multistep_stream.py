@@ -6,7 +6,7 @@ import threading
 
 from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.llm import LLM
-from kvmesh.transport.rpc import dial
+from kvmesh.transport.channels import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc

@@ -9,7 +9,7 @@ import pytest
 
 from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.llm import LLM
-from kvmesh.transport.rpc import dial
+from kvmesh.transport.channels import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
