@@ -1,4 +1,4 @@
-"""The local stack behind `kvmesh up`: Redis, kv_service, N workers and a router as child processes."""
+"""The local stack behind `kvmesh up`: Redis, kv_service, N workers and one or more routers as child processes."""
 
 from __future__ import annotations
 
@@ -30,6 +30,11 @@ class StackConfig:
     """The router's OpenAI-compatible HTTP port; None = off."""
     host: str = "127.0.0.1"
     router_port: int = 50051
+    """First router's port; router i listens on router_port + 2 * i (between them the kv_service's
+    default port stays free)."""
+    routers: int = 1
+    """Routers over the same kv_service, as the deployment's replicas (docs/router.md, "Several
+    routers"); clients spread over them with gRPC's round_robin (``endpoints['routers']``)."""
     kv_service_port: int = 50052
     worker_port: int = 50061
     """First worker port; worker i listens on worker_port + i."""
@@ -64,8 +69,18 @@ class StackConfig:
     behind the workers' threads for a CPU."""
 
 
+    def router_ports(self) -> list[int]:
+        return [self.router_port + 2 * i for i in range(self.routers)]
+
     def check(self) -> None:
         """Raises ValueError naming the flag to fix."""
+        if self.routers < 1:
+            raise ValueError("--routers must be >= 1")
+        workers = range(self.worker_port, self.worker_port + self.workers * (1 + len(self.extra_models)))
+        clash = [p for p in self.router_ports() if p == self.kv_service_port or p in workers]
+        if clash:
+            raise ValueError(f"router port {clash[0]} is also the kv_service's or a worker's: move --router-port, "
+                             f"--kv-service-port or --worker-port")
         if self.workers < 0 or (self.workers == 0 and not self.vllm):
             raise ValueError("--workers must be >= 1, or 0 with --vllm")
         for spec in self.vllm:
@@ -179,16 +194,24 @@ class LocalStack:
                 wait_serving(addr, proc, 300)
                 self.endpoints[f"worker-{i}"] = addr
             self._start_bridges(kv_addr, models[0])
-            router_addr = f"{c.host}:{c.router_port}"
-            http = ["--http-port", str(c.http_port)] if c.http_port is not None else []
-            router = self._spawn("router", kvmesh_cmd(
-                "router", "--host", c.host, "--port", str(c.router_port), "--kv-service", kv_addr,
-                *(["--model", ",".join(models)] if c.router_tokenizer else []),
-                *http, *self._metrics(1), *c.router_args))
-            wait_serving(router_addr, router, 60)
-            self.endpoints["router"] = router_addr
-            if c.http_port is not None:
-                self.endpoints["openai"] = f"http://{c.host}:{c.http_port}/v1"
+            addrs = []
+            for i, port in enumerate(c.router_ports()):
+                name = "router" if i == 0 else f"router-{i}"
+                http = ["--http-port", str(c.http_port + i)] if c.http_port is not None else []
+                metrics = self._metrics(1) if i == 0 else self._metrics(
+                    2 + c.workers * (1 + len(c.extra_models)) + len(c.vllm) + i - 1)
+                proc = self._spawn(name, kvmesh_cmd(
+                    "router", "--host", c.host, "--port", str(port), "--kv-service", kv_addr,
+                    *(["--model", ",".join(models)] if c.router_tokenizer else []),
+                    *http, *metrics, *c.router_args))
+                addrs.append((name, f"{c.host}:{port}", proc))
+            for i, (name, addr, proc) in enumerate(addrs):
+                wait_serving(addr, proc, 60)
+                self.endpoints[name] = addr
+                if c.http_port is not None:
+                    self.endpoints["openai" if i == 0 else f"openai-{i}"] = f"http://{c.host}:{c.http_port + i}/v1"
+            if len(addrs) > 1:
+                self.endpoints["routers"] = "ipv4:" + ",".join(a for _, a, _ in addrs)
         except Exception:
             self.stop()
             raise

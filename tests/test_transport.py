@@ -90,3 +90,43 @@ def test_drain_refuses_new_calls_lets_short_ones_finish_and_cuts_long_ones(ticke
     assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
     stopping.join(10)
     assert not stopping.is_alive()
+
+
+class Counter(worker_pb2_grpc.WorkerServicer):
+    """Generate: one token, counting the calls it served."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Generate(self, request, context):
+        self.calls += 1
+        yield worker_pb2.WorkerGenerateResponse(finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+
+@pytest.mark.parametrize("form", ["ipv4:{a},{b}", "{a},{b}"])
+def test_a_replica_list_target_spreads_calls_round_robin(form):
+    loop = LoopThread("replicas")
+    counters = [Counter(), Counter()]
+
+    async def build(c: Counter) -> AioServer:
+        server = AioServer("127.0.0.1", 0)
+        worker_pb2_grpc.add_WorkerServicer_to_server(c, server.server)
+        server.add_service("kvmesh.v1.Worker")
+        await server.start()
+        await server.set_serving(True)
+        return server
+
+    servers = [loop.run(build(c)) for c in counters]
+    try:
+        a, b = (f"127.0.0.1:{s.port}" for s in servers)
+        stub = worker_pb2_grpc.WorkerStub(dial(form.format(a=a, b=b)))
+        for _ in range(10):
+            list(stub.Generate(worker_pb2.WorkerGenerateRequest(
+                prompt_token_ids=[1], sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=10))
+        # NOTE: round_robin alternates once both subchannels are READY; the first call may go
+        # to whichever connected first.
+        assert sorted(c.calls for c in counters) in ([5, 5], [4, 6])
+    finally:
+        for s in servers:
+            loop.run(s.stop(0))
+        loop.stop()

@@ -18,7 +18,7 @@ import numpy as np
 from kvmesh.bench.datasets import BenchRequest
 from kvmesh.bench.report import RequestRecord
 from kvmesh.client import make_request
-from kvmesh.transport.channels import CHANNEL_OPTIONS
+from kvmesh.transport.channels import CHANNEL_OPTIONS, resolve_target
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
 
 
@@ -82,7 +82,9 @@ async def run_requests(target: str, requests: Sequence[BenchRequest], *, max_con
     """Sends every request at its ``arrival_s`` (0 when None); returns the records and the wall duration."""
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = Progress(len(requests), progress)
-    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+    # NOTE: a replica list (``ipv4:h:p1,h:p2`` or ``h:p1,h:p2``) spreads with gRPC's round_robin.
+    address, lb = resolve_target(target)
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + lb) as channel:
         stub = pb_grpc.RouterStub(channel)
         t0 = time.perf_counter()
 

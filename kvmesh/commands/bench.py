@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _register_serve(bsub: argparse._SubParsersAction) -> None:
     s = bsub.add_parser("serve", help="load a running router and report latency/throughput (vLLM layout)")
-    s.add_argument("--router", default="127.0.0.1:50051", help="router host:port (default 127.0.0.1:50051)")
+    s.add_argument("--router", default="127.0.0.1:50051", help="router host:port, or several routers spread by gRPC's round_robin: 'ipv4:127.0.0.1:50051,127.0.0.1:50053' or 'h1:p1,h2:p2' (default 127.0.0.1:50051)")
     s.add_argument("--dataset", default="random", choices=["random", "prefix-repetition", "multi-turn", "trace"])
     s.add_argument("--model", default=None, help="model dir for the vocabulary (default: the tiny demo model)")
     s.add_argument("--num-prompts", type=int, default=100)

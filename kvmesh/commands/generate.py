@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="send a prompt to the router and stream the completion",
                        description="Send one prompt through the router; text streams to stdout.")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--router", default="127.0.0.1:50051", help="router address (default 127.0.0.1:50051)")
+    p.add_argument("--router", default="127.0.0.1:50051", help="router host:port, or several routers spread by gRPC's round_robin: 'ipv4:127.0.0.1:50051,127.0.0.1:50053' or 'h1:p1,h2:p2' (default 127.0.0.1:50051)")
     p.add_argument("--model", default="", metavar="ID",
                    help="the model to run, as `GET /v1/models` or ListModels names it (default: the router's default)")
     p.add_argument("--chat", action="store_true",

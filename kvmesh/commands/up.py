@@ -21,7 +21,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "http://127.0.0.1:8001,tcp://127.0.0.1:5557,tcp://127.0.0.1:5558; a bridge is started "
                         "for each (docs/vllm.md)")
     p.add_argument("--host", default="127.0.0.1", help="address every part listens on (default 127.0.0.1)")
-    p.add_argument("--router-port", type=int, default=50051, help="router port (default 50051)")
+    p.add_argument("--router-port", type=int, default=50051,
+                   help="first router's port; router i on this + 2*i (default 50051)")
+    p.add_argument("--routers", type=int, default=1,
+                   help="routers over the one kv_service, as the deployment's replicas; clients spread over them "
+                        "with gRPC round_robin (`kvmesh generate --router ipv4:H:P1,H:P2`) (default 1)")
     p.add_argument("--http-port", type=int, default=8000,
                    help="the router's OpenAI-compatible HTTP API port (docs/openai.md); 0 = off (default 8000)")
     p.add_argument("--kv-service-port", type=int, default=50052, help="kv_service port (default 50052)")
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         models = [str(ensure_default_model())]
         print(f"using the tiny demo model {models[0]} (random weights: its output is noise)", flush=True)
     cfg = StackConfig(model=models[0], extra_models=models[1:], workers=args.workers, host=args.host,
-                      http_port=args.http_port or None, router_port=args.router_port,
+                      http_port=args.http_port or None, router_port=args.router_port, routers=args.routers,
                       kv_service_port=args.kv_service_port, worker_port=args.worker_port,
                       metrics_port=args.metrics_port, redis_url=args.redis_url, store=args.store,
                       worker_args=args.worker_arg, router_args=args.router_arg, log_dir=args.log_dir,
@@ -78,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     for name, addr in stack.endpoints.items():
         print(f"  {name:<12} {addr}", flush=True)
     hint = f" or `curl {stack.endpoints['openai']}/models`" if "openai" in stack.endpoints else ""
-    print(f"ready: try `kvmesh generate \"Hello\"`{hint} or `kvmesh admin stats`; Ctrl-C stops", flush=True)
+    where = f" --router {stack.endpoints['routers']}" if "routers" in stack.endpoints else ""
+    print(f"ready: try `kvmesh generate{where} \"Hello\"`{hint} or `kvmesh admin stats`; Ctrl-C stops", flush=True)
     while not stop.wait(1.0):
         dead = stack.failed()
         if dead:

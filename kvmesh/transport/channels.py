@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import grpc
 
 from kvmesh.transport import security
@@ -12,13 +14,22 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 
+_SCHEME = re.compile(r"^(ipv4|ipv6|dns|unix|unix-abstract|vsock):")
+"""A gRPC target that names its resolver (grpc/doc/naming.md)."""
+
 
 def resolve_target(target: str) -> tuple[str, list[tuple[str, object]]]:
     """``host:port`` as is; ``h1:p1,h2:p2`` (replicas) as one round-robin channel over them.
 
-    gRPC's round_robin policy keeps a subchannel per address and skips the ones that are down,
-    so a client of two kv_service replicas keeps working when one dies.
+    A target that names its resolver (``ipv4:h1:p1,h2:p2``, ``dns:///svc:443``, ``unix:/path``) is
+    passed to gRPC unchanged, with the ``round_robin`` policy when it lists several addresses.
+    gRPC's round_robin policy keeps a subchannel per address, spreads calls over them and skips the
+    ones that are down: a client of two kv_service replicas keeps working when one dies, and a
+    client of several routers spreads its requests without a load balancer of ours.
     """
+    target = target.strip()
+    if _SCHEME.match(target):
+        return target, [("grpc.lb_policy_name", "round_robin")] if "," in target else []
     parts = [p.strip() for p in target.split(",") if p.strip()]
     if len(parts) <= 1:
         return target, []
