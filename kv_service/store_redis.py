@@ -264,6 +264,7 @@ class RedisIndex(BlockIndex):
         self._layout_key = f"kvm:{{{namespace}}}:shards"
         self._info: dict[str, dict[bytes, tuple[str, str, int, Load]]] = {}
         self._refresher: asyncio.Task | None = None
+        self._closed = False
         self._scripts: dict[str, tuple[str, str]] = {}
         self._sources: dict[str, str] = {}
         for n in ("register", "heartbeat", "publish", "lookup", "admin"):
@@ -592,7 +593,7 @@ class RedisIndex(BlockIndex):
         return _s(wid), addr, int(bs or 0), Load.decode(load)
 
     async def _refresh_loop(self) -> None:
-        while True:
+        while not self._closed:
             await asyncio.sleep(self.INFO_REFRESH_S)
             for model_id in list(self._info):
                 try:
@@ -684,10 +685,13 @@ class RedisIndex(BlockIndex):
         return sum(int(r) for r in done if not isinstance(r, BaseException))
 
     async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._refresher
-            self._refresher = None
+        self._closed = True
+        task, self._refresher = self._refresher, None
+        while task is not None and not task.done():
+            # NOTE: cancelled until it is done: on Python 3.11 a redis-py write (asyncio.wait_for)
+            # swallows a cancellation that arrives as the write completes (fixed in 3.12), and a
+            # kv_service stopping then waited for the refresher forever.
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.1)
         for node in self._nodes.values():
             await node.close()

@@ -10,7 +10,10 @@ The conformance suite runs on the cluster too (test_index_conformance.py, cluste
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from redis.asyncio.connection import Connection
@@ -279,3 +282,46 @@ async def test_master_killed_its_replica_promoted_nothing_resyncs(replicated_clu
         assert await matches(idx, chains[wids[2]] + chain(1, start=7000)) == {wids[0]: 3, wids[1]: 3, wids[2]: 9}
     finally:
         await idx.close()
+
+
+# -- the command ---------------------------------------------------------------------------------
+KVMESH = str(Path(sys.executable).parent / "kvmesh")
+
+
+def test_kv_service_on_a_cluster_with_shards_and_a_second_replica_with_another_count_refused(
+        redis_cluster, redis_namespace):
+    from kvmesh.bench.processes import start_kv_service
+    from kvmesh.transport.rpc import dial
+    from kvmesh.v1 import kv_service_pb2 as kpb
+    from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
+
+    proc, address = start_kv_service("--redis-url", redis_cluster.url, "--namespace", redis_namespace, "--shards", "3")
+    try:
+        stub = kpb_grpc.KVServiceStub(dial(address))
+        wids = one_id_per_shard(3)
+        hashes = chain(4)
+        for k, w in enumerate(wids):
+            stub.RegisterWorker(kpb.RegisterWorkerRequest(worker_id=w, address="10.0.0.1:50061", model_id="m",
+                                                          block_size=4, hash_algorithm=kpb.HASH_ALGORITHM_SHA256_128,
+                                                          num_blocks=100, epoch=1), timeout=10)
+            acks = list(stub.PublishEvents(iter([kpb.PublishEventsRequest(worker_id=w, epoch=1, seq=1, events=[
+                kpb.KVEvent(stored=kpb.BlockStored(block_hashes=hashes[:k + 2]))])]), timeout=10))
+            assert [a.action for a in acks] == [kpb.PUBLISH_ACTION_ACK]
+        got = stub.Lookup(kpb.LookupRequest(model_id="m", block_hashes=hashes), timeout=5)
+        assert [(m.worker_id, m.matched_blocks) for m in got.workers] == [(wids[2], 4), (wids[1], 3), (wids[0], 2)]
+        st = stub.GetStats(kpb.GetStatsRequest(), timeout=5)
+        assert (st.live_workers, st.indexed_blocks, st.block_replicas) == (3, 4, 9)
+        # every master holds one shard's keys
+        assert sorted(len(shard_keys(redis_cluster, port_index(redis_cluster, p), redis_namespace))
+                      for p in redis_cluster.master_ports()) == [1, 1, 1]
+
+        other = subprocess.run([KVMESH, "kv-service", "--port", "0", "--metrics-port", "0", "--redis-url",
+                                redis_cluster.url, "--namespace", redis_namespace, "--shards", "2"],
+                               capture_output=True, text=True, timeout=30)
+        assert other.returncode == 2 and "kept in 3 shard(s)" in other.stderr and "--shards 3" in other.stderr
+        bad = subprocess.run([KVMESH, "kv-service", "--port", "0", "--shards", "0"], capture_output=True, text=True,
+                             timeout=30)
+        assert bad.returncode == 2 and "--shards must be in [1, 256]" in bad.stderr
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
