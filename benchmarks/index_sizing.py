@@ -130,9 +130,12 @@ async def _costs(url: str, chain_blocks: int, depth: int, reps: int) -> dict:
     for kind in ("stored", "removed", "empty"):
         cpu, calls, n = await drive(kind)
         out[f"{kind}_calls"], out[f"{kind}_blocks"], out[f"{kind}_cpu_s"] = calls, n, cpu
-    out["us_per_block_stored"] = 1e6 * out["stored_cpu_s"] / out["stored_blocks"]
-    out["us_per_block_removed"] = 1e6 * out["removed_cpu_s"] / out["removed_blocks"]
+    # NOTE: a message's fixed cost (the script call, order checks, the load) is counted per message;
+    # a block's cost is what a message of 64 costs beyond that, per block
     out["us_per_event_message"] = 1e6 * out["empty_cpu_s"] / out["empty_calls"]
+    for kind in ("stored", "removed"):
+        fixed = out[f"{kind}_calls"] * out["us_per_event_message"] / 1e6
+        out[f"us_per_block_{kind}"] = 1e6 * (out[f"{kind}_cpu_s"] - fixed) / out[f"{kind}_blocks"]
     c0 = _cpu(url)
     for k in range(reps):
         await idx.heartbeat(workers[k % len(workers)], 1, Load(num_running=k % 5), ttl, now)
@@ -162,6 +165,13 @@ async def _costs(url: str, chain_blocks: int, depth: int, reps: int) -> dict:
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     out["lookup_fit_us"] = {"fixed": my - slope * mx, "per_live_worker": slope}
     out["lookup_chain_blocks"], out["lookup_depth_blocks"] = chain_blocks, depth
+    # the walk: the same 128 workers, a chain nobody holds (the walk stops at block 1)
+    miss = [os.urandom(16) for _ in range(chain_blocks)]
+    await idx.lookup(model, miss, now)
+    c0 = _cpu(url)
+    for _ in range(reps // 4):
+        await idx.lookup(model, miss, now)
+    out["us_per_lookup_miss_at_1024"] = 1e6 * (_cpu(url) - c0) / (reps // 4)
     await idx.close()
     return out
 
@@ -218,14 +228,16 @@ def per_worker(runs: dict[str, dict], key: str, req_per_s_at_1: float) -> dict:
     workers, busy = run["settings"]["workers"], run["busy_s_per_worker"]
     t = run["index_traffic"]
     if key.endswith("_live"):
-        f = {"blocks": 1.0, "messages": 1.0}
+        f = {"blocks": 1.0, "messages": 1.0, "lookups": 1.0}
     else:
+        # NOTE: lookups too: a prompt shorter than one 64-token block has no chain, hence no Lookup
         live, fast = runs["w128_live"]["index_traffic"], runs["w128_fast"]["index_traffic"]
         f = {"blocks": live["blocks_stored"] / fast["blocks_stored"],
-             "messages": live["event_messages"] / fast["event_messages"]}
+             "messages": live["event_messages"] / fast["event_messages"],
+             "lookups": live["lookups"] / fast["lookups"]}
     stored = t["blocks_stored"] * f["blocks"] / workers / busy
     removed = t["blocks_removed"] * f["blocks"] / workers / busy
-    lookups_per_request = t["lookups"] / max(1, t["routed_requests"])
+    lookups_per_request = t["lookups"] * f["lookups"] / max(1, t["routed_requests"])
     return {
         "workers": workers, "rate": run["rate"], "attainment": run["slo_attainment"],
         "busy_share": busy / run["virtual_s"],
@@ -253,11 +265,14 @@ def sizing(fig: dict, costs: dict, target: float) -> dict:
     def lookup_cpu(n: int) -> float:  # one shard's CPU-s/s for Lookups: every Lookup, W/n workers
         return fig["lookups_per_s"] * (lk["fixed"] + lk["per_live_worker"] * w / n) / 1e6
 
-    total = ingest + lookup_cpu(1)
-    nodes = next((n for n in range(1, 257) if ingest / n + lookup_cpu(n) <= target), None)
+    def shard_cpu(n: int) -> float:
+        return ingest / n + lookup_cpu(n)
+
+    nodes = next((n for n in range(1, 257) if shard_cpu(n) <= target), None)
     return {"calls_per_s": w * (fig["messages"] + fig["heartbeats"]) + fig["lookups_per_s"],
-            "ingest_cpu": ingest, "lookup_cpu": lookup_cpu(1), "cpu_one_node": total, "nodes": nodes,
-            "per_shard_cpu": None if nodes is None else ingest / nodes + lookup_cpu(nodes)}
+            "ingest_cpu": ingest, "lookup_cpu": lookup_cpu(1), "cpu_one_node": ingest + lookup_cpu(1),
+            "nodes": nodes, "shard_cpu": {n: shard_cpu(n) for n in (1, 2, 4, 8, 16)},
+            "lookup_floor": fig["lookups_per_s"] * lk["fixed"] / 1e6}
 
 
 def cmd_table(a: argparse.Namespace) -> int:
@@ -268,28 +283,43 @@ def cmd_table(a: argparse.Namespace) -> int:
     if not runs:
         print(f"no simulator runs in {out}: run `index_sizing.py sim` first", file=sys.stderr)
         return 2
-    print(f"Redis CPU per operation (redis-server {costs['host']['when']}, {costs['host']['cpus']} CPUs): "
-          f"block stored {costs['us_per_block_stored']:.2f} us, removed {costs['us_per_block_removed']:.2f} us, "
-          f"event message (fixed) {costs['us_per_event_message']:.1f} us, heartbeat {costs['us_per_heartbeat']:.1f} us, "
-          f"Lookup of {costs['lookup_chain_blocks']} blocks walked to {costs['lookup_depth_blocks']}: "
-          + ", ".join(f"{v:.0f} us at {k} workers" for k, v in costs["us_per_lookup"].items())
-          + f" (fit {costs['lookup_fit_us']['fixed']:.0f} + {costs['lookup_fit_us']['per_live_worker']:.2f} x W us)")
-    head = ("| trace | workers | rate (x trace) | SLO | per worker: blocks stored/s | removed/s | events/s (steady) "
-            "| messages/s | Lookups / request | per index: script calls/s | Lookups/s | Redis CPU-s/s (1 node) "
-            f"| nodes at {a.target:.0%} of a core |")
-    print("\n" + head)
-    print("|" + "|".join(["---"] * (head.count("|") - 1)) + "|")
-    for name, rs in runs.items():
-        for key in ("w128_live", "w512_fast", "w1024_fast"):
-            f = per_worker(rs, key, rates[name])
-            s = sizing(f, costs, a.target)
-            print(f"| {name} | {f['workers']:,} | {f['rate']:.1f} | {f['attainment']:.3f} | {f['stored']:.0f} | "
-                  f"{f['removed']:.0f} | {f['events_steady']:.0f} | {f['messages']:.1f} | {f['lookups_per_request']:.2f} | "
-                  f"{s['calls_per_s']:,.0f} | {f['lookups_per_s']:,.0f} | {s['cpu_one_node']:.2f} | "
-                  f"{s['nodes'] if s['nodes'] else '>256'} |")
-    print("\nfast -> live factors at 128 workers: " + "; ".join(
-        f"{n}: blocks x{per_worker(rs, 'w512_fast', rates[n])['factors']['blocks']:.2f}, "
-        f"messages x{per_worker(rs, 'w512_fast', rates[n])['factors']['messages']:.2f}" for n, rs in runs.items()))
+    lk = costs["lookup_fit_us"]
+    print(f"Redis CPU per operation (one redis-server, {costs['host']['when']}, {costs['host']['cpus']} CPUs): "
+          f"block stored {costs['us_per_block_stored']:.2f} us, block removed {costs['us_per_block_removed']:.2f} us, "
+          f"event message {costs['us_per_event_message']:.1f} us (fixed, per script call), heartbeat "
+          f"{costs['us_per_heartbeat']:.1f} us; Lookup of a {costs['lookup_chain_blocks']}-block chain walked to block "
+          f"{costs['lookup_depth_blocks']}: " + ", ".join(f"{v:.0f} us with {k}" for k, v in costs["us_per_lookup"].items())
+          + f" live workers (fit {lk['fixed']:.0f} + {lk['per_live_worker']:.2f} x W us); the same chain missed at "
+          f"block 1, 1,024 workers: {costs['us_per_lookup_miss_at_1024']:.0f} us")
+    figs = {(name, key): per_worker(rs, key, rates[name]) for name, rs in runs.items()
+            for key in ("w128_live", "w512_fast", "w1024_fast")}
+    print("\nFrom the simulator (kv-aware, at 128 workers' capacity x workers / 128; per worker per busy second, "
+          "16-token blocks):\n")
+    head = ["trace", "workers", "rate (x trace)", "SLO attained", "busy", "blocks stored/s", "removed/s (run)",
+            "block events/s (steady)", "event messages/s", "Lookups / routed request", "index: Lookups/s",
+            "index: event script calls/s"]
+    print("| " + " | ".join(head) + " |\n|" + "|".join(["---"] * len(head)) + "|")
+    for (name, _), f in figs.items():
+        print(f"| {name} | {f['workers']:,} | {f['rate']:.1f} | {f['attainment']:.3f} | {f['busy_share']:.0%} | "
+              f"{f['stored']:.0f} | {f['removed']:.0f} | {f['events_steady']:.0f} | {f['messages']:.1f} | "
+              f"{f['lookups_per_request']:.2f} | {f['lookups_per_s']:,.0f} | "
+              f"{f['workers'] * (f['messages'] + f['heartbeats']):,.0f} |")
+    print(f"\nRedis CPU-s per second of one model's index, every worker busy; a shard of N carries 1/N of the events "
+          f"and every Lookup for its W/N workers; nodes = the fewest shards each under {a.target:.0%} "
+          f"(and {a.target_high:.0%}) of a core:\n")
+    head = ["trace", "workers", "events, all shards", "Lookups, 1 shard", "one node", "per shard: N=2", "N=4", "N=8",
+            "N=16", f"nodes at {a.target:.0%}", f"nodes at {a.target_high:.0%}"]
+    print("| " + " | ".join(head) + " |\n|" + "|".join(["---"] * len(head)) + "|")
+    for (name, _), f in figs.items():
+        lo, hi = sizing(f, costs, a.target), sizing(f, costs, a.target_high)
+        print(f"| {name} | {f['workers']:,} | {lo['ingest_cpu']:.2f} | {lo['lookup_cpu']:.2f} | {lo['cpu_one_node']:.2f} | "
+              + " | ".join(f"{lo['shard_cpu'][n]:.2f}" for n in (2, 4, 8, 16))
+              + f" | {lo['nodes'] or 'none (Lookups alone ' + format(lo['lookup_floor'], '.2f') + ')'} | "
+              f"{hi['nodes'] or 'none (Lookups alone ' + format(hi['lookup_floor'], '.2f') + ')'} |")
+    print("\nfast -> live settings at 128 workers (same trace and rate): " + "; ".join(
+        f"{n}: blocks x{figs[(n, 'w512_fast')]['factors']['blocks']:.2f}, "
+        f"messages x{figs[(n, 'w512_fast')]['factors']['messages']:.2f}, "
+        f"Lookups x{figs[(n, 'w512_fast')]['factors']['lookups']:.2f}" for n in runs))
     return 0
 
 
@@ -304,6 +334,7 @@ def main() -> int:
     t = sub.add_parser("table")
     t.add_argument("--target", type=float, default=0.5,
                    help="share of one core a Redis node may spend on the index (default 0.5: Lookups queue little)")
+    t.add_argument("--target-high", type=float, default=0.8, help="a second, busier target (default 0.8)")
     t.add_argument("--traces", default=str(ROOT.parent / "shared" / "traces"))
     for p in (s, c, t):
         p.add_argument("--out", default=str(OUT))

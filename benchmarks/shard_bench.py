@@ -14,7 +14,7 @@ model's index on one redis-server (1 shard, today's default) and on a 3-master R
 3. gRPC Lookup: a `kvmesh kv-service` per setup (--shards 1 on the one node, --shards 3 on the
    cluster), Lookups interleaved call by call from one grpc.aio client: p50 and p99.
 
-    python benchmarks/shard_bench.py [--workers 96] [--messages 150] [--clients 2] [--lookups 3000] [--json OUT]
+    python benchmarks/shard_bench.py [--workers 96] [--messages 400] [--clients 2] [--lookups 3000] [--json OUT]
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shards", type=int, default=3, help="cluster masters = shards (default 3)")
     ap.add_argument("--workers", type=int, default=96, help="publishing workers in 1. (default 96)")
-    ap.add_argument("--messages", type=int, default=150, help="event messages per worker in 1. (default 150)")
+    ap.add_argument("--messages", type=int, default=400, help="event messages per worker in 1. (default 400)")
     ap.add_argument("--clients", type=int, default=2, help="client processes in 1. (default 2)")
     ap.add_argument("--lookup-workers", type=int, default=64, help="workers of the model in 2., 3. (default 64)")
     ap.add_argument("--chains", type=int, default=40, help="64-block chains per worker in 2., 3. (default 40)")
@@ -190,11 +190,18 @@ def main() -> int:
         if pin:
             subprocess.run(["taskset", "-pc", str(single_cpu[0]), str(one.proc.pid)], check=True, capture_output=True)
         masters = [f"redis://127.0.0.1:{p}/0" for p in cluster.master_ports()]
-        # 1. ingest, 1 shard then N shards, then 1 shard again (the host drifts: the mean of the two)
-        ing1a = ingest(one.url, [one.url], 1, a)
-        ingn = ingest(cluster.url, masters, a.shards, a)
-        ing1b = ingest(one.url, [one.url], 1, a)
-        ing1 = {k: (ing1a[k] + ing1b[k]) / 2 for k in ("blocks_per_s", "redis_cpu_us_per_block")}
+        # 1. ingest: a short warm-up of each (scripts loaded, Redis' memory grown), then 1, N, 1, N
+        # shards (the host drifts: each setup's figure is the mean of its two runs)
+        warm = argparse.Namespace(**{**vars(a), "messages": 20})
+        ingest(one.url, [one.url], 1, warm)
+        ingest(cluster.url, masters, a.shards, warm)
+        runs1, runsn = [], []
+        for _ in range(2):
+            runs1.append(ingest(one.url, [one.url], 1, a))
+            runsn.append(ingest(cluster.url, masters, a.shards, a))
+        ing1, ingn = ({k: statistics.mean(r[k] for r in rs) for k in ("blocks_per_s", "redis_cpu_us_per_block")}
+                      for rs in (runs1, runsn))
+        ingn["cpu_by_node"] = [sum(c) for c in zip(*(r["cpu_by_node"] for r in runsn), strict=True)]
 
         # 2., 3. lookups
         chains = chains_of(a.lookup_workers, a.chains)
@@ -234,11 +241,13 @@ def main() -> int:
           + ("each Redis pinned to its own core" if pin else f"Redis not pinned ({len(cpus)} cores < {n} + 2)"))
     print(f"1. ingest: {a.workers} workers x {a.messages} messages of {PER_MESSAGE} blocks (32 stored, 32 removed), "
           f"{a.clients} client processes")
-    print(f"   1 shard (two runs, before and after): {ing1a['blocks_per_s']:,.0f} and {ing1b['blocks_per_s']:,.0f} blocks/s, "
-          f"Redis {ing1a['redis_cpu_us_per_block']:.2f} and {ing1b['redis_cpu_us_per_block']:.2f} CPU-us per block")
+    def runs(rs: list[dict]) -> str:
+        return (" and ".join(f"{r['blocks_per_s']:,.0f}" for r in rs) + " blocks/s, Redis "
+                + " and ".join(f"{r['redis_cpu_us_per_block']:.2f}" for r in rs) + " CPU-us per block")
+
     split = ", ".join(f"{c / sum(ingn['cpu_by_node']):.0%}" for c in ingn["cpu_by_node"])
-    print(f"   {n} shards: {ingn['blocks_per_s']:,.0f} blocks/s, Redis {ingn['redis_cpu_us_per_block']:.2f} CPU-us per block "
-          f"(by node: {split})")
+    print(f"   1 shard (runs 1 and 3): {runs(runs1)}")
+    print(f"   {n} shards (runs 2 and 4): {runs(runsn)}; Redis CPU by node {split}")
     print(f"   blocks/s {n} ÷ 1: {fig['ingest_ratio']:.2f} (goal >= 2.5 with a core per node); Redis CPU per block "
           f"{n} ÷ 1: {fig['redis_cpu_per_block_ratio']:.2f} (goal: unchanged, ~1.0)")
     line = "  {:<36} p50 {:8.1f} us   p99 {:8.1f} us"
