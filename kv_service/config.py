@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from kvmesh.contract.settings import flag
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+MAX_SHARDS = 256
+"""--shards at most (kvmesh.kv_service.store_redis.MAX_SHARDS: every Lookup is one script call per shard)."""
 
 
 @dataclass(slots=True)
@@ -29,7 +31,11 @@ class KVServiceConfig:
     """Block hashes one Redis event-apply script carries at most; a bigger batch is applied in several calls, so
     a Lookup never waits behind a whole batch."""
     redis_connections: int = 64
-    """Size of the Redis connection pool."""
+    """Connections to each Redis node at most (the script calls' own pool; a call waits for a free one)."""
+    shards: int = 1
+    """Redis Cluster hash tags one index is spread over: a worker's blocks and events live on its home shard, a
+    Lookup asks every shard in one parallel round. Set it to the cluster's masters (or a multiple); 1 = one node
+    holds the whole namespace. Every replica of a namespace uses the same value."""
 
     def check(self) -> None:
         """Raises ValueError with the flag to fix."""
@@ -43,6 +49,10 @@ class KVServiceConfig:
             raise ValueError(f"--max-publishers must be >= 1, got {self.max_publishers}")
         if self.max_blocks_per_call < 1 or self.redis_connections < 1:
             raise ValueError("--max-blocks-per-call and --redis-connections must be >= 1")
+        if not 1 <= self.shards <= MAX_SHARDS:
+            raise ValueError(f"--shards must be in [1, {MAX_SHARDS}], got {self.shards}")
+        if self.store == "memory" and self.shards != 1:
+            raise ValueError("--shards applies to the Redis store, not --store memory")
 
     @property
     def reap_interval_s(self) -> float:

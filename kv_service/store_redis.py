@@ -1,10 +1,16 @@
 """The Redis-backed index: every multi-key update is one Lua script (atomic), one round trip.
 
-Key layout (all under the prefix ``kvm:{<namespace>}:``; the hash tag keeps the index in one
-Redis Cluster slot so scripts stay atomic there):
+The index of a namespace lives in one or more **shards**, each a Redis Cluster hash tag (so each
+shard is one slot and its scripts stay atomic). A worker's registration, blocks, LRU order and
+epoch/seq live on its **home shard** (:func:`home_shard`): a worker's events are one
+script on one shard, as before sharding. A Lookup asks every shard in one parallel round and
+merges the answers (docs/kv-service.md "Shards").
+
+Key layout of one shard (all under the prefix ``kvm:{<tag>}:``; ``<tag>`` is the namespace with
+one shard, :func:`shard_tags` with more):
 
     bh            HASH  block hash -> ",n1,n2," the holders' worker numbers (refcount = live
-                        holders; the field is deleted at 0, so HLEN = distinct blocks)
+                        holders; the field is deleted at 0, so HLEN = distinct blocks of the shard)
     wn / nw       HASH  worker id <-> its number (new at every registration)
     wseq          INT   the last worker number given out
     l:<worker>    ZSET  the worker's blocks, score = access counter (LRU order)
@@ -14,6 +20,9 @@ Redis Cluster slot so scripts stay atomic there):
     ld:<model>    HASH  worker -> "addr|block_size|load" (cached in-process for Lookup)
     workers       ZSET  worker -> lease expiry (ms), every model
     models        SET   model ids
+
+and ``kvm:{<namespace>}:shards`` (STRING): the namespace's shard count, so replicas started with
+another ``--shards`` refuse to start instead of splitting the index.
 """
 
 from __future__ import annotations
@@ -22,16 +31,29 @@ import asyncio
 import contextlib
 import hashlib
 import re
-from collections.abc import Awaitable
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoScriptError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
 
 from kvmesh.contract.block_hash import HASH_LEN
 from kvmesh.contract.errors import FailedPrecondition, NotFound, Unavailable
 from kvmesh.contract.types import AllBlocksCleared, BlockStored, KVCacheEvent, Load, ModelSpec
+from kvmesh.kv_service.config import MAX_SHARDS
 from kvmesh.kv_service.index import (
     Action,
     BlockIndex,
@@ -47,7 +69,7 @@ _LUA_DIR = Path(__file__).parent / "lua"
 DEFAULT_MAX_BLOCKS_PER_CALL = 256
 """Block hashes one event-apply script call carries at most (``--max-blocks-per-call``)."""
 DEFAULT_MAX_CONNECTIONS = 64
-"""Redis connections of one kv_service replica (``--redis-connections``)."""
+"""Redis connections of one kv_service replica to each Redis node (``--redis-connections``)."""
 
 
 def _script_source(name: str) -> str:
@@ -84,68 +106,126 @@ def split_payload(events: list[KVCacheEvent], limit: int) -> list[list]:
     return parts
 
 
-class ScriptConnections:
-    """The index's scripts (and PING) on connections of our own: at most ``size`` calls at once,
-    each on an idle connection (LIFO), one command and one reply per call.
+def shard_tags(namespace: str, shards: int) -> list[str]:
+    """The hash tag of each shard of a namespace.
 
-    NOTE: every Lookup and event batch is one script call, so this path is the kv_service's
+    One shard: the namespace itself (the layout before sharding). ``N`` shards: shard ``k`` is
+    ``<namespace>/<N>.<k>.<x>`` with the smallest ``x`` whose Redis Cluster slot lies in the
+    ``k``-th of ``N`` equal ranges of the 16,384 slots. A cluster whose masters own equal
+    contiguous ranges (what ``redis-cli --cluster create`` and managed clusters set up) then
+    holds shard ``k`` of ``N = masters`` on master ``k``, and ``N = 2 x masters`` two per master.
+    Every replica computes the same tags: nothing is stored to agree on them.
+    """
+    if shards == 1:
+        return [namespace]
+    tags = []
+    for k in range(shards):
+        lo, hi = k * REDIS_CLUSTER_HASH_SLOTS // shards, (k + 1) * REDIS_CLUSTER_HASH_SLOTS // shards
+        x = 0
+        while not lo <= key_slot(f"{namespace}/{shards}.{k}.{x}".encode()) < hi:
+            x += 1
+        tags.append(f"{namespace}/{shards}.{k}.{x}")
+    return tags
+
+
+def home_shard(worker_id: str, shards: int) -> int:
+    """The shard that holds a worker's registration, blocks and event order: a 64-bit BLAKE2b of
+    the id, modulo the shards. NOTE: not CRC32: ids that differ in their last character (w0, w1,
+    w2, w3) all have the same CRC32 modulo 3."""
+    if shards == 1:
+        return 0
+    return int.from_bytes(hashlib.blake2b(worker_id.encode(), digest_size=8).digest(), "big") % shards
+
+
+class ScriptConnections:
+    """One Redis node's connections: at most ``size`` open, each call on an idle one (LIFO).
+
+    NOTE: every Lookup and event batch is a script call on this path, so it is the kv_service's
     Redis latency. redis-py's pools add ~30-60 us a call here (a lock or condition, retry and
-    observability hooks); a plain Connection's send_command/read_response is the round trip
-    and nothing else. Everything else (admin reads, pipelines) uses redis-py's client.
+    observability hooks); a plain Connection's send/read is the round trip and nothing else. These
+    are the store's only connections to the node (redis-py's pool only parses the URL): ``size``
+    (``--redis-connections``) bounds them.
     """
 
-    def __init__(self, pool: aioredis.ConnectionPool, size: int) -> None:
-        self._pool = pool
+    def __init__(self, factory: Callable[[], aioredis.Connection], size: int, order: int = 0,
+                 address: str = "") -> None:
+        self._factory = factory
         self._size = size
         self._free: list[aioredis.Connection] = []
         self._slots: asyncio.Semaphore | None = None
-        self._shas: dict[str, str] = {}
+        self.order = order
+        """Rounds take connections of several nodes in this order (no two rounds wait on each other)."""
+        self.address = address
 
-    async def command(self, *args: Any) -> Any:
+    async def acquire(self) -> aioredis.Connection:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._size)
-        async with self._slots:
-            conn = self._free.pop() if self._free else self._pool.make_connection()
-            try:
-                await conn.send_command(*args)
-                reply = await conn.read_response()
-            except redis.ResponseError:
-                self._free.append(conn)  # an error reply: the connection is in step
-                raise
-            except BaseException:
-                # NOTE: timed out, broken or cancelled mid-reply: never reuse a connection whose
-                # reply may still arrive (the next call would read it).
-                with contextlib.suppress(Exception):
-                    await conn.disconnect()
-                raise
-            self._free.append(conn)
-            return reply
+        await self._slots.acquire()
+        return self._free.pop() if self._free else self._factory()
 
-    async def script(self, source: str, keys: list[str], args: list[Any]) -> Any:
-        sha = self._shas.get(source)
-        if sha is None:
-            sha = self._shas[source] = hashlib.sha1(source.encode()).hexdigest()
-        try:
-            return await self.command("EVALSHA", sha, len(keys), *keys, *args)
-        except redis.exceptions.NoScriptError:  # a Redis that restarted (or another node) lost it
-            await self.command("SCRIPT", "LOAD", source)
-            return await self.command("EVALSHA", sha, len(keys), *keys, *args)
+    def release(self, conn: aioredis.Connection) -> None:
+        """Back to the idle list: every reply it was sent has been read."""
+        self._free.append(conn)
+        assert self._slots is not None
+        self._slots.release()
 
-    async def close(self) -> None:
+    async def discard(self, conn: aioredis.Connection) -> None:
+        """Closes a connection whose replies may still arrive (timed out, broken, cancelled):
+        the next call would read them."""
+        assert self._slots is not None
+        self._slots.release()
+        with contextlib.suppress(Exception):
+            await conn.disconnect()
+
+    async def drop_idle(self) -> None:
+        """Closes the idle connections (the node failed or moved: they are likely dead too)."""
         free, self._free = self._free, []
         for conn in free:
             with contextlib.suppress(Exception):
                 await conn.disconnect()
 
+    async def command(self, *args: Any) -> Any:
+        """One command, one reply (error replies raised)."""
+        conn = await self.acquire()
+        try:
+            await conn.send_command(*args)
+            reply = await conn.read_response()
+        except ResponseError:
+            self.release(conn)  # an error reply: the connection is in step
+            raise
+        except BaseException:
+            await self.discard(conn)
+            raise
+        self.release(conn)
+        return reply
+
+    async def close(self) -> None:
+        await self.drop_idle()
+
+
+@dataclass(slots=True)
+class _Topology:
+    """Where each shard lives now."""
+
+    shard_node: list[ScriptConnections]
+    slots: list[tuple[int, int, tuple[str, int]]]
+    """Cluster: (first slot, last slot, master address); empty for one Redis."""
+    cluster: bool
+
 
 class RedisIndex(BlockIndex):
     """Args:
-    url: ``redis://[:password@]host:port/db`` (``rediss://`` for TLS).
+    url: ``redis://[:password@]host:port/db`` (``rediss://`` for TLS): one Redis, or any node of
+        a Redis Cluster (found out at the first call; the other nodes are found with CLUSTER SLOTS
+        and reached with the same password and TLS settings).
     namespace: hash tag of the keys; deployments sharing a Redis use different ones.
     max_blocks_per_call: hashes per event-apply script call. Redis runs one script at a time and
         nothing else meanwhile, so a Lookup arriving during a 20 ms batch of thousands of blocks
         would wait for all of it; in parts of this size it waits for at most one part.
-    max_connections: the connection pool's size; a call waits for a free connection.
+    max_connections: connections to each Redis node at most; a call waits for a free one.
+    shards: how many shards (hash tags) the index is spread over; on a Redis Cluster with
+        ``shards`` = masters each shard lands on its own master (:func:`shard_tags`). One Redis
+        holds any number of shards (the semantics are the same; tests use that).
 
     The client (redis.asyncio) binds its connections to the event loop that first uses them: use
     one RedisIndex from one loop.
@@ -155,53 +235,258 @@ class RedisIndex(BlockIndex):
 
     def __init__(self, url: str, namespace: str = "kvmesh", socket_timeout: float = 2.0,
                  max_blocks_per_call: int = DEFAULT_MAX_BLOCKS_PER_CALL,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, shards: int = 1) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", namespace):
             raise ValueError(f"namespace must be 1-64 letters, digits, '_', '.', '-', got {namespace!r}")
         if max_blocks_per_call < 1 or max_connections < 1:
             raise ValueError("max_blocks_per_call and max_connections must be >= 1")
+        if not 1 <= shards <= MAX_SHARDS:
+            raise ValueError(f"shards must be in [1, {MAX_SHARDS}], got {shards}")
         self.url = url
         self.max_blocks_per_call = max_blocks_per_call
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=socket_timeout, socket_timeout=socket_timeout,
-            socket_connect_timeout=socket_timeout)
-        self._r = aioredis.Redis(connection_pool=pool)
-        self._fast = ScriptConnections(pool, max_connections)
-        self.prefix = f"kvm:{{{namespace}}}:"
-        self._key = self.prefix + "workers"  # the KEYS[1] that routes every script to the slot
+        self.shards = shards
+        # NOTE: the pool only parses the URL (TLS, password, db, timeouts); it never connects.
+        parsed = aioredis.ConnectionPool.from_url(url, socket_timeout=socket_timeout,
+                                                  socket_connect_timeout=socket_timeout)
+        self._conn_class, self._conn_kwargs = parsed.connection_class, dict(parsed.connection_kwargs)
+        self._max_connections = max_connections
+        self._nodes: dict[tuple[str, int], ScriptConnections] = {}
+        self._seed = self._node((self._conn_kwargs.get("host", "127.0.0.1"), int(self._conn_kwargs.get("port", 6379))))
+        self._topo: _Topology | None = None
+        self._topo_lock: asyncio.Lock | None = None
+        self._stale_since: float | None = None
+        self._layout_checked = False
+        self.namespace = namespace
+        self.tags = shard_tags(namespace, shards)
+        self.prefixes = [f"kvm:{{{t}}}:" for t in self.tags]
+        self.prefix = self.prefixes[0]
+        self._keys = [p + "workers" for p in self.prefixes]  # the KEYS[1] that routes a script to its slot
+        self._layout_key = f"kvm:{{{namespace}}}:shards"
         self._info: dict[str, dict[bytes, tuple[str, str, int, Load]]] = {}
         self._refresher: asyncio.Task | None = None
-        self._scripts = {n: _script_source(n) for n in ("register", "heartbeat", "publish", "lookup", "admin")}
+        self._closed = False
+        self._scripts: dict[str, tuple[str, str]] = {}
+        self._sources: dict[str, str] = {}
+        for n in ("register", "heartbeat", "publish", "lookup", "admin"):
+            src = _script_source(n)
+            sha = hashlib.sha1(src.encode()).hexdigest()
+            self._scripts[n], self._sources[sha] = (sha, src), src
 
-    async def _call(self, script: str, *args: Any) -> Any:
-        return await self._redis(self._fast.script(self._scripts[script], [self._key], [self.prefix, *args]))
+    # -- nodes and topology ----------------------------------------------------------------
+    def _node(self, address: tuple[str, int]) -> ScriptConnections:
+        node = self._nodes.get(address)
+        if node is None:
+            kwargs = {**self._conn_kwargs, "host": address[0], "port": address[1]}
+            cls = self._conn_class
+            node = self._nodes[address] = ScriptConnections(lambda: cls(**kwargs), self._max_connections,
+                                                            len(self._nodes), f"{address[0]}:{address[1]}")
+        return node
 
-    async def _redis(self, call: Awaitable[Any]) -> Any:
+    def home(self, worker_id: str) -> int:
+        return home_shard(worker_id, self.shards)
+
+    async def _topology(self) -> _Topology:
+        topo = self._topo
+        if topo is not None and self._stale_since is None and self._layout_checked:
+            return topo
+        if self._topo_lock is None:
+            self._topo_lock = asyncio.Lock()
+        async with self._topo_lock:
+            if self._topo is None or (self._stale_since is not None
+                                      and time.monotonic() - self._stale_since >= self.REDISCOVER_S):
+                self._topo = await self._discover()
+                self._stale_since = None
+            topo = self._topo
+        if not self._layout_checked:
+            await self._check_layout(topo)
+        return topo
+
+    REDISCOVER_S = 0.1
+    """After a node failed, the slot map is read again at most this often (a failover takes the
+    cluster's node timeout: until then every call to the dead node fails fast)."""
+
+    async def _discover(self) -> _Topology:
+        """Asks the seed (then every other node known) for CLUSTER SLOTS; one Redis: every shard on it."""
+        candidates = [self._seed, *(n for n in self._nodes.values() if n is not self._seed)]
+        if self._topo is not None:  # NOTE: the last map's masters first: the seed may be the dead one
+            candidates = sorted(candidates, key=lambda n: n not in self._topo.shard_node)
+        last: Exception | None = None
+        for node in candidates:
+            try:
+                reply = await node.command("CLUSTER", "SLOTS")
+            except ResponseError as exc:
+                if "cluster support disabled" in str(exc).lower():
+                    return _Topology([self._seed] * self.shards, [], False)
+                last = exc
+                continue
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                last = exc
+                await node.drop_idle()
+                continue
+            slots = []
+            for entry in reply:
+                host, port = _s(entry[2][0]), int(entry[2][1])
+                host = host if host not in ("", "?") else node.address.rsplit(":", 1)[0]
+                slots.append((int(entry[0]), int(entry[1]), (host, port)))
+                for replica in entry[3:]:  # known for the next discovery (a promoted replica)
+                    rhost = _s(replica[0])
+                    self._node((rhost if rhost not in ("", "?") else host, int(replica[1])))
+            shard_node = []
+            for k, tag in enumerate(self.tags):
+                slot = key_slot(tag.encode())
+                owner = next((a for lo, hi, a in slots if lo <= slot <= hi), None)
+                if owner is None:
+                    raise Unavailable(f"slot {slot} of index shard {k} is served by no Redis Cluster node "
+                                      "(the cluster is down or being resharded)")
+                shard_node.append(self._node(owner))
+            return _Topology(shard_node, slots, True)
+        if isinstance(last, ResponseError):
+            raise Unavailable(f"the index's Redis answered CLUSTER SLOTS with an error: {last}")
+        raise Unavailable(f"the index's Redis is unreachable: {last}")
+
+    async def _check_layout(self, topo: _Topology) -> None:
+        """Records the namespace's shard count, or refuses another one (replicas must agree)."""
+        node = topo.shard_node[0]
+        if topo.cluster:
+            slot = key_slot(self._layout_key.encode())
+            node = next((self._node(a) for lo, hi, a in topo.slots if lo <= slot <= hi), node)
         try:
-            return await call
+            await node.command("SET", self._layout_key, self.shards, "NX")
+            got = await node.command("GET", self._layout_key)
+        except (MovedError, ClusterDownError, TryAgainError, ReadOnlyError) as exc:
+            self._stale_since = 0.0
+            raise Unavailable(f"the index's Redis Cluster is changing: {exc}") from None
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise Unavailable(f"the index's Redis is unreachable: {exc}") from None
+        if _s(got) != str(self.shards):
+            raise FailedPrecondition(
+                f"namespace {self.namespace!r} is kept in {_s(got)} shard(s) in this Redis (key {self._layout_key}), "
+                f"not {self.shards}: every kv_service of a namespace uses the same --shards. Start with "
+                f"--shards {_s(got)}, or use a new --namespace (workers register into it within a heartbeat) "
+                "and delete the old namespace's keys")
+        self._layout_checked = True
+
+    def _failed(self) -> None:
+        """A node failed or the map moved: read the slot map again before the next call."""
+        if self._stale_since is None:
+            self._stale_since = time.monotonic() if self._topo is not None and self._topo.cluster else None
+
+    # -- one round of commands ----------------------------------------------------------------
+    async def _round(self, cmds: Sequence[tuple[int, tuple]], retried: bool = False) -> list[Any]:
+        """One command per ``(shard, args)``, all sent before any reply is read: one round trip
+        however many shards. The commands for one node go pipelined on one connection."""
+        topo = await self._topology()
+        groups: dict[ScriptConnections, list[int]] = {}
+        for i, (shard, _) in enumerate(cmds):
+            groups.setdefault(topo.shard_node[shard], []).append(i)
+        order = sorted(groups, key=lambda n: n.order) if len(groups) > 1 else list(groups)
+        replies: list[Any] = [None] * len(cmds)
+        held: list[tuple[ScriptConnections, aioredis.Connection, list[int]]] = []
+        node: ScriptConnections | None = None
+        try:
+            for node in order:
+                conn = await node.acquire()
+                held.append((node, conn, groups[node]))
+                await conn.send_packed_command(conn.pack_commands([cmds[i][1] for i in groups[node]]))
+            while held:
+                node, conn, idxs = held[0]
+                for i in idxs:
+                    try:
+                        replies[i] = await conn.read_response()
+                    except ResponseError as exc:
+                        replies[i] = exc  # an error reply: the connection is in step
+                node.release(conn)
+                held.pop(0)
+        except BaseException as exc:
+            for n, c, _ in held:
+                await n.discard(c)
+            if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError)):
+                if node is not None:
+                    await node.drop_idle()
+                self._failed()
+                raise Unavailable(f"the index's Redis is unreachable: {exc}") from None
+            raise
+        for i, reply in enumerate(replies):
+            if isinstance(reply, ResponseError):
+                replies[i] = await self._after_error(cmds[i], reply, retried)
+        return replies
+
+    async def _after_error(self, cmd: tuple[int, tuple], err: ResponseError, retried: bool) -> Any:
+        shard, args = cmd
+        if isinstance(err, NoScriptError):  # a Redis that restarted (or a promoted replica) lost it
+            node = (await self._topology()).shard_node[shard]
+            try:
+                await node.command("SCRIPT", "LOAD", self._sources[args[1]])
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                self._failed()
+                raise Unavailable(f"the index's Redis is unreachable: {exc}") from None
+            return (await self._round([cmd], retried=True))[0]
+        if isinstance(err, (MovedError, ReadOnlyError)) and not retried:
+            # NOTE: the slot moved (failover, resharding): read the map now and try once more
+            self._stale_since = 0.0
+            return (await self._round([cmd], retried=True))[0]
+        if isinstance(err, (AskError, TryAgainError, ClusterDownError, MovedError, ReadOnlyError)):
+            self._failed()
+            raise Unavailable(f"the index's Redis Cluster cannot serve shard {shard} now: {err}") from None
+        raise err
+
+    def _script(self, shard: int, script: str, args: Sequence[Any]) -> tuple[int, tuple]:
+        return shard, ("EVALSHA", self._scripts[script][0], 1, self._keys[shard], self.prefixes[shard], *args)
+
+    async def _on(self, shard: int, script: str, *args: Any) -> Any:
+        """One script call on one shard."""
+        return (await self._round([self._script(shard, script, args)]))[0]
+
+    async def _call(self, script: str, worker_id: str, *args: Any) -> Any:
+        """One script call on the worker's home shard (``args`` follow the worker id)."""
+        return await self._on(self.home(worker_id), script, worker_id, *args)
+
+    async def _each(self, script: str, *args: Any) -> list[Any]:
+        """The same script call on every shard, in one round."""
+        return await self._round([self._script(k, script, args) for k in range(self.shards)])
 
     async def ping(self) -> None:
-        """One PING round trip on the path every script call takes."""
-        await self._redis(self._fast.command("PING"))
+        """One PING round trip to every node that holds a shard, on the path every script call takes
+        (and the namespace's shard count checked: FailedPrecondition)."""
+        await self._round([(k, ("PING",)) for k in range(self.shards)])
 
     @staticmethod
     def _not_found(worker_id: str) -> NotFound:
         return NotFound(f"worker {worker_id!r} is not registered or its lease expired; register it again")
 
+    # -- registration ----------------------------------------------------------------------
+    async def _other_spec(self, reg: Registration, now_ms: int) -> tuple[str, str] | None:
+        """A spec other than ``reg``'s that live workers of its model use on the other shards."""
+        home = self.home(reg.worker_id)
+        others = [k for k in range(self.shards) if k != home]
+        specs = await self._round([self._script(k, "admin", ("livespec", reg.model_id, now_ms, reg.worker_id))
+                                   for k in others])
+        for spec in specs:
+            if spec and (_s(spec[0]) != str(reg.block_size) or _s(spec[1]) != reg.hash_algorithm):
+                return _s(spec[0]), _s(spec[1])
+        return None
+
+    def _spec_error(self, reg: Registration, bs: str, algo: str) -> FailedPrecondition:
+        return FailedPrecondition(
+            f"model {reg.model_id!r} is served with block_size={bs}, hash={algo}; worker "
+            f"{reg.worker_id!r} registered block_size={reg.block_size}, hash={reg.hash_algorithm}: "
+            "start it with the same settings"
+        )
+
     async def register_worker(self, reg: Registration, lease_ttl_ms: int, now_ms: int) -> None:
+        # NOTE: the model's spec must agree with its live workers on every shard. With shards,
+        # check the others, register on the home shard (which checks its own atomically), check the
+        # others again and undo on a disagreement: two workers of different specs registering at
+        # the same instant on two shards are then both refused, never both kept.
+        if self.shards > 1 and (other := await self._other_spec(reg, now_ms)):
+            raise self._spec_error(reg, *other)
         res = await self._call(
             "register", reg.worker_id, reg.address, reg.model_id, reg.block_size, reg.hash_algorithm,
             reg.num_blocks, reg.epoch, now_ms, lease_ttl_ms,
         )
         code = _s(res[0])
         if code == "SPEC":
-            raise FailedPrecondition(
-                f"model {reg.model_id!r} is served with block_size={_s(res[1])}, hash={_s(res[2])}; worker "
-                f"{reg.worker_id!r} registered block_size={reg.block_size}, hash={reg.hash_algorithm}: "
-                "start it with the same settings"
-            )
+            raise self._spec_error(reg, _s(res[1]), _s(res[2]))
         if code == "MODEL":
             raise FailedPrecondition(
                 f"worker id {reg.worker_id!r} is live for model {_s(res[1])!r}; "
@@ -211,6 +496,9 @@ class RedisIndex(BlockIndex):
             raise FailedPrecondition(
                 f"stale registration of {reg.worker_id!r}: epoch {reg.epoch} < live epoch {_s(res[1])}"
             )
+        if self.shards > 1 and (other := await self._other_spec(reg, now_ms)):
+            await self._on(self.home(reg.worker_id), "admin", "unregister", reg.worker_id, reg.epoch)
+            raise self._spec_error(reg, *other)
 
     async def heartbeat(self, worker_id: str, epoch: int, load: Load, lease_ttl_ms: int, now_ms: int) -> bool:
         res = await self._call("heartbeat", worker_id, epoch, load.encode(), now_ms, lease_ttl_ms)
@@ -223,6 +511,7 @@ class RedisIndex(BlockIndex):
             )
         return len(res) > 1 and _s(res[1]) != "0"
 
+    # -- events ----------------------------------------------------------------------------
     async def _publish(self, worker_id: str, epoch: int, seq: int, now_ms: int, snapshot: bool,
                        parts: list[list], load: Load | None) -> PublishResult:
         # NOTE: part 0 checks the order (and a snapshot clears the worker); each later part checks
@@ -256,15 +545,25 @@ class RedisIndex(BlockIndex):
         parts = [[b"".join(hashes[i:i + n])] for i in range(0, len(hashes), n)] or [[]]
         return await self._publish(worker_id, epoch, seq, now_ms, True, parts, load)
 
+    # -- lookup ----------------------------------------------------------------------------
     async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
-        live, pairs = await self._call("lookup", model_id, now_ms, HASH_LEN, b"".join(hashes))
+        chain = b"".join(hashes)
+        if self.shards == 1:
+            live, pairs = await self._on(0, "lookup", model_id, now_ms, HASH_LEN, chain)
+        else:
+            # NOTE: every shard walks the chain for its own workers, all in one round; a worker
+            # lives on one shard, so the answers are disjoint and merge by concatenation.
+            live, pairs = [], []
+            for shard_live, shard_pairs in await self._each("lookup", model_id, now_ms, HASH_LEN, chain):
+                live += shard_live
+                pairs += shard_pairs
         matched = {pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
         info = await self._worker_info(model_id, live)
         return [WorkerMatch(wid, addr, matched.get(raw, 0), load, bs) for raw in live
                 for wid, addr, bs, load in (info[raw],)]
 
     # -- the address / load cache of Lookup ------------------------------------------------
-    # NOTE: liveness and matches always come from Redis in the lookup's one round trip; only
+    # NOTE: liveness and matches always come from Redis in the lookup's one round; only
     # address, block size and load (reported with heartbeats and event batches) come from this
     # cache, refreshed every INFO_REFRESH_S by a task on the loop. A worker missing from it is
     # read at once (a second round trip, once per new worker).
@@ -278,8 +577,14 @@ class RedisIndex(BlockIndex):
                 self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
         missing = [w for w in live if w not in cached]
         if missing:
-            fresh = await self._redis(self._r.hmget(self.prefix + "ld:" + model_id, missing))
-            cached.update((w, self._parse_info(w, raw)) for w, raw in zip(missing, fresh, strict=True))
+            by_shard: dict[int, list[bytes]] = {}
+            for w in missing:
+                by_shard.setdefault(self.home(_s(w)), []).append(w)
+            shards = list(by_shard)
+            fresh = await self._round([(k, ("HMGET", self.prefixes[k] + "ld:" + model_id, *by_shard[k]))
+                                       for k in shards])
+            for k, raws in zip(shards, fresh, strict=True):
+                cached.update((w, self._parse_info(w, raw)) for w, raw in zip(by_shard[k], raws, strict=True))
         return cached
 
     @staticmethod
@@ -288,39 +593,58 @@ class RedisIndex(BlockIndex):
         return _s(wid), addr, int(bs or 0), Load.decode(load)
 
     async def _refresh_loop(self) -> None:
-        while True:
+        while not self._closed:
             await asyncio.sleep(self.INFO_REFRESH_S)
             for model_id in list(self._info):
                 try:
-                    raw = await self._r.hgetall(self.prefix + "ld:" + model_id)
-                except redis.RedisError:
+                    raws = await self._round([(k, ("HGETALL", p + "ld:" + model_id))
+                                              for k, p in enumerate(self.prefixes)])
+                except (redis.RedisError, Unavailable):
                     continue  # lookups report Redis errors; the cache just stays as it was
-                self._info[model_id] = {w: self._parse_info(w, v) for w, v in raw.items()}
+                fresh = {}
+                for flat in raws:
+                    if isinstance(flat, list):
+                        fresh.update((flat[i], self._parse_info(flat[i], flat[i + 1])) for i in range(0, len(flat), 2))
+                self._info[model_id] = fresh
 
+    # -- admin -----------------------------------------------------------------------------
     async def holders(self, block_hash: bytes, now_ms: int) -> list[str]:
-        return sorted(_s(w) for w in await self._call("admin", "holders", block_hash, now_ms))
+        found = await self._each("admin", "holders", block_hash, now_ms)
+        return sorted(_s(w) for ws in found for w in ws)
 
     async def workers(self, now_ms: int, include_expired: bool = False) -> list[WorkerInfo]:
-        ids = [_s(w) for w in await self._redis(self._r.zrange(self._key, 0, -1))]
-        pipe = self._r.pipeline(transaction=True)
-        for wid in ids:
-            pipe.hgetall(self.prefix + "w:" + wid)
-            pipe.zcard(self.prefix + "l:" + wid)
-        replies = await self._redis(pipe.execute())
         out = []
-        for k, wid in enumerate(ids):
-            h = {_s(key): _s(v) for key, v in replies[2 * k].items()}
-            if not h:
-                continue  # removed between the two reads
-            reg = Registration(wid, h["addr"], h["model"], int(h["bs"]), h["algo"], int(h["nb"]), int(h["epoch"]))
-            info = WorkerInfo(reg, int(h["seq"]), int(replies[2 * k + 1]), Load.decode(h["load"]), int(float(h["lease"])))
-            if include_expired or info.live(now_ms):
-                out.append(info)
+        for flat in await self._each("admin", "workers"):
+            for k in range(0, len(flat), 11):
+                wid, model, addr, bs, algo, nb, epoch, seq, load, lease, blocks = flat[k:k + 11]
+                reg = Registration(_s(wid), _s(addr), _s(model), int(bs), _s(algo), int(nb), int(epoch))
+                info = WorkerInfo(reg, int(seq), int(blocks), Load.decode(_s(load)), int(float(lease)))
+                if include_expired or info.live(now_ms):
+                    out.append(info)
         return sorted(out, key=lambda i: i.registration.worker_id)
+
+    async def _distinct_blocks(self) -> int:
+        """Blocks held by any worker. A block held on two shards is one block: with shards, the
+        shards' block hashes are read (HSCAN, 4096 a call) and counted once; an admin call."""
+        if self.shards == 1:
+            return int((await self._round([(0, ("HLEN", self.prefix + "bh"))]))[0] or 0)
+        seen: set[bytes] = set()
+        cursors: dict[int, bytes] = dict.fromkeys(range(self.shards), b"0")
+        while cursors:
+            shards = list(cursors)
+            pages = await self._round([(k, ("HSCAN", self.prefixes[k] + "bh", cursors[k], "COUNT", 4096))
+                                       for k in shards])
+            for k, (cursor, flat) in zip(shards, pages, strict=True):
+                seen.update(flat[0::2])
+                if cursor in (b"0", 0, "0"):
+                    del cursors[k]
+                else:
+                    cursors[k] = cursor
+        return len(seen)
 
     async def stats(self, now_ms: int) -> IndexStats:
         infos = await self.workers(now_ms, include_expired=True)
-        nblocks = await self._redis(self._r.hlen(self.prefix + "bh"))
+        nblocks = await self._distinct_blocks()
         live = [i for i in infos if i.live(now_ms)]
         models: dict[str, ModelSpec] = {}
         for i in infos:
@@ -328,31 +652,46 @@ class RedisIndex(BlockIndex):
             models.setdefault(r.model_id, ModelSpec(r.model_id, r.block_size, r.hash_algorithm))
         return IndexStats(
             len(live),
-            int(nblocks or 0),
+            nblocks,
             sum(i.blocks_indexed for i in infos),
             [(spec, sum(1 for i in live if i.registration.model_id == m)) for m, spec in sorted(models.items())],
         )
 
     async def model_spec(self, model_id: str) -> ModelSpec | None:
-        spec = await self._redis(self._r.hmget(self.prefix + "m:" + model_id, "bs", "algo"))
-        if spec[0] is None:
-            return None
-        return ModelSpec(model_id, int(spec[0]), _s(spec[1]))
+        # NOTE: with shards, the spec of the shard whose worker of the model was renewed last (a
+        # shard may keep the spec of expired workers not reaped yet; the newest registration wins,
+        # as it overwrites the spec on one Redis).
+        best: tuple[float, int, str] | None = None
+        for spec in await self._each("admin", "spec", model_id):
+            if spec and (best is None or float(spec[2]) > best[0]):
+                best = (float(spec[2]), int(spec[0]), _s(spec[1]))
+        return None if best is None else ModelSpec(model_id, best[1], best[2])
 
     async def flush_worker(self, worker_id: str) -> int:
-        res = await self._call("admin", "flush", worker_id)
+        res = await self._on(self.home(worker_id), "admin", "flush", worker_id)
         if _s(res[0]) == "NOT_FOUND":
             raise NotFound(f"worker {worker_id!r} is not registered")
         return int(res[1])
 
     async def reap_expired(self, now_ms: int) -> int:
-        return int(await self._call("admin", "reap", now_ms))
+        if self.shards == 1:
+            return int(await self._on(0, "admin", "reap", now_ms))
+        # NOTE: shard by shard, so a shard that is down does not stop the others' reaping.
+        done = await asyncio.gather(*(self._on(k, "admin", "reap", now_ms) for k in range(self.shards)),
+                                    return_exceptions=True)
+        failed = [r for r in done if isinstance(r, BaseException)]
+        if len(failed) == len(done):
+            raise failed[0]
+        return sum(int(r) for r in done if not isinstance(r, BaseException))
 
     async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._refresher
-            self._refresher = None
-        await self._fast.close()
-        await self._r.aclose()
+        self._closed = True
+        task, self._refresher = self._refresher, None
+        while task is not None and not task.done():
+            # NOTE: cancelled until it is done: on Python 3.11 a redis-py write (asyncio.wait_for)
+            # swallows a cancellation that arrives as the write completes (fixed in 3.12), and a
+            # kv_service stopping then waited for the refresher forever.
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.1)
+        for node in self._nodes.values():
+            await node.close()

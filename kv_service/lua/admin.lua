@@ -1,7 +1,12 @@
--- ARGV: pre, op, ...
---   holders h now        -> live holder ids
---   flush wid            -> {'OK', n} | {'NOT_FOUND'}; the worker then owes a snapshot ('resync')
---   reap now             -> number of workers removed
+-- ARGV: pre, op, ... (one shard of the index: store_redis.py asks every shard and merges)
+--   holders h now         -> live holder ids on this shard
+--   flush wid             -> {'OK', n} | {'NOT_FOUND'}; the worker then owes a snapshot ('resync')
+--   reap now              -> number of workers removed
+--   workers               -> per registered worker: wid, model, addr, bs, algo, nb, epoch, seq, load,
+--                            lease, blocks indexed (11 values each, flat)
+--   spec model            -> {bs, algo, the latest lease of its workers here (0: none)} | {}
+--   livespec model now wid -> {bs, algo} if a worker of the model other than wid is live here | {}
+--   unregister wid epoch  -> 1 if the worker was registered with that epoch and is now removed, else 0
 local op = ARGV[2]
 if op == 'holders' then
   local now = tonumber(ARGV[4])
@@ -30,5 +35,35 @@ elseif op == 'reap' then
     remove_worker(wid, w[1], w[2])
   end
   return #dead
+elseif op == 'workers' then
+  -- NOTE: one script instead of a pipeline of two reads per worker: atomic per shard, one round.
+  local out = {}
+  for _, wid in ipairs(redis.call('ZRANGE', pre .. 'workers', 0, -1)) do
+    local h = redis.call('HMGET', pre .. 'w:' .. wid, 'model', 'addr', 'bs', 'algo', 'nb', 'epoch', 'seq', 'load', 'lease')
+    if h[1] then
+      out[#out + 1] = wid
+      for i = 1, 9 do out[#out + 1] = h[i] end
+      out[#out + 1] = redis.call('ZCARD', pre .. 'l:' .. wid)
+    end
+  end
+  return out
+elseif op == 'spec' then
+  local s = redis.call('HMGET', pre .. 'm:' .. ARGV[3], 'bs', 'algo')
+  if not s[1] then return {} end
+  local last = redis.call('ZRANGE', pre .. 'mw:' .. ARGV[3], -1, -1, 'WITHSCORES')
+  return {s[1], s[2], last[2] or '0'}
+elseif op == 'livespec' then
+  local peers = redis.call('ZRANGEBYSCORE', pre .. 'mw:' .. ARGV[3], '(' .. ARGV[4], '+inf')
+  for _, p in ipairs(peers) do
+    if p ~= ARGV[5] then return redis.call('HMGET', pre .. 'm:' .. ARGV[3], 'bs', 'algo') end
+  end
+  return {}
+elseif op == 'unregister' then
+  local w = redis.call('HMGET', pre .. 'w:' .. ARGV[3], 'model', 'num', 'epoch')
+  if w[1] and w[3] == ARGV[4] then
+    remove_worker(ARGV[3], w[1], w[2])
+    return 1
+  end
+  return 0
 end
 return redis.error_reply('unknown admin op ' .. tostring(op))

@@ -1,6 +1,7 @@
--- Shared helpers, prepended to every script. ARGV[1] is the key prefix "kvm:{ns}:".
--- NOTE: every key of the index starts with the prefix, whose {ns} hash tag puts the whole index
--- in one Redis Cluster slot, so each script is atomic on a cluster too.
+-- Shared helpers, prepended to every script. ARGV[1] is the key prefix "kvm:{tag}:" of one shard.
+-- NOTE: every key a script touches starts with its shard's prefix, whose {tag} hash tag puts the
+-- shard in one Redis Cluster slot, so each script is atomic on a cluster too. A worker lives on
+-- one shard (its home): its events are one script there; Lookup runs on every shard.
 local pre = ARGV[1]
 local BH = pre .. 'bh'
 

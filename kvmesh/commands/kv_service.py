@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.commands.config_args import config_from_args
-    from kvmesh.contract.errors import Unavailable
+    from kvmesh.contract.errors import FailedPrecondition, Unavailable
     from kvmesh.kv_service.config import DEFAULT_REDIS_URL, KVServiceConfig
     from kvmesh.kv_service.server import KVServiceServer
     from kvmesh.kv_service.service import ServiceConfig
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
         url = config.redis_url or DEFAULT_REDIS_URL
         index = RedisIndex(url, namespace=config.namespace, max_blocks_per_call=config.max_blocks_per_call,
-                           max_connections=config.redis_connections)
+                           max_connections=config.redis_connections, shards=config.shards)
     service = ServiceConfig(lease_ttl_ms=config.lease_ttl_ms, reap_interval_s=config.reap_interval_s)
     try:
         server = KVServiceServer(index, config.host, config.port, service, max_publishers=config.max_publishers).start()
@@ -62,11 +62,15 @@ def run(args: argparse.Namespace) -> int:
         log.error("cannot reach Redis at %s (%s); start one or pass --store memory",
                   config.redis_url or DEFAULT_REDIS_URL, exc)
         return 2
+    except FailedPrecondition as exc:  # the namespace is kept in another number of shards
+        log.error("%s", exc)
+        return 2
     except OSError as exc:
         log.error("%s", exc)
         return 2
     if args.metrics_port:
         start_metrics_server(args.metrics_port, server.metrics.registry)
-    log.info("kv_service listening on %s:%d (store=%s)", config.host, server.port, index.name)
+    log.info("kv_service listening on %s:%d (store=%s%s)", config.host, server.port, index.name,
+             f", {config.shards} shards" if config.shards > 1 else "")
     wait_for_termination_signal(server.stop, args.grace)
     return 0

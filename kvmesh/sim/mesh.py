@@ -46,7 +46,7 @@ from pathlib import Path
 
 from kvmesh.contract.block_hash import XXH3_128
 from kvmesh.contract.settings import code_only, flag
-from kvmesh.contract.types import KVCacheEvent, Load, SamplingParams
+from kvmesh.contract.types import AllBlocksCleared, BlockStored, KVCacheEvent, Load, SamplingParams
 from kvmesh.kv_service.index import Action, Registration
 from kvmesh.kv_service.service import KVService, ServiceConfig, run_now
 from kvmesh.kv_service.store_memory import MemoryIndex
@@ -230,6 +230,35 @@ class EventQueue:
 
 
 # -- the index ------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class IndexTraffic:
+    """What reached the index in one run: the kv_service's (and its Redis') load, counted where
+    the index receives it (lost messages are not counted). docs/deploy.md sizes Redis from it."""
+
+    event_messages: int = 0
+    """PublishEvents messages with events or a load (snapshots not included)."""
+    load_only_messages: int = 0
+    """Of those, the messages with a load and no event."""
+    blocks_stored: int = 0
+    """Block hashes in BlockStored events (in blocks of the run's block size)."""
+    blocks_removed: int = 0
+    all_cleared: int = 0
+    max_message_blocks: int = 0
+    """The most block hashes one message carried."""
+    snapshots: int = 0
+    snapshot_blocks: int = 0
+    heartbeats: int = 0
+    routed_requests: int = 0
+    """Requests a router planned (one per request; retries are not planned again)."""
+    lookups: int = 0
+    """Lookups the routers asked (those past the router's deadline included: the index served them)."""
+    lookup_chain_blocks: int = 0
+    """Block hashes in those Lookups' chains."""
+
+    def as_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
 class SimIndex:
     """KVService over MemoryIndex on the virtual clock, with the router's Lookup deadline."""
 
@@ -238,8 +267,11 @@ class SimIndex:
         self.cfg = cfg
         self.svc = KVService(MemoryIndex(), ServiceConfig(lease_ttl_ms=cfg.lease_ttl_ms),
                              clock=lambda: int(q.now * 1000))
+        self.traffic = IndexTraffic()
 
     def lookup(self, model_id: str, chain: Sequence[bytes]) -> list[IndexMatch]:
+        self.traffic.lookups += 1
+        self.traffic.lookup_chain_blocks += len(chain)
         if self.cfg.lookup_latency_s * 1000 > self.cfg.routing.lookup_timeout_ms:
             raise IndexUnavailable("Lookup past its deadline (simulated)")
         return [IndexMatch(m.worker_id, m.address, m.matched_blocks, m.load)
@@ -449,13 +481,34 @@ class SimWorker:
             return  # NOTE: a killed incarnation's stream died with it
         svc = self.mesh.index.svc
         if msg.snapshot is not None:
+            t = self.mesh.index.traffic
+            t.snapshots += 1
+            t.snapshot_blocks += len(msg.snapshot)
             run_now(svc.snapshot(self.worker_id, epoch, msg.seq, msg.snapshot, msg.load))
             return
+        self._count(msg.events)
         result = run_now(svc.publish(self.worker_id, epoch, msg.seq, msg.events, msg.load))
         if result.action == Action.RESYNC and epoch == self.epoch and self.up:
             self.resyncs += 1
             # NOTE: the ack travels back; then the engine loop takes the snapshot at its next sync.
             self.mesh.q.after(self.mesh.cfg.event_delay_s, self._resync)
+
+    def _count(self, events: list[KVCacheEvent]) -> None:
+        t = self.mesh.index.traffic
+        t.event_messages += 1
+        if not events:
+            t.load_only_messages += 1
+        n = 0
+        for ev in events:
+            if isinstance(ev, AllBlocksCleared):
+                t.all_cleared += 1
+                continue
+            n += len(ev.block_hashes)
+            if isinstance(ev, BlockStored):
+                t.blocks_stored += len(ev.block_hashes)
+            else:
+                t.blocks_removed += len(ev.block_hashes)
+        t.max_message_blocks = max(t.max_message_blocks, n)
 
     def _resync(self) -> None:
         if not self.up:
@@ -487,6 +540,7 @@ class SimWorker:
 
     def heartbeat(self) -> None:
         if self.up and self.engine is not None:
+            self.mesh.index.traffic.heartbeats += 1
             run_now(self.mesh.index.svc.heartbeat(self.worker_id, self.epoch, self.load_now()))
         self.mesh.q.after(self.mesh.cfg.heartbeat_s, self.heartbeat)
 
@@ -513,6 +567,7 @@ class SimRouter:
 
     def route(self, rec: RequestRecord) -> None:
         mesh = self.mesh
+        mesh.index.traffic.routed_requests += 1
         chain = mesh.chains[rec.index]
         plan = self.core.plan(self.spec, _Length(rec.prompt_len), self.workers.endpoints, mesh.index, chain=chain,
                               healthy=self.workers.healthy, max_tokens=rec.output_len)

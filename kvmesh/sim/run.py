@@ -117,6 +117,8 @@ def summarize(mesh: Mesh, records: Sequence[RequestRecord]) -> dict:
         "virtual_s": _r(mesh.q.now),
         "decisions": dict(sorted(decisions.items())), "index_fallbacks": dict(sorted(fallbacks.items())),
         "lost_event_batches": mesh.lost_batches, "resyncs": sum(w.resyncs for w in mesh.workers),
+        # NOTE: added after the results of 2026-11-22; every key above keeps its meaning
+        "index_traffic": mesh.index.traffic.as_dict(),
     }
 
 

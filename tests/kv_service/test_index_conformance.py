@@ -1,4 +1,6 @@
-"""One conformance suite, run against both index stores (memory and a real redis-server)."""
+"""One conformance suite, run against both index stores (memory and a real redis-server), the
+Redis store in one shard and sharded (4 shards on one redis-server; 3 and 4 shards on a real
+3-master Redis Cluster), each Redis variant also with 2 hashes per event-apply call."""
 
 from __future__ import annotations
 
@@ -20,16 +22,26 @@ T0 = 1_000_000
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture(params=["memory", "redis", "redis-2-per-call"])
+STORES = ["memory", "redis", "redis-2-per-call", "redis-4-shards", "redis-4-shards-2-per-call",
+          "cluster-3-shards", "cluster-4-shards-2-per-call"]
+
+
+@pytest.fixture(params=STORES)
 async def index(request):
     if request.param == "memory":
         idx = MemoryIndex()
     else:
-        # redis-2-per-call: every batch of more than 2 hashes is applied in several script calls,
+        # *-2-per-call: every batch of more than 2 hashes is applied in several script calls,
         # so each scenario also checks that a batch in parts ends as the whole batch would.
-        per_call = 2 if request.param == "redis-2-per-call" else 256
-        idx = RedisIndex(request.getfixturevalue("redis_url"), namespace=request.getfixturevalue("redis_namespace"),
-                         max_blocks_per_call=per_call)
+        # NOTE: with 4 shards the suite's workers w0..w3 live on 4 different shards (home_shard),
+        # so every scenario with two workers merges answers across shards; on the 3-master cluster
+        # 4 shards put two shards on one master (their calls pipelined on one connection).
+        per_call = 2 if request.param.endswith("-2-per-call") else 256
+        shards = 4 if "-4-shards" in request.param else 3 if "-3-shards" in request.param else 1
+        url = (request.getfixturevalue("redis_cluster").url if request.param.startswith("cluster")
+               else request.getfixturevalue("redis_url"))
+        idx = RedisIndex(url, namespace=request.getfixturevalue("redis_namespace"), max_blocks_per_call=per_call,
+                         shards=shards)
     yield idx
     await idx.close()
 
