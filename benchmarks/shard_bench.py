@@ -38,7 +38,8 @@ from kvmesh.contract.types import BlockRemoved, BlockStored, Load
 from kvmesh.kv_service.index import Registration
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import RedisCluster, RedisServer
-from kvmesh.transport.rpc import dial_aio, new_event_loop
+from kvmesh.transport.channels import dial_aio
+from kvmesh.transport.loop import new_event_loop
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 

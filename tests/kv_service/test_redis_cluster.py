@@ -291,7 +291,7 @@ KVMESH = str(Path(sys.executable).parent / "kvmesh")
 def test_kv_service_on_a_cluster_with_shards_and_a_second_replica_with_another_count_refused(
         redis_cluster, redis_namespace):
     from kvmesh.bench.processes import start_kv_service
-    from kvmesh.transport.rpc import dial
+    from kvmesh.transport.channels import dial
     from kvmesh.v1 import kv_service_pb2 as kpb
     from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
 

@@ -16,7 +16,7 @@ from kvmesh.kv_service.server import KVServiceServer
 from kvmesh.kv_service.service import ServiceConfig
 from kvmesh.kv_service.store_redis import RedisIndex, home_shard, shard_tags
 from kvmesh.loopback import RedisCluster, free_port
-from kvmesh.transport.rpc import dial
+from kvmesh.transport.channels import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
