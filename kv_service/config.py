@@ -2,13 +2,75 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvmesh.contract.settings import flag
+from kvmesh.contract.settings import code_only, flag
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 MAX_SHARDS = 256
 """--shards at most (kvmesh.kv_service.store_redis.MAX_SHARDS: every Lookup is one script call per shard)."""
+
+
+@dataclass(slots=True, frozen=True)
+class PendingConfig:
+    """How long a router's pick counts in the shared router view (docs/router.md, "Several routers")."""
+
+    grace_ms: int = flag(100, name="pending-grace-ms")
+    """From a worker that lists no admissions (a bridged vLLM / SGLang), a report covers the picks taken this long
+    before it arrived: the pick's forwarding, the engine's admission and its next load report."""
+    ttl_ms: int = flag(5_000, name="pending-ttl-ms")
+    """A pick no report covered counts at most this long (a request that never reached its worker: its router died
+    between the pick and the forward; a lost report)."""
+    max_per_worker: int = flag(65_536, name="pending-max-per-worker")
+    """Picks kept per worker; past it the oldest go (a router that never forwards cannot grow the store)."""
+
+    def check(self) -> None:
+        if self.grace_ms < 0 or self.ttl_ms < 1 or self.max_per_worker < 1:
+            raise ValueError("--pending-grace-ms must be >= 0, --pending-ttl-ms and --pending-max-per-worker >= 1")
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    """The kv_service core's settings (the simulator's index uses them too)."""
+
+    lease_ttl_ms: int = 10_000
+    """Worker lease: a worker without a heartbeat for this long leaves lookups."""
+    pending: PendingConfig = field(default_factory=PendingConfig)
+    """The routers' picks (a group: its fields are the flags)."""
+    reap_interval_s: float | None = code_only(None)
+    """How often expired workers and their blocks are deleted from the store; none = twice per lease."""
+
+    @property
+    def reap_every_s(self) -> float:
+        return self.reap_interval_s if self.reap_interval_s is not None else max(0.1, self.lease_ttl_ms / 2000)
+
+    def check(self) -> None:
+        if self.lease_ttl_ms < 100:
+            raise ValueError(f"--lease-ttl-ms must be >= 100, got {self.lease_ttl_ms}")
+        self.pending.check()
+
+
+@dataclass(slots=True)
+class RedisStoreConfig:
+    """The Redis store's settings (kv_service/store_redis.py)."""
+
+    namespace: str = "kvmesh"
+    """Redis key hash tag; deployments sharing one Redis use different ones."""
+    max_blocks_per_call: int = 256
+    """Block hashes one Redis event-apply script carries at most; a bigger batch is applied in several calls, so
+    a Lookup never waits behind a whole batch."""
+    redis_connections: int = 64
+    """Connections to each Redis node at most (the script calls' own pool; a call waits for a free one)."""
+    shards: int = 1
+    """Redis Cluster hash tags one index is spread over: a worker's blocks and events live on its home shard, a
+    Lookup asks every shard in one parallel round. Set it to the cluster's masters (or a multiple); 1 = one node
+    holds the whole namespace. Every replica of a namespace uses the same value."""
+
+    def check(self) -> None:
+        if self.max_blocks_per_call < 1 or self.redis_connections < 1:
+            raise ValueError("--max-blocks-per-call and --redis-connections must be >= 1")
+        if not 1 <= self.shards <= MAX_SHARDS:
+            raise ValueError(f"--shards must be in [1, {MAX_SHARDS}], got {self.shards}")
 
 
 @dataclass(slots=True)
@@ -21,21 +83,12 @@ class KVServiceConfig:
     """The Redis that keeps the index (the default store); none = redis://127.0.0.1:6379/0."""
     store: str | None = None
     """'memory' keeps the index in this process (a single replica only); none = Redis."""
-    namespace: str = "kvmesh"
-    """Redis key hash tag; deployments sharing one Redis use different ones."""
-    lease_ttl_ms: int = 10_000
-    """Worker lease: a worker without a heartbeat for this long leaves lookups."""
+    redis: RedisStoreConfig = field(default_factory=RedisStoreConfig)
+    """The Redis store (a group: its fields are the flags)."""
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    """Leases and the routers' picks (a group: its fields are the flags)."""
     max_publishers: int = 1024
     """Workers that may stream block events to this replica at once; one more is refused with RESOURCE_EXHAUSTED."""
-    max_blocks_per_call: int = 256
-    """Block hashes one Redis event-apply script carries at most; a bigger batch is applied in several calls, so
-    a Lookup never waits behind a whole batch."""
-    redis_connections: int = 64
-    """Connections to each Redis node at most (the script calls' own pool; a call waits for a free one)."""
-    shards: int = 1
-    """Redis Cluster hash tags one index is spread over: a worker's blocks and events live on its home shard, a
-    Lookup asks every shard in one parallel round. Set it to the cluster's masters (or a multiple); 1 = one node
-    holds the whole namespace. Every replica of a namespace uses the same value."""
 
     def check(self) -> None:
         """Raises ValueError with the flag to fix."""
@@ -43,18 +96,9 @@ class KVServiceConfig:
             raise ValueError(f"--store must be redis or memory, got {self.store!r}")
         if self.store == "memory" and self.redis_url:
             raise ValueError("--redis-url and --store memory exclude each other")
-        if self.lease_ttl_ms < 100:
-            raise ValueError(f"--lease-ttl-ms must be >= 100, got {self.lease_ttl_ms}")
         if self.max_publishers < 1:
             raise ValueError(f"--max-publishers must be >= 1, got {self.max_publishers}")
-        if self.max_blocks_per_call < 1 or self.redis_connections < 1:
-            raise ValueError("--max-blocks-per-call and --redis-connections must be >= 1")
-        if not 1 <= self.shards <= MAX_SHARDS:
-            raise ValueError(f"--shards must be in [1, {MAX_SHARDS}], got {self.shards}")
-        if self.store == "memory" and self.shards != 1:
+        self.service.check()
+        self.redis.check()
+        if self.store == "memory" and self.redis.shards != 1:
             raise ValueError("--shards applies to the Redis store, not --store memory")
-
-    @property
-    def reap_interval_s(self) -> float:
-        """Expired workers are deleted twice per lease."""
-        return max(0.1, self.lease_ttl_ms / 2000)

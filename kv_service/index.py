@@ -6,7 +6,12 @@ Semantics (docs/kv-service.md):
 - per worker: an LRU order of its blocks (by last stored), capped at its ``num_blocks``, its load,
   lease, epoch and last applied seq;
 - a worker's events apply only in seq order within its epoch; a gap or a newer epoch answers
-  RESYNC and changes nothing; a snapshot replaces the worker's set.
+  RESYNC and changes nothing; a snapshot replaces the worker's set;
+- per worker: the routers' pending picks (the shared router view, docs/router.md "Several
+  routers"): a reserved pick counts in every Lookup until a load report of the worker covers it
+  (the report lists the pick's request as admitted; or, from a worker that lists no admissions,
+  the report arrived ``grace_ms`` or more after the pick), ``ttl_ms`` at most; a re-registration
+  drops them (the requests died with the process).
 
 Every method is a coroutine (the Redis store awaits its round trips; the memory store never
 suspends) and atomic, except that a store may apply one big event batch in several bounded steps
@@ -22,7 +27,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvmesh.contract.types import KVCacheEvent, Load, ModelSpec
+from kvmesh.contract.types import NO_PENDING, KVCacheEvent, Load, ModelSpec, Pending
+from kvmesh.kv_service.config import PendingConfig
 
 FLUSHED = "the index dropped this worker's blocks (FlushWorker)"
 """The reason of the RESYNC a flushed worker's event batches get until its snapshot arrives."""
@@ -42,6 +48,8 @@ class Registration:
     hash_algorithm: str
     num_blocks: int
     epoch: int
+    engine: str = "kvmesh"
+    """What serves the worker's requests: kvmesh, vllm or sglang (a bridge registers those)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,6 +66,29 @@ class WorkerMatch(NamedTuple):
     matched_blocks: int
     load: Load
     block_size: int
+    pending: Pending = NO_PENDING
+
+
+@dataclass(slots=True, frozen=True)
+class Pick:
+    """A router's reservation of a worker for one request (the shared router view)."""
+
+    model_id: str
+    worker_id: str
+    router_id: str
+    request_id: str
+    prefill_tokens: int
+    blocks: int
+    seen_version: int | None = None
+    """The worker's ``Pending.version`` in the router's Lookup: refused when another router
+    reserved the worker since; None = unconditional."""
+
+
+@dataclass(slots=True, frozen=True)
+class ReserveResult:
+    reserved: bool
+    workers: list[tuple[str, Pending]] = field(default_factory=list)
+    """When refused: every live worker of the model and its pending picks now."""
 
 
 @dataclass(slots=True)
@@ -67,6 +98,7 @@ class WorkerInfo:
     blocks_indexed: int
     load: Load
     lease_expiry_ms: int
+    pending: Pending = NO_PENDING
 
     def live(self, now_ms: int) -> bool:
         return self.lease_expiry_ms > now_ms
@@ -84,6 +116,8 @@ class BlockIndex(abc.ABC):
     """Where the index lives. Raises kvmesh.contract.errors types; never returns partial updates."""
 
     name: str
+    pending_config: PendingConfig = PendingConfig()
+    """Set by the KVService that owns the store."""
 
     @abc.abstractmethod
     async def register_worker(self, reg: Registration, lease_ttl_ms: int, now_ms: int) -> None:
@@ -96,7 +130,8 @@ class BlockIndex(abc.ABC):
 
     @abc.abstractmethod
     async def heartbeat(self, worker_id: str, epoch: int, load: Load, lease_ttl_ms: int, now_ms: int) -> bool:
-        """Renews the lease; returns True while the worker owes a snapshot since ``flush_worker``.
+        """Renews the lease and records the load (which retires the pending picks it covers);
+        returns True while the worker owes a snapshot since ``flush_worker``.
         Raises NotFound (unknown or expired) or FailedPrecondition (epoch)."""
 
     @abc.abstractmethod
@@ -121,6 +156,16 @@ class BlockIndex(abc.ABC):
     @abc.abstractmethod
     async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
         """Per live worker of the model, the leading blocks of ``hashes`` it holds."""
+
+    @abc.abstractmethod
+    async def reserve(self, pick: Pick, now_ms: int) -> ReserveResult:
+        """Records a router's pick of a live worker of ``pick.model_id``, unless ``seen_version`` is
+        set and another router reserved the worker after it (then nothing changes and the answer
+        lists the model's live workers' pending picks).
+
+        Raises:
+            NotFound: the worker is not live, or serves another model.
+        """
 
     @abc.abstractmethod
     async def holders(self, block_hash: bytes, now_ms: int) -> list[str]:

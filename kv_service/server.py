@@ -12,13 +12,15 @@ from kvmesh.contract.convert import (
     events_from_pb,
     load_from_pb,
     load_to_pb,
+    pending_to_pb,
 )
 from kvmesh.contract.errors import InvalidArgument, ResourceExhausted
 from kvmesh.contract.limits import MAX_EXTRA_KEYS_CHARS, check_length
 from kvmesh.contract.types import Load
-from kvmesh.kv_service.index import BlockIndex, Registration, WorkerMatch
+from kvmesh.kv_service.config import KVServiceConfig, ServiceConfig
+from kvmesh.kv_service.index import BlockIndex, Pick, Registration, WorkerMatch
 from kvmesh.kv_service.metrics import KVMetrics
-from kvmesh.kv_service.service import KVService, ServiceConfig, now_ms
+from kvmesh.kv_service.service import KVService, now_ms
 from kvmesh.transport.loop import LoopThread
 from kvmesh.transport.server import AioServer
 from kvmesh.v1 import kv_service_pb2 as pb
@@ -26,7 +28,7 @@ from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvmesh.kv_service")
 
-DEFAULT_MAX_PUBLISHERS = 1024
+DEFAULT_MAX_PUBLISHERS = KVServiceConfig().max_publishers
 """Workers that may hold a PublishEvents stream on one replica at once (a stream is a coroutine)."""
 
 
@@ -75,7 +77,15 @@ class LookupReplies:
         elif c[0] is not m.load:
             self._static[m.worker_id] = (m.load, *c[1:])  # an equal load, refreshed: identity next time
         # field 3 (matched_blocks, varint): proto3 leaves a 0 out
-        return c[3] + b"\x18" + varint(m.matched_blocks) if m.matched_blocks else c[3]
+        entry = c[3] + b"\x18" + varint(m.matched_blocks) if m.matched_blocks else c[3]
+        p = m.pending
+        if p.version:
+            # field 6 (pending, a PendingPicks of four varints, zeros left out): changes every pick
+            body = b"".join((b"\x08" + varint(p.requests) if p.requests else b"",
+                             b"\x10" + varint(p.prefill_tokens) if p.prefill_tokens else b"",
+                             b"\x18" + varint(p.blocks) if p.blocks else b"", b"\x20" + varint(p.version)))
+            entry += b"\x32" + varint(len(body)) + body
+        return entry
 
     def response(self, matches: list[WorkerMatch], block_size: int, n: int) -> pb.LookupResponse:
         parts = []
@@ -97,7 +107,7 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         check_length("extra_keys", request.extra_keys, MAX_EXTRA_KEYS_CHARS)
         algo = algorithm_from_pb(request.hash_algorithm)
         reg = Registration(request.worker_id, request.address, request.model_id, request.block_size, algo,
-                           request.num_blocks, request.epoch)
+                           request.num_blocks, request.epoch, request.engine or "kvmesh")
         ttl = await self.svc.register(reg)
         log.info("registered worker %s (%s, model %s, epoch %d)", reg.worker_id, reg.address, reg.model_id, reg.epoch)
         return pb.RegisterWorkerResponse(lease_ttl_ms=ttl, next_seq=1)
@@ -136,6 +146,13 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         bs = matches[0].block_size if matches else 0
         return self._replies.response(matches, bs, len(request.block_hashes))
 
+    async def Reserve(self, request, context):
+        seen = request.seen_version if request.HasField("seen_version") else None
+        result = await self.svc.reserve(Pick(request.model_id, request.worker_id, request.router_id,
+                                             request.request_id, request.prefill_tokens, request.blocks, seen))
+        return pb.ReserveResponse(reserved=result.reserved, workers=[
+            pb.WorkerPending(worker_id=w, pending=pending_to_pb(p)) for w, p in result.workers])
+
     async def LookupTokens(self, request, context):
         bs, matches = await self.svc.lookup_tokens(request.model_id, request.token_ids, request.cache_salt)
         return self._replies.response(matches, bs, len(request.token_ids) // bs if bs else 0)
@@ -163,7 +180,8 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
                 worker_id=r.worker_id, address=r.address, model_id=r.model_id, block_size=r.block_size,
                 hash_algorithm=algorithm_to_pb(r.hash_algorithm), num_blocks=r.num_blocks, epoch=r.epoch,
                 last_seq=info.last_seq, blocks_indexed=info.blocks_indexed, load=load_to_pb(info.load),
-                lease_remaining_ms=info.lease_expiry_ms - now, live=info.live(now),
+                lease_remaining_ms=info.lease_expiry_ms - now, live=info.live(now), engine=r.engine,
+                pending=pending_to_pb(info.pending),
             ))
         return pb.ListWorkersResponse(workers=out)
 
@@ -203,7 +221,7 @@ class KVServiceServer:
 
     async def _reap_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.service.config.reap_interval_s)
+            await asyncio.sleep(self.service.config.reap_every_s)
             try:
                 n = await self.service.reap()
                 if n:

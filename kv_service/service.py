@@ -11,29 +11,42 @@ import asyncio
 import re
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 from kvmesh.contract.block_hash import ALGORITHMS, HASH_LEN, BlockHasher
 from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.limits import (
     MAX_ADDRESS_CHARS,
+    MAX_ADMITTED_IDS,
     MAX_CACHE_SALT_CHARS,
     MAX_CHAIN_BLOCKS,
     MAX_MODEL_ID_CHARS,
     MAX_TOKEN_ID,
     MAX_WORKER_ID_CHARS,
+    MAX_WORKER_REQUEST_ID_CHARS,
+    check_id,
     check_length,
     excerpt,
 )
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load
-from kvmesh.kv_service.index import Action, BlockIndex, PublishResult, Registration, WorkerMatch
+from kvmesh.kv_service.config import ServiceConfig
+from kvmesh.kv_service.index import (
+    Action,
+    BlockIndex,
+    Pick,
+    PublishResult,
+    Registration,
+    ReserveResult,
+    WorkerMatch,
+)
 from kvmesh.kv_service.metrics import KVMetrics
 
-__all__ = ["MAX_CHAIN_BLOCKS", "MAX_TOKEN_ID", "HeartbeatAnswer", "KVService", "ServiceConfig", "run_now"]
+__all__ = ["MAX_CHAIN_BLOCKS", "MAX_TOKEN_ID", "HeartbeatAnswer", "KVService", "run_now"]
 
 MAX_EPOCH = 2**53 - 1  # exact in a Lua double
+MAX_PICK_TOKENS = 2**40
 _ID_RE = re.compile(rf"^[A-Za-z0-9._:@/-]{{1,{MAX_WORKER_ID_CHARS}}}$")
+_ENGINE_RE = re.compile(r"^[A-Za-z0-9._-]{1,32}$")
 HASH_IN_THREAD_TOKENS = 16_384
 """LookupTokens hashes longer prompts on a worker thread: ~1.3 ms of the loop per 16k tokens
 (sha256_128) is the most one admin call may hold every other request up."""
@@ -54,14 +67,6 @@ def run_now(coro: Coroutine[Any, Any, T]) -> T:
 
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-@dataclass(slots=True)
-class ServiceConfig:
-    lease_ttl_ms: int = 10_000
-    """A worker missing heartbeats this long leaves Lookup at once (cleaned up lazily)."""
-    reap_interval_s: float = 5.0
-    """How often expired workers and their blocks are deleted from the store."""
 
 
 class HeartbeatAnswer(NamedTuple):
@@ -104,6 +109,14 @@ def _check_hash(what: str, h: bytes) -> None:
         raise InvalidArgument(f"{what} is {len(h)} bytes; block hashes are {HASH_LEN} bytes (docs/block-hashing.md)")
 
 
+def _check_load(load: Load) -> None:
+    if len(load.admitted) > MAX_ADMITTED_IDS:
+        raise InvalidArgument(f"load.admitted_request_ids has {len(load.admitted)} ids; at most {MAX_ADMITTED_IDS} "
+                              "per report")
+    for i, rid in enumerate(load.admitted):
+        check_id(f"load.admitted_request_ids[{i}]", rid, MAX_WORKER_REQUEST_ID_CHARS)
+
+
 def _check_counter(what: str, value: int) -> None:
     if not 1 <= value <= MAX_EPOCH:
         raise InvalidArgument(f"{what} must be in [1, 2**53), got {value}")
@@ -121,6 +134,7 @@ class KVService:
                  metrics: KVMetrics | None = None, clock: Callable[[], int] = now_ms) -> None:
         self.index = index
         self.config = config or ServiceConfig()
+        index.pending_config = self.config.pending
         self.metrics = metrics or KVMetrics()
         self._now = clock
         self.lookups_total = 0
@@ -142,11 +156,15 @@ class KVService:
         if reg.num_blocks < 1:
             raise InvalidArgument(f"num_blocks must be >= 1, got {reg.num_blocks}")
         _check_counter("epoch", reg.epoch)
+        if not _ENGINE_RE.match(reg.engine):
+            raise InvalidArgument(f"engine must be 1-32 characters of letters, digits, '.', '_' and '-' (kvmesh, vllm, "
+                                  f"sglang), got {excerpt(reg.engine)}")
         await self.index.register_worker(reg, self.config.lease_ttl_ms, self._now())
         return self.config.lease_ttl_ms
 
     async def heartbeat(self, worker_id: str, epoch: int, load: Load) -> HeartbeatAnswer:
         _check_id("worker_id", worker_id)
+        _check_load(load)
         resync = await self.index.heartbeat(worker_id, epoch, load, self.config.lease_ttl_ms, self._now())
         return HeartbeatAnswer(self.config.lease_ttl_ms, bool(resync))
 
@@ -156,6 +174,8 @@ class KVService:
         _check_id("worker_id", worker_id)
         _check_counter("epoch", epoch)
         _check_counter("seq", seq)
+        if load is not None:
+            _check_load(load)
         for i, ev in enumerate(events):
             if isinstance(ev, BlockStored):
                 _check_hashes(f"events[{i}].stored.block_hashes", ev.block_hashes)
@@ -173,6 +193,8 @@ class KVService:
         _check_counter("epoch", epoch)
         _check_counter("seq", seq)
         _check_hashes("snapshot_hashes", hashes)
+        if load is not None:
+            _check_load(load)
         result = await self.index.snapshot(worker_id, epoch, seq, hashes, self._now(), load)
         self.metrics.events_applied.labels("snapshot").inc(len(hashes))
         return result
@@ -189,6 +211,22 @@ class KVService:
         for kind, n in applied.items():  # NOTE: one labelled inc per kind, not per event
             self.metrics.events_applied.labels(kind).inc(n)
         self.events_applied_total += len(events)
+
+    # -- the shared router view -----------------------------------------------------------
+    async def reserve(self, pick: Pick) -> ReserveResult:
+        """A router's pick, visible to every Lookup until the worker's report covers it."""
+        _check_model_id(pick.model_id)
+        _check_id("worker_id", pick.worker_id)
+        _check_id("router_id", pick.router_id)
+        check_id("request_id", pick.request_id, MAX_WORKER_REQUEST_ID_CHARS)
+        if not 0 <= pick.prefill_tokens <= MAX_PICK_TOKENS or not 0 <= pick.blocks < 2**32:
+            raise InvalidArgument(f"prefill_tokens must be in [0, 2**40] and blocks in [0, 2**32), got "
+                                  f"{pick.prefill_tokens} and {pick.blocks}")
+        if pick.seen_version is not None and not 0 <= pick.seen_version <= MAX_EPOCH:
+            raise InvalidArgument(f"seen_version must be in [0, 2**53), got {pick.seen_version}")
+        result = await self.index.reserve(pick, self._now())
+        self.metrics.reservations.labels("reserved" if result.reserved else "conflict").inc()
+        return result
 
     # -- lookups -------------------------------------------------------------------------
     async def lookup(self, model_id: str, hashes: Sequence[bytes]) -> list[WorkerMatch]:

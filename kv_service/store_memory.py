@@ -12,14 +12,24 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvmesh.contract.errors import FailedPrecondition, NotFound
-from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load, ModelSpec
+from kvmesh.contract.types import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    Load,
+    ModelSpec,
+    Pending,
+)
 from kvmesh.kv_service.index import (
     FLUSHED,
     Action,
     BlockIndex,
     IndexStats,
+    Pick,
     PublishResult,
     Registration,
+    ReserveResult,
     WorkerInfo,
     WorkerMatch,
 )
@@ -35,6 +45,9 @@ class _Worker:
     lru: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     resync: bool = False
     """Flushed: owes a snapshot (heartbeats say so, event batches are answered RESYNC)."""
+    picks: dict[str, tuple[int, str, int, int, int]] = field(default_factory=dict)
+    """Pending picks: request id -> (taken at ms, router id, version, prefill tokens, blocks), oldest first."""
+    pick_version: int = 0
 
 
 class MemoryIndex(BlockIndex):
@@ -94,6 +107,38 @@ class MemoryIndex(BlockIndex):
             return PublishResult(Action.RESYNC, f"seq gap: expected {w.last_seq + 1}, got {seq}; send a snapshot")
         return None
 
+    def _set_load(self, w: _Worker, load: Load, now_ms: int) -> None:
+        """Records a report and retires the picks it covers (store_redis: common.lua cover_picks)."""
+        w.load = dataclasses.replace(load, admitted=()) if load.admitted else load
+        picks = w.picks
+        if not picks:
+            return
+        cfg = self.pending_config
+        if load.reports_admissions:
+            for rid in load.admitted:
+                picks.pop(rid, None)
+            self._expire_picks(w, now_ms - cfg.ttl_ms)
+        else:
+            self._expire_picks(w, max(now_ms - cfg.ttl_ms, now_ms - cfg.grace_ms))
+
+    @staticmethod
+    def _expire_picks(w: _Worker, cutoff_ms: int) -> None:
+        """Drops the picks taken at or before ``cutoff_ms`` (oldest first: they lead the dict)."""
+        picks = w.picks
+        while picks:
+            rid, p = next(iter(picks.items()))
+            if p[0] > cutoff_ms:
+                break
+            del picks[rid]
+
+    @staticmethod
+    def _pending(w: _Worker) -> Pending:
+        picks = w.picks
+        if not picks:
+            return Pending(version=w.pick_version)
+        return Pending(len(picks), sum(p[3] for p in picks.values()), sum(p[4] for p in picks.values()),
+                       w.pick_version)
+
     def _remove_worker(self, worker_id: str) -> None:
         w = self._workers.pop(worker_id)
         self._clear(w)
@@ -129,7 +174,10 @@ class MemoryIndex(BlockIndex):
             if old is not None:
                 self._remove_worker(reg.worker_id)
             self._specs[reg.model_id] = ModelSpec(reg.model_id, reg.block_size, reg.hash_algorithm)
-            self._workers[reg.worker_id] = _Worker(reg, now_ms + lease_ttl_ms)
+            # NOTE: the picks died with the process; their count goes on, so a router's seen version
+            # stays comparable.
+            self._workers[reg.worker_id] = _Worker(reg, now_ms + lease_ttl_ms,
+                                                   pick_version=old.pick_version if old is not None else 0)
 
     async def heartbeat(self, worker_id: str, epoch: int, load: Load, lease_ttl_ms: int, now_ms: int) -> bool:
         with self._lock:
@@ -138,7 +186,7 @@ class MemoryIndex(BlockIndex):
                 raise FailedPrecondition(
                     f"heartbeat for epoch {epoch} but worker {worker_id!r} is registered with epoch {w.reg.epoch}"
                 )
-            w.load = load
+            self._set_load(w, load, now_ms)
             w.lease_expiry_ms = now_ms + lease_ttl_ms
             return w.resync
 
@@ -179,7 +227,7 @@ class MemoryIndex(BlockIndex):
             self._cap(w)
             w.last_seq = seq
             if load is not None:
-                w.load = load
+                self._set_load(w, load, now_ms)
             return PublishResult(Action.ACK)
 
     async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int,
@@ -216,7 +264,7 @@ class MemoryIndex(BlockIndex):
                 w.reg = dataclasses.replace(w.reg, epoch=epoch)
             w.last_seq = seq
             if load is not None:
-                w.load = load
+                self._set_load(w, load, now_ms)
             return PublishResult(Action.ACK)
 
     async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
@@ -234,8 +282,27 @@ class MemoryIndex(BlockIndex):
                 for wid in candidates:
                     matched[wid] = i + 1
             return [
-                WorkerMatch(wid, w.reg.address, matched[wid], w.load, w.reg.block_size) for wid, w in live.items()
+                WorkerMatch(wid, w.reg.address, matched[wid], w.load, w.reg.block_size, self._pending(w))
+                for wid, w in live.items()
             ]
+
+    async def reserve(self, pick: Pick, now_ms: int) -> ReserveResult:
+        with self._lock:
+            w = self._workers.get(pick.worker_id)
+            if w is None or w.lease_expiry_ms <= now_ms or w.reg.model_id != pick.model_id:
+                raise NotFound(f"worker {pick.worker_id!r} is not a live worker of model {pick.model_id!r}")
+            self._expire_picks(w, now_ms - self.pending_config.ttl_ms)  # NOTE: expired picks conflict with nobody
+            seen = pick.seen_version
+            if seen is not None and any(v > seen and r != pick.router_id for _, r, v, _, _ in w.picks.values()):
+                model = w.reg.model_id
+                return ReserveResult(False, [(wid, self._pending(o)) for wid, o in sorted(self._workers.items())
+                                             if o.reg.model_id == model and o.lease_expiry_ms > now_ms])
+            w.pick_version += 1
+            w.picks.pop(pick.request_id, None)  # NOTE: re-reserved: it moves to the end (newest)
+            w.picks[pick.request_id] = (now_ms, pick.router_id, w.pick_version, pick.prefill_tokens, pick.blocks)
+            while len(w.picks) > self.pending_config.max_per_worker:
+                del w.picks[next(iter(w.picks))]
+            return ReserveResult(True)
 
     async def holders(self, block_hash: bytes, now_ms: int) -> list[str]:
         with self._lock:
@@ -246,7 +313,7 @@ class MemoryIndex(BlockIndex):
     async def workers(self, now_ms: int, include_expired: bool = False) -> list[WorkerInfo]:
         with self._lock:
             return [
-                WorkerInfo(w.reg, w.last_seq, len(w.lru), w.load, w.lease_expiry_ms)
+                WorkerInfo(w.reg, w.last_seq, len(w.lru), w.load, w.lease_expiry_ms, self._pending(w))
                 for wid, w in sorted(self._workers.items())
                 if include_expired or w.lease_expiry_ms > now_ms
             ]

@@ -14,10 +14,14 @@ one shard, :func:`shard_tags` with more):
     wn / nw       HASH  worker id <-> its number (new at every registration)
     wseq          INT   the last worker number given out
     l:<worker>    ZSET  the worker's blocks, score = access counter (LRU order)
-    w:<worker>    HASH  model, addr, bs, algo, nb, epoch, seq, ctr, load, lease, num
+    w:<worker>    HASH  model, addr, bs, algo, nb, epoch, seq, ctr, load, lease, num, engine, pv
+                        (pv: the worker's reservation count, kept across its registrations)
     m:<model>     HASH  bs, algo (the model's registered spec)
     mw:<model>    ZSET  worker -> lease expiry (ms)
     ld:<model>    HASH  worker -> "addr|block_size|load" (cached in-process for Lookup)
+    pk:<worker>   HASH  request id -> "taken_ms,router,version,prefill,blocks": the routers' pending
+                        picks of the worker (the shared router view)
+    pd:<model>    HASH  worker -> "picks,prefill,blocks,version": their sums (read by every Lookup)
     workers       ZSET  worker -> lease expiry (ms), every model
     models        SET   model ids
 
@@ -52,24 +56,33 @@ from redis.exceptions import (
 
 from kvmesh.contract.block_hash import HASH_LEN
 from kvmesh.contract.errors import FailedPrecondition, NotFound, Unavailable
-from kvmesh.contract.types import AllBlocksCleared, BlockStored, KVCacheEvent, Load, ModelSpec
-from kvmesh.kv_service.config import MAX_SHARDS
+from kvmesh.contract.types import (
+    NO_PENDING,
+    AllBlocksCleared,
+    BlockStored,
+    KVCacheEvent,
+    Load,
+    ModelSpec,
+    Pending,
+)
+from kvmesh.kv_service.config import RedisStoreConfig
 from kvmesh.kv_service.index import (
     Action,
     BlockIndex,
     IndexStats,
+    Pick,
     PublishResult,
     Registration,
+    ReserveResult,
     WorkerInfo,
     WorkerMatch,
 )
 
 _LUA_DIR = Path(__file__).parent / "lua"
 
-DEFAULT_MAX_BLOCKS_PER_CALL = 256
-"""Block hashes one event-apply script call carries at most (``--max-blocks-per-call``)."""
-DEFAULT_MAX_CONNECTIONS = 64
-"""Redis connections of one kv_service replica to each Redis node (``--redis-connections``)."""
+_DEFAULTS = RedisStoreConfig()
+DEFAULT_MAX_BLOCKS_PER_CALL = _DEFAULTS.max_blocks_per_call
+DEFAULT_MAX_CONNECTIONS = _DEFAULTS.redis_connections
 
 
 def _script_source(name: str) -> str:
@@ -104,6 +117,14 @@ def split_payload(events: list[KVCacheEvent], limit: int) -> list[list]:
             i += len(chunk)
     parts.append(cur)
     return parts
+
+
+def _pending(raw: bytes | str | None) -> Pending:
+    """A worker's "picks,prefill,blocks,version" (pd:<model>); none = no pick ever."""
+    if not raw:
+        return NO_PENDING
+    n, pf, b, v = _s(raw).split(",")
+    return Pending(int(n), int(pf), int(b), int(v))
 
 
 def shard_tags(namespace: str, shards: int) -> list[str]:
@@ -233,15 +254,12 @@ class RedisIndex(BlockIndex):
 
     name = "redis"
 
-    def __init__(self, url: str, namespace: str = "kvmesh", socket_timeout: float = 2.0,
+    def __init__(self, url: str, namespace: str = _DEFAULTS.namespace, socket_timeout: float = 2.0,
                  max_blocks_per_call: int = DEFAULT_MAX_BLOCKS_PER_CALL,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, shards: int = 1) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, shards: int = _DEFAULTS.shards) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", namespace):
             raise ValueError(f"namespace must be 1-64 letters, digits, '_', '.', '-', got {namespace!r}")
-        if max_blocks_per_call < 1 or max_connections < 1:
-            raise ValueError("max_blocks_per_call and max_connections must be >= 1")
-        if not 1 <= shards <= MAX_SHARDS:
-            raise ValueError(f"shards must be in [1, {MAX_SHARDS}], got {shards}")
+        RedisStoreConfig(namespace, max_blocks_per_call, max_connections, shards).check()
         self.url = url
         self.max_blocks_per_call = max_blocks_per_call
         self.shards = shards
@@ -267,7 +285,7 @@ class RedisIndex(BlockIndex):
         self._closed = False
         self._scripts: dict[str, tuple[str, str]] = {}
         self._sources: dict[str, str] = {}
-        for n in ("register", "heartbeat", "publish", "lookup", "admin"):
+        for n in ("register", "heartbeat", "publish", "lookup", "admin", "reserve"):
             src = _script_source(n)
             sha = hashlib.sha1(src.encode()).hexdigest()
             self._scripts[n], self._sources[sha] = (sha, src), src
@@ -482,7 +500,7 @@ class RedisIndex(BlockIndex):
             raise self._spec_error(reg, *other)
         res = await self._call(
             "register", reg.worker_id, reg.address, reg.model_id, reg.block_size, reg.hash_algorithm,
-            reg.num_blocks, reg.epoch, now_ms, lease_ttl_ms,
+            reg.num_blocks, reg.epoch, now_ms, lease_ttl_ms, reg.engine,
         )
         code = _s(res[0])
         if code == "SPEC":
@@ -500,8 +518,17 @@ class RedisIndex(BlockIndex):
             await self._on(self.home(reg.worker_id), "admin", "unregister", reg.worker_id, reg.epoch)
             raise self._spec_error(reg, *other)
 
+    def _cover(self, load: Load, now_ms: int) -> str:
+        """The picks a report covers, for common.lua's cover_picks."""
+        cfg = self.pending_config
+        ttl_cut = now_ms - cfg.ttl_ms
+        if load.reports_admissions:
+            return "\n".join(("A", str(ttl_cut), *load.admitted))
+        return f"T\n{ttl_cut}\n{now_ms - cfg.grace_ms}"
+
     async def heartbeat(self, worker_id: str, epoch: int, load: Load, lease_ttl_ms: int, now_ms: int) -> bool:
-        res = await self._call("heartbeat", worker_id, epoch, load.encode(), now_ms, lease_ttl_ms)
+        res = await self._call("heartbeat", worker_id, epoch, load.encode(), now_ms, lease_ttl_ms,
+                               self._cover(load, now_ms))
         code = _s(res[0])
         if code == "NOT_FOUND":
             raise self._not_found(worker_id)
@@ -519,8 +546,10 @@ class RedisIndex(BlockIndex):
         # batches run between parts: the index then holds a prefix of this batch's events.
         for k, payload in enumerate(parts):
             last = k == len(parts) - 1
+            report = last and load is not None
             res = await self._call("publish", worker_id, epoch, seq, now_ms, 1 if snapshot else 0, k,
-                                   1 if last else 0, load.encode() if last and load is not None else "", *payload)
+                                   1 if last else 0, load.encode() if report else "",
+                                   self._cover(load, now_ms) if report else "", *payload)
             code = _s(res[0])
             if code == "OK":
                 continue
@@ -549,18 +578,37 @@ class RedisIndex(BlockIndex):
     async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
         chain = b"".join(hashes)
         if self.shards == 1:
-            live, pairs = await self._on(0, "lookup", model_id, now_ms, HASH_LEN, chain)
+            live, pairs, pending = await self._on(0, "lookup", model_id, now_ms, HASH_LEN, chain)
         else:
             # NOTE: every shard walks the chain for its own workers, all in one round; a worker
             # lives on one shard, so the answers are disjoint and merge by concatenation.
-            live, pairs = [], []
-            for shard_live, shard_pairs in await self._each("lookup", model_id, now_ms, HASH_LEN, chain):
+            live, pairs, pending = [], [], []
+            for shard_live, shard_pairs, shard_pending in await self._each("lookup", model_id, now_ms, HASH_LEN,
+                                                                           chain):
                 live += shard_live
                 pairs += shard_pairs
+                pending += shard_pending
         matched = {pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
         info = await self._worker_info(model_id, live)
-        return [WorkerMatch(wid, addr, matched.get(raw, 0), load, bs) for raw in live
-                for wid, addr, bs, load in (info[raw],)]
+        return [WorkerMatch(wid, addr, matched.get(raw, 0), load, bs, _pending(p))
+                for raw, p in zip(live, pending, strict=True) for wid, addr, bs, load in (info[raw],)]
+
+    # -- the shared router view ------------------------------------------------------------
+    async def reserve(self, pick: Pick, now_ms: int) -> ReserveResult:
+        cfg = self.pending_config
+        res = await self._call("reserve", pick.worker_id, pick.model_id, pick.router_id, pick.request_id,
+                               pick.prefill_tokens, pick.blocks,
+                               "" if pick.seen_version is None else pick.seen_version, now_ms,
+                               now_ms - cfg.ttl_ms, cfg.max_per_worker)
+        code = _s(res[0])
+        if code == "NOT_FOUND":
+            raise NotFound(f"worker {pick.worker_id!r} is not a live worker of model {pick.model_id!r}")
+        if code == "OK":
+            return ReserveResult(True)
+        workers: list[tuple[str, Pending]] = []
+        for flat in await self._each("admin", "pending", pick.model_id):
+            workers += [(_s(flat[i]), _pending(flat[i + 1])) for i in range(0, len(flat), 2)]
+        return ReserveResult(False, sorted(workers))
 
     # -- the address / load cache of Lookup ------------------------------------------------
     # NOTE: liveness and matches always come from Redis in the lookup's one round; only
@@ -615,10 +663,12 @@ class RedisIndex(BlockIndex):
     async def workers(self, now_ms: int, include_expired: bool = False) -> list[WorkerInfo]:
         out = []
         for flat in await self._each("admin", "workers"):
-            for k in range(0, len(flat), 11):
-                wid, model, addr, bs, algo, nb, epoch, seq, load, lease, blocks = flat[k:k + 11]
-                reg = Registration(_s(wid), _s(addr), _s(model), int(bs), _s(algo), int(nb), int(epoch))
-                info = WorkerInfo(reg, int(seq), int(blocks), Load.decode(_s(load)), int(float(lease)))
+            for k in range(0, len(flat), 13):
+                wid, model, addr, bs, algo, nb, epoch, seq, load, lease, engine, pending, blocks = flat[k:k + 13]
+                reg = Registration(_s(wid), _s(addr), _s(model), int(bs), _s(algo), int(nb), int(epoch),
+                                   _s(engine) or "kvmesh")
+                info = WorkerInfo(reg, int(seq), int(blocks), Load.decode(_s(load)), int(float(lease)),
+                                  _pending(pending))
                 if include_expired or info.live(now_ms):
                     out.append(info)
         return sorted(out, key=lambda i: i.registration.worker_id)

@@ -7,14 +7,14 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import AlreadyExists
-from kvmesh.contract.limits import excerpt
+from kvmesh.contract.limits import MAX_ADMITTED_IDS, excerpt
 from kvmesh.contract.modelinfo import model_id_for
 from kvmesh.contract.types import DEFAULT_MAX_TOKENS, KVCacheEvent, Load, SamplingParams
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
@@ -124,6 +124,12 @@ class LLMEngine:
         # NOTE: ("add", Request) / ("abort", id) in call order; only step() touches the scheduler.
         self._inbox: deque[tuple[str, Any]] = deque()
         self._live: set[str] = set()
+        # NOTE: ids of requests admitted and not yet in a load report the kv_service acknowledged
+        # (report_load / ack_admitted): they retire the routers' picks of them (docs/router.md,
+        # "Several routers"). Bounded: past it the oldest go (their picks expire instead).
+        self._unreported: dict[str, None] = {}
+        self._drained: list[Request] = []
+        """Requests moved from the inbox to the scheduler since the last snapshot."""
         # NOTE: cumulative work and time of every step, reported in the load so that routers can
         # learn this worker's step-time coefficients (router/policies/cost.py) instead of assuming them.
         self._work = StepWork()
@@ -182,6 +188,9 @@ class LLMEngine:
                 raise AlreadyExists(f"request id {excerpt(request.request_id)} is already in use")
             self._live.add(request.request_id)
             self._inbox.append(("add", request))
+            self._unreported[request.request_id] = None
+            if len(self._unreported) > MAX_ADMITTED_IDS:
+                del self._unreported[next(iter(self._unreported))]
 
     def check_prompt_length(self, n: int) -> None:
         """Raises ValueError unless a prompt of ``n`` tokens fits (and leaves room for one token)."""
@@ -224,6 +233,9 @@ class LLMEngine:
                 if not self._inbox:
                     return
                 kind, item = self._inbox.popleft()
+                if kind == "add":
+                    # NOTE: in the scheduler but not in the last snapshot: stats() counts it until the next.
+                    self._drained.append(item)
             if kind == "add":
                 self.scheduler.add_request(item)
             else:
@@ -287,7 +299,10 @@ class LLMEngine:
         modelled = getattr(runner, "last_step_s", None)
         self.last_step_s = modelled if modelled is not None else time.perf_counter() - t0
         self._busy_s += self.last_step_s
-        self._stats = self._snapshot()
+        snap = self._snapshot()
+        with self._lock:
+            self._stats = snap
+            self._drained.clear()
         return outputs
 
     def take_kv_events(self) -> list[KVCacheEvent]:
@@ -301,13 +316,28 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """The load as of the last step, plus requests queued since; safe from any thread."""
         with self._lock:
-            queued = [item for kind, item in self._inbox if kind == "add"]
-        snap = self._stats
+            queued = [item for kind, item in self._inbox if kind == "add"] + self._drained
+            snap = self._stats
         return replace(
             snap,
             num_waiting=snap.num_waiting + len(queued),
             queued_prefill_tokens=snap.queued_prefill_tokens + sum(r.num_tokens for r in queued),
         )
+
+    def report_load(self, stats: EngineStats | None = None) -> Load:
+        """The load to report to the kv_service: :meth:`stats`' load (or ``stats``', taken after
+        this call's admissions), listing the requests admitted since the last acknowledged report:
+        every one of them is in its counts."""
+        with self._lock:
+            admitted = tuple(self._unreported)
+        # NOTE: listed first, counted after: every request listed is in the counts.
+        return replace((stats or self.stats()).load, admitted=admitted, reports_admissions=True)
+
+    def ack_admitted(self, request_ids: Iterable[str]) -> None:
+        """The kv_service applied a report listing these admissions: later reports leave them out."""
+        with self._lock:
+            for rid in request_ids:
+                self._unreported.pop(rid, None)
 
     @property
     def last_step_stats(self) -> EngineStats:

@@ -116,7 +116,7 @@ class WorkerServer:
         if kv_service:
             reg = registration(worker_id, self.address, model, engine.config.block_size, engine.config.hash_algorithm,
                                engine.kv_cache_manager.num_blocks)
-            self.publisher = KVPublisher(kv_service, reg, lambda: engine.stats().load)
+            self.publisher = KVPublisher(kv_service, reg, engine.report_load, ack_admitted=engine.ack_admitted)
         self.loop = EngineLoop(engine, self.publisher, on_step=self._on_step, on_finish=self._on_finish,
                                on_token=self._on_token, stream_interval=stream_interval)
         if self.publisher is not None:

@@ -11,7 +11,12 @@ that routes in production. Everything here is decision logic:
   with the speculative map (router/speculative.py) and this router's in-flight view
   (router/inflight.py) into :class:`Candidate`s;
 - the policy's pick (router/policies/: hot-spot guard, rendezvous fallback) and the speculative
-  record of it; the in-flight accounting of the request on the chosen worker.
+  record of it; the in-flight accounting of the request on the chosen worker;
+- the shared router view (docs/router.md, "Several routers"): for a policy that reads it, each
+  pick becomes a :class:`Claim` the caller reserves in the kv_service (awaited live, on the virtual
+  clock in the simulator) before forwarding; a refused claim (another router reserved the worker
+  since this router's Lookup) updates the candidates' pending picks and the policy picks again,
+  ``claim_attempts`` times at most, the last one unconditional.
 
 No grpc, no redis, no threads, no wall clock: time is the injected ``clock`` (monotonic seconds),
 and the index is anything with a ``lookup`` (router/upstream.py's ``PrefixIndex``). Metrics go to
@@ -37,7 +42,14 @@ from kvmesh.contract.types import ModelSpec
 from kvmesh.router.inflight import InFlight, Ticket
 from kvmesh.router.policies.base import Candidate, Decision, RouteQuery, RouterPolicy, uncached_tokens
 from kvmesh.router.speculative import SpeculativeIndex
-from kvmesh.router.upstream import IndexMatch, IndexUnavailable, PrefixIndex, WorkerEndpoint
+from kvmesh.router.upstream import (
+    Claim,
+    ClaimAnswer,
+    IndexMatch,
+    IndexUnavailable,
+    PrefixIndex,
+    WorkerEndpoint,
+)
 
 log = logging.getLogger("kvmesh.router")
 
@@ -116,6 +128,11 @@ class RoutePlan:
     query: RouteQuery
     candidates: list[Candidate]
     endpoints: dict[str, WorkerEndpoint]
+    versions: dict[str, int] | None = None
+    """Per worker, its reservation count in the Lookup answer; None = no claims for this plan (the
+    policy does not read the shared view, it is off, or the index did not answer)."""
+    ticket: Ticket | None = None
+    """The request's in-flight share on the worker it goes to (:meth:`RoutingCore.start`)."""
 
     def candidate(self, worker_id: str) -> Candidate:
         return next(c for c in self.candidates if c.worker_id == worker_id)
@@ -130,11 +147,19 @@ class RoutingCore:
         index_retry_s: after a failed Lookup, skip the index this long.
         clock: monotonic seconds (time.monotonic live, the virtual clock in the simulator).
         observer: receives decision / fallback / lookup-latency counts; None = not counted.
+        shared_view: reserve picks in the kv_service and read the other routers' (when the policy
+            reads the view).
+        router_id: this router's id in its claims.
+        claim_attempts: claims per request at most; the last is unconditional.
     """
 
     def __init__(self, policy: RouterPolicy, *, speculative_ttl_s: float = 2.0, index_retry_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, observer: DecisionObserver | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, observer: DecisionObserver | None = None,
+                 shared_view: bool = False, router_id: str = "router", claim_attempts: int = 5) -> None:
         self.policy = policy
+        self.shared_view = shared_view and policy.shares_view
+        self.router_id = router_id
+        self.claim_attempts = claim_attempts
         self.clock = clock
         self.speculative = SpeculativeIndex(speculative_ttl_s, clock=clock)
         self.inflight = InFlight()
@@ -202,6 +227,8 @@ class RoutingCore:
         """
         eps = {e.worker_id: e for e in endpoints}
         matched: dict[str, int] = {}
+        shared = self.shared_view and answer is not None
+        pending: dict[str, IndexMatch] = {}
         if answer is not None:
             for m in answer:
                 known = eps.get(m.worker_id)
@@ -213,6 +240,8 @@ class RoutingCore:
                 else:  # static --workers: a worker outside the list is not ours to use
                     continue
                 matched[m.worker_id] = m.matched_blocks
+                if shared:
+                    pending[m.worker_id] = m
         if self.wants_index(chain):
             for worker_id, n in self.speculative.matches(chain).items():
                 if worker_id in eps and n > matched.get(worker_id, 0):
@@ -220,12 +249,17 @@ class RoutingCore:
         candidates = []
         for e in eps.values():
             f = self.inflight.of(e.worker_id)
-            candidates.append(Candidate(e.worker_id, e.address, matched.get(e.worker_id, 0), e.load, f.requests,
-                                        f.prefill_tokens, f.waiting, f.blocks))
+            c = Candidate(e.worker_id, e.address, matched.get(e.worker_id, 0), e.load, f.requests,
+                          f.prefill_tokens, f.waiting, f.blocks)
+            m = pending.get(e.worker_id)
+            if m is not None:
+                c.pending = m.pending
+            candidates.append(c)
         usable = [c for c in candidates if healthy(c.worker_id)]
         # NOTE: unhealthy marks are hints: when every worker carries one, try them all anyway.
         return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok, max_tokens),
-                         usable or candidates, eps)
+                         usable or candidates, eps,
+                         {w: m.pending.version for w, m in pending.items()} if shared else None)
 
     def prepare(self, spec: ModelSpec, token_ids: Sequence[int], have_index: bool, *, cache_salt: str = "",
               chain: list[bytes] | None = None, max_tokens: int = 0) -> PendingPlan:
@@ -283,20 +317,66 @@ class RoutingCore:
         return self.complete(pending, endpoints, outcome, self.clock() - t0, adopt=adopt, healthy=healthy)
 
     # -- 4. the pick ----------------------------------------------------------------------------
-    def pick(self, plan: RoutePlan, candidates: Sequence[Candidate] | None = None) -> Decision:
+    def pick(self, plan: RoutePlan, candidates: Sequence[Candidate] | None = None, *, count: bool = True) -> Decision:
         """The policy's pick among ``candidates`` (default: all of the plan's), recorded in the
-        speculative map and counted."""
+        speculative map at once (a burst's next same-prefix request follows it) and counted
+        (``count=False``: the caller counts it with :meth:`commit` once its claim is settled)."""
         decision = self.policy.pick(plan.query, plan.candidates if candidates is None else candidates)
         self.speculative.record(plan.query.block_hashes, decision.worker_id)
-        self.observer.decision(self.policy.name, decision.reason)
+        if count:
+            self.commit(plan, decision)
         return decision
+
+    def commit(self, plan: RoutePlan, decision: Decision) -> None:
+        """The pick stands: counted."""
+        self.observer.decision(self.policy.name, decision.reason)
+
+    # -- 4b. the shared view --------------------------------------------------------------------
+    def claim(self, plan: RoutePlan, decision: Decision, request_id: str, tries: int) -> Claim | None:
+        """The claim of the pick to reserve before forwarding (``tries`` made before it), or None
+        when there is none to make: no shared view for this plan, or the attempts are used up."""
+        if plan.versions is None or tries >= self.claim_attempts:
+            return None
+        # NOTE: in flight from the pick on, so this router's next picks see it while it is claimed.
+        self.start(plan, decision.worker_id)
+        q = plan.query
+        c = plan.candidate(decision.worker_id)
+        seen = plan.versions.get(decision.worker_id, 0) if tries < self.claim_attempts - 1 else None
+        blocks = -(-q.prompt_len // q.block_size) if q.block_size else 0
+        return Claim(decision.worker_id, request_id, uncached_tokens(c, q), blocks, seen)
+
+    def claimed(self, plan: RoutePlan, answer: ClaimAnswer) -> Decision | None:
+        """The kv_service's answer to a claim: None when reserved (forward the pick), else the
+        policy's new pick with every candidate's pending picks as they are now (claim it next)."""
+        if answer.reserved:
+            return None
+        assert plan.versions is not None
+        if plan.ticket is not None:
+            self.finish(plan.ticket)  # NOTE: the pick moves: its own share must not weigh on the re-pick
+            self.speculative.forget(plan.query.block_hashes, plan.ticket.worker_id)
+        for c in plan.candidates:
+            p = answer.pending.get(c.worker_id)
+            if p is not None:
+                c.pending = p
+                plan.versions[c.worker_id] = p.version
+        # NOTE: the first pick's speculative record stays (its TTL ends it): removing one record's
+        # entries would also remove those of every same-instant record of that worker.
+        return self.pick(plan, count=False)
 
     # -- 5. in-flight accounting ----------------------------------------------------------------
     def start(self, plan: RoutePlan, worker_id: str) -> Ticket:
-        """The request is sent to ``worker_id``: its uncached tokens wait for prefill there."""
+        """The request goes to ``worker_id``: its uncached tokens wait for prefill there. Idempotent
+        per plan and worker (a claimed pick is in flight from its claim on); a plan's earlier
+        ticket on another worker is finished."""
+        t = plan.ticket
+        if t is not None and not t.finished:
+            if t.worker_id == worker_id:
+                return t
+            self.finish(t)
         q = plan.query
         blocks = -(-q.prompt_len // q.block_size) if q.block_size else 0
-        return self.inflight.start(worker_id, uncached_tokens(plan.candidate(worker_id), q), blocks)
+        plan.ticket = self.inflight.start(worker_id, uncached_tokens(plan.candidate(worker_id), q), blocks)
+        return plan.ticket
 
     def prefilled(self, ticket: Ticket) -> None:
         """Its first token arrived."""

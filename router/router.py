@@ -148,7 +148,9 @@ class Router:
         routing = config.routing
         policy = policy or make_policy(routing.policy, routing.policy_config)
         self.core = RoutingCore(policy, speculative_ttl_s=routing.speculative_ttl_s,
-                                index_retry_s=routing.index_retry_s, observer=self.metrics)
+                                index_retry_s=routing.index_retry_s, observer=self.metrics,
+                                shared_view=routing.shared_view and index is not None,
+                                router_id=f"router-{uuid.uuid4().hex[:12]}", claim_attempts=routing.claim_attempts)
         if speculative is not None:
             self.core.speculative = speculative
 
@@ -272,9 +274,30 @@ class Router:
         return core.complete(pending, self.pool.endpoints(), outcome, time.perf_counter() - t0,
                            adopt=self.pool.discovers_from_index, healthy=self.pool.healthy)
 
-    async def decide(self, inp: GenerateInput) -> tuple[RoutePlan, Decision]:
-        """Tokenize + hash + lookup + pick, and the speculative record: all the server does
-        before forwarding (benchmarks/router_overhead.py times exactly this)."""
+    async def claim(self, plan: RoutePlan, decision: Decision, request_id: str) -> Decision:
+        """Reserves the pick in the kv_service (the shared router view), picking again while another
+        router got there first; the pick to forward. A kv_service that does not answer leaves the
+        pick as it is (the request is not held up for the view)."""
+        core, tries = self.core, 0
+        while (claim := core.claim(plan, decision, request_id, tries)) is not None:
+            assert self.index is not None
+            try:
+                answer = await self.index.reserve(self.pool.model_spec().model_id, core.router_id, claim)
+            except IndexUnavailable as exc:
+                self.metrics.claims.labels("failed").inc()
+                log.debug("reserve failed, forwarding unreserved: %s", exc)
+                break
+            again = core.claimed(plan, answer)
+            self.metrics.claims.labels("reserved" if again is None else "conflict").inc()
+            if again is None:
+                break
+            decision, tries = again, tries + 1
+        return decision
+
+    async def decide(self, inp: GenerateInput, request_id: str = "") -> tuple[RoutePlan, Decision]:
+        """Tokenize + hash + lookup + pick (+ its reservation in the shared view), and the speculative
+        record: all the server does before forwarding (benchmarks/router_overhead.py times exactly
+        this). ``request_id``: the id the worker will see (the reservation names it)."""
         t0 = time.perf_counter()
         if inp.stop:
             try:
@@ -292,7 +315,10 @@ class Router:
         plan = await self.plan(token_ids, inp.cache_salt, inp.sampling.max_tokens or DEFAULT_MAX_TOKENS)
         if not plan.candidates:
             raise Unavailable(self._no_worker_message())
-        decision = self.core.pick(plan)
+        decision = self.core.pick(plan, count=False)
+        if plan.versions is not None:
+            decision = await self.claim(plan, decision, request_id or self.request_id_for(inp))
+        self.core.commit(plan, decision)
         self.metrics.decision_latency_s.observe(time.perf_counter() - t0)
         return plan, decision
 
@@ -344,7 +370,7 @@ class Router:
             raise
 
     async def _generate(self, inp: GenerateInput, rid: str, route: dict[str, object]) -> AsyncIterator[GenerateOutput]:
-        plan, decision = await self.decide(inp)
+        plan, decision = await self.decide(inp, rid)
         budget = self.config.routing.request_timeout_s if inp.timeout_s is None else min(inp.timeout_s,
                                                                                  self.config.routing.request_timeout_s)
         deadline = time.monotonic() + budget

@@ -78,6 +78,27 @@ class SpeculativeIndex:
             while self._count > self.max_entries:
                 self._drop_through(self._records[0][0])
 
+    def forget(self, block_hashes: Sequence[bytes], worker_id: str) -> None:
+        """The latest record of ``block_hashes`` for ``worker_id`` was wrong (the request went
+        elsewhere): its entries go. Entries other records of the worker stamped at the same instant
+        go with them (under-claiming a few blocks is safe; a hole in a chain is not)."""
+        if not self.ttl_s or not block_hashes:
+            return
+        with self._lock:
+            held = self._by_worker.get(worker_id)
+            if held is None:
+                return
+            expiry = held.get(block_hashes[0])
+            if expiry is None:
+                return
+            before = len(held)
+            for h in block_hashes[:self.max_entries]:
+                if held.get(h) == expiry:
+                    del held[h]
+            self._count -= before - len(held)
+            if not held:
+                del self._by_worker[worker_id]
+
     def matches(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """Per worker, how many leading blocks of the chain it speculatively holds (0s omitted)."""
         if not block_hashes:

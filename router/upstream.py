@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvmesh.contract.types import Load, ModelSpec, SamplingParams, Usage
+from kvmesh.contract.types import NO_PENDING, Load, ModelSpec, Pending, SamplingParams, Usage
 
 
 @dataclass(slots=True)
@@ -34,6 +34,28 @@ class IndexMatch:
     address: str
     matched_blocks: int
     load: Load
+    pending: Pending = NO_PENDING
+    """Routers' picks of the worker its reports do not cover yet (the shared router view)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Claim:
+    """A pick to reserve in the kv_service before the request is forwarded (the shared router view)."""
+
+    worker_id: str
+    request_id: str
+    """The id the worker sees the request under: its admission retires the pick."""
+    prefill_tokens: int
+    blocks: int
+    seen_version: int | None
+    """The worker's reservation count in this router's Lookup; None = reserve unconditionally."""
+
+
+@dataclass(slots=True, frozen=True)
+class ClaimAnswer:
+    reserved: bool
+    pending: dict[str, Pending] = field(default_factory=dict)
+    """When refused: every live worker's pending picks now."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -144,8 +166,12 @@ class PrefixIndex(Protocol):
 
 
 class AsyncPrefixIndex(Protocol):
-    """The kv_service's Lookup over the network (the live router awaits it)."""
+    """The kv_service's Lookup (and Reserve) over the network (the live router awaits them)."""
 
     async def lookup(self, model_id: str, block_hashes: Sequence[bytes]) -> list[IndexMatch]:
+        """Raises IndexUnavailable when the answer cannot be had within the lookup deadline."""
+        ...
+
+    async def reserve(self, model_id: str, router_id: str, claim: Claim) -> ClaimAnswer:
         """Raises IndexUnavailable when the answer cannot be had within the lookup deadline."""
         ...

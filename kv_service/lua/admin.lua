@@ -3,7 +3,8 @@
 --   flush wid             -> {'OK', n} | {'NOT_FOUND'}; the worker then owes a snapshot ('resync')
 --   reap now              -> number of workers removed
 --   workers               -> per registered worker: wid, model, addr, bs, algo, nb, epoch, seq, load,
---                            lease, blocks indexed (11 values each, flat)
+--                            lease, engine, pending picks, blocks indexed (13 values each, flat)
+--   pending model         -> the model's workers' pending picks here: wid, "picks,prefill,blocks,version", ...
 --   spec model            -> {bs, algo, the latest lease of its workers here (0: none)} | {}
 --   livespec model now wid -> {bs, algo} if a worker of the model other than wid is live here | {}
 --   unregister wid epoch  -> 1 if the worker was registered with that epoch and is now removed, else 0
@@ -39,14 +40,18 @@ elseif op == 'workers' then
   -- NOTE: one script instead of a pipeline of two reads per worker: atomic per shard, one round.
   local out = {}
   for _, wid in ipairs(redis.call('ZRANGE', pre .. 'workers', 0, -1)) do
-    local h = redis.call('HMGET', pre .. 'w:' .. wid, 'model', 'addr', 'bs', 'algo', 'nb', 'epoch', 'seq', 'load', 'lease')
+    local h = redis.call('HMGET', pre .. 'w:' .. wid, 'model', 'addr', 'bs', 'algo', 'nb', 'epoch', 'seq', 'load', 'lease',
+      'engine')
     if h[1] then
       out[#out + 1] = wid
-      for i = 1, 9 do out[#out + 1] = h[i] end
+      for i = 1, 10 do out[#out + 1] = h[i] or '' end
+      out[#out + 1] = redis.call('HGET', pre .. 'pd:' .. h[1], wid) or ''
       out[#out + 1] = redis.call('ZCARD', pre .. 'l:' .. wid)
     end
   end
   return out
+elseif op == 'pending' then
+  return redis.call('HGETALL', pre .. 'pd:' .. ARGV[3])
 elseif op == 'spec' then
   local s = redis.call('HMGET', pre .. 'm:' .. ARGV[3], 'bs', 'algo')
   if not s[1] then return {} end

@@ -119,6 +119,8 @@ end
 local function remove_worker(wid, model, num)
   clear_worker(wid, num)
   redis.call('DEL', pre .. 'w:' .. wid)
+  redis.call('DEL', pre .. 'pk:' .. wid)
+  redis.call('HDEL', pre .. 'pd:' .. model, wid)
   redis.call('HDEL', pre .. 'wn', wid)
   redis.call('HDEL', pre .. 'nw', num)
   redis.call('ZREM', pre .. 'workers', wid)
@@ -140,8 +142,55 @@ local function live_worker(wid, now)
   return w, nil
 end
 
--- Records a live worker's load (w: live_worker's answer) where Lookup's cache reads it.
-local function set_load(wid, w, load)
+-- The routers' pending picks of a worker (the shared router view, docs/router.md "Several routers"):
+--   pk:<wid>   HASH request id -> "taken_ms,router,version,prefill,blocks"
+--   pd:<model> HASH wid -> "picks,prefill,blocks,version" (what Lookup reads: one HMGET)
+-- and the worker's reservation count in its w: hash ('pv', kept across re-registrations).
+local function pick_fields(v)
+  local t, r, ver, pf, b = string.match(v, '^([^,]*),(.*),([^,]*),([^,]*),([^,]*)$')
+  return tonumber(t), r, tonumber(ver), tonumber(pf), tonumber(b)
+end
+
+-- Drops the picks `drop(taken_ms, request id)` says to drop, then writes the worker's sums.
+local function settle_picks(wid, model, drop)
+  local pk = pre .. 'pk:' .. wid
+  local flat = redis.call('HGETALL', pk)
+  local dels, n, pf, b = {}, 0, 0, 0
+  for i = 1, #flat, 2 do
+    local t, _, _, p, k = pick_fields(flat[i + 1])
+    if drop(t, flat[i]) then
+      dels[#dels + 1] = flat[i]
+    else
+      n, pf, b = n + 1, pf + p, b + k
+    end
+  end
+  if #dels > 0 then redis.call('HDEL', pk, unpack(dels)) end
+  local ver = redis.call('HGET', pre .. 'w:' .. wid, 'pv') or '0'
+  redis.call('HSET', pre .. 'pd:' .. model, wid, n .. ',' .. pf .. ',' .. b .. ',' .. ver)
+end
+
+-- A report retires the picks it covers. cover: '' (none), or lines "A\n<ttl cutoff>\n<id>..." (the
+-- ids of the requests the worker admitted) or "T\n<ttl cutoff>\n<grace cutoff>" (a worker that lists
+-- no admissions: the picks taken at or before the grace cutoff); past the TTL a pick goes anyway.
+local function cover_picks(wid, model, cover)
+  if cover == '' or redis.call('EXISTS', pre .. 'pk:' .. wid) == 0 then return end
+  local lines = {}
+  for line in string.gmatch(cover, '[^\n]+') do lines[#lines + 1] = line end
+  local ttl_cut = tonumber(lines[2])
+  if lines[1] == 'A' then
+    local ids = {}
+    for i = 3, #lines do ids[lines[i]] = true end
+    settle_picks(wid, model, function(t, rid) return ids[rid] or t <= ttl_cut end)
+  else
+    local cut = math.max(ttl_cut, tonumber(lines[3]))
+    settle_picks(wid, model, function(t, _) return t <= cut end)
+  end
+end
+
+-- Records a live worker's load (w: live_worker's answer) where Lookup's cache reads it, and
+-- retires the picks the report covers.
+local function set_load(wid, w, load, cover)
   redis.call('HSET', pre .. 'w:' .. wid, 'load', load)
   redis.call('HSET', pre .. 'ld:' .. w[5], wid, w[6] .. '|' .. w[7] .. '|' .. load)
+  cover_picks(wid, w[5], cover)
 end

@@ -1,4 +1,5 @@
--- ARGV: pre, wid, epoch, seq, now, snapshot(0/1), part, last(0/1), load ('' = unchanged), then
+-- ARGV: pre, wid, epoch, seq, now, snapshot(0/1), part, last(0/1), load ('' = unchanged), cover
+--   (the picks the load covers, common.lua cover_picks; '' = none), then
 --   snapshot: one string of hashes (oldest first);
 --   events:   a sequence of 'S' hashes | 'R' hashes | 'C' (hashes: one string, split_hashes).
 -- NOTE: one batch may come in parts 0..k (store_redis.py bounds the hashes per call, so Redis is
@@ -36,10 +37,10 @@ else
   end
 end
 if snapshot then
-  local hashes = split_hashes(ARGV[10] or '')
+  local hashes = split_hashes(ARGV[11] or '')
   add_blocks(wid, num, hashes, 1, #hashes)
 else
-  local i = 10
+  local i = 11
   while i <= #ARGV do
     local op = ARGV[i]
     if op == 'C' then
@@ -61,7 +62,7 @@ if last then
   redis.call('HSET', wkey, 'seq', ARGV[4])
   redis.call('HDEL', wkey, 'pseq', 'ppart')
   -- NOTE: the load rides with the batch (one round trip); the lease stays the heartbeat's.
-  if load ~= '' then set_load(wid, w, load) end
+  if load ~= '' then set_load(wid, w, load, ARGV[10]) end
 else
   redis.call('HSET', wkey, 'pseq', ARGV[4], 'ppart', part + 1)
 end

@@ -1,4 +1,4 @@
--- ARGV: pre, wid, addr, model, bs, algo, nb, epoch, now, ttl
+-- ARGV: pre, wid, addr, model, bs, algo, nb, epoch, now, ttl, engine
 local wid, addr, model, bs, algo, nb, epoch = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]
 local now, ttl = tonumber(ARGV[9]), tonumber(ARGV[10])
 local mkey = pre .. 'm:' .. model
@@ -10,7 +10,7 @@ if spec[1] and (spec[1] ~= bs or spec[2] ~= algo) then
   end
 end
 local wkey = pre .. 'w:' .. wid
-local old = redis.call('HMGET', wkey, 'model', 'epoch', 'lease', 'num')
+local old = redis.call('HMGET', wkey, 'model', 'epoch', 'lease', 'num', 'pv')
 if old[1] then
   if tonumber(old[3]) > now then
     if old[1] ~= model then return {'MODEL', old[1]} end
@@ -26,8 +26,11 @@ local lease = now + ttl
 redis.call('HSET', mkey, 'bs', bs, 'algo', algo)
 redis.call('SADD', pre .. 'models', model)
 redis.call('HSET', wkey, 'model', model, 'addr', addr, 'bs', bs, 'algo', algo, 'nb', nb,
-  'epoch', epoch, 'seq', 0, 'ctr', 0, 'load', '', 'lease', lease, 'num', num)
+  'epoch', epoch, 'seq', 0, 'ctr', 0, 'load', '', 'lease', lease, 'num', num, 'engine', ARGV[11],
+  -- NOTE: the picks died with the process; their count goes on, so routers' seen versions stay comparable.
+  'pv', old[5] or 0)
 redis.call('ZADD', pre .. 'mw:' .. model, lease, wid)
 redis.call('HSET', pre .. 'ld:' .. model, wid, addr .. '|' .. bs .. '|')
+if old[5] and tonumber(old[5]) > 0 then redis.call('HSET', pre .. 'pd:' .. model, wid, '0,0,0,' .. old[5]) end
 redis.call('ZADD', pre .. 'workers', lease, wid)
 return {'OK'}

@@ -126,11 +126,12 @@ def workers(args: argparse.Namespace) -> int:
     def go():
         r = _stub(args).ListWorkers(pb.ListWorkersRequest(include_expired=args.all), timeout=args.timeout)
         data = _as_dict(r)["workers"]
-        rows = [[d["worker_id"], d["address"], d["model_id"], d["blocks_indexed"], d["num_blocks"],
-                 d["load"]["num_running"], d["load"]["num_waiting"], d["lease_remaining_ms"],
-                 "yes" if d["live"] else "no"] for d in data]
-        return data, _table(rows, ["worker", "address", "model", "blocks", "capacity", "running", "waiting",
-                                   "lease_ms", "live"])
+        rows = [[d["worker_id"], d.get("engine") or "kvmesh", d["address"], d["model_id"], d["blocks_indexed"],
+                 d["num_blocks"], d["load"]["num_running"], d["load"]["num_waiting"],
+                 d.get("pending", {}).get("requests", 0), d["lease_remaining_ms"], "yes" if d["live"] else "no"]
+                for d in data]
+        return data, _table(rows, ["worker", "engine", "address", "model", "blocks", "capacity", "running", "waiting",
+                                   "picked", "lease_ms", "live"])
 
     return _call(args, go)
 

@@ -33,7 +33,6 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.contract.errors import FailedPrecondition, Unavailable
     from kvmesh.kv_service.config import DEFAULT_REDIS_URL, KVServiceConfig
     from kvmesh.kv_service.server import KVServiceServer
-    from kvmesh.kv_service.service import ServiceConfig
     from kvmesh.transport.server import wait_for_termination_signal
 
     setup_logging(args.log_level)
@@ -53,11 +52,12 @@ def run(args: argparse.Namespace) -> int:
         from kvmesh.kv_service.store_redis import RedisIndex
 
         url = config.redis_url or DEFAULT_REDIS_URL
-        index = RedisIndex(url, namespace=config.namespace, max_blocks_per_call=config.max_blocks_per_call,
-                           max_connections=config.redis_connections, shards=config.shards)
-    service = ServiceConfig(lease_ttl_ms=config.lease_ttl_ms, reap_interval_s=config.reap_interval_s)
+        r = config.redis
+        index = RedisIndex(url, namespace=r.namespace, max_blocks_per_call=r.max_blocks_per_call,
+                           max_connections=r.redis_connections, shards=r.shards)
     try:
-        server = KVServiceServer(index, config.host, config.port, service, max_publishers=config.max_publishers).start()
+        server = KVServiceServer(index, config.host, config.port, config.service,
+                                 max_publishers=config.max_publishers).start()
     except Unavailable as exc:  # the server pings the store at start: one actionable line, no traceback
         log.error("cannot reach Redis at %s (%s); start one or pass --store memory",
                   config.redis_url or DEFAULT_REDIS_URL, exc)
@@ -71,6 +71,6 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         start_metrics_server(args.metrics_port, server.metrics.registry)
     log.info("kv_service listening on %s:%d (store=%s%s)", config.host, server.port, index.name,
-             f", {config.shards} shards" if config.shards > 1 else "")
+             f", {config.redis.shards} shards" if config.redis.shards > 1 else "")
     wait_for_termination_signal(server.stop, args.grace)
     return 0

@@ -16,6 +16,7 @@ from kvmesh.contract.types import (
     FinishReason,
     KVCacheEvent,
     Load,
+    Pending,
     SamplingParams,
     Usage,
 )
@@ -72,13 +73,24 @@ def load_to_pb(load: Load) -> common_pb2.WorkerLoad:
         busy_seconds=load.busy_s, steps_total=load.steps, prefill_tokens_total=load.prefill_tokens,
         prefill_attention_pairs_total=load.prefill_pairs, decode_tokens_total=load.decode_tokens,
         decode_context_tokens_total=load.decode_context_tokens, max_num_batched_tokens=load.max_num_batched_tokens,
+        admitted_request_ids=load.admitted, reports_admissions=load.reports_admissions,
     )
 
 
 def load_from_pb(m: common_pb2.WorkerLoad) -> Load:
     return Load(m.num_running, m.num_waiting, m.num_free_blocks, m.num_total_blocks, m.queued_prefill_tokens,
                 m.busy_seconds, m.steps_total, m.prefill_tokens_total, m.prefill_attention_pairs_total,
-                m.decode_tokens_total, m.decode_context_tokens_total, m.max_num_batched_tokens)
+                m.decode_tokens_total, m.decode_context_tokens_total, m.max_num_batched_tokens,
+                tuple(m.admitted_request_ids), m.reports_admissions)
+
+
+def pending_to_pb(p: Pending) -> kv_pb.PendingPicks:
+    return kv_pb.PendingPicks(requests=p.requests, prefill_tokens=p.prefill_tokens, blocks=p.blocks,
+                              version=p.version)
+
+
+def pending_from_pb(m: kv_pb.PendingPicks) -> Pending:
+    return Pending(m.requests, m.prefill_tokens, m.blocks, m.version)
 
 
 def algorithm_to_pb(name: str) -> int:

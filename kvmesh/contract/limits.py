@@ -24,6 +24,8 @@ MAX_REQUEST_ID_CHARS = 128
 """A client's request id (router). The router forwards it with a 13-character suffix."""
 MAX_WORKER_REQUEST_ID_CHARS = 256
 """A worker's request id (Worker.Generate / Abort)."""
+MAX_ADMITTED_IDS = 4096
+"""Admitted request ids one load report lists (a worker keeps at most this many unacknowledged)."""
 MAX_CACHE_SALT_CHARS = 1024
 MAX_EXTRA_KEYS_CHARS = 1024
 MAX_CHAIN_BLOCKS = 65_536

@@ -115,6 +115,13 @@ class Load:
     """Context tokens read by those decodes."""
     max_num_batched_tokens: int = 0
     """The worker's token budget per step (0 = not reported)."""
+    admitted: tuple[str, ...] = ()
+    """Ids of the requests the worker admitted since its last acknowledged report: their picks are
+    in this report's counts, so the kv_service retires them from the routers' shared view
+    (docs/router.md, "Several routers"). Consumed where the report lands; never stored."""
+    reports_admissions: bool = False
+    """The worker lists its admissions (a kvmesh worker). Without it (a bridged engine) a report
+    covers the picks made ``--pending-grace-ms`` or more before it arrived."""
 
     def queue_state(self) -> tuple[int, int, int]:
         """What routing reads of the worker's state: (running, waiting, queued prefill tokens); a
@@ -139,6 +146,27 @@ class Load:
             raw = raw.decode()
         parts = raw.split(",")
         return cls(*(float(x) if i == 5 else int(x) for i, x in enumerate(parts)))
+
+
+@dataclass(slots=True, frozen=True)
+class Pending:
+    """Routers' picks of one worker that its reports do not cover yet: the shared router view.
+
+    A router reserves each pick in the kv_service before it forwards the request; every router's
+    next Lookup sees it here until the worker's own report covers it (docs/router.md, "Several
+    routers"). ``version`` counts the worker's reservations: a router reserves on the condition
+    that no other router reserved the worker since its Lookup.
+    """
+
+    requests: int = 0
+    prefill_tokens: int = 0
+    """Uncached prompt tokens of those requests."""
+    blocks: int = 0
+    """KV blocks their prompts take."""
+    version: int = 0
+
+
+NO_PENDING = Pending()
 
 
 H100_8B_KV_BLOCKS = 27_648

@@ -45,10 +45,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvmesh.contract.block_hash import XXH3_128
+from kvmesh.contract.errors import NotFound
 from kvmesh.contract.settings import code_only, flag
 from kvmesh.contract.types import AllBlocksCleared, BlockStored, KVCacheEvent, Load, SamplingParams
-from kvmesh.kv_service.index import Action, Registration
-from kvmesh.kv_service.service import KVService, ServiceConfig, run_now
+from kvmesh.kv_service.config import ServiceConfig
+from kvmesh.kv_service.index import Action, Pick, Registration
+from kvmesh.kv_service.service import KVService, run_now
 from kvmesh.kv_service.store_memory import MemoryIndex
 from kvmesh.model_worker.config import EngineConfig
 from kvmesh.model_worker.llm_engine import LLMEngine
@@ -57,10 +59,11 @@ from kvmesh.model_worker.scheduler import RequestOutput, SchedulerConfig
 from kvmesh.model_worker.sim_runner import DEFAULT_SIM_NUM_BLOCKS, CostModel
 from kvmesh.router.attempts import Attempts
 from kvmesh.router.config import RoutingConfig
-from kvmesh.router.core import CountingObserver, RoutingCore
+from kvmesh.router.core import CountingObserver, RoutePlan, RoutingCore
 from kvmesh.router.inflight import Ticket
 from kvmesh.router.policies import make_policy
-from kvmesh.router.upstream import Failure, IndexMatch, IndexUnavailable, WorkerEndpoint
+from kvmesh.router.policies.base import Decision
+from kvmesh.router.upstream import Claim, ClaimAnswer, Failure, IndexMatch, IndexUnavailable, WorkerEndpoint
 from kvmesh.router.worker_set import WorkerSet
 from kvmesh.sim.engine import WindowRunner, WindowScheduler
 from kvmesh.sim.workload import Workload
@@ -115,10 +118,14 @@ class SimConfig:
     load_reports: str = "events"
     """events: event messages carry the load and a changed load goes out alone (the live worker);
     heartbeat: only heartbeats report it (the worker until 2026-11-22)."""
-    lease_ttl_ms: int = ServiceConfig().lease_ttl_ms
-    """The kv_service's worker lease; workers heartbeat every third of it (the live publisher's period)."""
+    index: ServiceConfig = field(default_factory=ServiceConfig)
+    """The kv_service's settings (a group: --lease-ttl-ms, workers heartbeat every third of it as the live
+    publisher does; the routers' picks, --pending-*)."""
     lookup_latency_s: float = flag(0.002, name="lookup-latency")
     """Seconds of one Lookup round trip (measured ~2 ms p50 on loopback, docs/benchmarks.md)."""
+    reserve_latency_s: float = flag(0.001, name="reserve-latency")
+    """Seconds of one Reserve round trip of the shared router view; the pick lands in the index halfway
+    (docs/router.md, "Several routers": measured live)."""
     network_s: float = flag(0.001, name="network-delay")
     """Seconds of one hop router <-> worker (request out, first token and end of stream back)."""
     # -- faults
@@ -153,7 +160,7 @@ class SimConfig:
 
     @property
     def heartbeat_s(self) -> float:
-        return self.lease_ttl_ms / 1000 / 3
+        return self.index.lease_ttl_ms / 1000 / 3
 
     def check(self) -> None:
         """Raises ValueError with the flag to fix."""
@@ -254,6 +261,8 @@ class IndexTraffic:
     """Lookups the routers asked (those past the router's deadline included: the index served them)."""
     lookup_chain_blocks: int = 0
     """Block hashes in those Lookups' chains."""
+    reserves: int = 0
+    """Reserve calls of the shared router view (the refused ones included)."""
 
     def as_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
@@ -265,7 +274,7 @@ class SimIndex:
     def __init__(self, q: EventQueue, cfg: SimConfig) -> None:
         self.q = q
         self.cfg = cfg
-        self.svc = KVService(MemoryIndex(), ServiceConfig(lease_ttl_ms=cfg.lease_ttl_ms),
+        self.svc = KVService(MemoryIndex(), cfg.index,
                              clock=lambda: int(q.now * 1000))
         self.traffic = IndexTraffic()
 
@@ -274,7 +283,7 @@ class SimIndex:
         self.traffic.lookup_chain_blocks += len(chain)
         if self.cfg.lookup_latency_s * 1000 > self.cfg.routing.lookup_timeout_ms:
             raise IndexUnavailable("Lookup past its deadline (simulated)")
-        return [IndexMatch(m.worker_id, m.address, m.matched_blocks, m.load)
+        return [IndexMatch(m.worker_id, m.address, m.matched_blocks, m.load, m.pending)
                 for m in run_now(self.svc.lookup(model_id, chain))]
 
     def endpoints(self) -> list[WorkerEndpoint]:
@@ -485,9 +494,13 @@ class SimWorker:
             t.snapshots += 1
             t.snapshot_blocks += len(msg.snapshot)
             run_now(svc.snapshot(self.worker_id, epoch, msg.seq, msg.snapshot, msg.load))
+            if msg.load is not None and msg.load.admitted:
+                self.mesh.q.after(self.mesh.cfg.event_delay_s, self._ack_admitted, epoch, msg.load.admitted)
             return
         self._count(msg.events)
         result = run_now(svc.publish(self.worker_id, epoch, msg.seq, msg.events, msg.load))
+        if result.action == Action.ACK and msg.load is not None and msg.load.admitted:
+            self.mesh.q.after(self.mesh.cfg.event_delay_s, self._ack_admitted, epoch, msg.load.admitted)
         if result.action == Action.RESYNC and epoch == self.epoch and self.up:
             self.resyncs += 1
             # NOTE: the ack travels back; then the engine loop takes the snapshot at its next sync.
@@ -509,6 +522,10 @@ class SimWorker:
             else:
                 t.blocks_removed += len(ev.block_hashes)
         t.max_message_blocks = max(t.max_message_blocks, n)
+
+    def _ack_admitted(self, epoch: int, admitted: tuple[str, ...]) -> None:
+        if epoch == self.epoch and self.engine is not None:
+            self.engine.ack_admitted(admitted)
 
     def _resync(self) -> None:
         if not self.up:
@@ -536,12 +553,14 @@ class SimWorker:
             stats = replace(pre, num_waiting=pre.num_waiting + stats.num_waiting - post.num_waiting,
                             queued_prefill_tokens=pre.queued_prefill_tokens + stats.queued_prefill_tokens
                             - post.queued_prefill_tokens)
-        return stats.load
+        return self.engine.report_load(stats)
 
     def heartbeat(self) -> None:
         if self.up and self.engine is not None:
             self.mesh.index.traffic.heartbeats += 1
-            run_now(self.mesh.index.svc.heartbeat(self.worker_id, self.epoch, self.load_now()))
+            load = self.load_now()
+            run_now(self.mesh.index.svc.heartbeat(self.worker_id, self.epoch, load))
+            self.engine.ack_admitted(load.admitted)
         self.mesh.q.after(self.mesh.cfg.heartbeat_s, self.heartbeat)
 
 
@@ -557,9 +576,13 @@ class SimRouter:
         pc = replace(r.policy_config, seed=cfg.seed * 1000 + index, clock=lambda: mesh.q.now)
         self.observer = CountingObserver()
         self.core = RoutingCore(make_policy(r.policy, pc), speculative_ttl_s=r.speculative_ttl_s,
-                                index_retry_s=r.index_retry_s, clock=lambda: mesh.q.now, observer=self.observer)
+                                index_retry_s=r.index_retry_s, clock=lambda: mesh.q.now, observer=self.observer,
+                                shared_view=r.shared_view, router_id=f"router-{index}",
+                                claim_attempts=r.claim_attempts)
         self.workers = WorkerSet(r.unhealthy_s, clock=lambda: mesh.q.now)
         self.spec = mesh.spec
+        self.conflicts = 0
+        """Claims refused because another router reserved the worker first."""
 
     def discover(self) -> None:
         self.workers.update(self.mesh.index.endpoints())
@@ -576,8 +599,50 @@ class SimRouter:
             mesh.request_done(rec)
             return
         delay = mesh.cfg.lookup_latency_s if self.core.wants_index(chain) and plan.query.index_ok else 0.0
-        attempts = Attempts(self.core, plan, self.core.pick(plan), mesh.cfg.routing.max_attempts,
-                            rec.arrival + mesh.cfg.routing.request_timeout_s, self.workers.mark_unhealthy)
+        decision = self.core.pick(plan, count=False)
+        if plan.versions is None:
+            self._decided(rec, plan, decision, delay)
+        else:
+            # NOTE: the Lookup was answered at once and its latency is spent after the pick: the
+            # pick is in flight from now, as live, where it is made when the answer arrives.
+            self.core.start(plan, decision.worker_id)
+            self.mesh.q.after(delay, self._claim, rec, plan, decision, 0)
+
+    def _claim(self, rec: RequestRecord, plan: RoutePlan, decision: Decision, tries: int) -> None:
+        """The shared view: the pick reserved in the index (it lands halfway through the round trip)."""
+        claim = self.core.claim(plan, decision, f"r{rec.index}.{rec.attempts + 1}", tries)
+        if claim is None:
+            self._decided(rec, plan, decision, 0.0)
+            return
+        half = self.mesh.cfg.reserve_latency_s / 2
+        self.mesh.q.after(half, self._reserve, rec, plan, decision, tries, claim)
+
+    def _reserve(self, rec: RequestRecord, plan: RoutePlan, decision: Decision, tries: int, claim: Claim) -> None:
+        mesh = self.mesh
+        try:
+            result = run_now(mesh.index.svc.reserve(Pick(MODEL_ID, claim.worker_id, self.core.router_id,
+                                                         claim.request_id, claim.prefill_tokens, claim.blocks,
+                                                         claim.seen_version)))
+        except NotFound:  # NOTE: the worker left since the Lookup: forwarded, as live, unreserved
+            mesh.q.after(mesh.cfg.reserve_latency_s / 2, self._decided, rec, plan, decision, 0.0)
+            return
+        mesh.index.traffic.reserves += 1
+        answer = ClaimAnswer(result.reserved, dict(result.workers))
+        mesh.q.after(mesh.cfg.reserve_latency_s / 2, self._claimed, rec, plan, decision, tries, answer)
+
+    def _claimed(self, rec: RequestRecord, plan: RoutePlan, decision: Decision, tries: int,
+                 answer: ClaimAnswer) -> None:
+        again = self.core.claimed(plan, answer)
+        if again is None:
+            self._decided(rec, plan, decision, 0.0)
+        else:
+            self.conflicts += 1
+            self._claim(rec, plan, again, tries + 1)
+
+    def _decided(self, rec: RequestRecord, plan: RoutePlan, decision: Decision, delay: float) -> None:
+        self.core.commit(plan, decision)
+        attempts = Attempts(self.core, plan, decision, self.mesh.cfg.routing.max_attempts,
+                            rec.arrival + self.mesh.cfg.routing.request_timeout_s, self.workers.mark_unhealthy)
         self._send(rec, attempts, delay)
 
     def _send(self, rec: RequestRecord, attempts: Attempts, delay: float) -> None:

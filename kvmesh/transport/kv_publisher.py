@@ -44,14 +44,20 @@ class KVPublisher:
     registration: the RegisterWorkerRequest fields except epoch.
     load: returns the worker's current load (thread-safe).
     wake_engine: makes an idle event source run once (to take a snapshot).
+    ack_admitted: told the admissions a report listed once the kv_service applied it (the
+        engine's ``ack_admitted``: later reports leave them out).
     """
 
     def __init__(self, target: str, registration: pb.RegisterWorkerRequest,
-                 load: Callable[[], Load], wake_engine: Callable[[], None] = lambda: None) -> None:
+                 load: Callable[[], Load], wake_engine: Callable[[], None] = lambda: None,
+                 ack_admitted: Callable[[tuple[str, ...]], None] = lambda _ids: None) -> None:
         self.target = target
         self._reg = registration
         self._load = load
         self._wake_engine = wake_engine
+        self._ack_admitted = ack_admitted
+        self._unacked: dict[int, tuple[str, ...]] = {}
+        """seq -> the admissions its message listed, until the kv_service answers it."""
         self._stub = pb_grpc.KVServiceStub(dial(target))
         self.epoch = time.time_ns() // 1000  # microseconds: < 2**53, new on every start
         self.lease_ttl_s = 10.0
@@ -170,6 +176,8 @@ class KVPublisher:
                 req.snapshot_hashes.extend(msg.snapshot)
             if msg.load is not None:
                 req.load.CopyFrom(load_to_pb(msg.load))
+                if msg.load.admitted:
+                    self._unacked[msg.seq] = msg.load.admitted
             yield req
 
     def _stream_loop(self) -> None:
@@ -187,8 +195,12 @@ class KVPublisher:
                 # Whatever was in flight on the old stream may be lost: a snapshot makes it true.
                 self.request_snapshot()
             first = False
+            self._unacked.clear()  # NOTE: a dead stream's are listed again (they were never acknowledged)
             try:
                 for ack in self._stub.PublishEvents(self._requests(gen)):
+                    admitted = self._unacked.pop(ack.seq, None)
+                    if admitted and ack.action == pb.PUBLISH_ACTION_ACK:
+                        self._ack_admitted(admitted)
                     if ack.action == pb.PUBLISH_ACTION_RESYNC:
                         self.resyncs += 1
                         log.info("kv_service asked for a resync: %s", ack.reason)
@@ -212,8 +224,11 @@ class KVPublisher:
             if not self._registered.wait(0.2):
                 continue
             try:
+                load = self._load()
                 resp = self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self._reg.worker_id, epoch=self.epoch,
-                                                                load=load_to_pb(self._load())), timeout=RPC_TIMEOUT_S)
+                                                                load=load_to_pb(load)), timeout=RPC_TIMEOUT_S)
+                if load.admitted:
+                    self._ack_admitted(load.admitted)
                 self.lease_ttl_s = resp.lease_ttl_ms / 1000
                 if resp.resync and not self.batcher.need_snapshot:
                     # NOTE: the index dropped our blocks (FlushWorker): a snapshot makes it hold

@@ -143,18 +143,66 @@ class LookupRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerMatch(_message.Message):
-    __slots__ = ("worker_id", "address", "matched_blocks", "load", "block_size")
+    __slots__ = ("worker_id", "address", "matched_blocks", "load", "block_size", "pending")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     matched_blocks: int
     load: _common_pb2.WorkerLoad
     block_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., block_size: _Optional[int] = ...) -> None: ...
+    pending: PendingPicks
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., block_size: _Optional[int] = ..., pending: _Optional[_Union[PendingPicks, _Mapping]] = ...) -> None: ...
+
+class PendingPicks(_message.Message):
+    __slots__ = ("requests", "prefill_tokens", "blocks", "version")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    prefill_tokens: int
+    blocks: int
+    version: int
+    def __init__(self, requests: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("model_id", "worker_id", "router_id", "request_id", "prefill_tokens", "blocks", "seen_version")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SEEN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    worker_id: str
+    router_id: str
+    request_id: str
+    prefill_tokens: int
+    blocks: int
+    seen_version: int
+    def __init__(self, model_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., router_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., seen_version: _Optional[int] = ...) -> None: ...
+
+class WorkerPending(_message.Message):
+    __slots__ = ("worker_id", "pending")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    pending: PendingPicks
+    def __init__(self, worker_id: _Optional[str] = ..., pending: _Optional[_Union[PendingPicks, _Mapping]] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("reserved", "workers")
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    reserved: bool
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerPending]
+    def __init__(self, reserved: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerPending, _Mapping]]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("workers", "block_size", "num_blocks_queried")
@@ -209,7 +257,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, include_expired: _Optional[bool] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "model_id", "block_size", "hash_algorithm", "num_blocks", "epoch", "last_seq", "blocks_indexed", "load", "lease_remaining_ms", "live", "engine")
+    __slots__ = ("worker_id", "address", "model_id", "block_size", "hash_algorithm", "num_blocks", "epoch", "last_seq", "blocks_indexed", "load", "lease_remaining_ms", "live", "engine", "pending")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +271,7 @@ class WorkerInfo(_message.Message):
     LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model_id: str
@@ -236,7 +285,8 @@ class WorkerInfo(_message.Message):
     lease_remaining_ms: int
     live: bool
     engine: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., blocks_indexed: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., lease_remaining_ms: _Optional[int] = ..., live: _Optional[bool] = ..., engine: _Optional[str] = ...) -> None: ...
+    pending: PendingPicks
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., blocks_indexed: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., lease_remaining_ms: _Optional[int] = ..., live: _Optional[bool] = ..., engine: _Optional[str] = ..., pending: _Optional[_Union[PendingPicks, _Mapping]] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)

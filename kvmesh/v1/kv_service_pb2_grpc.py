@@ -56,6 +56,11 @@ class KVServiceStub:
                 request_serializer=kvmesh_dot_v1_dot_kv__service__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_kv__service__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/kvmesh.v1.KVService/Reserve',
+                request_serializer=kvmesh_dot_v1_dot_kv__service__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kv__service__pb2.ReserveResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/kvmesh.v1.KVService/GetStats',
                 request_serializer=kvmesh_dot_v1_dot_kv__service__pb2.GetStatsRequest.SerializeToString,
@@ -110,7 +115,18 @@ class KVServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Lookup(self, request, context):
-        """For every live worker of the model: how many leading blocks of the chain it holds, and its load.
+        """For every live worker of the model: how many leading blocks of the chain it holds, its load,
+        and the routers' picks of it its reports do not cover yet.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reserve(self, request, context):
+        """A router's pick, made visible to every router's next Lookup until the worker's own report
+        covers it (docs/router.md, "Several routers"). Conditional on no other router having reserved
+        the worker since the version the router saw: a conflict answers reserved=false with every
+        live worker's pending picks now, and the router picks again. NOT_FOUND: the worker is not live.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -173,6 +189,11 @@ def add_KVServiceServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=kvmesh_dot_v1_dot_kv__service__pb2.LookupRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_kv__service__pb2.LookupResponse.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=kvmesh_dot_v1_dot_kv__service__pb2.ReserveRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kv__service__pb2.ReserveResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -310,6 +331,33 @@ class KVService:
             '/kvmesh.v1.KVService/Lookup',
             kvmesh_dot_v1_dot_kv__service__pb2.LookupRequest.SerializeToString,
             kvmesh_dot_v1_dot_kv__service__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KVService/Reserve',
+            kvmesh_dot_v1_dot_kv__service__pb2.ReserveRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kv__service__pb2.ReserveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,8 +11,11 @@ from collections.abc import Sequence
 
 import grpc
 
-from kvmesh.contract.convert import load_from_pb
+from kvmesh.contract.convert import load_from_pb, pending_from_pb
+from kvmesh.contract.types import NO_PENDING
 from kvmesh.router.upstream import (
+    Claim,
+    ClaimAnswer,
     IndexMatch,
     IndexUnavailable,
 )
@@ -51,7 +54,9 @@ class KVServiceClient:
         if found is None:
             if len(self._matches) >= self.MAX_CACHED:
                 self._matches.clear()
-            found = self._matches[key] = IndexMatch(m.worker_id, m.address, m.matched_blocks, load_from_pb(m.load))
+            pending = pending_from_pb(m.pending) if m.HasField("pending") else NO_PENDING
+            found = self._matches[key] = IndexMatch(m.worker_id, m.address, m.matched_blocks, load_from_pb(m.load),
+                                                    pending)
         return found
 
     async def lookup(self, model_id: str, block_hashes: Sequence[bytes]) -> list[IndexMatch]:
@@ -64,6 +69,17 @@ class KVServiceClient:
             cause = "lookup_invalid" if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else "lookup_failed"
             raise IndexUnavailable(f"kv_service at {self.target}: {exc.code().name}: {exc.details()}", cause) from None
         return [self._match(m) for m in answer.workers]
+
+    async def reserve(self, model_id: str, router_id: str, claim: Claim) -> ClaimAnswer:
+        try:
+            answer = await self._stub.Reserve(kv_pb.ReserveRequest(
+                model_id=model_id, worker_id=claim.worker_id, router_id=router_id, request_id=claim.request_id,
+                prefill_tokens=claim.prefill_tokens, blocks=claim.blocks, seen_version=claim.seen_version),
+                timeout=self.lookup_timeout_s, metadata=self._md)
+        except grpc.aio.AioRpcError as exc:
+            raise IndexUnavailable(f"kv_service at {self.target}: Reserve: {exc.code().name}: {exc.details()}",
+                                   "reserve_failed") from None
+        return ClaimAnswer(answer.reserved, {w.worker_id: pending_from_pb(w.pending) for w in answer.workers})
 
     async def list_workers(self) -> list[kv_pb.WorkerInfo]:
         """Live workers of every model; raises grpc.aio.AioRpcError."""

@@ -9,8 +9,12 @@ its prefill costs the others (``KvAwarePolicy``; docs/router.md). The field's po
 router/policies/field.py. Queued work in tokens (least-loaded, the rendezvous fallback's bound):
 
     reported = load.queued_prefill_tokens + decode_cost * (load.num_running + load.num_waiting)
+             + pending.prefill_tokens + decode_cost * pending.requests
     own      = inflight_prefill_tokens + decode_cost * inflight_requests
     queued   = max(reported, own)
+
+``pending`` is the routers' picks of the worker its reports do not cover yet (the shared router
+view, docs/router.md "Several routers"): zero for a policy that does not read it.
 
 This module imports neither grpc nor redis.
 """
@@ -27,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvmesh.contract.settings import code_only, flag
-from kvmesh.contract.types import Load
+from kvmesh.contract.types import NO_PENDING, Load, Pending
 
 
 @dataclass(slots=True)
@@ -92,6 +96,9 @@ class Candidate:
     """This router's requests to the worker not yet past their first token."""
     inflight_blocks: int = 0
     """KV blocks the prompts of this router's unfinished requests to the worker take."""
+    pending: Pending = NO_PENDING
+    """Every router's picks of the worker that its reports do not cover yet (the shared router view;
+    this router's own among them); zero when the policy does not read it or the view is off."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -123,7 +130,9 @@ def queued_tokens(c: Candidate, decode_cost: int) -> int:
     own view is fresh but blind to other routers; the report is complete but a heartbeat old. The max
     is the best lower bound of the truth that both give.
     """
-    reported = c.load.queued_prefill_tokens + decode_cost * (c.load.num_running + c.load.num_waiting)
+    p = c.pending
+    reported = (c.load.queued_prefill_tokens + p.prefill_tokens
+                + decode_cost * (c.load.num_running + c.load.num_waiting + p.requests))
     own = c.inflight_prefill_tokens + decode_cost * c.inflight_requests
     return max(reported, own)
 
@@ -138,6 +147,10 @@ class RouterPolicy(abc.ABC):
     name: ClassVar[str]
     uses_index: ClassVar[bool] = False
     """Whether the router should ask the prefix index (Lookup) before calling :meth:`pick`."""
+    shares_view: ClassVar[bool] = False
+    """Whether the policy reads the routers' shared view (``Candidate.pending``): the router then
+    reserves each pick in the kv_service (docs/router.md, "Several routers"). The field's policies
+    keep their own systems' multi-router behaviour instead."""
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config or PolicyConfig()
@@ -203,16 +216,25 @@ def rendezvous_weight(key: bytes, worker_id: str) -> int:
 
 
 def queued_prefill(c: Candidate) -> int:
-    """Prompt tokens waiting for prefill at the worker: its report or this router's view, the larger."""
-    return max(c.load.queued_prefill_tokens, c.inflight_prefill_tokens)
+    """Prompt tokens waiting for prefill at the worker: its report (plus the picks it does not cover
+    yet) or this router's view, the larger."""
+    return max(c.load.queued_prefill_tokens + c.pending.prefill_tokens, c.inflight_prefill_tokens)
 
 
 def busy_requests(c: Candidate) -> int:
-    """Requests at the worker (running or waiting): its report or this router's view, the larger."""
-    return max(c.load.num_running + c.load.num_waiting, c.inflight_requests)
+    """Requests at the worker (running or waiting): its report (plus the picks it does not cover
+    yet) or this router's view, the larger."""
+    return max(c.load.num_running + c.load.num_waiting + c.pending.requests, c.inflight_requests)
+
+
+def waiting_requests(c: Candidate) -> int:
+    """Requests at the worker not yet past prefill: its report (plus the picks it does not cover
+    yet) or this router's view, the larger."""
+    return max(c.load.num_waiting + c.pending.requests, c.inflight_waiting)
 
 
 def used_blocks(c: Candidate) -> int:
-    """KV blocks held by the worker's requests: its report or this router's view, the larger."""
+    """KV blocks held by the worker's requests: its report (plus the picks it does not cover yet)
+    or this router's view, the larger."""
     reported = c.load.num_total_blocks - c.load.num_free_blocks if c.load.num_total_blocks else 0
-    return max(reported, c.inflight_blocks)
+    return max(reported + c.pending.blocks, c.inflight_blocks)

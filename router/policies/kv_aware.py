@@ -17,6 +17,7 @@ from kvmesh.router.policies.base import (
     queued_prefill,
     uncached_tokens,
     used_blocks,
+    waiting_requests,
 )
 from kvmesh.router.policies.cost import StepCost, StepCostLearner
 
@@ -45,6 +46,7 @@ class KvAwarePolicy(RouterPolicy):
 
     name = "kv-aware"
     uses_index = True
+    shares_view = True
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         super().__init__(config)
@@ -61,7 +63,7 @@ class KvAwarePolicy(RouterPolicy):
         lam = self.config.decode_harm_weight
         # NOTE: work delays everyone who arrives while the mesh is backlogged: the more requests
         # wait at the workers, the more a recomputed prefix costs beyond this request's latency.
-        waiting = sum(max(c.load.num_waiting, c.inflight_waiting) for c in candidates) / len(candidates)
+        waiting = sum(waiting_requests(c) for c in candidates) / len(candidates)
         kappa = self.config.work_weight * (1.0 + waiting)
         scores = []
         for c in candidates:
@@ -94,8 +96,9 @@ NOMINAL_COST = StepCost(step_s=0.0, prefill_token_s=1.0, prefill_pair_s=0.0, dec
 
 
 def decoders(c: Candidate) -> int:
-    """Requests at the worker that share its steps: its report or this router's view, the larger."""
-    return max(c.load.num_running, c.inflight_requests)
+    """Requests at the worker that share its steps: its report (plus the picks it does not cover
+    yet) or this router's view, the larger."""
+    return max(c.load.num_running + c.pending.requests, c.inflight_requests)
 
 
 def predicted_ttft(m: StepCost, q: RouteQuery, c: Candidate, default_step_tokens: int = 2048) -> tuple[float, float]:

@@ -9,8 +9,8 @@ import pytest
 from kvmesh.bridge.bridge import Bridge
 from kvmesh.bridge.config import BridgeConfig
 from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.kv_service.config import ServiceConfig
 from kvmesh.kv_service.server import KVServiceServer
-from kvmesh.kv_service.service import ServiceConfig
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
 from kvmesh.transport.channels import dial

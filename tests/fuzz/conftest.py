@@ -11,8 +11,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.contract.limits import MAX_STATUS_MESSAGE_BYTES
+from kvmesh.kv_service.config import ServiceConfig
 from kvmesh.kv_service.server import KVServiceServer
-from kvmesh.kv_service.service import ServiceConfig
 from kvmesh.kv_service.store_memory import MemoryIndex
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port

@@ -10,8 +10,8 @@ import pytest
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import FailedPrecondition, NotFound
-from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, Load
-from kvmesh.kv_service.index import Action, Registration
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, Load, Pending
+from kvmesh.kv_service.index import Action, PendingConfig, Pick, Registration
 from kvmesh.kv_service.store_memory import MemoryIndex
 from kvmesh.kv_service.store_redis import RedisIndex
 
@@ -442,3 +442,105 @@ async def test_a_snapshot_with_duplicates_holds_each_block_once(index):
     assert await state(index, h) == ([["w1"], ["w1"]], {"w1": 2}, (2, 2))
     await index.publish("w1", 1, 2, [BlockRemoved([h[0]])], T0)
     assert await state(index, h) == ([[], ["w1"]], {"w1": 1}, (1, 1))
+
+
+# -- the shared router view: pending picks -------------------------------------------------------
+def pick(wid: str, rid: str, router: str = "ra", seen: int | None = None, prefill: int = 100, blocks: int = 5):
+    return Pick("m", wid, router, rid, prefill, blocks, seen)
+
+
+async def pending(index, now=T0) -> dict[str, Pending]:
+    return {m.worker_id: m.pending for m in await index.lookup("m", chain(1), now)}
+
+
+async def test_a_pick_counts_in_every_lookup_until_the_workers_report_lists_its_admission(index):
+    await join(index, "w0")
+    await join(index, "w1")
+    assert (await index.reserve(pick("w0", "r1"), T0)).reserved
+    assert (await index.reserve(pick("w0", "r2", router="rb", prefill=50, blocks=2), T0 + 1)).reserved
+    got = await pending(index, T0 + 2)
+    assert got["w0"] == Pending(2, 150, 7, 2)
+    assert got["w1"] == Pending()
+    # A report that lists r1 as admitted covers it, once: r2 still counts; no double counting.
+    admitted = Load(num_waiting=1, queued_prefill_tokens=100, admitted=("r1",), reports_admissions=True)
+    await index.heartbeat("w0", 1, admitted, TTL, T0 + 3)
+    assert (await pending(index, T0 + 4))["w0"] == Pending(1, 50, 2, 2)
+    # The event stream's loads cover picks too; the stored load keeps no admissions.
+    await index.publish("w0", 1, 1, [], T0 + 5, Load(num_waiting=2, admitted=("r2", "elsewhere"),
+                                                        reports_admissions=True))
+    m = {m.worker_id: m for m in await index.lookup("m", chain(1), T0 + 6)}["w0"]
+    assert m.pending == Pending(0, 0, 0, 2)
+    assert m.load.admitted == ()  # (the Redis store serves loads from a cache: not num_waiting here)
+    info = {i.registration.worker_id: i for i in await index.workers(T0 + 6)}
+    assert info["w0"].pending == Pending(0, 0, 0, 2)
+
+
+async def test_a_pick_another_router_made_since_the_lookup_refuses_the_claim(index):
+    await join(index, "w0")
+    await join(index, "w1")
+    seen = (await pending(index))["w0"].version
+    assert (await index.reserve(pick("w0", "a1", router="ra", seen=seen), T0)).reserved
+    # The same router's next pick on w0 does not conflict with its own.
+    assert (await index.reserve(pick("w0", "a2", router="ra", seen=seen), T0)).reserved
+    refused = await index.reserve(pick("w0", "b1", router="rb", seen=seen), T0 + 1)
+    assert not refused.reserved
+    fresh = dict(refused.workers)
+    assert fresh["w0"] == Pending(2, 200, 10, 2)
+    assert fresh.get("w1", Pending()).requests == 0
+    assert (await pending(index, T0 + 2))["w0"].requests == 2  # a refused claim changes nothing
+    # With the fresh version, or unconditionally, it is reserved.
+    assert (await index.reserve(pick("w0", "b1", router="rb", seen=fresh["w0"].version), T0 + 2)).reserved
+    assert (await index.reserve(pick("w1", "b2", router="rb", seen=None), T0 + 2)).reserved
+    assert (await pending(index, T0 + 3))["w0"].requests == 3
+
+
+async def test_picks_expire_after_their_ttl_and_a_worker_without_admissions_covers_them_by_time(index):
+    index.pending_config = PendingConfig(grace_ms=100, ttl_ms=5_000)
+    await join(index, "w0")
+    await join(index, "w1")
+    await index.reserve(pick("w0", "lost"), T0)  # its router died before forwarding it
+    await index.reserve(pick("w1", "v1"), T0)
+    await index.reserve(pick("w1", "v2"), T0 + 150)
+    # w1 is a bridged engine: its report covers the picks taken grace_ms or more before it.
+    await index.heartbeat("w1", 1, Load(num_waiting=1), TTL, T0 + 200)
+    assert (await pending(index, T0 + 201))["w1"].requests == 1
+    # w0 reports admissions; the lost pick's request never arrives: past the TTL a report drops it.
+    await index.heartbeat("w0", 1, Load(reports_admissions=True), TTL, T0 + 4_000)
+    assert (await pending(index, T0 + 4_001))["w0"].requests == 1
+    await index.heartbeat("w0", 1, Load(reports_admissions=True), TTL, T0 + 5_001)
+    assert (await pending(index, T0 + 5_002))["w0"].requests == 0
+    # An expired pick conflicts with nobody.
+    await index.reserve(pick("w1", "old", router="rb"), T0 + 5_100)
+    await index.heartbeat("w1", 1, Load(reports_admissions=True), TTL, T0 + 6_000)
+    assert not (await index.reserve(pick("w1", "new", router="ra", seen=0), T0 + 10_000)).reserved
+    assert (await index.reserve(pick("w1", "new", router="ra", seen=0), T0 + 10_200)).reserved
+
+
+async def test_a_reregistered_worker_drops_its_picks_and_keeps_counting_versions(index):
+    await join(index, "w0")
+    await index.reserve(pick("w0", "r1"), T0)
+    await index.reserve(pick("w0", "r2"), T0)
+    await join(index, "w0", now=T0 + 1, epoch=2)
+    assert (await pending(index, T0 + 2))["w0"] == Pending(0, 0, 0, 2)
+    # No pick is pending any more: a claim made with an old version is reserved.
+    assert (await index.reserve(pick("w0", "r3", router="rb", seen=1), T0 + 3)).reserved
+    assert (await pending(index, T0 + 4))["w0"].version == 3
+
+
+async def test_reserving_a_worker_that_is_not_live_or_serves_another_model_is_not_found(index):
+    await join(index, "w0")
+    with pytest.raises(NotFound):
+        await index.reserve(pick("nobody", "r1"), T0)
+    with pytest.raises(NotFound):
+        await index.reserve(Pick("other-model", "w0", "ra", "r1", 1, 1, None), T0)
+    with pytest.raises(NotFound):
+        await index.reserve(pick("w0", "r1"), T0 + TTL + 1)  # its lease lapsed
+
+
+async def test_picks_per_worker_are_bounded_oldest_first(index):
+    index.pending_config = PendingConfig(max_per_worker=3)
+    await join(index, "w0")
+    for i in range(5):
+        await index.reserve(pick("w0", f"r{i}", prefill=10 ** i), T0 + i)
+    p = (await pending(index, T0 + 10))["w0"]
+    assert (p.requests, p.prefill_tokens, p.version) == (3, 100 + 1000 + 10_000, 5)

@@ -9,11 +9,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.kv_service.config import ServiceConfig
 from kvmesh.kv_service.server import KVServiceServer
-from kvmesh.kv_service.service import ServiceConfig
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
 from kvmesh.transport.channels import dial
+from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 from tests.support import wait_until
@@ -32,10 +33,16 @@ def kv(redis_url, redis_namespace):
     server.stop(0.5)
 
 
-def register(stub, wid="w1", *, bs=4, algo=SHA, epoch=7, nb=1000, model="m"):
+def register(stub, wid="w1", *, bs=4, algo=SHA, epoch=7, nb=1000, model="m", engine=""):
     return stub.RegisterWorker(pb.RegisterWorkerRequest(
         worker_id=wid, address="127.0.0.1:50061", model_id=model, block_size=bs, hash_algorithm=algo,
-        num_blocks=nb, epoch=epoch), timeout=5)
+        num_blocks=nb, epoch=epoch, engine=engine), timeout=5)
+
+
+def reserve(stub, **kw):
+    fields = {"model_id": "m", "worker_id": "w1", "router_id": "ra", "request_id": "r1", "prefill_tokens": 10,
+              "blocks": 1, **kw}
+    return stub.Reserve(pb.ReserveRequest(**fields), timeout=5)
 
 
 def batch(wid, seq, *events, epoch=7, **kw):
@@ -147,6 +154,15 @@ def test_bad_input_gets_clear_status_and_leaves_index_unchanged(kv):
         (lambda: register(stub, "w2", algo=99), INV, "hash_algorithm is 99, which is not a known algorithm"),
         (lambda: stub.LookupTokens(pb.LookupTokensRequest(model_id="m", token_ids=[1, 2]), timeout=5), INV,
          "make no full block of 4"),
+        (lambda: reserve(stub, router_id=""), INV, "router_id must be 1-128 characters"),
+        (lambda: reserve(stub, request_id="r\n1"), INV, "request_id 'r\\n1' is not printable ASCII"),
+        (lambda: reserve(stub, request_id="r" * 257), INV, "request_id has 257 characters; at most 256"),
+        (lambda: reserve(stub, prefill_tokens=2**41), INV, "prefill_tokens must be in [0, 2**40]"),
+        (lambda: reserve(stub, worker_id="ghost"), NF, "worker 'ghost' is not a live worker of model 'm'"),
+        (lambda: reserve(stub, model_id="other"), NF, "worker 'w1' is not a live worker of model 'other'"),
+        (lambda: stub.Heartbeat(pb.HeartbeatRequest(worker_id="w1", epoch=7, load=common_pb2.WorkerLoad(
+            admitted_request_ids=["ok", "bad\x00"])), timeout=5), INV, "load.admitted_request_ids[1]"),
+        (lambda: register(stub, "w2", engine="no spaces"), INV, "engine must be 1-32 characters"),
     ]
     for call, code, message in cases:
         got_code, details = _err(call)
@@ -157,6 +173,16 @@ def test_bad_input_gets_clear_status_and_leaves_index_unchanged(kv):
     assert lookup(stub, CHAIN, model="nope") == []
     after = (lookup(stub, CHAIN), stub.GetStats(pb.GetStatsRequest(), timeout=5).indexed_blocks)
     assert after == before == ([("w1", 3)], 3)
+    answer = stub.Lookup(pb.LookupRequest(model_id="m", block_hashes=CHAIN), timeout=5)
+    assert not answer.workers[0].HasField("pending")  # no refused Reserve left a pick
+    # A good Reserve is seen by the next Lookup; a stale conditional one is refused with the news.
+    assert reserve(stub, request_id="ok", router_id="ra", seen_version=0).reserved
+    pending = stub.Lookup(pb.LookupRequest(model_id="m", block_hashes=CHAIN), timeout=5).workers[0].pending
+    assert (pending.requests, pending.prefill_tokens, pending.blocks, pending.version) == (1, 10, 1, 1)
+    refused = reserve(stub, request_id="late", router_id="rb", seen_version=0)
+    assert not refused.reserved and [(w.worker_id, w.pending.requests) for w in refused.workers] == [("w1", 1)]
+    listed = stub.ListWorkers(pb.ListWorkersRequest(), timeout=5).workers[0]
+    assert (listed.engine, listed.pending.requests) == ("kvmesh", 1)
     # The stream that failed did not poison the next one.
     assert publish(stub, batch("w1", 2, stored(CHAIN[3:], CHAIN[2])))[0][1] == pb.PUBLISH_ACTION_ACK
 

@@ -150,6 +150,37 @@ def test_stats_count_queued_work_and_cache_hits(tiny_model_dir) -> None:
     assert engine.stats().num_total_blocks == 64
 
 
+def test_load_reports_list_admissions_until_acknowledged_and_count_them(tiny_model_dir) -> None:
+    """Every request a report lists as admitted is in its counts (the kv_service retires the routers'
+    picks of it on that word), and an acknowledged admission is not listed again."""
+    engine = make_engine(tiny_model_dir("llama"))
+    engine.add_request("a", list(range(200, 240)), GREEDY)
+    engine.add_request("b", list(range(300, 310)), GREEDY)
+    first = engine.report_load()
+    assert (first.admitted, first.reports_admissions, first.num_waiting) == (("a", "b"), True, 2)
+    engine.ack_admitted(first.admitted[:1])
+    assert engine.report_load().admitted == ("b",)
+    engine.step()  # both move into the scheduler: still counted, now as running
+    engine.add_request("c", list(range(400, 410)), GREEDY)
+    later = engine.report_load()
+    assert later.admitted == ("b", "c") and later.num_running + later.num_waiting == 3
+    engine.ack_admitted(later.admitted)
+    assert engine.report_load().admitted == ()
+    assert engine.stats().load.admitted == ()  # plain stats (GetLoad, metrics) list nothing
+
+
+def test_requests_taken_into_a_running_window_are_counted_until_its_snapshot(tiny_model_dir) -> None:
+    """A request that leaves the inbox for the scheduler mid-step is in neither the inbox nor the last
+    snapshot: stats() still counts it (it used to vanish from the load until the step ended)."""
+    engine = make_engine(tiny_model_dir("llama"))
+    engine.add_request("a", list(range(200, 240)), GREEDY)
+    engine._drain_inbox()  # what step() does first, before its snapshot at the end
+    s = engine.stats()
+    assert (s.num_waiting, s.queued_prefill_tokens) == (1, 40)
+    engine.step()
+    assert engine.stats().num_running == 1 and engine.stats().num_waiting == 0
+
+
 def test_text_prompts_in_input_order(tiny_model_dir) -> None:
     llm = LLM(str(tiny_model_dir("llama")), num_blocks=64, max_model_len=128)
     texts = ["The keeper climbed the tower.", "Ships", "Why is the lens shaped like a beehive?"]

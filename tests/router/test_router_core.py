@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from kvmesh.contract.block_hash import BlockHasher
-from kvmesh.contract.types import Load, ModelSpec
+from kvmesh.contract.types import Load, ModelSpec, Pending
 from kvmesh.router.core import CountingObserver, RoutingCore
 from kvmesh.router.policies import make_policy
 from kvmesh.router.policies.base import PolicyConfig
-from kvmesh.router.upstream import IndexMatch, IndexUnavailable, WorkerEndpoint
+from kvmesh.router.upstream import Claim, ClaimAnswer, IndexMatch, IndexUnavailable, WorkerEndpoint
 
 SPEC = ModelSpec("m", 4, "sha256_128")
 PROMPT = list(range(1, 33))  # 8 blocks of 4
@@ -100,3 +100,70 @@ def test_unhealthy_workers_are_skipped_unless_all_are():
     assert [x.worker_id for x in plan.candidates] == ["w2"]
     plan = c.plan(SPEC, PROMPT, EPS, None, healthy=lambda w: False)
     assert len(plan.candidates) == 2
+
+
+# -- the shared router view ------------------------------------------------------------------------
+def shared_core(policy: str = "kv-aware", attempts: int = 3) -> RoutingCore:
+    return RoutingCore(make_policy(policy, PolicyConfig(seed=0)), speculative_ttl_s=2.0, clock=Clock(),
+                       shared_view=True, router_id="ra", claim_attempts=attempts)
+
+
+def test_claims_only_for_a_policy_that_reads_the_view_and_only_with_an_index_answer():
+    answer = [IndexMatch("w1", "a:1", 0, Load(), Pending(1, 40, 10, 7)), IndexMatch("w2", "a:2", 0, Load())]
+    c = shared_core()
+    plan = c.plan(SPEC, PROMPT, EPS, Index(answer))
+    assert plan.versions == {"w1": 7, "w2": 0}
+    assert plan.candidate("w1").pending == Pending(1, 40, 10, 7)
+    down = Index(answer)
+    down.down = True
+    assert c.plan(SPEC, PROMPT, EPS, down).versions is None  # no answer: nothing to claim against
+    for other in (shared_core("round-robin"), shared_core("dynamo"),
+                  RoutingCore(make_policy("kv-aware", PolicyConfig(seed=0)), shared_view=False)):
+        p = other.plan(SPEC, PROMPT, EPS, Index(answer))
+        assert p.versions is None and p.candidate("w1").pending == Pending()
+        assert other.claim(p, other.pick(p), "r1", 0) is None
+
+
+def test_a_claim_is_in_flight_at_once_and_a_refusal_moves_it_with_the_fresh_view():
+    # w1 holds the prompt: the first pick; w2 is idle.
+    answer = [IndexMatch("w1", "a:1", 8, Load()), IndexMatch("w2", "a:2", 0, Load())]
+    c = shared_core()
+    plan = c.plan(SPEC, PROMPT, EPS, Index(answer))
+    first = c.pick(plan, count=False)
+    assert first.worker_id == "w1"
+    claim = c.claim(plan, first, "req-1", 0)
+    assert claim == Claim("w1", "req-1", 0, 8, 0)
+    assert c.inflight.of("w1").requests == 1  # this router's next pick sees it while it is claimed
+    # Another router got there first: w1 is now swamped by others' picks.
+    again = c.claimed(plan, ClaimAnswer(False, {"w1": Pending(40, 100_000, 400, 3), "w2": Pending(0, 0, 0, 1)}))
+    assert again is not None and again.worker_id == "w2"
+    assert plan.versions == {"w1": 3, "w2": 1}
+    assert (c.inflight.of("w1").requests, c.inflight.of("w2").requests) == (0, 0)
+    claim2 = c.claim(plan, again, "req-1", 1)
+    assert claim2 == Claim("w2", "req-1", 32, 8, 1)
+    assert (c.inflight.of("w1").requests, c.inflight.of("w2").requests) == (0, 1)
+    assert c.claimed(plan, ClaimAnswer(True)) is None
+    # The forwarded attempt takes over the claimed ticket (one request in flight, not two).
+    assert c.start(plan, "w2") is plan.ticket and c.inflight.of("w2").requests == 1
+
+
+def test_the_last_claim_is_unconditional_and_then_there_is_none():
+    c = shared_core(attempts=2)
+    plan = c.plan(SPEC, PROMPT, EPS, Index([IndexMatch("w1", "a:1", 8, Load(), Pending(0, 0, 0, 5)),
+                                            IndexMatch("w2", "a:2", 0, Load())]))
+    d = c.pick(plan, count=False)
+    assert c.claim(plan, d, "r", 0).seen_version == 5
+    assert c.claim(plan, d, "r", 1).seen_version is None
+    assert c.claim(plan, d, "r", 2) is None
+
+
+def test_other_routers_picks_weigh_on_kv_aware_like_its_own():
+    """The view's pending picks count as load: with equal matches, the worker others just picked loses."""
+    busy = Pending(6, 6 * 4096, 6 * 64, 9)
+    c = shared_core()
+    plan = c.plan(SPEC, PROMPT, EPS, Index([IndexMatch("w1", "a:1", 0, Load(), busy),
+                                            IndexMatch("w2", "a:2", 0, Load())]))
+    assert c.pick(plan).worker_id == "w2"
+    plan = c.plan(SPEC, PROMPT, EPS, Index([IndexMatch("w1", "a:1", 0, Load()),
+                                            IndexMatch("w2", "a:2", 0, Load(), busy)]))
+    assert c.pick(plan).worker_id == "w1"

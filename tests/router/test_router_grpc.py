@@ -9,8 +9,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.kv_service.config import ServiceConfig
 from kvmesh.kv_service.server import KVServiceServer
-from kvmesh.kv_service.service import ServiceConfig
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
 from kvmesh.make_model import train_tokenizer

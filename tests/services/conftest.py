@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvmesh.kv_service.config import ServiceConfig
 from kvmesh.kv_service.server import KVServiceServer
-from kvmesh.kv_service.service import ServiceConfig
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
 from kvmesh.make_model import ModelSpec, make_model

@@ -18,8 +18,8 @@ import torch
 from google.protobuf import struct_pb2
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from kvmesh.kv_service.config import ServiceConfig
 from kvmesh.kv_service.server import KVServiceServer
-from kvmesh.kv_service.service import ServiceConfig
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
 from kvmesh.make_model import ModelSpec, make_model

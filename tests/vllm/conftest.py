@@ -18,8 +18,8 @@ from kvmesh.bench.vllm_peer import IndexView, VllmServer
 from kvmesh.bridge.bridge import Bridge
 from kvmesh.bridge.config import BridgeConfig
 from kvmesh.client import Client
+from kvmesh.kv_service.config import ServiceConfig
 from kvmesh.kv_service.server import KVServiceServer
-from kvmesh.kv_service.service import ServiceConfig
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
 from kvmesh.make_model import ensure_default_model
