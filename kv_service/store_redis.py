@@ -18,7 +18,7 @@ one shard, :func:`shard_tags` with more):
                         (pv: the worker's reservation count, kept across its registrations)
     m:<model>     HASH  bs, algo (the model's registered spec)
     mw:<model>    ZSET  worker -> lease expiry (ms)
-    ld:<model>    HASH  worker -> "addr|block_size|load" (cached in-process for Lookup)
+    ld:<model>    HASH  worker -> "addr|block_size|load" (read by every Lookup; parsed once per change)
     pk:<worker>   HASH  request id -> "taken_ms,router,version,prefill,blocks": the routers' pending
                         picks of the worker (the shared router view)
     pd:<model>    HASH  worker -> "picks,prefill,blocks,version": their sums (read by every Lookup)
@@ -280,8 +280,7 @@ class RedisIndex(BlockIndex):
         self.prefix = self.prefixes[0]
         self._keys = [p + "workers" for p in self.prefixes]  # the KEYS[1] that routes a script to its slot
         self._layout_key = f"kvm:{{{namespace}}}:shards"
-        self._info: dict[str, dict[bytes, tuple[str, str, int, Load]]] = {}
-        self._refresher: asyncio.Task | None = None
+        self._info: dict[bytes, tuple[bytes | None, tuple[str, str, int, Load]]] = {}
         self._closed = False
         self._scripts: dict[str, tuple[str, str]] = {}
         self._sources: dict[str, str] = {}
@@ -578,20 +577,21 @@ class RedisIndex(BlockIndex):
     async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
         chain = b"".join(hashes)
         if self.shards == 1:
-            live, pairs, pending = await self._on(0, "lookup", model_id, now_ms, HASH_LEN, chain)
+            live, pairs, pending, infos = await self._on(0, "lookup", model_id, now_ms, HASH_LEN, chain)
         else:
             # NOTE: every shard walks the chain for its own workers, all in one round; a worker
             # lives on one shard, so the answers are disjoint and merge by concatenation.
-            live, pairs, pending = [], [], []
-            for shard_live, shard_pairs, shard_pending in await self._each("lookup", model_id, now_ms, HASH_LEN,
-                                                                           chain):
+            live, pairs, pending, infos = [], [], [], []
+            for shard_live, shard_pairs, shard_pending, shard_infos in await self._each(
+                    "lookup", model_id, now_ms, HASH_LEN, chain):
                 live += shard_live
                 pairs += shard_pairs
                 pending += shard_pending
+                infos += shard_infos
         matched = {pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
-        info = await self._worker_info(model_id, live)
         return [WorkerMatch(wid, addr, matched.get(raw, 0), load, bs, _pending(p))
-                for raw, p in zip(live, pending, strict=True) for wid, addr, bs, load in (info[raw],)]
+                for raw, p, info in zip(live, pending, infos, strict=True)
+                for wid, addr, bs, load in (self._parse_info(raw, info),)]
 
     # -- the shared router view ------------------------------------------------------------
     async def reserve(self, pick: Pick, now_ms: int) -> ReserveResult:
@@ -610,50 +610,24 @@ class RedisIndex(BlockIndex):
             workers += [(_s(flat[i]), _pending(flat[i + 1])) for i in range(0, len(flat), 2)]
         return ReserveResult(False, sorted(workers))
 
-    # -- the address / load cache of Lookup ------------------------------------------------
-    # NOTE: liveness and matches always come from Redis in the lookup's one round; only
-    # address, block size and load (reported with heartbeats and event batches) come from this
-    # cache, refreshed every INFO_REFRESH_S by a task on the loop. A worker missing from it is
-    # read at once (a second round trip, once per new worker).
-    INFO_REFRESH_S = 0.1
+    # -- a worker's address, block size and load, as Lookup reads them ---------------------------
+    # NOTE: every Lookup reads each live worker's "addr|bs|load" in its one round (the load must be
+    # as fresh as the pending picks its report retired: a cached load would hide a worker's newly
+    # admitted requests from the shared router view). Parsing is what costs: a worker's entry is
+    # parsed once per distinct string, and the same Load object is handed out until it changes
+    # (the server's reply cache checks it by identity).
+    MAX_PARSED = 16_384
 
-    async def _worker_info(self, model_id: str, live: list[bytes]) -> dict[bytes, tuple[str, str, int, Load]]:
-        cached = self._info.get(model_id)
-        if cached is None:
-            cached = self._info[model_id] = {}
-            if self._refresher is None:
-                self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
-        missing = [w for w in live if w not in cached]
-        if missing:
-            by_shard: dict[int, list[bytes]] = {}
-            for w in missing:
-                by_shard.setdefault(self.home(_s(w)), []).append(w)
-            shards = list(by_shard)
-            fresh = await self._round([(k, ("HMGET", self.prefixes[k] + "ld:" + model_id, *by_shard[k]))
-                                       for k in shards])
-            for k, raws in zip(shards, fresh, strict=True):
-                cached.update((w, self._parse_info(w, raw)) for w, raw in zip(by_shard[k], raws, strict=True))
-        return cached
-
-    @staticmethod
-    def _parse_info(wid: bytes, raw: bytes | None) -> tuple[str, str, int, Load]:
+    def _parse_info(self, wid: bytes, raw: bytes | None) -> tuple[str, str, int, Load]:
+        cached = self._info.get(wid)
+        if cached is not None and cached[0] == raw:
+            return cached[1]
         addr, bs, load = _s(raw or b"||").split("|", 2)
-        return _s(wid), addr, int(bs or 0), Load.decode(load)
-
-    async def _refresh_loop(self) -> None:
-        while not self._closed:
-            await asyncio.sleep(self.INFO_REFRESH_S)
-            for model_id in list(self._info):
-                try:
-                    raws = await self._round([(k, ("HGETALL", p + "ld:" + model_id))
-                                              for k, p in enumerate(self.prefixes)])
-                except (redis.RedisError, Unavailable):
-                    continue  # lookups report Redis errors; the cache just stays as it was
-                fresh = {}
-                for flat in raws:
-                    if isinstance(flat, list):
-                        fresh.update((flat[i], self._parse_info(flat[i], flat[i + 1])) for i in range(0, len(flat), 2))
-                self._info[model_id] = fresh
+        parsed = (_s(wid), addr, int(bs or 0), Load.decode(load))
+        if len(self._info) >= self.MAX_PARSED:
+            self._info.clear()  # workers that left
+        self._info[wid] = (raw, parsed)
+        return parsed
 
     # -- admin -----------------------------------------------------------------------------
     async def holders(self, block_hash: bytes, now_ms: int) -> list[str]:
@@ -736,12 +710,5 @@ class RedisIndex(BlockIndex):
 
     async def close(self) -> None:
         self._closed = True
-        task, self._refresher = self._refresher, None
-        while task is not None and not task.done():
-            # NOTE: cancelled until it is done: on Python 3.11 a redis-py write (asyncio.wait_for)
-            # swallows a cancellation that arrives as the write completes (fixed in 3.12), and a
-            # kv_service stopping then waited for the refresher forever.
-            task.cancel()
-            await asyncio.wait({task}, timeout=0.1)
         for node in self._nodes.values():
             await node.close()

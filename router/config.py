@@ -31,7 +31,7 @@ class RoutingConfig:
     """Routers share their picks through the kv_service: each pick is reserved before forwarding and every
     router's next Lookup sees it until the worker's report covers it (kv-aware only; docs/router.md, "Several
     routers")."""
-    claim_attempts: int = 5
+    claim_attempts: int = 10
     """Reservations per request at most: a refused one (another router reserved the worker since this router's
     Lookup) is picked again; the last is unconditional."""
     max_attempts: int = 3

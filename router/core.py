@@ -38,7 +38,7 @@ from typing import Protocol
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.limits import MAX_CHAIN_BLOCKS
-from kvmesh.contract.types import ModelSpec
+from kvmesh.contract.types import ModelSpec, Pending
 from kvmesh.router.inflight import InFlight, Ticket
 from kvmesh.router.policies.base import Candidate, Decision, RouteQuery, RouterPolicy, uncached_tokens
 from kvmesh.router.speculative import SpeculativeIndex
@@ -118,6 +118,8 @@ class PendingPlan:
     no index configured, or the breaker is open)."""
     index_ok: bool
     max_tokens: int
+    asked_at: float = 0.0
+    """The router's clock when the Lookup was asked: its own picks claimed since may be missing from it."""
 
 
 @dataclass(slots=True)
@@ -133,6 +135,8 @@ class RoutePlan:
     policy does not read the shared view, it is off, or the index did not answer)."""
     ticket: Ticket | None = None
     """The request's in-flight share on the worker it goes to (:meth:`RoutingCore.start`)."""
+    claimed_at: float = 0.0
+    """When its last claim was sent (the refusal's answer may miss this router's picks claimed since)."""
 
     def candidate(self, worker_id: str) -> Candidate:
         return next(c for c in self.candidates if c.worker_id == worker_id)
@@ -155,7 +159,7 @@ class RoutingCore:
 
     def __init__(self, policy: RouterPolicy, *, speculative_ttl_s: float = 2.0, index_retry_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, observer: DecisionObserver | None = None,
-                 shared_view: bool = False, router_id: str = "router", claim_attempts: int = 5) -> None:
+                 shared_view: bool = False, router_id: str = "router", claim_attempts: int = 10) -> None:
         self.policy = policy
         self.shared_view = shared_view and policy.shares_view
         self.router_id = router_id
@@ -214,7 +218,8 @@ class RoutingCore:
     # -- 3. the candidates ----------------------------------------------------------------------
     def build(self, spec: ModelSpec, token_ids: Sequence[int], chain: list[bytes],
               endpoints: Iterable[WorkerEndpoint], answer: Sequence[IndexMatch] | None, index_ok: bool, *,
-              adopt: bool, healthy: Callable[[str], bool] = lambda _w: True, max_tokens: int = 0) -> RoutePlan:
+              adopt: bool, healthy: Callable[[str], bool] = lambda _w: True, max_tokens: int = 0,
+              asked_at: float | None = None) -> RoutePlan:
         """The candidates of one request.
 
         Args:
@@ -224,6 +229,7 @@ class RoutingCore:
                 (discovery from the index); False with a static worker list.
             healthy: whether a worker is free of a recent failure mark.
             max_tokens: the request's max_tokens, for policies that cost its decode.
+            asked_at: when the Lookup was asked (the shared view adds this router's picks claimed since).
         """
         eps = {e.worker_id: e for e in endpoints}
         matched: dict[str, int] = {}
@@ -253,7 +259,7 @@ class RoutingCore:
                           f.prefill_tokens, f.waiting, f.blocks)
             m = pending.get(e.worker_id)
             if m is not None:
-                c.pending = m.pending
+                c.pending = self._with_own(m.pending, e.worker_id, self.clock() if asked_at is None else asked_at)
             candidates.append(c)
         usable = [c for c in candidates if healthy(c.worker_id)]
         # NOTE: unhealthy marks are hints: when every worker carries one, try them all anyway.
@@ -280,7 +286,7 @@ class RoutingCore:
                 # NOTE: the index answers at most MAX_CHAIN_BLOCKS blocks; a longer prompt
                 # (--max-prompt-tokens 0) is looked up by its leading ones, never refused.
                 lookup = chain[:MAX_CHAIN_BLOCKS]
-        return PendingPlan(spec, token_ids, chain, lookup, index_ok, max_tokens)
+        return PendingPlan(spec, token_ids, chain, lookup, index_ok, max_tokens, self.clock())
 
     def complete(self, pending: PendingPlan, endpoints: Iterable[WorkerEndpoint],
                outcome: Sequence[IndexMatch] | IndexUnavailable | None, seconds: float = 0.0, *,
@@ -297,7 +303,7 @@ class RoutingCore:
                 self.lookup_succeeded(seconds)
                 answer = outcome
         return self.build(pending.spec, pending.token_ids, pending.chain, endpoints, answer, index_ok, adopt=adopt,
-                          healthy=healthy, max_tokens=pending.max_tokens)
+                          healthy=healthy, max_tokens=pending.max_tokens, asked_at=pending.asked_at)
 
     def plan(self, spec: ModelSpec, token_ids: Sequence[int], endpoints: Iterable[WorkerEndpoint],
              index: PrefixIndex | None, *, cache_salt: str = "", adopt: bool = True,
@@ -338,17 +344,26 @@ class RoutingCore:
         if plan.versions is None or tries >= self.claim_attempts:
             return None
         # NOTE: in flight from the pick on, so this router's next picks see it while it is claimed.
-        self.start(plan, decision.worker_id)
+        ticket = self.start(plan, decision.worker_id)
+        self.inflight.claim_started(ticket)
+        plan.claimed_at = self.clock()
         q = plan.query
         c = plan.candidate(decision.worker_id)
         seen = plan.versions.get(decision.worker_id, 0) if tries < self.claim_attempts - 1 else None
         blocks = -(-q.prompt_len // q.block_size) if q.block_size else 0
         return Claim(decision.worker_id, request_id, uncached_tokens(c, q), blocks, seen)
 
+    def _with_own(self, p: Pending, worker_id: str, since: float) -> Pending:
+        """The kv_service's pending picks of a worker plus this router's own that it may not hold yet
+        (claimed after ``since``, when its answer was asked): the view counts each pick once."""
+        n, tokens, blocks = self.inflight.claimed_since(worker_id, since)
+        return Pending(p.requests + n, p.prefill_tokens + tokens, p.blocks + blocks, p.version) if n else p
+
     def claimed(self, plan: RoutePlan, answer: ClaimAnswer) -> Decision | None:
         """The kv_service's answer to a claim: None when reserved (forward the pick), else the
         policy's new pick with every candidate's pending picks as they are now (claim it next)."""
         if answer.reserved:
+            self.claim_settled(plan)
             return None
         assert plan.versions is not None
         if plan.ticket is not None:
@@ -357,11 +372,16 @@ class RoutingCore:
         for c in plan.candidates:
             p = answer.pending.get(c.worker_id)
             if p is not None:
-                c.pending = p
+                c.pending = self._with_own(p, c.worker_id, plan.claimed_at)
                 plan.versions[c.worker_id] = p.version
         # NOTE: the first pick's speculative record stays (its TTL ends it): removing one record's
         # entries would also remove those of every same-instant record of that worker.
         return self.pick(plan, count=False)
+
+    def claim_settled(self, plan: RoutePlan) -> None:
+        """The plan's claim was reserved, or given up on (the kv_service did not answer)."""
+        if plan.ticket is not None:
+            self.inflight.claim_settled(plan.ticket, self.clock())
 
     # -- 5. in-flight accounting ----------------------------------------------------------------
     def start(self, plan: RoutePlan, worker_id: str) -> Ticket:

@@ -286,6 +286,7 @@ class Router:
             except IndexUnavailable as exc:
                 self.metrics.claims.labels("failed").inc()
                 log.debug("reserve failed, forwarding unreserved: %s", exc)
+                core.claim_settled(plan)
                 break
             again = core.claimed(plan, answer)
             self.metrics.claims.labels("reserved" if again is None else "conflict").inc()

@@ -1,12 +1,11 @@
 -- ARGV: pre, model, now, hash length L, the chain: n hashes of L bytes concatenated in one string
 -- (one argument instead of n: Redis turns each argument into a Lua string, the client encodes each).
 -- Returns {live worker ids, {wid, matched, wid, matched, ...} for workers with matched > 0, each live
--- worker's pending picks "picks,prefill,blocks,version" (false: none ever)}.
--- Addresses and loads are not read here: the store keeps them in a cache refreshed in the
--- background (kv_service/store_redis.py).
+-- worker's pending picks "picks,prefill,blocks,version" (false: none ever), each live worker's
+-- "addr|block_size|load"}.
 local now = ARGV[3]
 local live = redis.call('ZRANGEBYSCORE', pre .. 'mw:' .. ARGV[2], '(' .. now, '+inf')
-if #live == 0 then return {live, {}, {}} end
+if #live == 0 then return {live, {}, {}, {}} end
 local nums = redis.call('HMGET', pre .. 'wn', unpack(live))
 local tags, cand, matched = {}, {}, {}
 for j = 1, #live do
@@ -56,4 +55,5 @@ for j, wid in ipairs(live) do
     pairs_out[#pairs_out + 1] = matched[j]
   end
 end
-return {live, pairs_out, redis.call('HMGET', pre .. 'pd:' .. ARGV[2], unpack(live))}
+return {live, pairs_out, redis.call('HMGET', pre .. 'pd:' .. ARGV[2], unpack(live)),
+        redis.call('HMGET', pre .. 'ld:' .. ARGV[2], unpack(live))}

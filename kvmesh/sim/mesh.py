@@ -624,11 +624,15 @@ class SimRouter:
                                                          claim.request_id, claim.prefill_tokens, claim.blocks,
                                                          claim.seen_version)))
         except NotFound:  # NOTE: the worker left since the Lookup: forwarded, as live, unreserved
-            mesh.q.after(mesh.cfg.reserve_latency_s / 2, self._decided, rec, plan, decision, 0.0)
+            mesh.q.after(mesh.cfg.reserve_latency_s / 2, self._unreserved, rec, plan, decision)
             return
         mesh.index.traffic.reserves += 1
         answer = ClaimAnswer(result.reserved, dict(result.workers))
         mesh.q.after(mesh.cfg.reserve_latency_s / 2, self._claimed, rec, plan, decision, tries, answer)
+
+    def _unreserved(self, rec: RequestRecord, plan: RoutePlan, decision: Decision) -> None:
+        self.core.claim_settled(plan)
+        self._decided(rec, plan, decision, 0.0)
 
     def _claimed(self, rec: RequestRecord, plan: RoutePlan, decision: Decision, tries: int,
                  answer: ClaimAnswer) -> None:

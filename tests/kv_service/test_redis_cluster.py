@@ -119,7 +119,6 @@ async def test_each_shard_lives_on_its_own_master(redis_cluster, redis_namespace
 
 async def test_a_lookup_is_one_parallel_round_to_the_shards(redis_cluster, redis_namespace, monkeypatch):
     idx, wids, chains = await populated(redis_cluster.url, redis_namespace)
-    idx.INFO_REFRESH_S = 3600  # NOTE: no background refresh while the calls are logged
     try:
         await matches(idx, chains[wids[0]])  # connections open, scripts loaded, loads cached
         log: list[tuple[str, int]] = []

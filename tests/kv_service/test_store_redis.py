@@ -3,24 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 
+from kvmesh.contract.types import Load
+from kvmesh.kv_service.index import Registration
 from kvmesh.kv_service.store_redis import RedisIndex
 
 pytestmark = pytest.mark.anyio
 
 
-async def test_close_ends_the_load_refresher_even_when_a_cancellation_is_swallowed(redis_url, redis_namespace):
-    """On Python 3.11 a redis-py write (asyncio.wait_for) swallows a cancellation that arrives as
-    the write completes; the refresher then ran on and a stopping kv_service waited for it forever.
-    Closed mid-refresh at random moments, every index closes."""
-    rng = random.Random(7)
-    for k in range(60):
-        idx = RedisIndex(redis_url, f"{redis_namespace}{k}", shards=3)
-        idx.INFO_REFRESH_S = 0.0005  # refreshing nearly all the time: the close lands mid-round
-        await idx.lookup("m", [b"h" * 16], 0)  # starts the refresher
-        await asyncio.sleep(rng.random() * 0.005)
+async def test_a_lookup_answers_the_latest_reported_load_and_reuses_unchanged_ones(redis_url, redis_namespace):
+    """The load Lookup answers is the one the last report stored (no cache that lags a report: the
+    shared router view retires a worker's picks on that report), parsed once while it is unchanged."""
+    idx = RedisIndex(redis_url, redis_namespace, shards=3)
+    try:
+        await idx.register_worker(Registration("w1", "127.0.0.1:1", "m", 4, "sha256_128", 100, 1), 10_000, 0)
+        first = (await idx.lookup("m", [b"h" * 16], 1))[0].load
+        assert first == Load() and (await idx.lookup("m", [b"h" * 16], 2))[0].load is first
+        await idx.heartbeat("w1", 1, Load(num_waiting=3, queued_prefill_tokens=99), 10_000, 3)
+        assert (await idx.lookup("m", [b"h" * 16], 4))[0].load.num_waiting == 3
+        await idx.publish("w1", 1, 1, [], 5, Load(num_waiting=1))
+        assert (await idx.lookup("m", [b"h" * 16], 6))[0].load.num_waiting == 1
+    finally:
         await asyncio.wait_for(idx.close(), 5)
-        assert idx._refresher is None

@@ -14,6 +14,8 @@ from kvmesh.router.config import RouterConfig, RoutingConfig
 from kvmesh.router.policies.base import PolicyConfig
 from kvmesh.router.router import GenerateInput, Router
 from kvmesh.router.upstream import (
+    Claim,
+    ClaimAnswer,
     Failure,
     IndexMatch,
     IndexUnavailable,
@@ -52,6 +54,7 @@ class FakePool:
     def __init__(self, scripts: dict[str, list]) -> None:
         self.scripts = scripts
         self.calls: list[str] = []
+        self.request_ids: list[str] = []
         self.unhealthy: set[str] = set()
 
     def endpoints(self) -> list[WorkerEndpoint]:
@@ -68,6 +71,7 @@ class FakePool:
 
     def generate(self, endpoint: WorkerEndpoint, request: WorkerRequest, timeout_s: float) -> FakeCall:
         self.calls.append(endpoint.worker_id)
+        self.request_ids.append(request.request_id)
         self.last_call = FakeCall(self.scripts[endpoint.worker_id])
         return self.last_call
 
@@ -76,11 +80,17 @@ class FakeIndex:
     def __init__(self, matched: dict[str, int] | None = None, down: bool = False) -> None:
         self.matched = matched or {}
         self.down = down
+        self.claims: list[Claim] = []
 
     async def lookup(self, model_id: str, block_hashes) -> list[IndexMatch]:
         if self.down:
             raise IndexUnavailable("kv_service at x: UNAVAILABLE")
         return [IndexMatch(w, f"{w}:1", n, Load()) for w, n in self.matched.items()]
+
+    async def reserve(self, model_id: str, router_id: str, claim: Claim) -> ClaimAnswer:
+        """The one router here never meets another's pick: every claim is reserved."""
+        self.claims.append(claim)
+        return ClaimAnswer(True)
 
 
 def ok(wid: str) -> list:
@@ -111,6 +121,29 @@ def test_streams_tokens_and_last_message_carries_usage_and_served_by():
     assert [(o.token_ids, o.finish_reason, o.usage, o.served_by) for o in out] == [
         ([7], None, None, ""), ([8], "length", Usage(32, 16, 2), "w1")]
     assert pool.calls == ["w1"] and router.inflight.view("w1") == (0, 0)
+
+
+def test_the_pick_is_reserved_under_the_id_the_worker_sees_and_is_in_flight_once():
+    index = FakeIndex({"w1": 8})
+    router, pool = make({"w1": ok("w1"), "w2": ok("w2")}, index)
+    seen = []
+    real = router.core.start
+
+    def start(plan, worker_id):  # what the in-flight view holds when the attempt starts
+        ticket = real(plan, worker_id)
+        seen.append(router.inflight.view(worker_id)[0])
+        return ticket
+
+    router.core.start = start
+    run(router)
+    assert [(c.worker_id, c.request_id, c.seen_version) for c in index.claims] == [("w1", pool.request_ids[0], 0)]
+    assert seen == [1, 1]  # claimed, then forwarded: one request, not two
+    assert router.inflight.view("w1") == (0, 0)
+    # Without the view (or for a policy that does not read it), nothing is reserved.
+    index = FakeIndex({"w1": 8})
+    run(make({"w1": ok("w1")}, index, shared_view=False)[0])
+    run(make({"w1": ok("w1")}, index, policy="round-robin")[0])
+    assert index.claims == []
 
 
 def test_unavailable_before_first_token_retries_on_next_best_and_marks_unhealthy():
