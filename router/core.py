@@ -202,6 +202,7 @@ class RoutingCore:
         """
         eps = {e.worker_id: e for e in endpoints}
         matched: dict[str, int] = {}
+        indexed: dict[str, int] = {}
         if answer is not None:
             for m in answer:
                 known = eps.get(m.worker_id)
@@ -212,7 +213,7 @@ class RoutingCore:
                     eps[m.worker_id] = WorkerEndpoint(m.worker_id, m.address, m.load)
                 else:  # static --workers: a worker outside the list is not ours to use
                     continue
-                matched[m.worker_id] = m.matched_blocks
+                matched[m.worker_id] = indexed[m.worker_id] = m.matched_blocks
         if self.wants_index(chain):
             for worker_id, n in self.speculative.matches(chain).items():
                 if worker_id in eps and n > matched.get(worker_id, 0):
@@ -221,7 +222,7 @@ class RoutingCore:
         for e in eps.values():
             f = self.inflight.of(e.worker_id)
             candidates.append(Candidate(e.worker_id, e.address, matched.get(e.worker_id, 0), e.load, f.requests,
-                                        f.prefill_tokens, f.waiting, f.blocks))
+                                        f.prefill_tokens, f.waiting, f.blocks, indexed.get(e.worker_id, 0)))
         usable = [c for c in candidates if healthy(c.worker_id)]
         # NOTE: unhealthy marks are hints: when every worker carries one, try them all anyway.
         return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok, max_tokens),
@@ -293,15 +294,21 @@ class RoutingCore:
 
     # -- 5. in-flight accounting ----------------------------------------------------------------
     def start(self, plan: RoutePlan, worker_id: str) -> Ticket:
-        """The request is sent to ``worker_id``: its uncached tokens wait for prefill there."""
+        """The request is sent to ``worker_id``: its uncached tokens wait for prefill there. The policy
+        hears of it (``RouterPolicy.started``)."""
         q = plan.query
+        chosen = plan.candidate(worker_id)
         blocks = -(-q.prompt_len // q.block_size) if q.block_size else 0
-        return self.inflight.start(worker_id, uncached_tokens(plan.candidate(worker_id), q), blocks)
+        ticket = self.inflight.start(worker_id, uncached_tokens(chosen, q), blocks)
+        self.policy.started(ticket, q, chosen)
+        return ticket
 
     def prefilled(self, ticket: Ticket) -> None:
         """Its first token arrived."""
-        self.inflight.prefilled(ticket)
+        if self.inflight.prefilled(ticket):
+            self.policy.prefilled(ticket)
 
-    def finish(self, ticket: Ticket) -> None:
-        """It ended (any way); idempotent."""
-        self.inflight.finish(ticket)
+    def finish(self, ticket: Ticket, output_tokens: int = 0) -> None:
+        """It ended (any way), after ``output_tokens`` tokens (0: failed or not known); idempotent."""
+        if self.inflight.finish(ticket):
+            self.policy.finished(ticket, output_tokens)

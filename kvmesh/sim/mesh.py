@@ -542,7 +542,7 @@ class SimRouter:
         self.core.prefilled(a.ticket)
 
     def finished(self, a: _Attempt) -> None:
-        self.core.finish(a.ticket)
+        self.core.finish(a.ticket, a.record.completion_tokens)
         self.mesh.request_done(a.record)
 
     def refused(self, a: _Attempt, why: str) -> None:
