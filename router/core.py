@@ -233,6 +233,7 @@ class RoutingCore:
         """
         eps = {e.worker_id: e for e in endpoints}
         matched: dict[str, int] = {}
+        indexed: dict[str, int] = {}
         shared = self.shared_view and answer is not None
         pending: dict[str, IndexMatch] = {}
         if answer is not None:
@@ -245,7 +246,7 @@ class RoutingCore:
                     eps[m.worker_id] = WorkerEndpoint(m.worker_id, m.address, m.load)
                 else:  # static --workers: a worker outside the list is not ours to use
                     continue
-                matched[m.worker_id] = m.matched_blocks
+                matched[m.worker_id] = indexed[m.worker_id] = m.matched_blocks
                 if shared:
                     pending[m.worker_id] = m
         if self.wants_index(chain):
@@ -256,7 +257,7 @@ class RoutingCore:
         for e in eps.values():
             f = self.inflight.of(e.worker_id)
             c = Candidate(e.worker_id, e.address, matched.get(e.worker_id, 0), e.load, f.requests,
-                          f.prefill_tokens, f.waiting, f.blocks)
+                          f.prefill_tokens, f.waiting, f.blocks, indexed.get(e.worker_id, 0))
             m = pending.get(e.worker_id)
             if m is not None:
                 c.pending = self._with_own(m.pending, e.worker_id, self.clock() if asked_at is None else asked_at)
@@ -385,23 +386,27 @@ class RoutingCore:
 
     # -- 5. in-flight accounting ----------------------------------------------------------------
     def start(self, plan: RoutePlan, worker_id: str) -> Ticket:
-        """The request goes to ``worker_id``: its uncached tokens wait for prefill there. Idempotent
-        per plan and worker (a claimed pick is in flight from its claim on); a plan's earlier
-        ticket on another worker is finished."""
+        """The request goes to ``worker_id``: its uncached tokens wait for prefill there; the policy
+        hears of it (``RouterPolicy.started``). Idempotent per plan and worker (a claimed pick is in
+        flight from its claim on); a plan's earlier ticket on another worker is finished."""
         t = plan.ticket
         if t is not None and not t.finished:
             if t.worker_id == worker_id:
                 return t
             self.finish(t)
         q = plan.query
+        chosen = plan.candidate(worker_id)
         blocks = -(-q.prompt_len // q.block_size) if q.block_size else 0
-        plan.ticket = self.inflight.start(worker_id, uncached_tokens(plan.candidate(worker_id), q), blocks)
+        plan.ticket = self.inflight.start(worker_id, uncached_tokens(chosen, q), blocks)
+        self.policy.started(plan.ticket, q, chosen)
         return plan.ticket
 
     def prefilled(self, ticket: Ticket) -> None:
         """Its first token arrived."""
-        self.inflight.prefilled(ticket)
+        if self.inflight.prefilled(ticket):
+            self.policy.prefilled(ticket)
 
-    def finish(self, ticket: Ticket) -> None:
-        """It ended (any way); idempotent."""
-        self.inflight.finish(ticket)
+    def finish(self, ticket: Ticket, output_tokens: int = 0) -> None:
+        """It ended (any way), after ``output_tokens`` tokens (0: failed or not known); idempotent."""
+        if self.inflight.finish(ticket):
+            self.policy.finished(ticket, output_tokens)

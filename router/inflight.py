@@ -8,6 +8,7 @@ This module imports neither grpc nor redis.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ class Ticket:
     blocks: int = 0
     prefilled: bool = False
     finished: bool = False
+    serial: int = 0
+    """Unique among this router's tickets: what a policy keys its own per-request state by."""
     claiming: bool = False
     """Its pick is being reserved in the kv_service (the shared router view)."""
     claimed_at: float | None = None
@@ -52,6 +55,7 @@ class InFlight:
         # worker -> [requests, prefill tokens, waiting requests, blocks]
         self._w: dict[str, list[int]] = {}
         self._lock = threading.Lock()
+        self._serials = itertools.count(1)
         # worker -> its claimed tickets not finished, oldest claim first (the shared view's own part)
         self._claims: dict[str, list[Ticket]] = {}
 
@@ -62,29 +66,33 @@ class InFlight:
             c[1] += prefill_tokens
             c[2] += 1
             c[3] += blocks
-        return Ticket(worker_id, prefill_tokens, blocks)
+            serial = next(self._serials)
+        return Ticket(worker_id, prefill_tokens, blocks, serial=serial)
 
-    def prefilled(self, t: Ticket) -> None:
-        """The first token arrived: the prompt no longer waits for prefill."""
+    def prefilled(self, t: Ticket) -> bool:
+        """The first token arrived: the prompt no longer waits for prefill. True the first time."""
         with self._lock:
-            if not t.prefilled and not t.finished:
-                t.prefilled = True
-                c = self._w[t.worker_id]
-                c[1] -= t.prefill_tokens
-                c[2] -= 1
+            if t.prefilled or t.finished:
+                return False
+            t.prefilled = True
+            c = self._w[t.worker_id]
+            c[1] -= t.prefill_tokens
+            c[2] -= 1
+            return True
 
-    def finish(self, t: Ticket) -> None:
-        """Idempotent; call it on every exit path."""
+    def finish(self, t: Ticket) -> bool:
+        """Idempotent; call it on every exit path. True the first time."""
         self.prefilled(t)
         with self._lock:
             if t.finished:
-                return
+                return False
             t.finished = True
             c = self._w[t.worker_id]
             c[0] -= 1
             c[3] -= t.blocks
             if not c[0]:  # NOTE: no entry for idle workers, so the map stays bounded by busy workers
                 del self._w[t.worker_id]
+            return True
 
     def claim_started(self, t: Ticket) -> None:
         """The ticket's pick is being reserved in the kv_service."""

@@ -471,7 +471,7 @@ class Router:
             raise Unavailable(f"the worker serving the request failed mid-stream ({exc.failure.value}); "
                               "the tokens already sent stand") from None
         finally:
-            self.core.finish(ticket)
+            self.core.finish(ticket, completion)
             if call is not None:
                 call.cancel()  # a no-op once the call has ended; frees it when the client left
 

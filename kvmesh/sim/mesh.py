@@ -23,7 +23,8 @@ What runs is the production code; only the forward pass and the wire are modelle
   every ``discovery_s``; a Lookup takes ``lookup_latency_s`` and fails past ``lookup_timeout_s``;
   the first token and the end of a stream reach the router ``network_s`` after the worker sends
   them. A worker that is down answers UNAVAILABLE: the router marks it unhealthy and retries the
-  next pick, as router/router.py does.
+  next pick, as router/router.py does. Peers with a multi-router mode of their own run in it
+  (kvmesh/sim/replicas.py: Dynamo's replica sync, llm-d's per-router load scrapes).
 
 Multi-step windows are the simulator's speed-up: with ``num_scheduler_steps=1`` (what a GPU
 worker runs by default) a worker decodes in windows of up to ``window_steps`` steps, but a window
@@ -66,6 +67,7 @@ from kvmesh.router.policies.base import Decision
 from kvmesh.router.upstream import Claim, ClaimAnswer, Failure, IndexMatch, IndexUnavailable, WorkerEndpoint
 from kvmesh.router.worker_set import WorkerSet
 from kvmesh.sim.engine import WindowRunner, WindowScheduler
+from kvmesh.sim.replicas import PeerModes
 from kvmesh.sim.workload import Workload
 from kvmesh.transport.event_batcher import BATCH_INTERVAL_S, EventBatcher, Message
 
@@ -92,6 +94,10 @@ class SimConfig:
     """Simulated workers."""
     routers: int = 1
     """Routers sharing the index; arrivals are dealt to them in turn, each with its own in-flight view."""
+    replica_sync: bool = True
+    """With --routers > 1, a policy whose original syncs its replicas runs in that mode (dynamo:
+    --router-replica-sync, active-sequence events batched 1 ms; kvmesh/sim/replicas.py); off: each router's
+    state stays its own."""
     seed: int = 0
     """Seeds the token synthesis, the policies' tie-breaks and the faults."""
     rate: float = code_only(1.0)
@@ -666,7 +672,7 @@ class SimRouter:
         self.core.prefilled(a.ticket)
 
     def finished(self, a: _Attempt) -> None:
-        self.core.finish(a.ticket)
+        self.core.finish(a.ticket, a.record.completion_tokens)
         self.mesh.request_done(a.record)
 
     def refused(self, a: _Attempt, why: str) -> None:
@@ -722,6 +728,7 @@ class Mesh:
         self.workers = [SimWorker(self, i) for i in range(cfg.workers)]
         self.workers_by_id = {w.worker_id: w for w in self.workers}
         self.routers = [SimRouter(self, i) for i in range(cfg.routers)]
+        self.peer_modes = PeerModes(self)
         self.records: list[RequestRecord] = []
         self.lost_batches = 0
         self.done = 0
@@ -742,6 +749,7 @@ class Mesh:
             q.at(i * cfg.heartbeat_s / n, w.heartbeat)
         for r in self.routers:
             q.at(0.0, r.discover)
+        self.peer_modes.start()
         span = self._arrivals[-1] - self._arrivals[0] if self._arrivals else 0.0
         for frac in cfg.restart_at:
             q.at(self._arrivals[0] + frac * span, self._restart, self.workers[0])

@@ -1,9 +1,9 @@
 """The routing policies (docs/router.md) and their registry: ``--policy NAME``.
 
 - kvmesh's own: ``kv-aware`` (kv_aware.py);
-- the plain ones: ``round-robin``, ``least-loaded``, ``prefix-hash`` (basic.py);
+- the plain ones: ``round-robin``, ``least-loaded``, and SGLang's ``prefix-hash`` (basic.py);
 - the field's, each from its own source: ``approx-tree`` (SGLang's cache-aware router,
-  approx_tree.py), ``dynamo``, ``llm-d``, ``preble``, ``lmetric`` (field.py).
+  approx_tree.py), ``dynamo`` (dynamo.py), ``preble`` (preble.py), ``llm-d`` and ``lmetric`` (field.py).
 
 A policy is pure: no grpc, no I/O, no clock but the injected one (router/policies/base.py).
 """
@@ -13,8 +13,10 @@ from __future__ import annotations
 from kvmesh.router.policies.approx_tree import ApproxTreePolicy
 from kvmesh.router.policies.base import PolicyConfig, RouterPolicy
 from kvmesh.router.policies.basic import LeastLoadedPolicy, PrefixHashPolicy, RoundRobinPolicy
-from kvmesh.router.policies.field import DynamoPolicy, LlmdPolicy, LmetricPolicy, PreblePolicy
+from kvmesh.router.policies.dynamo import DynamoPolicy
+from kvmesh.router.policies.field import LlmdPolicy, LmetricPolicy
 from kvmesh.router.policies.kv_aware import KvAwarePolicy
+from kvmesh.router.policies.preble import PreblePolicy
 
 POLICIES: dict[str, type[RouterPolicy]] = {
     p.name: p for p in (KvAwarePolicy, RoundRobinPolicy, LeastLoadedPolicy, PrefixHashPolicy, ApproxTreePolicy,

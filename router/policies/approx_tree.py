@@ -1,19 +1,27 @@
-"""The approx-tree policy: a router-local guess of every worker's prefix cache, no index, no events.
+"""``approx-tree``: SGLang's cache-aware router, a router-local guess of every worker's prefix cache
+(no index, no events).
 
-Like SGLang's cache-aware router, the router remembers which prompts it sent where and assumes the
-worker still holds them; it never hears about evictions, so its picture drifts from the truth.
-Block hashes are chained, so a set of hashes per worker *is* a prefix tree: a prompt's match on a
-worker is the number of its leading hashes in that worker's set.
+Follows sgl-project/sglang (read at these commits; no code copied): ``sgl-router/src/policies/cache_aware.rs``
+@026f853ba7ae (``select_worker``), ``sgl-router/src/policies/tree.rs`` @4d40eec0266b (``prefix_match``,
+``get_smallest_tenant``, ``evict_tenant_by_size``) and the launcher's defaults,
+``sgl-router/py_src/sglang_router/router_args.py`` @083d601378d0 (``RouterArgs``: what
+``python -m sglang_router.launch_router`` runs; the library's ``CacheAwareConfig::default`` differs).
+
+Like SGLang's router, it remembers which prompts it sent where and assumes the worker still holds
+them; it never hears about evictions. Block hashes are chained, so a set of hashes per worker *is* a
+prefix tree: a prompt's match on a worker is the number of its leading hashes in that worker's set.
 
 Per request (``pick``):
 1. If the router's own in-flight counts are imbalanced (max - min > ``balance_abs_requests`` and
-   max > ``balance_rel`` x min), the least busy worker wins ("balance").
+   max > ``balance_rel`` x min), the first least busy worker wins ("balance").
 2. Else the worker with the longest match wins when it covers more than ``cache_threshold`` of the
-   prompt ("tree"); otherwise the worker with the smallest tree ("capacity"), which has the most
-   room for a new prefix.
-3. The prompt's blocks are inserted into the winner's set (most recent use); a set larger than the
-   worker's block count (reported in its load, else ``default_capacity_blocks``) drops its least
-   recently used hashes.
+   prompt ("tree"); otherwise the worker with the smallest tree ("capacity").
+3. The prompt's blocks are inserted into the winner's tree, whatever the branch.
+
+Every ``eviction_interval_s`` the trees larger than ``max_tree_blocks`` drop their least recently used
+blocks, leaves first; between two sweeps they grow without bound (SGLang's background eviction thread,
+run here at the first pick after each period). SGLang counts the tree in characters (2^26 per
+worker); here in blocks, at 4 characters per token.
 
 This module imports neither grpc nor redis.
 """
@@ -24,20 +32,29 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmesh.contract.types import H100_8B_KV_BLOCKS
 from kvmesh.router.policies.base import Candidate, Decision, PolicyConfig, RouteQuery, RouterPolicy
+
+CHARS_PER_TOKEN = 4
+"""To turn SGLang's tree bound in characters into blocks."""
 
 
 @dataclass(slots=True)
 class ApproxTreeConfig:
-    cache_threshold: float = 0.5
-    """Share of the prompt a worker's tree must match to win on cache (SGLang's default 0.5)."""
-    balance_abs_requests: int = 32
-    """Imbalance: the busiest worker has this many more in-flight requests than the least busy ..."""
+    """SGLang's launcher defaults (``RouterArgs``)."""
+
+    cache_threshold: float = 0.3
+    """Share of the prompt a worker's tree must match (strictly more) to win on cache."""
+    balance_abs_requests: int = 64
+    """Imbalance: the busiest worker has more than this many in-flight requests over the least busy ..."""
     balance_rel: float = 1.5
     """... and more than this times as many."""
-    default_capacity_blocks: int = H100_8B_KV_BLOCKS
-    """A worker's tree size when its load does not report its block count."""
+    eviction_interval_s: float = 120.0
+    """Seconds between two sweeps of the trees."""
+    max_tree_chars: int = 2 ** 26
+    """A worker's tree is cut to this many characters at each sweep."""
+
+    def max_tree_blocks(self, block_size: int) -> int:
+        return max(1, self.max_tree_chars // (CHARS_PER_TOKEN * max(1, block_size)))
 
 
 class ApproxPrefixTree:
@@ -61,16 +78,20 @@ class ApproxPrefixTree:
     def size(self, worker_id: str) -> int:
         return len(self._trees.get(worker_id, ()))
 
-    def insert(self, worker_id: str, chain: Sequence[bytes], capacity: int) -> None:
-        """Marks ``chain`` most recently used on the worker; keeps at most ``capacity`` hashes."""
+    def insert(self, worker_id: str, chain: Sequence[bytes]) -> None:
+        """Marks ``chain`` most recently used on the worker."""
         tree = self._trees.setdefault(worker_id, OrderedDict())
-        for h in chain:
+        # NOTE: tail first, head last: the shared head is the most recent, so an eviction drops the
+        # request's private tail before the prefix it shares (SGLang evicts leaves first).
+        for h in reversed(chain):
             tree[h] = None
             tree.move_to_end(h)
-        # NOTE: the chain's head was touched first, so it is evicted after its tail, as the worker's
-        # own free queue does: the shared prefix outlives the request's private suffix.
-        while len(tree) > max(0, capacity):
-            tree.popitem(last=False)
+
+    def evict(self, max_blocks: int) -> None:
+        """Every tree larger than ``max_blocks`` drops its least recently used blocks down to it."""
+        for tree in self._trees.values():
+            while len(tree) > max_blocks:
+                tree.popitem(last=False)
 
     def forget(self, worker_ids: set[str]) -> None:
         """Drops the trees of workers not in ``worker_ids`` (gone from discovery)."""
@@ -80,7 +101,7 @@ class ApproxPrefixTree:
 
 
 class ApproxTreePolicy(RouterPolicy):
-    """Router-local prefix tree (no index, no events), SGLang-style cache-aware routing."""
+    """SGLang's cache-aware routing on a router-local prefix tree (module docstring)."""
 
     name = "approx-tree"
 
@@ -88,21 +109,27 @@ class ApproxTreePolicy(RouterPolicy):
         super().__init__(config)
         self.tree_config = tree_config or ApproxTreeConfig()
         self.tree = ApproxPrefixTree()
+        self._next_sweep: float | None = None
 
     def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
         tc = self.tree_config
+        now = self.config.clock()
         with self._lock:
+            if self._next_sweep is None:
+                self._next_sweep = now + tc.eviction_interval_s
+            elif now >= self._next_sweep:
+                self.tree.evict(tc.max_tree_blocks(query.block_size))
+                self._next_sweep = now + tc.eviction_interval_s
             decision = self._decide(query, candidates)
-            chosen = next(c for c in candidates if c.worker_id == decision.worker_id)
-            capacity = chosen.load.num_total_blocks or tc.default_capacity_blocks
-            self.tree.insert(chosen.worker_id, query.block_hashes, capacity)
+            self.tree.insert(decision.worker_id, query.block_hashes)
         return decision
 
     def _decide(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
         tc = self.tree_config
         busy = [c.inflight_requests for c in candidates]
-        if max(busy) - min(busy) > tc.balance_abs_requests and max(busy) > tc.balance_rel * min(busy):
-            i = self._pick_min(busy)
+        low, high = min(busy), max(busy)
+        if high - low > tc.balance_abs_requests and high > tc.balance_rel * low:
+            i = busy.index(low)  # NOTE: SGLang takes the first worker with the least load
             return Decision(candidates[i].worker_id, "balance", busy[i])
         matches = [self.tree.match(c.worker_id, query.block_hashes) for c in candidates]
         best = max(matches)

@@ -32,6 +32,7 @@ from typing import ClassVar
 
 from kvmesh.contract.settings import code_only, flag
 from kvmesh.contract.types import NO_PENDING, Load, Pending
+from kvmesh.router.inflight import Ticket
 
 
 @dataclass(slots=True)
@@ -52,8 +53,8 @@ class PolicyConfig:
     """kv-aware: 0 = the best predicted worker wins; > 0 = softmax sampling over the scores normalized to [0, 1]
     at this temperature (Dynamo's --router-temperature), so several routers spread a burst (docs/router.md)."""
     balance_factor: float = 2.0
-    """Hot-spot test of the rendezvous fallback (and preble's, on its windowed loads): a worker queued over
-    this x the mean (and, for the fallback, over the least loaded by --balance-min-tokens) is skipped."""
+    """Hot-spot test of the rendezvous fallback: a worker queued over this x the mean and over the least loaded
+    by --balance-min-tokens is skipped."""
     balance_min_tokens: int = 2048
     """The rendezvous fallback's hot-spot margin in tokens."""
     fallback_prefix_blocks: int = 4
@@ -96,6 +97,9 @@ class Candidate:
     """This router's requests to the worker not yet past their first token."""
     inflight_blocks: int = 0
     """KV blocks the prompts of this router's unfinished requests to the worker take."""
+    indexed_blocks: int = 0
+    """Leading blocks of the prompt the index alone says the worker holds (no speculative map): what a peer
+    that reads only its KV-event index sees (dynamo, llm-d)."""
     pending: Pending = NO_PENDING
     """Every router's picks of the worker that its reports do not cover yet (the shared router view;
     this router's own among them); zero when the policy does not read it or the view is off."""
@@ -142,7 +146,14 @@ def uncached_tokens(c: Candidate, q: RouteQuery) -> int:
 
 
 class RouterPolicy(abc.ABC):
-    """Picks one candidate for a request. Implementations must be thread-safe."""
+    """Picks one candidate for a request. Implementations must be thread-safe.
+
+    Besides :meth:`pick`, a policy may keep its own record of the requests it routed: the router calls
+    :meth:`started`, :meth:`prefilled` and :meth:`finished` for every attempt (router/core.py, from the
+    live request path and the simulator alike). Two optional multi-router capabilities are driven from
+    outside (the simulator drives both; a live router drives neither): replica sync (:attr:`replica_sync`)
+    and load scrapes (:attr:`scrape_interval_s`).
+    """
 
     name: ClassVar[str]
     uses_index: ClassVar[bool] = False
@@ -151,6 +162,15 @@ class RouterPolicy(abc.ABC):
     """Whether the policy reads the routers' shared view (``Candidate.pending``): the router then
     reserves each pick in the kv_service (docs/router.md, "Several routers"). The field's policies
     keep their own systems' multi-router behaviour instead."""
+    replica_sync: ClassVar[bool] = False
+    """Whether the policy has a replica-sync mode: each router publishes the events of its own requests and
+    applies its peers' (Dynamo's ``--router-replica-sync``). The driver turns it on with
+    :meth:`sync_replicas` and hands each peer's batch to :meth:`apply_replica_events`."""
+    replica_batch: ClassVar[tuple[float, int]] = (0.0, 1)
+    """With replica sync: (seconds, events) a router's events wait to be sent together, at most."""
+    scrape_interval_s: ClassVar[float] = 0.0
+    """> 0: the original reads the workers' load from its own periodic scrapes (llm-d: every 50 ms); a driver
+    that models them hands each one to :meth:`scraped`. Without scrapes the policy reads the index's load."""
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config or PolicyConfig()
@@ -160,6 +180,30 @@ class RouterPolicy(abc.ABC):
     @abc.abstractmethod
     def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
         """Returns the chosen worker; ``candidates`` is never empty."""
+
+    # -- the policy's record of its requests (optional) -----------------------------------
+    def started(self, ticket: Ticket, query: RouteQuery, chosen: Candidate) -> None:  # noqa: B027 - optional hook
+        """The request was sent to ``chosen`` (after every pick that is tried, retries included)."""
+
+    def prefilled(self, ticket: Ticket) -> None:  # noqa: B027 - optional hook
+        """The request's first token arrived (once per ticket)."""
+
+    def finished(self, ticket: Ticket, output_tokens: int) -> None:  # noqa: B027 - optional hook
+        """The request ended, however it ended (once per ticket); ``output_tokens``: how many it generated
+        (0 when it failed or is not known)."""
+
+    # -- multi-router capabilities (optional) ---------------------------------------------
+    def sync_replicas(self, replica_id: str, publish: Callable[[object], None]) -> None:
+        """Turns replica sync on: from now on every event of this router's requests goes to ``publish``;
+        ``replica_id`` names this router in them."""
+        raise NotImplementedError(f"{self.name} has no replica-sync mode")
+
+    def apply_replica_events(self, events: Sequence[object]) -> None:
+        """A batch of a peer router's events (in the order it published them)."""
+        raise NotImplementedError(f"{self.name} has no replica-sync mode")
+
+    def scraped(self, worker_id: str, load: Load) -> None:  # noqa: B027 - optional hook
+        """A scrape of the worker's load (only called when :attr:`scrape_interval_s` > 0)."""
 
     # -- helpers shared by the policies ---------------------------------------------------
     def _choice_index(self, tied: Sequence[int]) -> int:

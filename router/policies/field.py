@@ -1,20 +1,17 @@
-"""The field's routing policies, each from its published formula and defaults (docs/router.md cites
-the sources): ``dynamo``, ``llm-d``, ``preble``, ``lmetric``. Written for kvmesh's candidates; no
-code of those projects is copied.
-
-Every policy sees the same inputs as kv-aware: the Lookup's prefix matches (max with the
-speculative map), the worker's last reported load and this router's in-flight view, combined as
-in router/policies/ (the larger of the report and the own view). Where the original reads a
-signal kvmesh does not carry, the nearest one is used and the docstring says so.
+"""Two of the field's routing policies: ``llm-d`` and ``lmetric``, each from its source (the
+docstrings cite them). ``dynamo`` and ``preble`` keep state of their own and have modules of their
+own (dynamo.py, preble.py); SGLang's are approx_tree.py and basic.py's ``prefix-hash``. Written for
+kvmesh's candidates; no code of those projects is copied. docs/router.md lists what still differs
+from each source and which way it biases a comparison.
 
 This module imports neither grpc nor redis.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 
+from kvmesh.contract.types import Load
 from kvmesh.router.policies.base import (
     Candidate,
     Decision,
@@ -24,163 +21,65 @@ from kvmesh.router.policies.base import (
     busy_requests,
     queued_prefill,
     uncached_tokens,
-    used_blocks,
 )
-from kvmesh.router.policies.cost import StepCostLearner
-
-
-def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size) if block_size else 0
-
-
-class DynamoPolicy(RouterPolicy):
-    """NVIDIA Dynamo's KV router (lib/llm/src/kv_router/scheduler.rs, ``DefaultWorkerSelector``):
-
-        logit = overlap_score_weight * potential_prefill_blocks + potential_decode_blocks
-
-    lowest wins (``router_temperature`` 0: the argmin, ties at random). ``potential_prefill_blocks``
-    = (prefill tokens already pending on the worker + this request's uncached tokens) / block
-    size; ``potential_decode_blocks`` = the worker's active blocks + this request's new blocks.
-    Dynamo tracks both in the router (its active sequences); here the pending prefill and the
-    active blocks are the larger of the worker's report and this router's in-flight view.
-    ``overlap_score_weight`` = ``--overlap-weight`` (default 1, as Dynamo's).
-    """
-
-    name = "dynamo"
-    uses_index = True
-
-    def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
-        bs = query.block_size
-        w = self.config.overlap_weight
-        prompt_blocks = _blocks(query.prompt_len, bs)
-        logits = []
-        for c in candidates:
-            prefill_blocks = (queued_prefill(c) + uncached_tokens(c, query)) / bs
-            decode_blocks = used_blocks(c) + max(0, prompt_blocks - c.matched_blocks)
-            logits.append(w * prefill_blocks + decode_blocks)
-        best = min(logits)
-        i = self._choice_index([i for i, v in enumerate(logits) if v == best])
-        chosen = candidates[i]
-        return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks else "load", round(best))
 
 
 class LlmdPolicy(RouterPolicy):
     """llm-d's inference scheduler with its precise-prefix-cache profile: a weighted sum of three
-    scorers, highest wins (ties at random):
+    scorers, each clamped to [0, 1], highest wins, ties at random (max-score picker: shuffle, then
+    stable sort). Follows (read at these commits; no code copied):
 
-    - precise prefix-cache scorer (llm-d-inference-scheduler pkg/plugins/scorer/precise_prefix_cache.go
-      over llm-d-kv-cache-manager's longest-prefix index): longest consecutive matched blocks /
-      the prompt's blocks, weight 3;
-    - queue scorer (gateway-api-inference-extension .../scorer/queue.go): (maxQ - q) / (maxQ - minQ)
-      over the candidates' waiting queues, 1 when all are equal, weight 2;
-    - KV-cache utilisation scorer (.../scorer/kvcache_utilization.go): 1 - usage, weight 2.
+    - llm-d/llm-d-inference-scheduler @520af47896e5: ``deploy/config/epp-precise-prefix-cache-config.yaml``
+      (profile and weights), ``pkg/epp/scheduling/scheduler_profile.go`` (weighted sum),
+      ``.../scorer/preciseprefixcache/precise_prefix_cache.go`` and ``utils.go`` (prefix score),
+      ``.../scorer/queuedepth/queue.go``, ``.../scorer/kvcacheutilization/kvcache_utilization.go``,
+      ``.../picker/maxscore/picker.go``, ``pkg/epp/server/options.go`` (``RefreshMetricsInterval`` 50 ms);
+    - llm-d/llm-d-kv-cache @7be76e119ca5: ``pkg/kvcache/kvblock_scorer.go`` (``LongestPrefixScorer``);
+    - llm-d/llm-d @019a3f3f ``guides/precise-prefix-cache-aware/`` (the guide's values: the same weights).
 
-    llm-d scrapes the queue and usage from the pods every 50 ms; here they are the larger of the
-    worker's report and this router's own view (requests not yet past their first token, blocks).
+    ::
+
+        score_w  = 2 * prefix_w + 1 * queue_w + 1 * kv_w
+        prefix_w = min(1, leading blocks the index says w holds / the prompt's blocks)   (absolute)
+        queue_w  = (maxQ - q_w) / (maxQ - minQ), 1 when all are equal;   q = waiting requests
+        kv_w     = 1 - (total - free) / total blocks   (the engine's usage: idle cached blocks count as free)
+
+    The queue and usage are the workers' own figures, as llm-d scrapes them every 50 ms: no router-side
+    view. With scrapes (:attr:`scrape_interval_s`, the simulator models them per router) the policy reads
+    its last scrape; without (live) the load the index holds. The prefix is the index's answer alone
+    (llm-d's speculative indexing is off by default).
     """
 
     name = "llm-d"
     uses_index = True
-    weights = (3.0, 2.0, 2.0)
+    weights = (2.0, 1.0, 1.0)
+    """prefix, queue, kv-cache utilisation."""
+    scrape_interval_s = 0.05
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        super().__init__(config)
+        self._scraped: dict[str, Load] = {}
+
+    def scraped(self, worker_id: str, load: Load) -> None:
+        self._scraped[worker_id] = load
 
     def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
-        prompt_blocks = max(1, len(query.block_hashes))
-        queues = [max(c.load.num_waiting, c.inflight_waiting) for c in candidates]
+        total_blocks = len(query.block_hashes)
+        loads = [self._scraped.get(c.worker_id, c.load) for c in candidates]
+        queues = [load.num_waiting for load in loads]
         lo, hi = min(queues), max(queues)
         wp, wq, wk = self.weights
         scores = []
-        for c, q in zip(candidates, queues, strict=True):
-            prefix = min(1.0, c.matched_blocks / prompt_blocks)
+        for c, load, q in zip(candidates, loads, queues, strict=True):
+            prefix = min(1.0, c.indexed_blocks / total_blocks) if total_blocks else 0.0
             queue = 1.0 if hi == lo else (hi - q) / (hi - lo)
-            total = c.load.num_total_blocks
-            usage = min(1.0, used_blocks(c) / total) if total else 0.0
+            total = load.num_total_blocks
+            usage = min(1.0, max(0.0, (total - load.num_free_blocks) / total)) if total else 0.0
             scores.append(wp * prefix + wq * queue + wk * (1.0 - usage))
         best = max(scores)
         i = self._choice_index([i for i, v in enumerate(scores) if v == best])
         chosen = candidates[i]
-        return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks else "load", round(best * 1000))
-
-
-class PreblePolicy(RouterPolicy):
-    """Preble's E2 scheduling (Srivatsa et al., "Preble: Efficient Distributed Prompt Scheduling
-    for LLM Serving", ICLR 2025; WukLab/preble multi_node/global_scheduler_with_time.py):
-
-    - **exploit** when the longest cached prefix covers more of the prompt than it leaves to
-      compute (cached > missed): among the workers holding that longest prefix, the one with the
-      least windowed load;
-    - **explore** otherwise: the worker with the least windowed load.
-
-    Windowed load of a worker: over the requests this router sent it in the last ``window_s``
-    (Preble: 3 minutes), each one's prefill time (its missed tokens) plus its decode time
-    (max_tokens x a decode step). Times come from the learned step cost (router/policies/cost.py; Preble
-    fits a profiled model per GPU), a plain token count before enough reports. Preble's
-    post-assignment load adjustment is approximated by kvmesh's hot-spot test on those windowed
-    loads (an exploit target above ``balance_factor`` x the mean goes to the least loaded worker);
-    its eviction cost term and prefix autoscaling are not modelled.
-    """
-
-    name = "preble"
-    uses_index = True
-    window_s = 180.0
-
-    def __init__(self, config: PolicyConfig | None = None) -> None:
-        super().__init__(config)
-        self._clock = self.config.clock
-        self.cost = StepCostLearner()
-        self._history: deque[tuple[float, str, int, int]] = deque()
-        # worker -> [missed prefill tokens, decode tokens] sent within the window
-        self._sent: dict[str, list[int]] = {}
-
-    def _coefficients(self) -> tuple[float, float]:
-        """(seconds per prefill token, seconds per decode token), or a nominal token count."""
-        m = self.cost.estimate()
-        if m is None:
-            return 1.0, float(self.config.decode_cost_tokens)
-        return m.prefill_token_s + m.prefill_pair_s * m.pairs_per_prefill_token, m.step_s + m.decode_seq_s
-
-    def _pick_min(self, idx: Sequence[int], keys: Sequence[float]) -> int:
-        low = min(keys)
-        tied = [i for i, k in zip(idx, keys, strict=True) if k == low]
-        return tied[0] if len(tied) == 1 else tied[self._rng.randrange(len(tied))]
-
-    def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
-        for c in candidates:
-            self.cost.observe(c.worker_id, c.load)
-        now = self._clock()
-        with self._lock:
-            while self._history and self._history[0][0] <= now - self.window_s:
-                _, w, p, d = self._history.popleft()
-                self._sent[w][0] -= p
-                self._sent[w][1] -= d
-            per_prefill, per_decode = self._coefficients()
-            loads = [per_prefill * s[0] + per_decode * s[1] if (s := self._sent.get(c.worker_id)) else 0.0
-                     for c in candidates]
-            missed = [uncached_tokens(c, query) for c in candidates]
-            least = min(missed)
-            cached = query.prompt_len - least
-            everyone = range(len(candidates))
-            if cached > least:
-                holders = [i for i in everyone if missed[i] == least]
-                i = self._pick_min(holders, [loads[j] for j in holders])
-                reason = "exploit"
-                if self._hot(loads[i], loads):
-                    i = self._pick_min(everyone, loads)
-                    reason = "balance"
-            else:
-                i = self._pick_min(everyone, loads)
-                reason = "explore"
-            chosen = candidates[i]
-            decode = max(1, query.max_tokens)
-            self._history.append((now, chosen.worker_id, missed[i], decode))
-            sent = self._sent.setdefault(chosen.worker_id, [0, 0])
-            sent[0] += missed[i]
-            sent[1] += decode
-        return Decision(chosen.worker_id, reason, round(loads[i] * 1000))
-
-    def _hot(self, load: float, all_loads: Sequence[float]) -> bool:
-        """The hot-spot test on windowed loads: above ``balance_factor`` x their mean."""
-        mean = sum(all_loads) / len(all_loads)
-        return mean > 0 and load > self.config.balance_factor * mean
+        return Decision(chosen.worker_id, "prefix" if chosen.indexed_blocks else "load", round(best * 1000))
 
 
 class LmetricPolicy(RouterPolicy):
@@ -193,6 +92,11 @@ class LmetricPolicy(RouterPolicy):
     P_tokens = the prefill tokens the worker would have if the request went there (pending prefill +
     this request's uncached tokens), BS = the worker's batch size (its requests). An idle worker
     scores 0 whatever its cache; ties go to the fewest P_tokens, then at random.
+
+    Source: the paper's abstract only (no authors' code was found). The one code found, a third-party
+    port (sgl-project/sglang ``sgl-model-gateway/src/policies/lmetric.rs`` @acaa759a), scores
+    ``new_prefill_work * (inflight + 1)``, so the cache still counts on an idle worker; kvmesh keeps the
+    abstract's reading (docs/router.md, deviations).
     """
 
     name = "lmetric"

@@ -23,7 +23,7 @@ def query(prompt_len: int, max_tokens: int = 100) -> RouteQuery:
 
 
 def cand(wid: str, matched: int = 0, **load) -> Candidate:
-    inflight = {k: load.pop(k) for k in list(load) if k.startswith("inflight_")}
+    inflight = {k: load.pop(k) for k in list(load) if k.startswith("inflight_") or k == "indexed_blocks"}
     return Candidate(wid, f"{wid}:1", matched, Load(**load), **inflight)
 
 
@@ -34,32 +34,69 @@ def test_every_policy_is_registered_and_picks_from_one_candidate():
         assert make_policy(name, PolicyConfig(seed=0)).pick(query(64), [cand("a")]).worker_id == "a"
 
 
-def test_dynamo_lowest_prefill_plus_decode_blocks():
-    # a: holds 48 of 64 blocks, 2000 queued prefill tokens, 100 active blocks:
-    #    (2000 + 256) / 16 + (100 + 16) = 141 + 116 = 257
-    # b: nothing cached, idle: 1024 / 16 + 64 = 128  -> b
-    # c: holds 60 blocks, 10 active: 64 / 16 + (10 + 4) = 18  -> c wins
-    q = query(1024)
-    cands = [cand("a", 48, queued_prefill_tokens=2000, num_total_blocks=1000, num_free_blocks=900),
-             cand("b"), cand("c", 60, num_total_blocks=1000, num_free_blocks=990)]
-    d = make_policy("dynamo", PolicyConfig(seed=0)).pick(q, cands)
-    assert (d.worker_id, d.score) == ("c", 18)
-    # with the overlap weight 0 only the decode blocks count: b (64) beats c (14)? no: c = 14 < b = 64
-    assert make_policy("dynamo", PolicyConfig(seed=0, overlap_weight=0.0)).pick(q, cands[:2]).worker_id == "b"
-
-
-def test_llmd_weighted_prefix_queue_and_kv_usage():
+def test_llmd_precise_profile_weights_2_1_1_on_the_index_and_the_workers_figures():
     q = query(1024)  # 64 blocks
-    # a: prefix 32/64 -> 3*0.5; queue 4 (the max) -> 0; usage 0.5 -> 2*0.5  = 2.5
-    # b: prefix 0; queue 0 (the min) -> 2*1; usage 0 -> 2*1             = 4.0
-    # c: prefix 64/64 -> 3; queue 2 -> 2*0.5; usage 0.9 -> 2*0.1          = 4.2
-    cands = [cand("a", 32, num_waiting=4, num_total_blocks=100, num_free_blocks=50), cand("b", num_total_blocks=100,
-             num_free_blocks=100), cand("c", 64, num_waiting=2, num_total_blocks=100, num_free_blocks=10)]
-    d = make_policy("llm-d", PolicyConfig(seed=0)).pick(q, cands)
-    assert (d.worker_id, d.score) == ("c", 4200)
-    # this router's requests not yet past their first token count as queue when above the report
-    cands[2] = cand("c", 64, inflight_waiting=4, num_total_blocks=100, num_free_blocks=10)
-    assert make_policy("llm-d", PolicyConfig(seed=0)).pick(q, cands).worker_id == "b"
+    # a: index 32/64 -> 2*0.5; queue 4 (the max) -> 0; usage 0.5 -> 0.5      = 1.5
+    # b: prefix 0; queue 0 (the min) -> 1; usage 0 -> 1                      = 2.0
+    # c: index 64/64 -> 2; queue 2 -> 0.5; usage 0.9 -> 0.1                  = 2.6
+    # a's speculative match (matched_blocks) and c's router-side view (in-flight) are not llm-d's inputs
+    cands = [cand("a", 64, indexed_blocks=32, num_waiting=4, num_total_blocks=100, num_free_blocks=50),
+             cand("b", num_total_blocks=100, num_free_blocks=100),
+             cand("c", indexed_blocks=64, num_waiting=2, num_total_blocks=100, num_free_blocks=10,
+                  inflight_waiting=40, inflight_blocks=1000)]
+    p = make_policy("llm-d", PolicyConfig(seed=0))
+    d = p.pick(q, cands)
+    assert (d.worker_id, d.reason, d.score) == ("c", "prefix", 2600)
+    # with its own scrape of c: queue 10 (the max), usage 1 -> c 2 + 0 + 0 = 2; a 1 + 0.6 + 0.5 = 2.1
+    p.scraped("c", Load(num_waiting=10, num_total_blocks=100, num_free_blocks=0))
+    d = p.pick(q, cands)
+    assert (d.worker_id, d.score) == ("a", 2100)
+
+
+def test_prefix_hash_ring_has_150_points_per_worker_and_moves_only_a_leaving_workers_keys():
+    from kvmesh.router.policies.basic import HashRing
+
+    assert len(HashRing(["a", "b", "c"])._owners) == 450
+    workers = [cand(f"w{i}") for i in range(5)]
+    p = make_policy("prefix-hash", PolicyConfig(seed=0))
+    keys = [[hashlib.sha256(f"k{i}.{j}".encode()).digest()[:16] for j in range(20)] for i in range(200)]
+    before = [p.pick(RouteQuery(320, BS, k), workers).worker_id for k in keys]
+    assert set(before) == {f"w{i}" for i in range(5)}
+    after = [p.pick(RouteQuery(320, BS, k), [w for w in workers if w.worker_id != "w3"]).worker_id for k in keys]
+    moved = [i for i in range(200) if before[i] != after[i]]
+    assert moved and moved == [i for i in range(200) if before[i] == "w3"]
+
+
+def test_prefix_hash_key_is_the_first_256_tokens():
+    p = make_policy("prefix-hash", PolicyConfig(seed=0))
+    workers = [cand(f"w{i}") for i in range(8)]
+    head = query(256).block_hashes  # 16 blocks of 16 tokens
+    picks = set()
+    for i in range(20):
+        tail = [hashlib.sha256(f"t{i}.{j}".encode()).digest()[:16] for j in range(4)]
+        picks.add(p.pick(RouteQuery(320, BS, [*head, *tail]), workers).worker_id)
+    assert len(picks) == 1  # they differ only after token 256
+    # a prompt without a full block has no key: the least loaded
+    loaded = [cand(f"w{i}", inflight_requests=0 if i == 5 else 2) for i in range(8)]
+    assert p.pick(RouteQuery(10, BS, []), loaded).worker_id == "w5"
+
+
+def test_prefix_hash_bound_is_1_25_times_the_mean_load_plus_one():
+    p = make_policy("prefix-hash", PolicyConfig(seed=0))
+    q = query(320)
+    ids = [f"w{i}" for i in range(4)]
+    target = p.pick(q, [cand(w) for w in ids]).worker_id
+    others = [w for w in ids if w != target]
+
+    def with_loads(target_load: int, rest: tuple[int, int, int]) -> list:
+        loads = dict(zip(others, rest, strict=True)) | {target: target_load}
+        return [cand(w, inflight_requests=loads[w]) for w in ids]
+
+    # total 10 over 4: bound 1.25 * 11 / 4 = 3.4375
+    d = p.pick(q, with_loads(3, (3, 2, 2)))
+    assert (d.worker_id, d.reason) == (target, "prefix_hash")
+    d = p.pick(q, with_loads(4, (2, 2, 2)))
+    assert (d.worker_id, d.reason, d.score) == (others[0], "load", 2)  # the first of the least loaded
 
 
 def test_lmetric_product_of_prefill_tokens_and_batch():
@@ -69,26 +106,6 @@ def test_lmetric_product_of_prefill_tokens_and_batch():
     assert make_policy("lmetric", PolicyConfig(seed=0)).pick(q, cands).worker_id == "c"
     d = make_policy("lmetric", PolicyConfig(seed=0)).pick(q, cands[:2])
     assert (d.worker_id, d.score) == ("a", 768)
-
-
-def test_preble_exploits_a_holder_of_most_of_the_prompt_else_explores_the_least_windowed_load():
-    now = [0.0]
-    p = make_policy("preble", PolicyConfig(seed=0, clock=lambda: now[0]))
-    q = query(1024, max_tokens=10)
-    # nobody holds anything: explore -> the least windowed load (all 0: ties at random)
-    first = p.pick(q, [cand("a"), cand("b")])
-    assert first.reason == "explore"
-    other = "b" if first.worker_id == "a" else "a"
-    # cached 768 > missed 256 on `other`: exploit it even though it is not the least loaded
-    d = p.pick(q, [cand("a", 48 if other == "a" else 0), cand("b", 48 if other == "b" else 0)])
-    assert (d.worker_id, d.reason) == (other, "exploit")
-    # cached 256 < missed 768: explore -> the least windowed load; both have one request now
-    now[0] += 1.0
-    d = p.pick(query(1024, 10), [cand("a", 16), cand("b")])
-    assert d.reason == "explore"
-    # after the 3-minute window the history is gone
-    now[0] += 200.0
-    assert p.pick(q, [cand("a"), cand("b")]).score == 0
 
 
 def feed(learner: StepCostLearner, worker: str, reports: int, seed: int) -> None:

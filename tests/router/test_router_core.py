@@ -94,6 +94,44 @@ def test_inflight_accounting_charges_uncached_tokens_until_the_first_token():
     assert c.inflight.view("w1") == (0, 0)
 
 
+def test_the_policy_hears_each_attempt_start_first_token_and_end_once_with_the_index_overlap():
+    from kvmesh.router.policies.kv_aware import KvAwarePolicy
+
+    class Recording(KvAwarePolicy):
+        def __init__(self) -> None:
+            super().__init__(PolicyConfig(seed=0))
+            self.calls: list[tuple] = []
+
+        def started(self, ticket, query, chosen):
+            self.calls.append(("started", ticket.serial, chosen.worker_id, chosen.matched_blocks,
+                               chosen.indexed_blocks, len(query.block_hashes)))
+
+        def prefilled(self, ticket):
+            self.calls.append(("prefilled", ticket.serial))
+
+        def finished(self, ticket, output_tokens):
+            self.calls.append(("finished", ticket.serial, output_tokens))
+
+    policy = Recording()
+    c = RoutingCore(policy, speculative_ttl_s=2.0, clock=Clock())
+    index = Index([IndexMatch("w1", "a:1", 3, Load())])
+    c.pick(c.plan(SPEC, PROMPT, EPS, index))  # the speculative map now says w1 or w2 holds all 8 blocks
+    plan = c.plan(SPEC, PROMPT, EPS, index)
+    first = c.start(plan, "w1")
+    c.prefilled(first)
+    c.prefilled(first)
+    c.finish(first, 7)
+    c.finish(first, 7)
+    retry = c.start(plan, "w2")
+    c.finish(retry)  # failed before its first token
+    w1 = plan.candidate("w1")
+    assert policy.calls == [("started", first.serial, "w1", w1.matched_blocks, 3, 8), ("prefilled", first.serial),
+                            ("finished", first.serial, 7), ("started", retry.serial, "w2",
+                                                            plan.candidate("w2").matched_blocks, 0, 8),
+                            ("finished", retry.serial, 0)]
+    assert first.serial != retry.serial
+
+
 def test_unhealthy_workers_are_skipped_unless_all_are():
     c, _, _ = core("round-robin")
     plan = c.plan(SPEC, PROMPT, EPS, None, healthy=lambda w: w != "w1")

@@ -10,7 +10,6 @@ import pytest
 from kvmesh.contract.types import Load
 from kvmesh.router.policies import make_policy, policy_names
 from kvmesh.router.policies.base import Candidate, PolicyConfig, RouteQuery, queued_tokens, rendezvous_weight
-from kvmesh.router.policies.basic import PrefixHashPolicy
 from kvmesh.router.policies.kv_aware import KvAwarePolicy
 
 BS = 16
@@ -112,23 +111,25 @@ def test_ties_are_broken_at_random_and_reproducibly_with_a_seed():
     assert seq1 == seq2 and seq1 != seq3
 
 
+def fallback(q: RouteQuery, workers: list[Candidate], **kw) -> str:
+    """The rendezvous fallback a policy takes without the index (base.py, ``rendezvous``)."""
+    return kv_aware(**kw).rendezvous(q, workers, "fallback").worker_id
+
+
 def test_rendezvous_is_stable_when_an_unrelated_worker_leaves():
     workers = [cand(f"w{i}") for i in range(5)]
-    policy = PrefixHashPolicy(PolicyConfig(seed=0))
-    before = {t: policy.pick(query(128, tag=t), workers).worker_id for t in (f"k{i}" for i in range(200))}
+    before = {t: fallback(query(128, tag=t), workers) for t in (f"k{i}" for i in range(200))}
     assert set(before.values()) == {f"w{i}" for i in range(5)}  # keys spread over every worker
-    after = {t: policy.pick(query(128, tag=t), [w for w in workers if w.worker_id != "w3"]).worker_id
-             for t in before}
+    after = {t: fallback(query(128, tag=t), [w for w in workers if w.worker_id != "w3"]) for t in before}
     moved = {t for t in before if before[t] != after[t]}
     assert moved == {t for t in before if before[t] == "w3"} and moved
 
 
 def test_rendezvous_key_is_the_leading_blocks_only():
     workers = [cand(f"w{i}") for i in range(5)]
-    policy = PrefixHashPolicy(PolicyConfig(fallback_prefix_blocks=4))
     q = query(128)
     longer = RouteQuery(256, BS, [*q.block_hashes[:4], *chain(12, "other")])
-    assert policy.pick(q, workers).worker_id == policy.pick(longer, workers).worker_id
+    assert fallback(q, workers, fallback_prefix_blocks=4) == fallback(longer, workers, fallback_prefix_blocks=4)
 
 
 def test_rendezvous_skips_overloaded_worker_to_next_in_hash_order():
@@ -136,18 +137,16 @@ def test_rendezvous_skips_overloaded_worker_to_next_in_hash_order():
     q = query(128)
     key = q.block_hashes[3]
     order = sorted((w.worker_id for w in workers), key=lambda w: rendezvous_weight(key, w), reverse=True)
-    policy = PrefixHashPolicy()
-    assert policy.pick(q, workers).worker_id == order[0]
+    assert fallback(q, workers) == order[0]
     loaded = [cand(w.worker_id, queued_prefill=10_000 if w.worker_id == order[0] else 0) for w in workers]
-    d = policy.pick(q, loaded)
-    assert (d.worker_id, d.reason) == (order[1], "prefix_hash")
+    assert fallback(q, loaded) == order[1]
 
 
 def test_kv_aware_without_index_falls_back_to_rendezvous():
     workers = [cand(f"w{i}") for i in range(4)]
     q = query(128, index_ok=False)
     d = kv_aware().pick(q, workers)
-    assert (d.worker_id, d.reason) == (PrefixHashPolicy().pick(q, workers).worker_id, "fallback")
+    assert (d.worker_id, d.reason) == (fallback(q, workers), "fallback")
 
 
 def test_round_robin_and_least_loaded():

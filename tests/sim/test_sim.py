@@ -25,7 +25,7 @@ def simulate(args: list[str], env: dict[str, str] | None = None) -> subprocess.C
 @pytest.mark.timeout(180)
 def test_same_seed_gives_byte_identical_json_across_processes(tmp_path):
     args = ["--workload", "hot-prompt", "--max-requests", "60", "--workers", "3", "--routers", "2",
-            "--policies", "kv-aware,round-robin,preble", "--rates", "4", "--relative-rates", "", "--no-capacity",
+            "--policies", "kv-aware,round-robin,preble,dynamo,llm-d", "--rates", "4", "--relative-rates", "", "--no-capacity",
             "--event-loss", "0.2", "--no-progress"]
     outs = []
     for n, hashseed in enumerate(("1", "2")):

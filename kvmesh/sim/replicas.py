@@ -1,0 +1,98 @@
+"""The peers' multi-router modes on the virtual clock: what one router learns of the others.
+
+A policy says which mode its original has (router/policies/base.py); the simulator drives it:
+
+- **replica sync** (``RouterPolicy.replica_sync``; Dynamo's ``--router-replica-sync``): every event a
+  router's policy publishes waits in that router's batch until the policy's batch period has passed
+  since the batch's first event, or until the batch is full; then the batch reaches every other
+  router one network hop later, in publication order. On by default with several routers
+  (``--no-replica-sync``: each router keeps its own state, as Dynamo without the flag).
+- **load scrapes** (``RouterPolicy.scrape_interval_s``; llm-d's 50 ms metrics refresh): each router
+  reads every live worker's load on its own period (routers out of phase by an equal share of it) and
+  has the figures one network hop later. A scrape is the load the worker would report at that instant.
+
+Every other policy's routers share nothing but the index (SGLang's trees and counters, Preble's
+scheduler: one per router). This module only schedules: the policies are the production classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvmesh.sim.mesh import Mesh, SimRouter
+
+
+class ReplicaSync:
+    """Batches each router's replica events and delivers them to its peers."""
+
+    def __init__(self, mesh: Mesh, routers: Sequence[SimRouter]) -> None:
+        self.mesh = mesh
+        self.routers = list(routers)
+        self._batches: list[list[object]] = [[] for _ in self.routers]
+        self._opened: list[float] = [0.0] * len(self.routers)
+        self.batches_sent = 0
+        for i, r in enumerate(self.routers):
+            r.core.policy.sync_replicas(f"router-{i}", lambda event, i=i: self._publish(i, event))
+
+    def _publish(self, sender: int, event: object) -> None:
+        batch = self._batches[sender]
+        batch.append(event)
+        period, limit = type(self.routers[sender].core.policy).replica_batch
+        if len(batch) >= limit:
+            self._flush(sender, self._opened[sender])
+        elif len(batch) == 1:
+            q = self.mesh.q
+            self._opened[sender] = q.now
+            q.after(period, self._flush, sender, q.now)
+
+    def _flush(self, sender: int, opened: float) -> None:
+        batch = self._batches[sender]
+        if not batch or opened != self._opened[sender]:
+            return  # NOTE: already sent full, or a later batch's timer is pending
+        self._batches[sender] = []
+        self._opened[sender] = -1.0
+        self.batches_sent += 1
+        hop = self.mesh.cfg.network_s
+        for i, r in enumerate(self.routers):
+            if i != sender:
+                self.mesh.q.after(hop, r.core.policy.apply_replica_events, batch)
+
+
+class LoadScrapes:
+    """One router's periodic scrape of every live worker's load."""
+
+    def __init__(self, mesh: Mesh, router: SimRouter, phase: float) -> None:
+        self.mesh = mesh
+        self.router = router
+        self.phase = phase
+        self.interval = type(router.core.policy).scrape_interval_s
+
+    def start(self) -> None:
+        self.mesh.q.at(self.phase, self._scrape)
+
+    def _scrape(self) -> None:
+        mesh = self.mesh
+        policy = self.router.core.policy
+        for w in mesh.workers:
+            if w.up and w.engine is not None:
+                mesh.q.after(mesh.cfg.network_s, policy.scraped, w.worker_id, w.load_now())
+        mesh.q.after(self.interval, self._scrape)
+
+
+class PeerModes:
+    """The multi-router modes of a run's policy: replica sync and load scrapes, where it has them."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        routers = mesh.routers
+        policy = type(routers[0].core.policy)
+        self.sync = ReplicaSync(mesh, routers) if policy.replica_sync and mesh.cfg.replica_sync and len(routers) > 1 \
+            else None
+        n = len(routers)
+        self.scrapes = [LoadScrapes(mesh, r, i * policy.scrape_interval_s / n) for i, r in enumerate(routers)] \
+            if policy.scrape_interval_s > 0 else []
+
+    def start(self) -> None:
+        for s in self.scrapes:
+            s.start()
