@@ -19,9 +19,9 @@ seed from --seed, and no request waits for its first token past a timeout in vir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from kvmesh.commands.common import add_cost_model_args
+    from kvmesh.commands.common import add_cost_model_args, sim_choices
     from kvmesh.commands.config_args import add_config_args
-    from kvmesh.model_worker.sim_runner import CostModel
+    from kvmesh.model_worker.step_time import LinearCost
     from kvmesh.router.policies import policy_names
     from kvmesh.sim.mesh import SimConfig
     from kvmesh.sim.workload import GENERATORS
@@ -52,18 +52,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=1, help="worker processes for the runs (default 1)")
     p.add_argument("--no-progress", action="store_true")
     add_config_args(p.add_argument_group("the mesh (kvmesh/sim/mesh.py SimConfig; live settings keep their flags)"),
-                    SimConfig, exclude=EXCLUDE, choices={"load_reports": ["events", "heartbeat"]})
-    add_cost_model_args(p.add_argument_group("the cost model (as `kvmesh worker --simulate`)"), CostModel())
+                    SimConfig, exclude=EXCLUDE, choices={"load_reports": ["events", "heartbeat"], **sim_choices()})
+    add_cost_model_args(p.add_argument_group("the linear cost model (--sim-cost-model linear; as `kvmesh worker "
+                                             "--simulate`)"), LinearCost())
     p.set_defaults(func=run)
 
 
 def config_from(args: argparse.Namespace):
+    """SimConfig from the flags; ValueError where a flag does not apply."""
+    from kvmesh.commands.common import linear_cost_from
     from kvmesh.commands.config_args import config_from_args
-    from kvmesh.model_worker.sim_runner import CostModel
     from kvmesh.sim.mesh import SimConfig
 
-    cost = CostModel(**{f: getattr(args, f"sim_{f}") for f in CostModel.__dataclass_fields__})
-    return config_from_args(SimConfig, args, exclude=EXCLUDE, cost=cost)
+    return config_from_args(SimConfig, args, exclude=EXCLUDE, cost=linear_cost_from(args))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
     if any(r <= 0 for r in rates + relative) or args.jobs < 1:
         print("rates must be > 0 and --jobs >= 1", file=sys.stderr)
         return 2
-    config = config_from(args)
     try:
+        config = config_from(args)
         config.check()
     except ValueError as exc:
         print(str(exc), file=sys.stderr)

@@ -26,6 +26,8 @@ import numpy as np
 
 from kvmesh.bench.oracle import lru_hit_rate
 from kvmesh.contract.block_hash import XXH3_128, BlockHasher
+from kvmesh.model_worker.step_time import gpu_spec
+from kvmesh.sim.fleet import fleet_counts, fleet_spec
 from kvmesh.sim.mesh import MODEL_ID, Mesh, RequestRecord, SimConfig
 from kvmesh.sim.workload import Workload
 
@@ -61,6 +63,11 @@ def chains_for(workload: Workload, block_size: int) -> list[list[bytes]]:
     return workload.chains(BlockHasher(MODEL_ID, block_size, XXH3_128))
 
 
+def fleet_capacity_blocks(cfg: SimConfig) -> int:
+    """Usable KV blocks of the whole fleet (each worker's pool less its null block)."""
+    return sum(cfg.blocks_per_worker(gpu) - 1 for gpu in cfg.worker_gpus())
+
+
 def oracle_hit_rate(workload: Workload, cfg: SimConfig) -> float:
     """Cached / prompt tokens through one LRU cache of all workers' blocks (no policy can beat it).
 
@@ -68,9 +75,8 @@ def oracle_hit_rate(workload: Workload, cfg: SimConfig) -> float:
     the last prompt token is always computed, a chain's tail is evicted before its head.
     """
     chains = chains_for(workload, cfg.block_size)
-    capacity = cfg.workers * (cfg.blocks_per_worker() - 1)
     return lru_hit_rate(((r.prompt_len, chain) for r, chain in zip(workload.requests, chains, strict=True)),
-                        capacity, cfg.block_size)
+                        fleet_capacity_blocks(cfg), cfg.block_size)
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -352,7 +358,7 @@ def _settings(obj: object, top: bool = False) -> dict:
         if top and f.name in ("rate", "stop_when_slo_lost"):
             continue  # NOTE: per run, not a setting of the sweep
         v = getattr(obj, f.name)
-        if callable(v) or (not top and f.name == "seed"):
+        if callable(v) or (not top and f.name == "seed") or f.name.startswith("_"):
             continue  # a clock; a policy's seed (the simulator derives it per router)
         out[f.name] = _settings(v) if dataclasses.is_dataclass(v) else list(v) if isinstance(v, tuple) else v
     return out
@@ -360,9 +366,14 @@ def _settings(obj: object, top: bool = False) -> dict:
 
 def settings_of(cfg: SimConfig, **extra) -> dict:
     out = _settings(cfg, top=True)
+    gpus = cfg.worker_gpus()
+    out["workers"] = len(gpus)
+    out["fleet"] = fleet_spec(gpus)
     out.pop("routing", None)
     out["routing"] = {k: v for k, v in _settings(cfg.routing).items() if k != "policy"}
-    out["blocks_per_worker"] = cfg.blocks_per_worker()
+    out["blocks_per_worker"] = {gpu: cfg.blocks_per_worker(gpu) for gpu in fleet_counts(gpus)}
+    if cfg.cost is None and cfg.step_time.cost_model == "roofline":
+        out["gpus"] = {gpu: dataclasses.asdict(gpu_spec(gpu)) for gpu in fleet_counts(gpus)}
     out.update(extra)
     return out
 
