@@ -23,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from kvmesh.commands.config_args import add_config_args
     from kvmesh.model_worker.step_time import LinearCost
     from kvmesh.router.policies import policy_names
+    from kvmesh.router.policies.base import STEP_COST_FITS
     from kvmesh.sim.mesh import SimConfig
     from kvmesh.sim.workload import GENERATORS
 
@@ -52,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=1, help="worker processes for the runs (default 1)")
     p.add_argument("--no-progress", action="store_true")
     add_config_args(p.add_argument_group("the mesh (kvmesh/sim/mesh.py SimConfig; live settings keep their flags)"),
-                    SimConfig, exclude=EXCLUDE, choices={"load_reports": ["events", "heartbeat"], **sim_choices()})
+                    SimConfig, exclude=EXCLUDE,
+                    choices={"load_reports": ["events", "heartbeat"], "step_cost_fit": STEP_COST_FITS, **sim_choices()})
     add_cost_model_args(p.add_argument_group("the linear cost model (--sim-cost-model linear; as `kvmesh worker "
                                              "--simulate`)"), LinearCost())
     p.set_defaults(func=run)

@@ -66,3 +66,21 @@ def test_settings_record_the_fleet():
     assert (s["workers"], s["fleet"], s["blocks_per_worker"]) == (4, "2xH100,2xA100", {"H100": 6913, "A100": 6913})
     assert s["step_time"] == {"cost_model": "roofline", "gpu": "H100", "step_noise": 0.0}
     assert s["gpus"]["A100"] == dataclasses.asdict(GPUS["A100"]) and list(s["gpus"]) == ["H100", "A100"]
+
+
+def test_in_a_mixed_fleet_kv_aware_tells_the_gpus_apart_from_reports_alone():
+    # its step-cost fits (per worker) see only the Load counters above; their 8k-token prefill
+    # predictions still come out in the ratio of the two rooflines
+    w = shared_prefix(num_requests=120, groups=12, prefix_len=2048, question_len=512, output_len=32, base_rate=8.0)
+    cfg = SimConfig(workers="2xH100,2xA100", seed=1)
+    mesh = Mesh(cfg, w, sim_model_dir(), chains_for(w, cfg.block_size))
+    mesh.run()
+    learner = mesh.routers[0].core.policy.cost
+
+    def prefill_8k(worker) -> float:
+        m = learner.estimate(worker.worker_id)
+        return m.step_s + m.prefill_token_s * 8192 + m.prefill_pair_s * 8192 * 8193 / 2
+
+    h100, a100 = (sum(prefill_8k(x) for x in mesh.workers if x.gpu == g) / 2 for g in ("H100", "A100"))
+    truth = Roofline(GPUS["A100"]).step_time([(0, 8192)], []) / Roofline(GPUS["H100"]).step_time([(0, 8192)], [])
+    assert a100 / h100 == pytest.approx(truth, rel=0.25)
