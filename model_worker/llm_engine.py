@@ -298,10 +298,14 @@ class LLMEngine:
         """Every block hash this worker holds: the snapshot for a kv_service resync."""
         return self.kv_cache_manager.cached_block_hashes()
 
+    def queued_requests(self) -> list[Request]:
+        """Requests submitted since the last step (the scheduler takes them at the next); safe from any thread."""
+        with self._lock:
+            return [item for kind, item in self._inbox if kind == "add"]
+
     def stats(self) -> EngineStats:
         """The load as of the last step, plus requests queued since; safe from any thread."""
-        with self._lock:
-            queued = [item for kind, item in self._inbox if kind == "add"]
+        queued = self.queued_requests()
         snap = self._stats
         return replace(
             snap,

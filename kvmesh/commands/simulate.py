@@ -47,6 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="full runs at these multiples of the baseline's capacity (default 0.5,1,1.5; '' = none)")
     p.add_argument("--baseline", default="round-robin", help="policy whose capacity --relative-rates scale")
     p.add_argument("--no-capacity", action="store_true", help="skip the capacity search")
+    p.add_argument("--no-limits", action="store_true",
+                   help="skip the two reference limits: the information limit's capacity search and the work bound")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     p.add_argument("--plot-dir", default=None, help="write <workload>_ttft_p90_vs_rate.png and _slo_vs_rate.png here")
     p.add_argument("--plot-note", default="", help="a line under the plots' title (e.g. what else ran)")
@@ -113,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     sim = Sim(workload, config)
     doc = sweep(sim, policies, rates, capacity=capacity, relative=relative, baseline=args.baseline,
-                jobs=args.jobs, progress=not args.no_progress)
+                jobs=args.jobs, progress=not args.no_progress, limits=not args.no_limits)
     print(report.format_table(doc))
     print(f"({doc['_wall_s']:.0f} s of simulation over {args.jobs} process(es))", file=sys.stderr)
     if args.json:

@@ -610,6 +610,23 @@ class _Length:
 
 
 # -- the mesh -------------------------------------------------------------------------------------
+def slo_cost(cfg: SimConfig) -> StepTimeModel:
+    """The step-time model the SLO's cold prefill is costed on: the fleet's slowest GPU type's (so
+    every request can meet the SLO on any worker at no load)."""
+    costs = [cfg.cost_for(g) for g in dict.fromkeys(cfg.worker_gpus())]
+    return max(costs, key=lambda c: c.step_time([(0, cfg.engine.max_num_batched_tokens)], []))
+
+
+def cold_prefill_s(cost: StepTimeModel, budget: int, prompt_len: int) -> float:
+    """A prompt's prefill alone on an idle worker, chunked as the engine chunks it (``budget`` tokens a step)."""
+    t, start = 0.0, 0
+    while start < prompt_len:
+        n = min(budget, prompt_len - start)
+        t += cost.step_time([(start, n)], [])
+        start += n
+    return t
+
+
 class Mesh:
     """One run: workers, index, routers and the workload's arrivals on one event queue."""
 
@@ -628,8 +645,7 @@ class Mesh:
         self.workers = [SimWorker(self, i, gpu) for i, gpu in enumerate(cfg.worker_gpus())]
         self.workers_by_id = {w.worker_id: w for w in self.workers}
         self.routers = [SimRouter(self, i) for i in range(cfg.routers)]
-        costs = [cfg.cost_for(g) for g in dict.fromkeys(w.gpu for w in self.workers)]
-        self.slo_cost = max(costs, key=lambda c: c.step_time([(0, cfg.engine.max_num_batched_tokens)], []))
+        self.slo_cost = slo_cost(cfg)
         """The step-time model the SLO's cold prefill is costed on: the fleet's slowest."""
         self.records: list[RequestRecord] = []
         self.lost_batches = 0
@@ -703,14 +719,8 @@ class Mesh:
             self.stopped_early = True
 
     def cold_prefill_s(self, prompt_len: int) -> float:
-        """The request's prefill alone on an idle worker of the fleet's slowest GPU type, chunked as the
-        engine chunks it (so every request can meet the SLO on any worker at no load)."""
-        c, budget, t, start = self.slo_cost, self.cfg.engine.max_num_batched_tokens, 0.0, 0
-        while start < prompt_len:
-            n = min(budget, prompt_len - start)
-            t += c.step_time([(start, n)], [])
-            start += n
-        return t
+        """The request's prefill alone on an idle worker of the fleet's slowest GPU type (:func:`slo_cost`)."""
+        return cold_prefill_s(self.slo_cost, self.cfg.engine.max_num_batched_tokens, prompt_len)
 
     def ttft_limit(self, prompt_len: int) -> float:
         return self.cfg.slo_ttft_s + self.cfg.slo_ttft_prefill_x * self.cold_prefill_s(prompt_len)
