@@ -49,7 +49,7 @@ def host_workers(args: argparse.Namespace) -> int:
 
     from kvmesh.model_worker.llm_engine import LLMEngine
     from kvmesh.model_worker.server import WorkerServer
-    from kvmesh.model_worker.sim_runner import DEFAULT_SIM_MAX_MODEL_LEN, CostModel, SimRunner
+    from kvmesh.model_worker.sim_runner import DEFAULT_SIM_MAX_MODEL_LEN, SimRunner
 
     servers = []
     kvs = args.kv.split(",")
@@ -57,7 +57,7 @@ def host_workers(args: argparse.Namespace) -> int:
         i = args.first + k
 
         def factory(cfg, mc):
-            return SimRunner(cfg, mc, CostModel(), args.sim_time_scale)
+            return SimRunner(cfg, mc, None, args.sim_time_scale)
 
         engine = LLMEngine(model=args.model, max_model_len=DEFAULT_SIM_MAX_MODEL_LEN,
                            max_num_batched_tokens=BENCH.max_num_batched_tokens, max_num_seqs=BENCH.max_num_seqs,

@@ -313,6 +313,12 @@ class LLMEngine:
         """Every block hash this worker holds: the snapshot for a kv_service resync."""
         return self.kv_cache_manager.cached_block_hashes()
 
+    def queued_requests(self) -> list[Request]:
+        """Requests submitted since the last step's snapshot and not in it (in the inbox, or taken into the
+        running step); safe from any thread."""
+        with self._lock:
+            return [item for kind, item in self._inbox if kind == "add"] + self._drained
+
     def stats(self) -> EngineStats:
         """The load as of the last step, plus requests queued since; safe from any thread."""
         with self._lock:

@@ -98,7 +98,7 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class StepWork:
-    """What one forward pass computes, in the units a step's time depends on (sim_runner.CostModel,
+    """What one forward pass computes, in the units a step's time depends on (step_time.StepTimeModel,
     and the work counters a worker reports for routers to learn its step time from)."""
 
     prefill_tokens: int = 0

@@ -1,31 +1,26 @@
 """A stand-in for ModelRunner: the real scheduler and block pool run, the forward pass is a cost model.
 
 `kvmesh worker --simulate` builds its LLMEngine with a :class:`SimRunner`. Every step it computes
-how long an H100 would take for the scheduled batch (:class:`CostModel`), sleeps that long times
-``time_scale`` on the engine thread, and returns deterministic token ids. No weights are loaded
-and no KV tensors are allocated, so a laptop can host many "GPUs" whose prefix caches, block
-events and load reports are the real ones.
+how long a GPU would take for the scheduled batch (a step-time model, model_worker/step_time.py:
+by default the roofline of an H100 serving Llama-3.1-8B), sleeps that long times ``time_scale`` on
+the engine thread, and returns deterministic token ids. No weights are loaded and no KV tensors are
+allocated, so a laptop can host many "GPUs" whose prefix caches, block events and load reports are
+the real ones.
 
 With ``time_scale=0`` nothing sleeps: the modelled duration of each step is only returned
 (``last_step_s``; ``step_elapsed_s`` inside a multi-step window), and the virtual-time simulator
 (kvmesh/sim/, whose runner runs whole windows: kvmesh/sim/engine.py) advances its own clock by it.
 
-Cost model of one step (seconds), docs/benchmarks.md#cost-model:
-
-    t = step_overhead_s                                   (any work at all)
-      + prefill_token_s * new_prefill_tokens              (GEMMs, compute bound)
-      + attn_pair_s * sum(new * (context_before + (new + 1) / 2))   (prefill attention)
-      + decode_seq_s * decode_batch                       (per sequence in the batch)
-      + decode_kv_token_s * sum(decode context tokens)    (KV read, memory bound)
-
-Cached prompt tokens cost nothing in the linear terms; they are read by the attention terms as
-context (``context_before`` of the first chunk is the cache hit).
+Optional per-step noise (``noise_sigma``): every step's modelled time times a lognormal factor
+(median 1), drawn from the runner's own seeded RNG, so a seed gives the same steps.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import math
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +31,8 @@ from typing import TYPE_CHECKING
 from kvmesh.contract.types import H100_8B_KV_BLOCKS
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.request import Request
-from kvmesh.model_worker.scheduler import SchedulerOutput, StepWork
+from kvmesh.model_worker.scheduler import SchedulerOutput
+from kvmesh.model_worker.step_time import Roofline, StepTimeModel
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -47,55 +43,6 @@ _ABSORB_S = 0.005
 
 DEFAULT_SIM_MAX_MODEL_LEN = 131_072
 """Llama-3.1-8B's context; the Mooncake traces have prompts up to ~125k tokens."""
-
-
-@dataclass(slots=True, frozen=True)
-class CostModel:
-    """Step time of an H100 SXM serving an 8B dense model in bf16 (approximations, see module doc).
-
-    Defaults come from public figures: ~16 GFLOP per token for 8B parameters at ~50 % of the
-    989 TFLOPS bf16 peak gives ~30k tok/s for the GEMMs; measured vLLM/SGLang prefill of 8B models
-    on one H100 is 10-20k tok/s at 2-16k prompt lengths once attention is included; a decode step
-    reads the 16 GB of weights at ~3.35 TB/s (~5 ms) plus scheduling/launch overhead, so ITL at
-    small batch is ~7-8 ms; KV read is 128 KiB per context token per step at ~3.35 TB/s.
-    """
-
-    step_overhead_s: float = 0.006
-    """Fixed cost of a step: weight read (~4.8 ms) plus launch/sampling overhead."""
-    prefill_token_s: float = 60e-6
-    """Per new prefill token: the GEMMs (~16.7k tok/s before attention)."""
-    attn_pair_s: float = 1.3e-9
-    """Per (new token x context token) pair of prefill attention: 4 x 32 layers x 4096 FLOP
-    at ~400 TFLOPS effective."""
-    decode_seq_s: float = 50e-6
-    """Per sequence in the decode batch (sampling, small GEMM growth)."""
-    decode_kv_token_s: float = 40e-9
-    """Per context token read by a decode step: 128 KiB / 3.35 TB/s."""
-
-    def time(self, prefill_tokens: int, prefill_pairs: float, decode_seqs: int, decode_context_tokens: int) -> float:
-        """Seconds one step with this work takes (the one formula; 0 for no work at all)."""
-        if not prefill_tokens and not decode_seqs:
-            return 0.0
-        return (self.step_overhead_s + self.prefill_token_s * prefill_tokens + self.attn_pair_s * prefill_pairs
-                + self.decode_seq_s * decode_seqs + self.decode_kv_token_s * decode_context_tokens)
-
-    def step_time(self, prefills: list[tuple[int, int]], decode_contexts: list[int]) -> float:
-        """Seconds one step takes.
-
-        Args:
-            prefills: per prefill chunk, (tokens already in the KV cache before it, new tokens).
-            decode_contexts: per decoding sequence, its context length (tokens it attends to).
-        """
-        return self.time(sum(n for _, n in prefills), sum(n * (start + (n + 1) / 2) for start, n in prefills),
-                         len(decode_contexts), sum(decode_contexts))
-
-    def work_time(self, w: StepWork) -> float:
-        """:meth:`time` of a step's work counts."""
-        return self.time(w.prefill_tokens, w.prefill_pairs, w.decode_seqs, w.decode_context_tokens)
-
-    def batch_time(self, out: SchedulerOutput) -> float:
-        """:meth:`time` of a scheduled batch: a request computing tokens past its prompt decodes."""
-        return self.work_time(out.work())
 
 
 @dataclass(slots=True)
@@ -145,18 +92,24 @@ class SimRunner:
     Args:
         config: the checked engine config; ``num_blocks`` None = :data:`DEFAULT_SIM_NUM_BLOCKS`.
         model_config: the model's config (vocabulary and EOS ids only).
-        cost: the step-time model.
+        cost: the step-time model (None: the roofline of an H100, model_worker/step_time.py).
         time_scale: wall seconds slept per modelled second (0.25 = four times faster than the GPU;
             0 = no sleeping at all).
+        noise_sigma: every step's time times exp(noise_sigma x N(0, 1)); 0 = none.
+        noise_seed: seeds that noise (the same seed, the same step times).
     """
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, cost: CostModel | None = None,
-                 time_scale: float = 1.0) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, cost: StepTimeModel | None = None,
+                 time_scale: float = 1.0, noise_sigma: float = 0.0, noise_seed: int = 0) -> None:
         if time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {time_scale}")
+        if noise_sigma < 0:
+            raise ValueError(f"noise_sigma must be >= 0, got {noise_sigma}")
         self.config = config
-        self.cost = cost or CostModel()
+        self.cost = cost or Roofline()
         self.time_scale = time_scale
+        self.noise_sigma = noise_sigma
+        self._noise = random.Random(noise_seed)
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks if config.num_blocks is not None else DEFAULT_SIM_NUM_BLOCKS
         self.vocab_size = model_config.vocab_size
@@ -180,7 +133,7 @@ class SimRunner:
             self.last_step_s = 0.0
             return {}
         w = out.work()
-        self._run(self.cost.work_time(w), w.prefill_tokens, w.decode_seqs)
+        self._run(self.cost.work_time(w) * self.jitter(), w.prefill_tokens, w.decode_seqs)
         self.last_step_s = self.step_elapsed_s
         return {s.request.request_id: [self._token(s.request)] for s in out.scheduled if s.sample}
 
@@ -198,7 +151,7 @@ class SimRunner:
         try:
             for step in range(out.num_steps):
                 n = len(rows)
-                self._run(self.cost.time(0, 0.0, n, base + step * n), 0, n)
+                self._run(self.cost.time(0, 0.0, n, base + step * n) * self.jitter(), 0, n)
                 active = on_step({rid: [self._token(s.request)] for rid, s in rows.items()})
                 if len(active) != n:
                     keep = set(active)
@@ -208,6 +161,12 @@ class SimRunner:
                     return
         finally:
             self.last_step_s = self.step_elapsed_s
+
+    def jitter(self) -> float:
+        """The next step's noise factor (1.0 without noise)."""
+        if not self.noise_sigma:
+            return 1.0
+        return math.exp(self.noise_sigma * self._noise.gauss(0.0, 1.0))
 
     def _token(self, r: Request) -> int:
         return self._token_at(r, r.num_tokens)

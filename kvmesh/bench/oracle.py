@@ -46,17 +46,30 @@ def lru_hit_rate(prompts: Iterable[tuple[int, Sequence[Hashable]]], capacity_blo
     """Cached / prompt tokens of ``(prompt length, full blocks in prompt order)`` in arrival order
     through one LRU cache of ``capacity_blocks`` blocks: only leading hits count and the prompt's
     last token is always computed (as in the engine). The simulator's oracle calls it too."""
+    lengths: list[int] = []
+
+    def counted() -> Iterable[tuple[int, Sequence[Hashable]]]:
+        for prompt_len, blocks in prompts:
+            lengths.append(prompt_len)
+            yield prompt_len, blocks
+
+    hits = lru_hits(counted(), capacity_blocks, block_size)
+    total = sum(lengths)
+    return sum(hits) / total if total else 0.0
+
+
+def lru_hits(prompts: Iterable[tuple[int, Sequence[Hashable]]], capacity_blocks: int, block_size: int) -> list[int]:
+    """Each prompt's cached tokens through one LRU cache of ``capacity_blocks`` blocks (the rule of
+    :func:`lru_hit_rate`), in arrival order."""
     cache: OrderedDict[Hashable, None] = OrderedDict()
-    hit_tokens = 0
-    total = 0
+    out: list[int] = []
     for prompt_len, blocks in prompts:
-        total += prompt_len
         hits = 0
         for b in blocks[: (prompt_len - 1) // block_size]:
             if b not in cache:
                 break
             hits += 1
-        hit_tokens += hits * block_size
+        out.append(hits * block_size)
         # NOTE: touched tail first, so the head is the most recent: the cache drops a chain's
         # tail before its head, as the worker's free queue does (kv_cache_manager.free).
         for b in reversed(blocks):
@@ -64,4 +77,4 @@ def lru_hit_rate(prompts: Iterable[tuple[int, Sequence[Hashable]]], capacity_blo
             cache.move_to_end(b)
         while len(cache) > capacity_blocks:
             cache.popitem(last=False)
-    return hit_tokens / total if total else 0.0
+    return out

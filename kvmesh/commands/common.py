@@ -34,14 +34,35 @@ COST_MODEL_FLAGS = (("step_overhead_s", "fixed seconds per step"),
                     ("attn_pair_s", "seconds per prefill (new x context) token pair"),
                     ("decode_seq_s", "seconds per decoding sequence"),
                     ("decode_kv_token_s", "seconds per context token read by a decode"))
-"""The simulated worker's cost-model fields and their help: ``--sim-step-overhead`` etc."""
+"""The linear cost model's fields (model_worker/step_time.py LinearCost) and their help: ``--sim-step-overhead`` etc."""
+
+def sim_choices() -> dict[str, tuple[str, ...]]:
+    """Allowed values of StepTimeConfig's flags (--sim-cost-model, --sim-gpu)."""
+    from kvmesh.model_worker.step_time import COST_MODELS, GPUS
+
+    return {"cost_model": COST_MODELS, "gpu": tuple(GPUS)}
 
 
 def add_cost_model_args(g: argparse._ArgumentGroup, defaults: object) -> None:
-    """``--sim-<field>`` for each CostModel field (dest ``sim_<field>_s``), defaults from ``defaults``."""
+    """``--sim-<field>`` for each LinearCost field (dest ``sim_<field>_s``), defaults from ``defaults``."""
     for name, doc in COST_MODEL_FLAGS:
         g.add_argument(f"--sim-{name.removesuffix('_s').replace('_', '-')}", dest=f"sim_{name}", type=float,
                        default=getattr(defaults, name), help=f"{doc} (default {getattr(defaults, name):g})")
+
+
+def linear_cost_from(args: argparse.Namespace):
+    """The linear model of the --sim-* coefficients with ``--sim-cost-model linear`` (None with the
+    roofline); ValueError when a coefficient is set for the roofline, which would ignore it."""
+    from kvmesh.model_worker.step_time import LinearCost
+
+    given = {f: getattr(args, f"sim_{f}") for f, _ in COST_MODEL_FLAGS}
+    if args.cost_model == "linear":
+        return LinearCost(**given)
+    changed = [f"--sim-{f.removesuffix('_s').replace('_', '-')}" for f, v in given.items()
+               if v != getattr(LinearCost(), f)]
+    if changed:
+        raise ValueError(f"{', '.join(changed)} set the linear cost model's coefficients: add --sim-cost-model linear")
+    return None
 
 
 def add_security_args(p: argparse.ArgumentParser, *, serves: str | None, calls: str | None) -> None:

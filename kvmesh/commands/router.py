@@ -20,12 +20,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     from kvmesh.contract.block_hash import ALGORITHMS
     from kvmesh.router.config import RouterConfig
     from kvmesh.router.policies import policy_names
+    from kvmesh.router.policies.base import STEP_COST_FITS
 
     p = sub.add_parser("router", help="run the KV-cache-aware router (gRPC, and OpenAI HTTP with --http-port)",
                        description="Route each request to the worker with the least tokens of work: "
                                    "uncached prefill plus queued work. Serves every model whose workers "
                                    "register with the kv_service.")
-    add_config_args(p, RouterConfig, choices={"policy": policy_names(), "hash_algorithm": ALGORITHMS})
+    add_config_args(p, RouterConfig, choices={"policy": policy_names(), "hash_algorithm": ALGORITHMS,
+                                              "step_cost_fit": STEP_COST_FITS})
     p.add_argument("--metrics-port", type=int, default=9101, help="Prometheus /metrics port, 0 = off (default 9101)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
     add_security_args(p, serves="api", calls="admin")

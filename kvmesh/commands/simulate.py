@@ -19,10 +19,11 @@ seed from --seed, and no request waits for its first token past a timeout in vir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from kvmesh.commands.common import add_cost_model_args
+    from kvmesh.commands.common import add_cost_model_args, sim_choices
     from kvmesh.commands.config_args import add_config_args
-    from kvmesh.model_worker.sim_runner import CostModel
+    from kvmesh.model_worker.step_time import LinearCost
     from kvmesh.router.policies import policy_names
+    from kvmesh.router.policies.base import STEP_COST_FITS
     from kvmesh.sim.mesh import SimConfig
     from kvmesh.sim.workload import GENERATORS
 
@@ -46,24 +47,28 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="full runs at these multiples of the baseline's capacity (default 0.5,1,1.5; '' = none)")
     p.add_argument("--baseline", default="round-robin", help="policy whose capacity --relative-rates scale")
     p.add_argument("--no-capacity", action="store_true", help="skip the capacity search")
+    p.add_argument("--no-limits", action="store_true",
+                   help="skip the two reference limits: the information limit's capacity search and the work bound")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     p.add_argument("--plot-dir", default=None, help="write <workload>_ttft_p90_vs_rate.png and _slo_vs_rate.png here")
     p.add_argument("--plot-note", default="", help="a line under the plots' title (e.g. what else ran)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes for the runs (default 1)")
     p.add_argument("--no-progress", action="store_true")
     add_config_args(p.add_argument_group("the mesh (kvmesh/sim/mesh.py SimConfig; live settings keep their flags)"),
-                    SimConfig, exclude=EXCLUDE, choices={"load_reports": ["events", "heartbeat"]})
-    add_cost_model_args(p.add_argument_group("the cost model (as `kvmesh worker --simulate`)"), CostModel())
+                    SimConfig, exclude=EXCLUDE,
+                    choices={"load_reports": ["events", "heartbeat"], "step_cost_fit": STEP_COST_FITS, **sim_choices()})
+    add_cost_model_args(p.add_argument_group("the linear cost model (--sim-cost-model linear; as `kvmesh worker "
+                                             "--simulate`)"), LinearCost())
     p.set_defaults(func=run)
 
 
 def config_from(args: argparse.Namespace):
+    """SimConfig from the flags; ValueError where a flag does not apply."""
+    from kvmesh.commands.common import linear_cost_from
     from kvmesh.commands.config_args import config_from_args
-    from kvmesh.model_worker.sim_runner import CostModel
     from kvmesh.sim.mesh import SimConfig
 
-    cost = CostModel(**{f: getattr(args, f"sim_{f}") for f in CostModel.__dataclass_fields__})
-    return config_from_args(SimConfig, args, exclude=EXCLUDE, cost=cost)
+    return config_from_args(SimConfig, args, exclude=EXCLUDE, cost=linear_cost_from(args))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
     if any(r <= 0 for r in rates + relative) or args.jobs < 1:
         print("rates must be > 0 and --jobs >= 1", file=sys.stderr)
         return 2
-    config = config_from(args)
     try:
+        config = config_from(args)
         config.check()
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
@@ -110,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     sim = Sim(workload, config)
     doc = sweep(sim, policies, rates, capacity=capacity, relative=relative, baseline=args.baseline,
-                jobs=args.jobs, progress=not args.no_progress)
+                jobs=args.jobs, progress=not args.no_progress, limits=not args.no_limits)
     print(report.format_table(doc))
     print(f"({doc['_wall_s']:.0f} s of simulation over {args.jobs} process(es))", file=sys.stderr)
     if args.json:

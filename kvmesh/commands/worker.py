@@ -12,7 +12,9 @@ from kvmesh.commands.common import (
     add_log_level,
     add_security_args,
     apply_security,
+    linear_cost_from,
     setup_logging,
+    sim_choices,
     start_metrics_server,
 )
 
@@ -46,18 +48,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_sim_args(p: argparse.ArgumentParser) -> None:
-    """`--simulate` and the cost model's constants (model_worker/sim_runner.py, docs/benchmarks.md)."""
-    from kvmesh.model_worker.sim_runner import DEFAULT_SIM_MAX_MODEL_LEN, DEFAULT_SIM_NUM_BLOCKS, CostModel
+    """`--simulate` and the step-time model (model_worker/step_time.py, docs/benchmarks.md)."""
+    from kvmesh.commands.config_args import add_config_args
+    from kvmesh.model_worker.sim_runner import DEFAULT_SIM_MAX_MODEL_LEN
+    from kvmesh.model_worker.step_time import LinearCost, StepTimeConfig
 
-    c = CostModel()
     g = p.add_argument_group("simulation (no weights, no KV tensors; the forward pass is a cost model)")
     g.add_argument("--simulate", action="store_true",
-                   help="replace the forward pass by an H100 / 8B cost model; scheduler, prefix cache and "
-                        f"events are real; default --num-blocks {DEFAULT_SIM_NUM_BLOCKS}, "
-                        f"--max-model-len {DEFAULT_SIM_MAX_MODEL_LEN}")
+                   help="replace the forward pass by a step-time model (default: the roofline of an H100 serving "
+                        "Llama-3.1-8B); scheduler, prefix cache and events are real; default --num-blocks: what "
+                        f"--sim-gpu holds, --max-model-len {DEFAULT_SIM_MAX_MODEL_LEN}")
     g.add_argument("--sim-time-scale", type=float, default=1.0,
                    help="wall seconds slept per modelled second (0.25 = 4x faster than the GPU; default 1)")
-    add_cost_model_args(g, c)
+    add_config_args(g, StepTimeConfig, choices=sim_choices())
+    add_cost_model_args(g, LinearCost())
 
 
 def default_advertise(host: str, port: int) -> str:
@@ -96,23 +100,26 @@ def run(args: argparse.Namespace) -> int:
     engine_config = config_from_args(EngineConfig, args, model=model)
     runner_factory = None
     if args.simulate:
-        from kvmesh.model_worker.sim_runner import (
-            DEFAULT_SIM_MAX_MODEL_LEN,
-            DEFAULT_SIM_NUM_BLOCKS,
-            CostModel,
-            SimRunner,
-            export_metrics,
-        )
+        from kvmesh.model_worker.sim_runner import DEFAULT_SIM_MAX_MODEL_LEN, SimRunner, export_metrics
+        from kvmesh.model_worker.step_time import StepTimeConfig, gpu_spec
 
-        cost = CostModel(**{f: getattr(args, f"sim_{f}") for f in CostModel.__dataclass_fields__})
-        blocks = engine_config.num_blocks = engine_config.num_blocks or DEFAULT_SIM_NUM_BLOCKS
+        step_time = config_from_args(StepTimeConfig, args)
+        try:
+            step_time.check()
+            cost = step_time.model(linear=linear_cost_from(args))
+        except ValueError as exc:
+            log.error("%s", exc)
+            return 2
+        blocks = engine_config.num_blocks = engine_config.num_blocks or (
+            gpu_spec(step_time.gpu).kv_tokens() // engine_config.block_size)
         engine_config.max_model_len = engine_config.max_model_len or min(
             DEFAULT_SIM_MAX_MODEL_LEN, (blocks - 1) * engine_config.block_size)
         engine_config.device = "cpu"
         sim: list[SimRunner] = []
 
         def runner_factory(config: EngineConfig, model_config) -> SimRunner:
-            sim.append(SimRunner(config, model_config, cost, args.sim_time_scale))
+            sim.append(SimRunner(config, model_config, cost, args.sim_time_scale, step_time.step_noise,
+                                 noise_seed=config.seed))
             return sim[0]
 
     try:

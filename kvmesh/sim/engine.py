@@ -167,8 +167,10 @@ class WindowRunner(SimRunner):
         n, base = len(rows), sum(by_end.values())
         at_step: list[float] = []
         elapsed, seqs, i, step, last = 0.0, 0, 0, 0, ends[-1]
+        step_time, jitter = self.cost.time, (self.jitter if self.noise_sigma else None)
         while step < last:
-            elapsed += self.cost.time(0, 0.0, n, base + step * n)
+            t = step_time(0, 0.0, n, base + step * n)
+            elapsed += t * jitter() if jitter is not None else t
             seqs += n
             at_step.append(elapsed)
             step += 1

@@ -57,7 +57,7 @@ from kvmesh.model_worker.config import EngineConfig
 from kvmesh.model_worker.llm_engine import LLMEngine
 from kvmesh.model_worker.request import Request
 from kvmesh.model_worker.scheduler import RequestOutput, SchedulerConfig
-from kvmesh.model_worker.sim_runner import DEFAULT_SIM_NUM_BLOCKS, CostModel
+from kvmesh.model_worker.step_time import StepTimeConfig, StepTimeModel, gpu_spec
 from kvmesh.router.attempts import Attempts
 from kvmesh.router.config import RoutingConfig
 from kvmesh.router.core import CountingObserver, RoutePlan, RoutingCore
@@ -67,14 +67,13 @@ from kvmesh.router.policies.base import Decision
 from kvmesh.router.upstream import Claim, ClaimAnswer, Failure, IndexMatch, IndexUnavailable, WorkerEndpoint
 from kvmesh.router.worker_set import WorkerSet
 from kvmesh.sim.engine import WindowRunner, WindowScheduler
+from kvmesh.sim.fleet import parse_fleet
 from kvmesh.sim.replicas import PeerModes
 from kvmesh.sim.workload import Workload
 from kvmesh.transport.event_batcher import BATCH_INTERVAL_S, EventBatcher, Message
 
 MODEL_ID = "sim-8b"
 PLACEHOLDER_TOKEN = 2
-SIM_TOKENS_PER_WORKER = DEFAULT_SIM_NUM_BLOCKS * 16
-"""KV capacity of one simulated H100 in tokens (442,368), whatever the block size."""
 
 
 def _sim_engine() -> SchedulerConfig:
@@ -90,8 +89,9 @@ class SimConfig:
     flag name; `kvmesh simulate` derives every flag from these fields.
     """
 
-    workers: int = 8
-    """Simulated workers."""
+    workers: str = flag("8", metavar="N|NxGPU,...")
+    """Simulated workers: N of --sim-gpu, or a fleet of GPU types, e.g. 4xH100,4xA100 (kvmesh/sim/fleet.py;
+    an int is taken as N)."""
     routers: int = 1
     """Routers sharing the index; arrivals are dealt to them in turn, each with its own in-flight view."""
     replica_sync: bool = True
@@ -111,11 +111,15 @@ class SimConfig:
     """Tokens per KV block (the live default is 16: 64 keeps the Python work per block of the real block
     pool and index a quarter as large; docs/benchmarks.md, simulator speed)."""
     num_blocks: int | None = None
-    """KV blocks per worker; none = an H100's 442,368 tokens (27,648 blocks of 16) in blocks of --block-size."""
+    """KV blocks per worker; none = what each worker's GPU holds (an H100: 442,368 tokens, 27,648 blocks of 16)
+    in blocks of --block-size."""
     window_steps: int = 64
     """Longest decode window simulated as one event with --num-scheduler-steps 1 (kvmesh/sim/engine.py)."""
-    cost: CostModel = code_only(default_factory=CostModel)
-    """The step-time model (flags: --sim-*, as `kvmesh worker --simulate`)."""
+    step_time: StepTimeConfig = field(default_factory=StepTimeConfig)
+    """The workers' step time: model, GPU, noise (a group: --sim-cost-model, --sim-gpu, --sim-step-noise)."""
+    cost: StepTimeModel | None = code_only(None)
+    """One step-time model for every worker instead of each one's GPU (the linear model of the --sim-*
+    coefficients; a toy model in tests)."""
     # -- the live system's delays
     event_batch_s: float = flag(BATCH_INTERVAL_S, name="event-batch-interval")
     """Seconds between two event messages of a worker, at least (the live publisher's)."""
@@ -156,9 +160,25 @@ class SimConfig:
     """End the run as soon as more than ``1 - slo_target`` of the requests missed the SLO (the
     capacity search only needs to know that attainment fell below the target)."""
 
+    def __post_init__(self) -> None:
+        if isinstance(self.workers, int):
+            self.workers = str(self.workers)
+
     @property
     def policy(self) -> str:
         return self.routing.policy
+
+    def worker_gpus(self) -> list[str]:
+        """Each worker's GPU type, in worker order."""
+        return parse_fleet(self.workers, self.step_time.gpu)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.worker_gpus())
+
+    def cost_for(self, gpu: str) -> StepTimeModel:
+        """The step-time model of a worker on ``gpu``."""
+        return self.cost if self.cost is not None else self.step_time.model(gpu)
 
     @property
     def load_on_events(self) -> bool:
@@ -170,8 +190,11 @@ class SimConfig:
 
     def check(self) -> None:
         """Raises ValueError with the flag to fix."""
-        if self.workers < 1 or self.routers < 1:
-            raise ValueError("--workers and --routers must be >= 1")
+        if self.routers < 1:
+            raise ValueError("--routers must be >= 1")
+        self.step_time.check()
+        for gpu in dict.fromkeys(self.worker_gpus()):
+            self.cost_for(gpu)
         if not 0 <= self.event_loss < 1:
             raise ValueError(f"--event-loss must be in [0, 1), got {self.event_loss}")
         if not all(0 <= f <= 1 for f in self.restart_at):
@@ -181,8 +204,9 @@ class SimConfig:
         self.routing.check()
         self.engine.validate()
 
-    def blocks_per_worker(self) -> int:
-        return self.num_blocks or SIM_TOKENS_PER_WORKER // self.block_size + 1
+    def blocks_per_worker(self, gpu: str | None = None) -> int:
+        """KV blocks of a worker on ``gpu`` (default: --sim-gpu): --num-blocks, or what the GPU holds."""
+        return self.num_blocks or gpu_spec(gpu or self.step_time.gpu).kv_tokens() // self.block_size + 1
 
 
 @dataclass(slots=True)
@@ -314,8 +338,11 @@ class _Attempt:
 class SimWorker:
     """A worker: the real engine on the virtual clock, its publisher and heartbeat modelled."""
 
-    def __init__(self, mesh: Mesh, index: int) -> None:
+    def __init__(self, mesh: Mesh, index: int, gpu: str) -> None:
         self.mesh = mesh
+        self.index = index
+        self.gpu = gpu
+        """Its GPU type: the step-time model and KV capacity it runs with (nothing it reports names it)."""
         self.worker_id = f"worker-{index:03d}"
         self.address = f"sim:{50061 + index}"
         self.epoch = 0
@@ -340,14 +367,17 @@ class SimWorker:
         runner_box: list[WindowRunner] = []
 
         def factory(config, model_config) -> WindowRunner:
-            runner_box.append(WindowRunner(config, model_config, cfg.cost, time_scale=0.0))
+            # NOTE: the noise is seeded per worker and incarnation: the same seed, the same steps.
+            runner_box.append(WindowRunner(config, model_config, cfg.cost_for(self.gpu), time_scale=0.0,
+                                           noise_sigma=cfg.step_time.step_noise,
+                                           noise_seed=(cfg.seed * 4099 + self.index) * 131 + self.epoch))
             return runner_box[0]
 
         e = cfg.engine
         steps = e.num_scheduler_steps if e.num_scheduler_steps > 1 else cfg.window_steps
         self.engine = LLMEngine(EngineConfig(
             model=str(self.mesh.model_dir), model_id=MODEL_ID, block_size=cfg.block_size,
-            num_blocks=cfg.blocks_per_worker(), max_num_batched_tokens=e.max_num_batched_tokens,
+            num_blocks=cfg.blocks_per_worker(self.gpu), max_num_batched_tokens=e.max_num_batched_tokens,
             max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len, enable_chunked_prefill=e.enable_chunked_prefill,
             hash_algorithm=XXH3_128, num_scheduler_steps=steps), runner_factory=factory, scheduler_factory=WindowScheduler)
         self.runner = runner_box[0]
@@ -710,6 +740,23 @@ class _Length:
 
 
 # -- the mesh -------------------------------------------------------------------------------------
+def slo_cost(cfg: SimConfig) -> StepTimeModel:
+    """The step-time model the SLO's cold prefill is costed on: the fleet's slowest GPU type's (so
+    every request can meet the SLO on any worker at no load)."""
+    costs = [cfg.cost_for(g) for g in dict.fromkeys(cfg.worker_gpus())]
+    return max(costs, key=lambda c: c.step_time([(0, cfg.engine.max_num_batched_tokens)], []))
+
+
+def cold_prefill_s(cost: StepTimeModel, budget: int, prompt_len: int) -> float:
+    """A prompt's prefill alone on an idle worker, chunked as the engine chunks it (``budget`` tokens a step)."""
+    t, start = 0.0, 0
+    while start < prompt_len:
+        n = min(budget, prompt_len - start)
+        t += cost.step_time([(start, n)], [])
+        start += n
+    return t
+
+
 class Mesh:
     """One run: workers, index, routers and the workload's arrivals on one event queue."""
 
@@ -725,10 +772,12 @@ class Mesh:
 
         self.spec = ModelSpec(MODEL_ID, cfg.block_size, XXH3_128)
         self.index = SimIndex(self.q, cfg)
-        self.workers = [SimWorker(self, i) for i in range(cfg.workers)]
+        self.workers = [SimWorker(self, i, gpu) for i, gpu in enumerate(cfg.worker_gpus())]
         self.workers_by_id = {w.worker_id: w for w in self.workers}
         self.routers = [SimRouter(self, i) for i in range(cfg.routers)]
         self.peer_modes = PeerModes(self)
+        self.slo_cost = slo_cost(cfg)
+        """The step-time model the SLO's cold prefill is costed on: the fleet's slowest."""
         self.records: list[RequestRecord] = []
         self.lost_batches = 0
         self.done = 0
@@ -743,7 +792,7 @@ class Mesh:
         cfg, q = self.cfg, self.q
         for w in self.workers:
             w.start()
-        n = cfg.workers
+        n = len(self.workers)
         for i, w in enumerate(self.workers):
             # NOTE: staggered like independent processes; all report once before the first arrival.
             q.at(i * cfg.heartbeat_s / n, w.heartbeat)
@@ -802,13 +851,8 @@ class Mesh:
             self.stopped_early = True
 
     def cold_prefill_s(self, prompt_len: int) -> float:
-        """The request's prefill alone on an idle worker, chunked as the engine chunks it."""
-        c, budget, t, start = self.cfg.cost, self.cfg.engine.max_num_batched_tokens, 0.0, 0
-        while start < prompt_len:
-            n = min(budget, prompt_len - start)
-            t += c.step_time([(start, n)], [])
-            start += n
-        return t
+        """The request's prefill alone on an idle worker of the fleet's slowest GPU type (:func:`slo_cost`)."""
+        return cold_prefill_s(self.slo_cost, self.cfg.engine.max_num_batched_tokens, prompt_len)
 
     def ttft_limit(self, prompt_len: int) -> float:
         return self.cfg.slo_ttft_s + self.cfg.slo_ttft_prefill_x * self.cold_prefill_s(prompt_len)

@@ -21,6 +21,21 @@ def format_table(doc: dict) -> str:
             best = max(others, default=0.0)
             ratio = f"{c / best:.3f}" if best else "-"
             lines.append(f"{p:<14}{c:>10.4g}{ratio:>14}")
+    limits = doc.get("limits")
+    if limits:
+        info, bound = limits.get("information"), limits.get("work_bound")
+        ours = caps.get("kv-aware")
+        lines.append("")
+        lines.append("limits (docs/benchmarks.md, \"Limits\"):")
+        if info is not None:
+            ratio = f"   kv-aware / it: {ours / info:.3f}" if ours is not None and info else ""
+            lines.append(f"  information limit (kv-aware's rule on exact engine state and step cost, no delays) "
+                         f"{info:.4g}{ratio}")
+        shown = "none (no rate is too high)" if bound is None else f"{bound:.4g}"
+        lines.append(f"  work bound (oracle hits, perfect balance, SLO deadlines: no policy exceeds it) {shown}")
+        if limits.get("saturation") is not None:
+            lines.append(f"  saturation (the least work fills every GPU over the arrival span; not a bound: a finite "
+                         f"run drains after its last arrival) {limits['saturation']:.4g}")
     runs = doc.get("runs") or []
     if runs:
         lines.append("")

@@ -26,7 +26,12 @@ import numpy as np
 
 from kvmesh.bench.oracle import lru_hit_rate
 from kvmesh.contract.block_hash import XXH3_128, BlockHasher
+from kvmesh.model_worker.step_time import gpu_spec
+from kvmesh.sim import information_limit
+from kvmesh.sim.fleet import fleet_counts, fleet_spec
+from kvmesh.sim.information_limit import INFORMATION_LIMIT, ZERO_DELAYS
 from kvmesh.sim.mesh import MODEL_ID, Mesh, RequestRecord, SimConfig
+from kvmesh.sim.work_bound import work_bound
 from kvmesh.sim.workload import Workload
 
 ROUND = 6
@@ -61,6 +66,11 @@ def chains_for(workload: Workload, block_size: int) -> list[list[bytes]]:
     return workload.chains(BlockHasher(MODEL_ID, block_size, XXH3_128))
 
 
+def fleet_capacity_blocks(cfg: SimConfig) -> int:
+    """Usable KV blocks of the whole fleet (each worker's pool less its null block)."""
+    return sum(cfg.blocks_per_worker(gpu) - 1 for gpu in cfg.worker_gpus())
+
+
 def oracle_hit_rate(workload: Workload, cfg: SimConfig) -> float:
     """Cached / prompt tokens through one LRU cache of all workers' blocks (no policy can beat it).
 
@@ -68,9 +78,8 @@ def oracle_hit_rate(workload: Workload, cfg: SimConfig) -> float:
     the last prompt token is always computed, a chain's tail is evicted before its head.
     """
     chains = chains_for(workload, cfg.block_size)
-    capacity = cfg.workers * (cfg.blocks_per_worker() - 1)
     return lru_hit_rate(((r.prompt_len, chain) for r, chain in zip(workload.requests, chains, strict=True)),
-                        capacity, cfg.block_size)
+                        fleet_capacity_blocks(cfg), cfg.block_size)
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -144,12 +153,16 @@ class Sim:
     base: SimConfig
 
     def config(self, policy: str, rate: float, **changes) -> SimConfig:
+        """One run's settings; the information limit's are kv-aware's with no delays."""
+        if policy == INFORMATION_LIMIT:
+            policy, changes = "kv-aware", {**ZERO_DELAYS, **changes}
         routing = dataclasses.replace(self.base.routing, policy=policy)
         return dataclasses.replace(self.base, routing=routing, rate=rate, **changes)
 
     def run(self, policy: str, rate: float, *, stop_early: bool = False,
             progress: Callable[[float], None] | None = None) -> dict:
-        """One run; with ``stop_early`` it ends once attainment can no longer reach the SLO target."""
+        """One run; with ``stop_early`` it ends once attainment can no longer reach the SLO target.
+        ``policy`` is a registered policy, or :data:`INFORMATION_LIMIT` (kvmesh/sim/information_limit.py)."""
         cfg = self.config(policy, rate, stop_when_slo_lost=stop_early)
         chains = chains_for(self.workload, cfg.block_size)
         gc.collect()
@@ -161,6 +174,8 @@ class Sim:
         t0 = time.perf_counter()
         try:
             mesh = Mesh(cfg, self.workload, sim_model_dir(), chains, progress)
+            if policy == INFORMATION_LIMIT:
+                information_limit.install(mesh)
             records = mesh.run()
         except Exception as exc:  # NOTE: one run's defect must not lose a sweep's finished runs
             raise RunFailed(policy, rate, cfg.seed, f"{type(exc).__name__}: {exc}",
@@ -168,6 +183,7 @@ class Sim:
         finally:
             gc.set_threshold(*thresholds)
         out = summarize(mesh, records)
+        out["policy"] = policy
         out["_wall_s"] = time.perf_counter() - t0  # NOTE: dropped from the JSON (not deterministic)
         return out
 
@@ -275,17 +291,20 @@ class Progress:
 
 def sweep(sim: Sim, policies: Sequence[str], rates: Sequence[float] = (), *, capacity: bool = True,
           relative: Sequence[float] = (), baseline: str = "round-robin", jobs: int = 1,
-          progress: bool = True) -> dict:
-    """Every policy's capacity, full runs at ``rates`` and at ``relative`` x the baseline's capacity.
+          progress: bool = True, limits: bool = True) -> dict:
+    """Every policy's capacity, full runs at ``rates`` and at ``relative`` x the baseline's capacity;
+    with ``limits``, the information limit's capacity (with ``capacity``) and the work bound.
 
     Returns the JSON document (see docs/cli.md, ``kvmesh simulate --json``). A run that raises is
     listed under ``failures`` (kind, policy, rate, seed, error; the traceback goes to stderr) and
     the sweep goes on; that policy has no capacity, and the caller decides the exit code.
     """
-    bar = Progress(len(policies) * (8 if capacity else 0) + len(policies) * (len(rates) + len(relative)),
+    searched = [*policies, INFORMATION_LIMIT] if capacity and limits else list(policies)
+    bar = Progress(len(searched) * (8 if capacity else 0) + len(policies) * (len(rates) + len(relative)),
                    progress)
     runs: list[dict] = []
     caps: dict[str, float] = {}
+    info: float | None = None
     search: dict[str, list[dict]] = {}
     failures: list[dict] = []
     chains_for(sim.workload, sim.base.block_size)  # NOTE: once, before the workers fork: they share it
@@ -314,8 +333,11 @@ def sweep(sim: Sim, policies: Sequence[str], rates: Sequence[float] = (), *, cap
             return done
 
         if capacity:
-            for _, policy, _, (cap, tried) in submit_all([("capacity", p, 1.0) for p in policies]):  # type: ignore[misc]
-                caps[policy] = cap
+            for _, policy, _, (cap, tried) in submit_all([("capacity", p, 1.0) for p in searched]):  # type: ignore[misc]
+                if policy == INFORMATION_LIMIT:
+                    info = cap
+                else:
+                    caps[policy] = cap
                 search[policy] = tried
         full = [(p, r) for p in policies for r in rates]
         if relative:
@@ -336,6 +358,11 @@ def sweep(sim: Sim, policies: Sequence[str], rates: Sequence[float] = (), *, cap
     doc = {
         "oracle_hit_rate": _r(oracle_hit_rate(sim.workload, sim.base)),
         "capacity": caps,
+    }
+    if limits:
+        bound = work_bound(sim.workload, sim.base, chains_for(sim.workload, sim.base.block_size))
+        doc["limits"] = {"information": info, "work_bound": bound.rate, "saturation": bound.saturation}
+    doc |= {
         "runs": runs,
         "capacity_search": search,
         "workload": {"name": sim.workload.name, "requests": len(sim.workload), "description": sim.workload.description,
@@ -354,7 +381,7 @@ def _settings(obj: object, top: bool = False) -> dict:
         if top and f.name in ("rate", "stop_when_slo_lost"):
             continue  # NOTE: per run, not a setting of the sweep
         v = getattr(obj, f.name)
-        if callable(v) or (not top and f.name == "seed"):
+        if callable(v) or (not top and f.name == "seed") or f.name.startswith("_"):
             continue  # a clock; a policy's seed (the simulator derives it per router)
         out[f.name] = _settings(v) if dataclasses.is_dataclass(v) else list(v) if isinstance(v, tuple) else v
     return out
@@ -362,9 +389,14 @@ def _settings(obj: object, top: bool = False) -> dict:
 
 def settings_of(cfg: SimConfig, **extra) -> dict:
     out = _settings(cfg, top=True)
+    gpus = cfg.worker_gpus()
+    out["workers"] = len(gpus)
+    out["fleet"] = fleet_spec(gpus)
     out.pop("routing", None)
     out["routing"] = {k: v for k, v in _settings(cfg.routing).items() if k != "policy"}
-    out["blocks_per_worker"] = cfg.blocks_per_worker()
+    out["blocks_per_worker"] = {gpu: cfg.blocks_per_worker(gpu) for gpu in fleet_counts(gpus)}
+    if cfg.cost is None and cfg.step_time.cost_model == "roofline":
+        out["gpus"] = {gpu: dataclasses.asdict(gpu_spec(gpu)) for gpu in fleet_counts(gpus)}
     out.update(extra)
     return out
 

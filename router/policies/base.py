@@ -34,6 +34,8 @@ from kvmesh.contract.settings import code_only, flag
 from kvmesh.contract.types import NO_PENDING, Load, Pending
 from kvmesh.router.inflight import Ticket
 
+STEP_COST_FITS = ("worker", "pooled")
+
 
 @dataclass(slots=True)
 class PolicyConfig:
@@ -49,6 +51,9 @@ class PolicyConfig:
     work_weight: float = 1.0
     """kv-aware: weight of the prefill work a request adds to the mesh (capacity a recomputed prefix costs),
     against its own predicted time to first token."""
+    step_cost_fit: str = "worker"
+    """kv-aware: fit each worker's step cost from its own reports (worker; the pooled fit answers until a
+    worker has enough) or one fit over every worker's reports (pooled) (docs/benchmarks.md)."""
     temperature: float = flag(0.0, name="router-temperature")
     """kv-aware: 0 = the best predicted worker wins; > 0 = softmax sampling over the scores normalized to [0, 1]
     at this temperature (Dynamo's --router-temperature), so several routers spread a burst (docs/router.md)."""
@@ -73,6 +78,8 @@ class PolicyConfig:
         if not self.decode_harm_weight >= 0 or not self.work_weight >= 0:
             raise ValueError(f"--decode-harm-weight and --work-weight must be >= 0, got {self.decode_harm_weight}, "
                              f"{self.work_weight}")
+        if self.step_cost_fit not in STEP_COST_FITS:
+            raise ValueError(f"--step-cost-fit must be one of {', '.join(STEP_COST_FITS)}, got {self.step_cost_fit!r}")
         if not self.temperature >= 0:
             raise ValueError(f"--router-temperature must be >= 0, got {self.temperature}")
         if self.balance_factor < 1.0:

@@ -19,7 +19,7 @@ from kvmesh.router.policies.base import (
     used_blocks,
     waiting_requests,
 )
-from kvmesh.router.policies.cost import StepCost, StepCostLearner
+from kvmesh.router.policies.cost import StepCost, StepCostLearner, per_worker
 
 
 class KvAwarePolicy(RouterPolicy):
@@ -40,8 +40,9 @@ class KvAwarePolicy(RouterPolicy):
     ``(decode_harm_weight * D + work_weight * (1 + W)) * own``, ``own`` being the time its own
     prefill takes: the D requests decoding on w wait for it, and a recomputed prefix is capacity
     lost to everyone, the more so the more requests wait (W: the mean waiting per worker).
-    The coefficients are learned online from the workers' reports (router/policies/cost.py); until there
-    are enough, the same prediction runs in token units (a prefill token costs 1).
+    The coefficients are learned online from the workers' reports (router/policies/cost.py), per
+    worker (``--step-cost-fit worker``, the default: a fleet may mix GPU types) or pooled over all
+    workers; until there are enough, the same prediction runs in token units (a prefill token costs 1).
     """
 
     name = "kv-aware"
@@ -50,7 +51,7 @@ class KvAwarePolicy(RouterPolicy):
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         super().__init__(config)
-        self.cost = StepCostLearner()
+        self.cost = StepCostLearner(group=per_worker if self.config.step_cost_fit == "worker" else None)
 
     def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
         for c in candidates:
@@ -58,8 +59,9 @@ class KvAwarePolicy(RouterPolicy):
         if not query.index_ok and not any(c.matched_blocks for c in candidates):
             return self.rendezvous(query, candidates, "fallback")
         # NOTE: until the workers' reports have taught the step cost, the same prediction in
-        # token units: a prefill token costs 1, nothing else is known.
-        model = self.cost.estimate() or NOMINAL_COST
+        # token units: a prefill token costs 1, nothing else is known. Once they have, every worker
+        # has a fit in seconds (its own, or the pooled one until its own has enough reports).
+        learned = self.cost.estimate() is not None
         lam = self.config.decode_harm_weight
         # NOTE: work delays everyone who arrives while the mesh is backlogged: the more requests
         # wait at the workers, the more a recomputed prefix costs beyond this request's latency.
@@ -67,13 +69,14 @@ class KvAwarePolicy(RouterPolicy):
         kappa = self.config.work_weight * (1.0 + waiting)
         scores = []
         for c in candidates:
+            model = (self.cost.estimate(c.worker_id) or NOMINAL_COST) if learned else NOMINAL_COST
             ttft, own = predicted_ttft(model, query, c, self.config.default_step_tokens)
             scores.append(ttft + (lam * decoders(c) + kappa) * own)
         i = self._sample_index(scores) if self.config.temperature > 0 else self._argmin_index(scores)
         chosen = candidates[i]
         # NOTE: no token-count guard: a hot spot's queue is in its predicted time already.
         return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks else "load",
-                        round(scores[i] * (1000 if model is not NOMINAL_COST else 1)))
+                        round(scores[i] * (1000 if learned else 1)))
 
     def _argmin_index(self, scores: Sequence[float]) -> int:
         best = min(scores)

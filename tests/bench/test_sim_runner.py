@@ -8,11 +8,12 @@ from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ensure_default_model
 from kvmesh.model_worker.llm_engine import LLMEngine
 from kvmesh.model_worker.request import Request
-from kvmesh.model_worker.sim_runner import CostModel, SimRunner, sim_token_id
+from kvmesh.model_worker.sim_runner import SimRunner, sim_token_id
+from kvmesh.model_worker.step_time import LinearCost
 
 
 def test_cost_model_formula():
-    c = CostModel(step_overhead_s=0.01, prefill_token_s=0.001, attn_pair_s=1e-6, decode_seq_s=0.002,
+    c = LinearCost(step_overhead_s=0.01, prefill_token_s=0.001, attn_pair_s=1e-6, decode_seq_s=0.002,
                   decode_kv_token_s=1e-5)
     assert c.step_time([], []) == 0.0
     # prefill chunk of 4 new tokens after 10 cached: pairs = 4 * (10 + 2.5) = 50
@@ -23,7 +24,7 @@ def test_cost_model_formula():
 
 
 def test_default_cost_model_h100_ballpark():
-    c = CostModel()
+    c = LinearCost()
     prefill_8k = c.step_time([(0, 8192)], [])
     assert 0.5 < prefill_8k < 0.6  # ~15k tok/s at 8k tokens
     itl = c.step_time([], [2048] * 32)
@@ -40,7 +41,7 @@ def test_engine_with_sim_runner_serves_and_caches():
     made: list[SimRunner] = []
 
     def factory(cfg, mc):
-        made.append(SimRunner(cfg, mc, CostModel(), time_scale=0.0))
+        made.append(SimRunner(cfg, mc, LinearCost(), time_scale=0.0))
         return made[0]
 
     engine = LLMEngine(model=str(ensure_default_model()), num_blocks=64, max_model_len=512,
@@ -64,7 +65,7 @@ def _run_sim(num_scheduler_steps: int) -> tuple[dict[str, list[int]], int, SimRu
     made: list[SimRunner] = []
 
     def factory(cfg, mc):
-        made.append(SimRunner(cfg, mc, CostModel(), time_scale=0.0))
+        made.append(SimRunner(cfg, mc, LinearCost(), time_scale=0.0))
         return made[0]
 
     engine = LLMEngine(model=str(ensure_default_model()), num_blocks=64, max_model_len=512,
@@ -97,7 +98,7 @@ def test_engine_work_counters_explain_the_step_time_exactly(num_scheduler_steps)
     engine_steps = []
 
     def factory(cfg, mc):
-        engine_steps.append(SimRunner(cfg, mc, CostModel(), time_scale=0.0))
+        engine_steps.append(SimRunner(cfg, mc, LinearCost(), time_scale=0.0))
         return engine_steps[0]
 
     engine = LLMEngine(model=str(ensure_default_model()), num_blocks=64, max_model_len=512,
@@ -109,7 +110,7 @@ def test_engine_work_counters_explain_the_step_time_exactly(num_scheduler_steps)
         engine.step()
         total += engine.last_step_s
     load = engine.stats().load
-    c = CostModel()
+    c = LinearCost()
     explained = (c.step_overhead_s * load.steps + c.prefill_token_s * load.prefill_tokens
                  + c.attn_pair_s * load.prefill_pairs + c.decode_seq_s * load.decode_tokens
                  + c.decode_kv_token_s * load.decode_context_tokens)
@@ -121,7 +122,7 @@ def test_engine_work_counters_explain_the_step_time_exactly(num_scheduler_steps)
 def test_a_request_built_with_its_block_hashes_is_submitted_and_checked():
     # the simulator submits requests it built with its workload's block hashes (kvmesh/sim/mesh.py)
     engine = LLMEngine(model=str(ensure_default_model()), num_blocks=64, max_model_len=512,
-                       runner_factory=lambda cfg, mc: SimRunner(cfg, mc, CostModel(), time_scale=0.0))
+                       runner_factory=lambda cfg, mc: SimRunner(cfg, mc, LinearCost(), time_scale=0.0))
     prompt = list(range(2, 50))
     hashes = engine.block_hasher.hash_prompt(prompt)
     engine.submit(Request("a", prompt, SamplingParams(max_tokens=1), block_hasher=engine.block_hasher,

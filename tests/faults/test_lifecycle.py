@@ -28,7 +28,7 @@ from kvmesh.v1 import worker_pb2_grpc as pb_grpc
 from tests.faults.conftest import Cluster, Proc, kv_stub
 from tests.support import wait_until
 
-SLOW = ("--sim-step-overhead", "0.05")  # 50 ms per step: 20 tokens a second
+SLOW = ("--sim-cost-model", "linear", "--sim-step-overhead", "0.05")  # 50 ms per step: 20 tokens a second
 SHORT = 10  # tokens of a stream that ends well inside a 3 s grace
 PROMPT = [(7 * i + 3) % 300 + 5 for i in range(40)]
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from kvmesh.kv_service.service import run_now
-from kvmesh.model_worker.sim_runner import CostModel
+from kvmesh.model_worker.step_time import LinearCost
 from kvmesh.sim.mesh import Mesh, SimConfig
 from kvmesh.sim.run import Sim, chains_for, oracle_hit_rate, sim_model_dir
 from kvmesh.sim.workload import SimRequest, Workload, load_trace, make_workload, shared_prefix
@@ -57,7 +57,7 @@ def test_capacity_search_finds_the_rate_a_toy_worker_saturates_at():
     # SLO (TTFT <= 1 ms + 1 x the cold prefill) holds for >= 90 % exactly up to rate 1 / 0.8 = 1.25
     # (queueing grows ~0.8 ms per request just above it).
     reqs = [SimRequest(i, float(i), 1000, 1, ((-(i + 1), 1000),)) for i in range(100)]
-    cost = CostModel(step_overhead_s=0.0, prefill_token_s=8e-4, attn_pair_s=0.0, decode_seq_s=0.0, decode_kv_token_s=0.0)
+    cost = LinearCost(step_overhead_s=0.0, prefill_token_s=8e-4, attn_pair_s=0.0, decode_seq_s=0.0, decode_kv_token_s=0.0)
     engine = replace(SimConfig().engine, max_num_batched_tokens=1000)
     sim = Sim(Workload("toy", reqs), SimConfig(workers=1, engine=engine, cost=cost, slo_ttft_s=0.001,
                                                slo_ttft_prefill_x=1.0, network_s=0.0, lookup_latency_s=0.0))

@@ -1,0 +1,164 @@
+"""The information limit: kv-aware given what no router can have (a simulator-only reference).
+
+:class:`InformationLimit` scores workers with kv-aware's rule (router/policies/kv_aware.py: predicted
+time to first token, plus its prefill's cost to the requests decoding there and to the backlogged
+mesh), but every input is exact, read from the simulated engines at the instant of the pick:
+
+- each worker's prefix hit for the prompt, from its block pool (not the index, not a guess);
+- its queue: the running requests (what each has left to prefill, the decodes and their contexts),
+  the waiting ones with their own exact hits, and the requests routers sent it that have not
+  arrived;
+- what is left of the step it is running;
+- its own step-time function (the worker's roofline, not a fit of reports): the queue ahead and
+  the request's own prefill are walked step by step, chunked at the worker's token budget.
+
+The run has no delays (Lookup, network, event messages: 0). It lives in kvmesh/sim/ and is
+installed only by the simulator (``kvmesh.sim.run.Sim`` for the name :data:`INFORMATION_LIMIT`) into
+routers it builds: the policy registry (router/policies/__init__.py) does not know it, and
+router/ cannot import kvmesh/sim/ (import-linter's layers).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvmesh.router.policies.base import Candidate, Decision, PolicyConfig, RouteQuery
+from kvmesh.router.policies.kv_aware import KvAwarePolicy
+
+if TYPE_CHECKING:
+    from kvmesh.sim.mesh import Mesh, SimWorker, _Attempt
+
+INFORMATION_LIMIT = "information-limit"
+"""The reference's name in `kvmesh simulate` results (``limits.information`` in the JSON)."""
+
+ZERO_DELAYS = {"lookup_latency_s": 0.0, "network_s": 0.0, "event_delay_s": 0.0}
+"""SimConfig changes of an information-limit run."""
+
+
+class ExactView:
+    """The mesh's engines as they are now, and the requests on their way to them (shared by every
+    router of the run)."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.transit: dict[str, deque[tuple[Sequence[bytes], int]]] = {w.worker_id: deque() for w in mesh.workers}
+        for w in mesh.workers:
+            w.submit = self._arriving(w, w.submit)  # type: ignore[method-assign]
+
+    def _arriving(self, worker: SimWorker, submit):
+        chains = self.mesh.chains
+
+        def arrive(a: _Attempt) -> None:
+            pending = self.transit[worker.worker_id]
+            chain = chains[a.record.index]
+            for i, (c, _) in enumerate(pending):
+                if c is chain:
+                    del pending[i]
+                    break
+            submit(a)
+
+        return arrive
+
+    def sent(self, worker_id: str, query: RouteQuery) -> None:
+        self.transit[worker_id].append((query.block_hashes, query.prompt_len))
+
+    def state(self, worker_id: str, query: RouteQuery) -> tuple[float, float, int, int]:
+        """(seconds until the request's first token there, seconds of its own prefill there as kv-aware
+        counts it, requests decoding there, requests waiting there), all exact."""
+        w = self.mesh.workers_by_id[worker_id]
+        engine, runner = w.engine, w.runner
+        if not w.up or engine is None or runner is None:
+            return math.inf, math.inf, 0, 0
+        pool = engine.kv_cache_manager.block_pool.cached_block_hash_to_block
+        bs = engine.config.block_size
+
+        def hit(chain: Sequence[bytes], prompt_len: int) -> int:
+            n = 0
+            for h in chain[: (prompt_len - 1) // bs]:
+                if not pool.get(h):
+                    break
+                n += 1
+            return n * bs
+
+        items: list[list[int]] = []  # [start, tokens left] of every prefill ahead, FCFS, ours last
+        decoders, context = 0, 0
+        for r in engine.scheduler.running:
+            if r.num_output_tokens == 0 or r.num_computed_tokens < r.num_tokens - 1:
+                items.append([r.num_computed_tokens, r.num_tokens - r.num_computed_tokens])
+            else:
+                decoders += 1
+                context += r.num_tokens
+        queued = list(engine.scheduler.waiting) + engine.queued_requests()
+        for r in queued:
+            h = hit(r.block_hashes, r.num_tokens) if r.num_computed_tokens == 0 else r.num_computed_tokens
+            items.append([h, r.num_tokens - h])
+        for chain, prompt_len in self.transit[worker_id]:
+            h = hit(chain, prompt_len)
+            items.append([h, prompt_len - h])
+        h = hit(query.block_hashes, query.prompt_len)
+        items.append([h, query.prompt_len - h])
+        ttft, own = self._walk(runner.cost, items, decoders, context, engine.config.max_num_batched_tokens)
+        if w.stepping:
+            ttft += max(0.0, w.busy_until - self.mesh.q.now)
+        return ttft, own, decoders, len(queued) + len(self.transit[worker_id])
+
+    @staticmethod
+    def _walk(cost, items: list[list[int]], decoders: int, context: int, budget: int) -> tuple[float, float]:
+        """The steps until the last item's last token, chunked at ``budget`` tokens less the decodes:
+        (their seconds, the seconds of the last item's chunks each alone with the decodes: kv-aware's
+        ``own``, its prefill plus the steps it takes, on the exact step time)."""
+        per_step = max(1, budget - decoders)
+        last = len(items) - 1
+        t = own = 0.0
+        i, k = 0, 0
+        while i <= last:
+            take, tokens, pairs, mine, mine_pairs = per_step, 0, 0.0, 0, 0.0
+            while take and i <= last:
+                start, left = items[i]
+                n = min(take, left)
+                p = n * (start + (n + 1) / 2)
+                tokens += n
+                pairs += p
+                if i == last:
+                    mine, mine_pairs = n, p
+                items[i][0] += n
+                items[i][1] -= n
+                take -= n
+                if items[i][1] == 0:
+                    i += 1
+            ctx = context + k * decoders
+            step = cost.time(tokens, pairs, decoders, ctx)
+            t += step
+            if mine:
+                own += cost.time(mine, mine_pairs, decoders, ctx)
+            k += 1
+        return t, own
+
+
+class InformationLimit(KvAwarePolicy):
+    """kv-aware's score on exact state (module doc); simulator only."""
+
+    name = INFORMATION_LIMIT
+
+    def __init__(self, config: PolicyConfig, view: ExactView) -> None:
+        super().__init__(config)
+        self.view = view
+
+    def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
+        states = [self.view.state(c.worker_id, query) for c in candidates]
+        lam = self.config.decode_harm_weight
+        kappa = self.config.work_weight * (1.0 + sum(s[3] for s in states) / len(states))
+        scores = [ttft + (lam * decoders + kappa) * own for ttft, own, decoders, _ in states]
+        chosen = candidates[self._argmin_index(scores)]
+        self.view.sent(chosen.worker_id, query)
+        return Decision(chosen.worker_id, "exact", round(min(scores) * 1000) if math.isfinite(min(scores)) else 0)
+
+
+def install(mesh: Mesh) -> None:
+    """Every router of ``mesh`` picks with :class:`InformationLimit` over one :class:`ExactView`."""
+    view = ExactView(mesh)
+    for router in mesh.routers:
+        router.core.policy = InformationLimit(router.core.policy.config, view)
