@@ -1,6 +1,12 @@
-"""Issue 15's goal table from `kvmesh simulate --json` files (benchmarks/results/sim/run_matrix.sh).
+"""The simulator's goal tables from `kvmesh simulate --json` files (benchmarks/results/sim/run_matrix.sh).
 
     .venv/bin/python benchmarks/sim_goal_table.py [DIR]        (default benchmarks/results/sim)
+    .venv/bin/python benchmarks/sim_goal_table.py --fleet [DIR] [--png OUTDIR]
+                                                 (issue 27; default benchmarks/results/sim/fleet)
+
+--fleet reads <workload>_<shape>.json for the shapes r1, r3, r8 (8 H100s behind 1, 3, 8 routers)
+and hetero (4 H100 + 4 A100, 1 router), prints issue 27's goals per workload and, with --png,
+draws each workload's capacity per policy and shape.
 
 Reads no wall clock and runs nothing: every figure is in the JSON files, so the table is
 reproducible from them. Per workload: every policy's capacity (highest rate with SLO attainment
@@ -111,11 +117,127 @@ def capacity_markdown(d: Path) -> list[str]:
     return lines
 
 
+FLEET_WORKLOADS = [("conversation", "conversation trace"), ("synthetic", "synthetic trace"),
+                   ("shared-prefix", "shared-prefix"), ("multi-turn", "multi-turn"),
+                   ("hot-prompt", "hot-prompt"), ("no-reuse", "no-reuse")]
+SHAPES = [("r1", "1 router"), ("r3", "3 routers"), ("r8", "8 routers"), ("hetero", "4xH100,4xA100")]
+BISECTION = 0.02  # the capacity search's resolution: "never below by more than the bisection's 2 %"
+
+
+def best_peer(caps: dict[str, float]) -> tuple[str, float]:
+    others = {p: c for p, c in caps.items() if p != OURS}
+    name = max(others, key=lambda p: others[p])
+    return name, caps[OURS] / others[name] if others[name] else float("inf")
+
+
+def verdict(value: float | None, goal: float, slack: float = 0.0) -> str:
+    if value is None:
+        return "not run"
+    return f"{value:.3f} {'met' if value >= goal - slack else 'NOT met'}"
+
+
+def fleet_rows(d: Path) -> tuple[list[str], dict]:
+    """Issue 27's goals per workload, as markdown; and every loaded document (for the plots)."""
+    docs: dict[tuple[str, str], dict] = {}
+    for w, _ in FLEET_WORKLOADS:
+        for shape, _ in SHAPES:
+            f = d / f"{w}_{shape}.json"
+            if f.is_file():
+                docs[w, shape] = json.loads(f.read_text())
+    head = ["| workload (requests) | 1 router: ÷ best peer (≥ 1.00) | 3 routers ÷ 1 (≥ 0.95) | 8 routers ÷ 1 (≥ 0.95) "
+            "| 3 routers: ÷ best peer (≥ 1.10) | 8 routers: ÷ best peer (≥ 1.10) | 4xH100,4xA100: ÷ best peer (≥ 1.10) "
+            "| ÷ information limit (≥ 0.95) | hit at ≤ ½ capacity ÷ oracle (≥ 0.90) |", "|---|" + "---|" * 8]
+    lines = list(head)
+    detail: list[str] = []
+    for w, label in FLEET_WORKLOADS:
+        one = docs.get((w, "r1"))
+        if one is None:
+            lines.append(f"| {label} | not run |" + " |" * 7)
+            continue
+        cap1 = one["capacity"][OURS]
+        cells = []
+        peer, r = best_peer(one["capacity"])
+        cells.append(f"{verdict(r, 1.0, BISECTION)} ({peer})")
+        for shape in ("r3", "r8"):
+            doc = docs.get((w, shape))
+            cells.append(verdict(doc["capacity"][OURS] / cap1 if doc else None, 0.95))
+        for shape in ("r3", "r8", "hetero"):
+            doc = docs.get((w, shape))
+            if doc is None:
+                cells.append("not run")
+                continue
+            peer, r = best_peer(doc["capacity"])
+            cells.append(f"{verdict(r, 1.10)} ({peer})")
+        info = (one.get("limits") or {}).get("information")
+        cells.append(verdict(cap1 / info, 0.95) + f" (limit {info:.3f})" if info else "not run")
+        oracle = one["oracle_hit_rate"]
+        low = [x for x in full_runs(one, OURS) if x["rate"] <= 0.5 * cap1 + 1e-9]
+        cells.append(f"{verdict(low[-1]['hit_rate'] / oracle, 0.90)} (rate {low[-1]['rate']:.3f})"
+                     if low and oracle else f"no run at ≤ ½ capacity (oracle {oracle:.3f})")
+        lines.append(f"| {label} ({one['workload']['requests']}) | " + " | ".join(cells) + " |")
+        detail.append(f"\n{label}: capacity per policy (x the workload's own rate)")
+        for shape, sl in SHAPES:
+            doc = docs.get((w, shape))
+            if doc is None:
+                continue
+            caps = doc["capacity"]
+            lim = doc.get("limits") or {}
+            extra = ""
+            if lim:
+                extra = (f"; information limit {lim['information']:.3f}" if lim.get("information") else "") + \
+                        (f"; work bound {lim['work_bound']:.3f}" if lim.get("work_bound") else "; work bound none")
+            detail.append(f"  {sl:<14} " + ", ".join(f"{p} {c:.3f}" for p, c in sorted(caps.items(), key=lambda x: -x[1]))
+                          + extra)
+    return lines + detail, docs
+
+
+def fleet_plots(docs: dict, out: Path) -> list[Path]:
+    """One PNG per workload: capacity per policy, a bar per shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for w, label in FLEET_WORKLOADS:
+        shapes = [(s, sl) for s, sl in SHAPES if (w, s) in docs]
+        if not shapes:
+            continue
+        policies: list[str] = []
+        for s, _ in shapes:
+            policies += [p for p in docs[w, s]["capacity"] if p not in policies]
+        fig, ax = plt.subplots(figsize=(10, 4))
+        width = 0.8 / len(shapes)
+        for i, (s, sl) in enumerate(shapes):
+            caps = docs[w, s]["capacity"]
+            ax.bar([j + i * width for j in range(len(policies))], [caps.get(p, 0.0) for p in policies], width, label=sl)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(policies))], policies, rotation=20)
+        ax.set_ylabel("capacity (x the workload's rate)")
+        ax.set_title(f"{label}: capacity at the SLO per policy (simulated, fixed seed)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / f"fleet_{w}_capacity.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", nargs="?", default=str(ROOT / "benchmarks" / "results" / "sim"))
     p.add_argument("--markdown", action="store_true", help="also print every policy's capacity as a markdown table")
+    p.add_argument("--fleet", action="store_true", help="issue 27's table (DIR default benchmarks/results/sim/fleet)")
+    p.add_argument("--png", metavar="OUTDIR", help="with --fleet: write a capacity chart per workload here")
     args = p.parse_args()
+    if args.fleet:
+        d = Path(args.dir) if args.dir != p.get_default("dir") else Path(args.dir) / "fleet"
+        lines, docs = fleet_rows(d)
+        print("\n".join(lines))
+        for path in fleet_plots(docs, Path(args.png)) if args.png else []:
+            print(f"wrote {path}")
+        return 0
     d = Path(args.dir)
     lines: list[str] = []
     if args.markdown:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The issue-15 goal table: every command whose JSON is in this folder, in the order they were run.
 # Usage: benchmarks/results/sim/run_matrix.sh [step ...]   (steps: conv3000 synthetic shared-prefix
-# multi-turn hot-prompt no-reuse faults conv-all events events-rest). Each run holds the shared heavy lock; --jobs 2.
+# multi-turn hot-prompt no-reuse faults conv-all events events-rest; issue 27's fleet shapes: fleet-<workload>
+# for conversation synthetic shared-prefix multi-turn hot-prompt no-reuse, fleet-scale32, fleet-determinism).
+# Each run holds the shared heavy lock; --jobs 2.
 # NOTE: the goal-table steps ran before event messages carried the workers' load; --load-reports
 # heartbeat (in HB below) gives their runs again. The 'events' step is the later re-run of the
 # conversation trace and its faults with the current default (load on events) into events/.
@@ -13,6 +15,23 @@ NOTE=${NOTE:-"2-core host shared with other engineers' light work; figures are v
 HB="--load-reports heartbeat"
 sim() { flock /tmp/kvmesh-heavy.lock .venv/bin/kvmesh simulate --workers 8 --jobs 2 --no-progress "$@"; }
 EV=$OUT/events
+FL=$OUT/fleet
+# 32 workers on one workload (scale): shared-prefix, 3,000 requests, kv-aware and the peers that
+# were within 20 % of it on 8 workers.
+sim32() {
+  flock /tmp/kvmesh-heavy.lock .venv/bin/kvmesh simulate --workers 32 --jobs 2 --no-progress --workload shared-prefix \
+    --max-requests 3000 --relative-rates '' --no-limits --policies kv-aware,approx-tree,dynamo,prefix-hash,llm-d \
+    --json "$FL/shared-prefix_w32.json"
+}
+# Same seed, two processes with different hash seeds: byte-identical JSON (3 routers, every policy).
+determinism() {
+  for h in 1 2; do
+    PYTHONHASHSEED=$h sim --workload hot-prompt --max-requests 300 --routers 3 --rates 1 --no-capacity \
+      --relative-rates '' --json "/tmp/kvmesh-determinism-$h.json"
+  done
+  cmp /tmp/kvmesh-determinism-1.json /tmp/kvmesh-determinism-2.json && echo "determinism: byte-identical" \
+    | tee "$FL/determinism.txt"
+}
 step() {
   case "$1" in
     conv3000)  sim $HB --trace $TRACES/conversation_trace.jsonl --max-requests 3000 --json $OUT/conversation_3000.json --plot-dir $OUT/plots/conv3000 --plot-note "$NOTE" ;;
@@ -46,6 +65,24 @@ step() {
     conv-all)  mkdir -p $EV
                sim --trace $TRACES/conversation_trace.jsonl --policies kv-aware,lmetric --relative-rates '' \
                  --rates 0.5 --json $EV/conversation_all.json --plot-dir $EV/plots/conv-all --plot-note "$NOTE" ;;
+    # Issue 27 (roofline step time, faithful peers, shared router view; into fleet/): every workload
+    # on 8 H100s with 1, 3 and 8 routers (peers in their multi-replica modes) and on a mixed fleet of
+    # 4 H100 + 4 A100 behind 1 router. The first 1,000 requests of each (2 shared cores: one sweep
+    # of all nine policies is ~2 min); the limits on the 1-router and mixed-fleet shapes only (they
+    # do not depend on the number of routers).
+    fleet-*)
+      w=${1#fleet-}; mkdir -p $FL
+      case "$w" in
+        conversation) src="--trace $TRACES/conversation_trace.jsonl" ;;
+        synthetic)    src="--trace $TRACES/synthetic_trace.jsonl" ;;
+        scale32)      sim32 ; return ;;
+        determinism)  determinism ; return ;;
+        *)            src="--workload $w" ;;
+      esac
+      for shape in "r1:--routers 1" "r3:--routers 3 --no-limits" "r8:--routers 8 --no-limits" \
+                   "hetero:--workers 4xH100,4xA100"; do
+        sim $src --max-requests 1000 --relative-rates '' ${shape#*:} --json "$FL/${w}_${shape%%:*}.json"
+      done ;;
     *) echo "unknown step $1" >&2; exit 2 ;;
   esac
 }
