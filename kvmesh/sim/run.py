@@ -190,6 +190,18 @@ class Sim:
     def passes(self, result: dict) -> bool:
         return not result["stopped_early"] and result["slo_attainment"] >= self.base.slo_target
 
+    @staticmethod
+    def _plateau(runs: list[dict]) -> bool:
+        """(Called while every run so far failed.) The last three rates tried, each lower than the one before, had the same
+        attainment (within 0.005): the misses do not depend on the rate (e.g. requests that arrive
+        in the same instant, which no rate spreads), so a lower rate will not pass either. Stops
+        the search at capacity 0 instead of runs that grow as 1/rate."""
+        if len(runs) < 3:
+            return False
+        last = runs[-3:]
+        att = [r["slo_attainment"] for r in last]
+        return last[0]["rate"] > last[1]["rate"] > last[2]["rate"] and max(att) - min(att) <= 0.005
+
     def capacity(self, policy: str, start: float = 1.0, precision: float = 0.02,
                  on_run: Callable[[dict], None] | None = None) -> tuple[float, list[dict]]:
         """The highest rate with attainment >= the target, by bisection (in log rate) to ``precision``.
@@ -208,6 +220,8 @@ class Sim:
         lo = hi = None
         rate = start
         for _ in range(12):  # bracket: up or down by 1.5x
+            if lo is None and self._plateau(runs):
+                return 0.0, runs
             if ok(rate):
                 lo = rate
                 if hi is not None:

@@ -66,6 +66,21 @@ def test_capacity_search_finds_the_rate_a_toy_worker_saturates_at():
     assert len(runs) <= 10 and any(r["stopped_early"] for r in runs)
 
 
+def test_capacity_search_stops_when_no_rate_spreads_the_misses():
+    # Ten requests arrive in one instant (a rate scales arrival times, so they stay together) on
+    # one worker that prefills one per step: the later ones miss the TTFT SLO at every rate. The
+    # attainment is flat as the rate falls, and the search stops at capacity 0 after three such
+    # runs instead of trying ever lower (and ever longer) rates.
+    reqs = [SimRequest(i, 0.0, 1000, 1, ((-(i + 1), 1000),)) for i in range(10)]
+    cost = LinearCost(step_overhead_s=0.0, prefill_token_s=8e-4, attn_pair_s=0.0, decode_seq_s=0.0, decode_kv_token_s=0.0)
+    engine = replace(SimConfig().engine, max_num_batched_tokens=1000)
+    sim = Sim(Workload("burst", reqs), SimConfig(workers=1, engine=engine, cost=cost, slo_ttft_s=0.001,
+                                                 slo_ttft_prefill_x=1.0, network_s=0.0, lookup_latency_s=0.0))
+    capacity, runs = sim.capacity("round-robin")
+    assert capacity == 0.0 and len(runs) == 3, [(r["rate"], r["slo_attainment"]) for r in runs]
+    assert [r["rate"] for r in runs] == sorted((r["rate"] for r in runs), reverse=True)
+
+
 def test_event_loss_restart_and_three_routers_finish_and_resync():
     w = load_trace_or_generated()
     cfg = SimConfig(workers=4, routers=3, event_loss=0.3, restart_at=[0.5], restart_down_s=1.0, seed=3)
