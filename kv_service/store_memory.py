@@ -11,7 +11,6 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvmesh.contract.errors import FailedPrecondition, NotFound
 from kvmesh.contract.types import (
     AllBlocksCleared,
     BlockRemoved,
@@ -33,6 +32,7 @@ from kvmesh.kv_service.index import (
     WorkerInfo,
     WorkerMatch,
 )
+from kvmesh.kv_service.refusals import Refusal, refuse
 
 
 @dataclass(slots=True)
@@ -63,7 +63,7 @@ class MemoryIndex(BlockIndex):
     def _live(self, worker_id: str, now_ms: int) -> _Worker:
         w = self._workers.get(worker_id)
         if w is None or w.lease_expiry_ms <= now_ms:
-            raise NotFound(f"worker {worker_id!r} is not registered or its lease expired; register it again")
+            raise refuse(Refusal.NOT_REGISTERED, worker_id)
         return w
 
     def _add(self, w: _Worker, h: bytes) -> None:
@@ -96,11 +96,9 @@ class MemoryIndex(BlockIndex):
     def _check_order(self, w: _Worker, epoch: int, seq: int) -> PublishResult | None:
         cur = w.reg.epoch
         if epoch < cur:
-            raise FailedPrecondition(f"stale epoch {epoch} for worker {w.reg.worker_id!r}: the live epoch is {cur}")
+            raise refuse(Refusal.STALE_EPOCH, w.reg.worker_id, epoch=epoch, live=cur)
         if epoch == cur and seq <= w.last_seq:
-            raise FailedPrecondition(
-                f"seq regression for worker {w.reg.worker_id!r}: got {seq}, last applied {w.last_seq}"
-            )
+            raise refuse(Refusal.SEQ_REGRESSION, w.reg.worker_id, seq=seq, live=w.last_seq)
         if epoch > cur:
             return PublishResult(Action.RESYNC, f"new epoch {epoch} (live epoch {cur}); send a snapshot")
         if seq != w.last_seq + 1:
@@ -155,22 +153,14 @@ class MemoryIndex(BlockIndex):
                 if o.reg.model_id == reg.model_id and o.reg.worker_id != reg.worker_id and o.lease_expiry_ms > now_ms
             ]
             if spec and live_peers and (spec.block_size, spec.hash_algorithm) != (reg.block_size, reg.hash_algorithm):
-                raise FailedPrecondition(
-                    f"model {reg.model_id!r} is served with block_size={spec.block_size}, "
-                    f"hash={spec.hash_algorithm}; worker {reg.worker_id!r} registered block_size="
-                    f"{reg.block_size}, hash={reg.hash_algorithm}: start it with the same settings"
-                )
+                raise refuse(Refusal.SPEC, reg.worker_id, model_id=reg.model_id,
+                             spec=(spec.block_size, spec.hash_algorithm), registered=(reg.block_size, reg.hash_algorithm))
             old = self._workers.get(reg.worker_id)
             if old is not None and old.lease_expiry_ms > now_ms:
                 if old.reg.model_id != reg.model_id:
-                    raise FailedPrecondition(
-                        f"worker id {reg.worker_id!r} is live for model {old.reg.model_id!r}; "
-                        f"give the worker serving {reg.model_id!r} another --worker-id"
-                    )
+                    raise refuse(Refusal.MODEL, reg.worker_id, model_id=reg.model_id, other_model=old.reg.model_id)
                 if reg.epoch < old.reg.epoch:
-                    raise FailedPrecondition(
-                        f"stale registration of {reg.worker_id!r}: epoch {reg.epoch} < live epoch {old.reg.epoch}"
-                    )
+                    raise refuse(Refusal.STALE_REGISTRATION, reg.worker_id, epoch=reg.epoch, live=old.reg.epoch)
             if old is not None:
                 self._remove_worker(reg.worker_id)
             self._specs[reg.model_id] = ModelSpec(reg.model_id, reg.block_size, reg.hash_algorithm)
@@ -183,9 +173,7 @@ class MemoryIndex(BlockIndex):
         with self._lock:
             w = self._live(worker_id, now_ms)
             if epoch != w.reg.epoch:
-                raise FailedPrecondition(
-                    f"heartbeat for epoch {epoch} but worker {worker_id!r} is registered with epoch {w.reg.epoch}"
-                )
+                raise refuse(Refusal.HEARTBEAT_EPOCH, worker_id, epoch=epoch, live=w.reg.epoch)
             self._set_load(w, load, now_ms)
             w.lease_expiry_ms = now_ms + lease_ttl_ms
             return w.resync
@@ -235,13 +223,9 @@ class MemoryIndex(BlockIndex):
         with self._lock:
             w = self._live(worker_id, now_ms)
             if epoch < w.reg.epoch:
-                raise FailedPrecondition(
-                    f"snapshot for dead epoch {epoch} of worker {worker_id!r}: the live epoch is {w.reg.epoch}"
-                )
+                raise refuse(Refusal.STALE_EPOCH, worker_id, epoch=epoch, live=w.reg.epoch, snapshot=True)
             if epoch == w.reg.epoch and seq <= w.last_seq:
-                raise FailedPrecondition(
-                    f"seq regression for worker {worker_id!r}: snapshot seq {seq}, last applied {w.last_seq}"
-                )
+                raise refuse(Refusal.SEQ_REGRESSION, worker_id, seq=seq, live=w.last_seq, snapshot=True)
             # NOTE: only the difference touches the holder sets (a resync re-sends a whole cache
             # of which most is unchanged); the new set's order is the snapshot's.
             fresh: OrderedDict[bytes, None] = OrderedDict.fromkeys(hashes)
@@ -290,7 +274,7 @@ class MemoryIndex(BlockIndex):
         with self._lock:
             w = self._workers.get(pick.worker_id)
             if w is None or w.lease_expiry_ms <= now_ms or w.reg.model_id != pick.model_id:
-                raise NotFound(f"worker {pick.worker_id!r} is not a live worker of model {pick.model_id!r}")
+                raise refuse(Refusal.NOT_LIVE_FOR_MODEL, pick.worker_id, model_id=pick.model_id)
             self._expire_picks(w, now_ms - self.pending_config.ttl_ms)  # NOTE: expired picks conflict with nobody
             seen = pick.seen_version
             if seen is not None and any(v > seen and r != pick.router_id for _, r, v, _, _ in w.picks.values()):
@@ -334,7 +318,7 @@ class MemoryIndex(BlockIndex):
         with self._lock:
             w = self._workers.get(worker_id)
             if w is None:
-                raise NotFound(f"worker {worker_id!r} is not registered")
+                raise refuse(Refusal.NOT_REGISTERED_ADMIN, worker_id)
             w.resync = True
             return self._clear(w)
 

@@ -55,7 +55,7 @@ from redis.exceptions import (
 )
 
 from kvmesh.contract.block_hash import HASH_LEN
-from kvmesh.contract.errors import FailedPrecondition, NotFound, Unavailable
+from kvmesh.contract.errors import FailedPrecondition, KVMeshError, Unavailable
 from kvmesh.contract.types import (
     NO_PENDING,
     AllBlocksCleared,
@@ -77,6 +77,7 @@ from kvmesh.kv_service.index import (
     WorkerInfo,
     WorkerMatch,
 )
+from kvmesh.kv_service.refusals import Refusal, refuse
 
 _LUA_DIR = Path(__file__).parent / "lua"
 
@@ -467,10 +468,6 @@ class RedisIndex(BlockIndex):
         (and the namespace's shard count checked: FailedPrecondition)."""
         await self._round([(k, ("PING",)) for k in range(self.shards)])
 
-    @staticmethod
-    def _not_found(worker_id: str) -> NotFound:
-        return NotFound(f"worker {worker_id!r} is not registered or its lease expired; register it again")
-
     # -- registration ----------------------------------------------------------------------
     async def _other_spec(self, reg: Registration, now_ms: int) -> tuple[str, str] | None:
         """A spec other than ``reg``'s that live workers of its model use on the other shards."""
@@ -483,12 +480,9 @@ class RedisIndex(BlockIndex):
                 return _s(spec[0]), _s(spec[1])
         return None
 
-    def _spec_error(self, reg: Registration, bs: str, algo: str) -> FailedPrecondition:
-        return FailedPrecondition(
-            f"model {reg.model_id!r} is served with block_size={bs}, hash={algo}; worker "
-            f"{reg.worker_id!r} registered block_size={reg.block_size}, hash={reg.hash_algorithm}: "
-            "start it with the same settings"
-        )
+    def _spec_error(self, reg: Registration, bs: str, algo: str) -> KVMeshError:
+        return refuse(Refusal.SPEC, reg.worker_id, model_id=reg.model_id, spec=(bs, algo),
+                      registered=(reg.block_size, reg.hash_algorithm))
 
     async def register_worker(self, reg: Registration, lease_ttl_ms: int, now_ms: int) -> None:
         # NOTE: the model's spec must agree with its live workers on every shard. With shards,
@@ -505,14 +499,9 @@ class RedisIndex(BlockIndex):
         if code == "SPEC":
             raise self._spec_error(reg, _s(res[1]), _s(res[2]))
         if code == "MODEL":
-            raise FailedPrecondition(
-                f"worker id {reg.worker_id!r} is live for model {_s(res[1])!r}; "
-                f"give the worker serving {reg.model_id!r} another --worker-id"
-            )
+            raise refuse(Refusal.MODEL, reg.worker_id, model_id=reg.model_id, other_model=_s(res[1]))
         if code == "EPOCH":
-            raise FailedPrecondition(
-                f"stale registration of {reg.worker_id!r}: epoch {reg.epoch} < live epoch {_s(res[1])}"
-            )
+            raise refuse(Refusal.STALE_REGISTRATION, reg.worker_id, epoch=reg.epoch, live=_s(res[1]))
         if self.shards > 1 and (other := await self._other_spec(reg, now_ms)):
             await self._on(self.home(reg.worker_id), "admin", "unregister", reg.worker_id, reg.epoch)
             raise self._spec_error(reg, *other)
@@ -530,11 +519,9 @@ class RedisIndex(BlockIndex):
                                self._cover(load, now_ms))
         code = _s(res[0])
         if code == "NOT_FOUND":
-            raise self._not_found(worker_id)
+            raise refuse(Refusal.NOT_REGISTERED, worker_id)
         if code == "EPOCH":
-            raise FailedPrecondition(
-                f"heartbeat for epoch {epoch} but worker {worker_id!r} is registered with epoch {_s(res[1])}"
-            )
+            raise refuse(Refusal.HEARTBEAT_EPOCH, worker_id, epoch=epoch, live=_s(res[1]))
         return len(res) > 1 and _s(res[1]) != "0"
 
     # -- events ----------------------------------------------------------------------------
@@ -555,11 +542,10 @@ class RedisIndex(BlockIndex):
             if code == "RESYNC":
                 return PublishResult(Action.RESYNC, _s(res[1]) + "; send a snapshot")
             if code == "NOT_FOUND":
-                raise self._not_found(worker_id)
+                raise refuse(Refusal.NOT_REGISTERED, worker_id)
             if code == "STALE_EPOCH":
-                what = "snapshot for dead epoch" if snapshot else "stale epoch"
-                raise FailedPrecondition(f"{what} {epoch} of worker {worker_id!r}: the live epoch is {_s(res[1])}")
-            raise FailedPrecondition(f"seq regression for worker {worker_id!r}: got {seq}, last applied {_s(res[1])}")
+                raise refuse(Refusal.STALE_EPOCH, worker_id, epoch=epoch, live=_s(res[1]), snapshot=snapshot)
+            raise refuse(Refusal.SEQ_REGRESSION, worker_id, seq=seq, live=_s(res[1]), snapshot=snapshot)
         return PublishResult(Action.ACK)
 
     async def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent],
@@ -602,7 +588,7 @@ class RedisIndex(BlockIndex):
                                now_ms - cfg.ttl_ms, cfg.max_per_worker)
         code = _s(res[0])
         if code == "NOT_FOUND":
-            raise NotFound(f"worker {pick.worker_id!r} is not a live worker of model {pick.model_id!r}")
+            raise refuse(Refusal.NOT_LIVE_FOR_MODEL, pick.worker_id, model_id=pick.model_id)
         if code == "OK":
             return ReserveResult(True)
         workers: list[tuple[str, Pending]] = []
@@ -694,7 +680,7 @@ class RedisIndex(BlockIndex):
     async def flush_worker(self, worker_id: str) -> int:
         res = await self._on(self.home(worker_id), "admin", "flush", worker_id)
         if _s(res[0]) == "NOT_FOUND":
-            raise NotFound(f"worker {worker_id!r} is not registered")
+            raise refuse(Refusal.NOT_REGISTERED_ADMIN, worker_id)
         return int(res[1])
 
     async def reap_expired(self, now_ms: int) -> int:
