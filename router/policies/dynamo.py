@@ -120,7 +120,9 @@ class ActiveSequences:
         entry = self._requests.get(key)
         if entry is None:
             return
-        w = self._workers[entry[0]]
+        w = self._workers.get(entry[0])
+        if w is None:  # NOTE: see free(): a request with no blocks and no prefill left adds nothing
+            return
         tokens = w.prefill.pop(key, None)
         if tokens is not None:
             w.active_tokens -= tokens
@@ -131,7 +133,12 @@ class ActiveSequences:
             return
         self._expiring.pop(key, None)
         worker_id, block_hashes = entry
-        w = self._workers[worker_id]
+        w = self._workers.get(worker_id)
+        if w is None:
+            # NOTE: a worker's entry goes when it holds no block and no prefill; a request of a
+            # prompt shorter than one block, already prefilled, was still active there and
+            # weighs nothing (the KeyError the synthetic trace hit with 64-token blocks).
+            return
         tokens = w.prefill.pop(key, None)
         if tokens is not None:
             w.active_tokens -= tokens

@@ -77,6 +77,21 @@ def test_pending_prefill_counts_until_the_first_token_and_free_drops_the_worker(
     assert p.sequences._workers == {}  # NOTE: nothing kept for an idle worker: the state is bounded
 
 
+def test_a_prompt_shorter_than_a_block_outlives_its_workers_entry():
+    # A request with no full block, prefilled, weighs nothing on its worker; when the worker's last
+    # weighing request is freed its entry goes, and freeing the short one then is a no-op (it was a
+    # KeyError: the simulator's dynamo on the synthetic trace, 64-token blocks).
+    seqs = ActiveSequences()
+    seqs.add(("r", 1), "w1", [], 10, now=0.0)
+    seqs.add(("r", 2), "w1", [b"h1", b"h2"], 128, now=0.0)
+    seqs.prefilled(("r", 1))
+    seqs.prefilled(("r", 2))
+    seqs.free(("r", 2))
+    assert seqs._workers == {} and len(seqs) == 1
+    seqs.prefilled(("r", 1))
+    seqs.free(("r", 1))
+    assert len(seqs) == 0 and seqs.view("w1", [b"h1"]) == (0, 0, 1)
+
 def test_overlap_is_the_index_answer_not_the_speculative_match():
     p = make_policy("dynamo", PolicyConfig(seed=0))
     q = request("a")

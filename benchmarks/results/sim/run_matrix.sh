@@ -2,7 +2,8 @@
 # The issue-15 goal table: every command whose JSON is in this folder, in the order they were run.
 # Usage: benchmarks/results/sim/run_matrix.sh [step ...]   (steps: conv3000 synthetic shared-prefix
 # multi-turn hot-prompt no-reuse faults conv-all events events-rest; issue 27's fleet shapes: fleet-<workload>
-# for conversation synthetic shared-prefix multi-turn hot-prompt no-reuse, fleet-scale32, fleet-determinism).
+# for conversation synthetic shared-prefix multi-turn hot-prompt no-reuse, fleet-scale32, fleet-determinism,
+# fleet-conv-all, fleet-hot3000).
 # Each run holds the shared heavy lock; --jobs 2.
 # NOTE: the goal-table steps ran before event messages carried the workers' load; --load-reports
 # heartbeat (in HB below) gives their runs again. The 'events' step is the later re-run of the
@@ -76,12 +77,25 @@ step() {
         conversation) src="--trace $TRACES/conversation_trace.jsonl" ;;
         synthetic)    src="--trace $TRACES/synthetic_trace.jsonl" ;;
         scale32)      sim32 ; return ;;
+        # The whole conversation trace (12,031 requests): kv-aware and the best peer of its first
+        # 1,000 (lmetric) behind 1 router, kv-aware behind 3 (the 2 cores allow no more).
+        conv-all)     sim --trace $TRACES/conversation_trace.jsonl --policies kv-aware,lmetric --relative-rates '' \
+                        --no-limits --json "$FL/conversation-all_r1.json"
+                      sim --trace $TRACES/conversation_trace.jsonl --policies kv-aware --relative-rates '' \
+                        --no-limits --routers 3 --json "$FL/conversation-all_r3.json" ; return ;;
+        # Are the generated workloads' figures those of a burst? At 15-17x their own rate, 1,000
+        # requests arrive in ~5 s. hot-prompt again with 3,000 (the three policies that matter).
+        hot3000)      sim --workload hot-prompt --max-requests 3000 --policies kv-aware,prefix-hash,round-robin \
+                        --relative-rates '' --no-limits --json "$FL/hot-prompt-3000_r1.json" ; return ;;
         determinism)  determinism ; return ;;
         *)            src="--workload $w" ;;
       esac
+      # NOTE: a run that raises is listed under "failures" in its JSON and the command exits 1:
+      # say so and go on with the other shapes.
       for shape in "r1:--routers 1" "r3:--routers 3 --no-limits" "r8:--routers 8 --no-limits" \
                    "hetero:--workers 4xH100,4xA100"; do
-        sim $src --max-requests 1000 --relative-rates '' ${shape#*:} --json "$FL/${w}_${shape%%:*}.json"
+        sim $src --max-requests 1000 --relative-rates '' ${shape#*:} --json "$FL/${w}_${shape%%:*}.json" \
+          || echo "FAILED RUNS in $FL/${w}_${shape%%:*}.json (exit $?)"
       done ;;
     *) echo "unknown step $1" >&2; exit 2 ;;
   esac
