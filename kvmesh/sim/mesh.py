@@ -354,6 +354,7 @@ class SimWorker:
         self.stepping = False
         self.attempts: dict[str, _Attempt] = {}
         self._pre_stats = None
+        self._step_admitted: list = []
         # the publisher: the live one's batching core on the virtual clock
         self.batcher = EventBatcher()
         self.flush_at: float | None = None
@@ -436,6 +437,9 @@ class SimWorker:
         assert engine is not None and self.runner is not None
         now = self.mesh.q.now
         self._pre_stats = engine.last_step_stats  # NOTE: replaced, never mutated, at the step's end
+        # NOTE: what the step drains from the inbox: the live engine counts these in its reports
+        # for the whole step (LLMEngine._drained); here the step's end state is computed at its start.
+        self._step_admitted = engine.queued_requests()
         self._step_start = now
         self.stepping = True
         if self.mesh.cfg.engine.num_scheduler_steps == 1:
@@ -586,10 +590,10 @@ class SimWorker:
         # arrived since (its snapshot is taken between steps).
         stats = self.engine.stats()
         if self.stepping and self.mesh.q.now < self.busy_until and self._pre_stats is not None:
-            pre, post = self._pre_stats, self.engine.last_step_stats
-            stats = replace(pre, num_waiting=pre.num_waiting + stats.num_waiting - post.num_waiting,
-                            queued_prefill_tokens=pre.queued_prefill_tokens + stats.queued_prefill_tokens
-                            - post.queued_prefill_tokens)
+            pre, post, taken = self._pre_stats, self.engine.last_step_stats, self._step_admitted
+            stats = replace(pre, num_waiting=pre.num_waiting + len(taken) + stats.num_waiting - post.num_waiting,
+                            queued_prefill_tokens=pre.queued_prefill_tokens + sum(r.num_tokens for r in taken)
+                            + stats.queued_prefill_tokens - post.queued_prefill_tokens)
         return self.engine.report_load(stats)
 
     def heartbeat(self) -> None:

@@ -137,6 +137,26 @@ def test_a_prompt_longer_than_the_engines_accept_fails_without_stopping_the_run(
     assert (res["completed"], res["failed"]) == (2, 1)
 
 
+def test_mid_step_reports_count_the_requests_the_step_took_in():
+    # The live engine reports, while a step runs, the state before it plus every request it took
+    # from its inbox (LLMEngine._drained). The simulator computes a step's end at its start; its
+    # report must still count the step's new requests (it once dropped them for the step's length,
+    # so other routers, whose picks the admission had retired, saw an idle worker).
+    reqs = [SimRequest(0, 0.0, 20_000, 4, ((-1, 20_000),))]
+    mesh = Mesh(SimConfig(workers=1, seed=0), Workload("one", reqs), sim_model_dir(),
+                chains_for(Workload("one", reqs), 64))
+    seen = []
+
+    def probe() -> None:
+        worker = mesh.workers[0]
+        assert worker.stepping and mesh.q.now < worker.busy_until  # inside the first prefill step
+        seen.append(worker.load_now())
+
+    mesh.q.at(0.02, probe)
+    mesh.run()
+    assert seen and seen[0].num_waiting + seen[0].num_running == 1
+    assert seen[0].queued_prefill_tokens == 20_000
+
 def load_trace_or_generated() -> Workload:
     from pathlib import Path
 
