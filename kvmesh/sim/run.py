@@ -372,6 +372,7 @@ def sweep(sim: Sim, policies: Sequence[str], rates: Sequence[float] = (), *, cap
     doc = {
         "oracle_hit_rate": _r(oracle_hit_rate(sim.workload, sim.base)),
         "capacity": caps,
+        "routers": sim.base.routers,
     }
     if limits:
         bound = work_bound(sim.workload, sim.base, chains_for(sim.workload, sim.base.block_size))
