@@ -46,7 +46,8 @@ def workers(kv) -> dict[str, kpb.WorkerInfo]:
 def test_a_burst_through_three_routers_spreads_as_one_router_spreads_it_and_no_pick_leaks(model_dir, tmp_path):
     """Measured (docs/router.md, "Several routers"): 24-request bursts, the prefix's holder got 9 of
     them from one router (6 of 6 bursts), 8-13 (mean 10.3) from three routers sharing their view and
-    9-16 (mean 13.5) from three with private views (--no-shared-view)."""
+    9-16 (mean 13.5) from three with private views (--no-shared-view), with the linear step time;
+    with the roofline (the default since): one router 4-6, three 7-10 (one clean-clone CI run)."""
     base = free_port_run(6)
     stack = LocalStack(StackConfig(
         model=str(model_dir), workers=4, routers=3, router_port=base, kv_service_port=free_port(),
@@ -69,7 +70,10 @@ def test_a_burst_through_three_routers_spreads_as_one_router_spreads_it_and_no_p
             # Every pick is retired by the workers' own reports once they admitted the requests.
             wait_until(lambda: all(w.pending.requests == 0 for w in workers(kv).values()), timeout=10)
         one, three = (sum(v) / len(v) for v in (on_holder["one"], on_holder["three"]))
-        assert three <= one + 3, on_holder
+        # NOTE: compared with what one router puts on the holder, or an even share when one router
+        # spreads wider than even (with the roofline step time it put 4-6 of 24 on the holder of 4
+        # workers, 2026-11-24): three routers must not pile onto the warm holder beyond that + 3.
+        assert three <= max(one, BURST / 4) + 3, on_holder
         assert sum(w.pending.version for w in workers(kv).values()) >= 8 * BURST  # every pick was reserved
 
         # A router dies in the middle of a burst: what it picked and forwarded is admitted, what it
