@@ -27,8 +27,8 @@ import torch
 from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ensure_default_model
 from kvmesh.model_worker.config import ModelConfig
-from kvmesh.model_worker.llm import LLM
-from kvmesh.model_worker.model_runner import set_cpu_threads
+from kvmesh.model_worker.engine.llm import LLM
+from kvmesh.model_worker.execution.model_runner import set_cpu_threads
 
 
 def random_tokens(n: int, gen: torch.Generator, vocab: int) -> list[int]:

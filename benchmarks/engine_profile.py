@@ -22,8 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.config import ModelConfig
-from kvmesh.model_worker.llm import LLM
-from kvmesh.model_worker.model_runner import set_cpu_threads
+from kvmesh.model_worker.engine.llm import LLM
+from kvmesh.model_worker.execution.model_runner import set_cpu_threads
 
 
 def main() -> None:

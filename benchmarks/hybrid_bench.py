@@ -5,7 +5,7 @@ configs, and a stub "model" samples token 7 for every row. So the figures are th
 exact and machine-independent (no timing is measured).
 
 Memory accounting: a block id names one page (``block_size`` tokens x KV heads x head dim, K and
-V) in each of ``layers_per_group`` tensors (model_worker/kv_cache_spec.py), so a block costs
+V) in each of ``layers_per_group`` tensors (model_worker/scheduling/kv_cache_spec.py), so a block costs
 ``layers_per_group`` pages. The pool gets ``--kv-gib`` of memory in both runs; the all-full run
 has one group of every layer (the model treated as full attention), the hybrid run its groups.
 
@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import SamplingParams
-from kvmesh.model_worker.kv_cache_manager import KVCacheManager
-from kvmesh.model_worker.kv_cache_spec import KVCacheConfig
-from kvmesh.model_worker.request import Request
-from kvmesh.model_worker.scheduler import Scheduler, SchedulerConfig
+from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
+from kvmesh.model_worker.scheduling.request import Request
+from kvmesh.model_worker.scheduling.scheduler import Scheduler, SchedulerConfig
 
 BS = 16
 OUTPUT = 128

@@ -59,7 +59,7 @@ def _run(sim, rate: float) -> dict:
 
 
 def cmd_sim(a: argparse.Namespace) -> int:
-    from kvmesh.sim.mesh import SimConfig
+    from kvmesh.sim.config import SimConfig
     from kvmesh.sim.run import Sim
     from kvmesh.sim.workload import load_trace
 
@@ -95,8 +95,8 @@ def _cpu(url: str) -> float:
 
 
 async def _costs(url: str, chain_blocks: int, depth: int, reps: int) -> dict:
+    from kvmesh.contract.index_protocol import Registration
     from kvmesh.contract.types import BlockRemoved, BlockStored, Load
-    from kvmesh.kv_service.index import Registration
     from kvmesh.kv_service.store_redis import RedisIndex
 
     idx = RedisIndex(url, "sizing", max_connections=16)

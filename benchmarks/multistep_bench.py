@@ -28,9 +28,9 @@ import torch
 from kvmesh.bench.report import percentile
 from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ModelSpec, ensure_default_model, make_model
-from kvmesh.model_worker.llm_engine import LLMEngine
-from kvmesh.model_worker.model_runner import set_cpu_threads
-from kvmesh.model_worker.scheduler import RequestOutput
+from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.execution.model_runner import set_cpu_threads
+from kvmesh.model_worker.scheduling.scheduler import RequestOutput
 
 MICRO = ModelSpec(layers=1, hidden_size=32, heads=2, kv_heads=1, intermediate_size=64, seed=5)
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from kvmesh.make_model import ModelSpec, cache_dir, make_model
-from kvmesh.model_worker.model_runner import set_cpu_threads
+from kvmesh.model_worker.execution.model_runner import set_cpu_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 8192
@@ -98,7 +98,7 @@ def run_vllm(peer_python: str, model: Path, workloads: list[Workload], log: Path
 
 def run_kvmesh(model: Path, workloads: list[Workload], engine_kwargs: dict) -> dict:
     from kvmesh.contract.types import SamplingParams
-    from kvmesh.model_worker.llm import LLM
+    from kvmesh.model_worker.engine.llm import LLM
 
     results = []
     for w in workloads:

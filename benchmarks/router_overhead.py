@@ -4,7 +4,7 @@ router adds to a request's time to first token.
 Setup: a private redis-server, a `kvmesh kv-service` process on it, W workers registered through
 RegisterWorker (no worker process: the decision path never calls one), each prompt's block chain
 published for two workers (one holds all of it, one half). The router is built exactly as
-`kvmesh router` builds it (RouterServer) and ``Router.decide`` — the code every Generate runs
+`kvmesh router` builds it (RouterServer) and ``ModelRouter.decide`` — the code every Generate runs
 before forwarding — is timed on the router's own event loop, end to end and by stage, for text
 prompts and for prompts sent as token ids (no tokenization: the router's own share).
 
@@ -37,7 +37,7 @@ from kvmesh.contract.types import SamplingParams
 from kvmesh.loopback import RedisServer, free_port
 from kvmesh.make_model import CORPUS, train_tokenizer
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.router import GenerateInput
+from kvmesh.router.model_router import GenerateInput
 from kvmesh.router.server import RouterServer
 from kvmesh.transport.channels import dial, dial_aio
 from kvmesh.v1 import kv_service_pb2 as pb

@@ -47,9 +47,9 @@ def host_workers(args: argparse.Namespace) -> int:
     """Child mode: ``--count`` simulated workers in this process until SIGTERM."""
     import threading
 
-    from kvmesh.model_worker.llm_engine import LLMEngine
-    from kvmesh.model_worker.server import WorkerServer
-    from kvmesh.model_worker.sim_runner import DEFAULT_SIM_MAX_MODEL_LEN, SimRunner
+    from kvmesh.model_worker.engine.llm_engine import LLMEngine
+    from kvmesh.model_worker.serving.server import WorkerServer
+    from kvmesh.model_worker.simulated.sim_runner import DEFAULT_SIM_MAX_MODEL_LEN, SimRunner
 
     servers = []
     kvs = args.kv.split(",")

@@ -34,8 +34,8 @@ import redis
 
 from kvmesh.bench.processes import start_kv_service
 from kvmesh.bench.report import percentile as pct
+from kvmesh.contract.index_protocol import Registration
 from kvmesh.contract.types import BlockRemoved, BlockStored, Load
-from kvmesh.kv_service.index import Registration
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import RedisCluster, RedisServer
 from kvmesh.transport.channels import dial_aio

@@ -3,7 +3,7 @@
     flock /tmp/kvmesh-heavy.lock .venv/bin/python benchmarks/step_cost_fit.py [--json out.json]
 
 For every fleet and workload, kv-aware's capacity (the simulator's bisection, `kvmesh simulate`'s
-SLO) with its step-cost learner (router/policies/cost.py) fitting
+SLO) with its step-cost learner (router/core/policies/cost.py) fitting
 
 - ``pooled``: one fit over every worker's reports (kv-aware until 2026-11-23);
 - ``worker``: each worker's own reports (the pooled fit answers until a worker has 8 reports);
@@ -55,9 +55,10 @@ def main() -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
-    from kvmesh.router.policies import kv_aware
-    from kvmesh.router.policies.cost import per_worker
-    from kvmesh.sim.mesh import Mesh, SimConfig
+    from kvmesh.router.core.policies import kv_aware
+    from kvmesh.router.core.policies.cost import per_worker
+    from kvmesh.sim.config import SimConfig
+    from kvmesh.sim.mesh import Mesh
     from kvmesh.sim.run import Sim, chains_for, sim_model_dir
     from kvmesh.sim.workload import load_trace, make_workload
 

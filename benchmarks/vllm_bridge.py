@@ -39,7 +39,6 @@ from pathlib import Path
 import aiohttp
 import msgpack
 
-from kvmesh.bench.oracle import lru_hit_rate
 from kvmesh.bench.processes import start_kv_service
 from kvmesh.bench.vllm_peer import EventProxy, IndexView, VllmServer
 from kvmesh.bridge.engine_events import encode_batch
@@ -48,6 +47,7 @@ from kvmesh.client import Client
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.loopback import free_port, free_port_run
 from kvmesh.make_model import ensure_default_model
+from kvmesh.sim.oracle import lru_hit_rate
 from kvmesh.stack import LocalStack, StackConfig, kvmesh_cmd, wait_serving
 
 MODEL_ID = "default"

@@ -4,7 +4,7 @@ Three threads:
 
 - ``bridge-events`` owns the ZMQ sockets and the mirror: it applies the engine's batches in order
   (bridge/event_stream.py replays gaps), turns them into kvmesh block events (bridge/mirror.py) and
-  hands them to the publisher (kvmesh/transport/kv_publisher.py, the same one kvmesh's workers use:
+  hands them to the publisher (kvmesh/kv_client/publisher.py, the same one kvmesh's workers use:
   registration, lease, batching, RESYNC and snapshots);
 - ``bridge-status`` reads the engine's /metrics every ``metrics_interval`` (the load every event
   message carries) and its /health every ``health_interval``;
@@ -42,7 +42,7 @@ from kvmesh.contract.types import (
     KVCacheEvent,
     Load,
 )
-from kvmesh.transport.kv_publisher import KVPublisher, registration
+from kvmesh.kv_client.publisher import KVPublisher, registration
 
 log = logging.getLogger("kvmesh.bridge")
 

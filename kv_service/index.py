@@ -25,9 +25,15 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from kvmesh.contract.types import NO_PENDING, KVCacheEvent, Load, ModelSpec, Pending
+from kvmesh.contract.index_protocol import (
+    Registration,
+    Reservation,
+    ReservationAnswer,
+    WorkerInfo,
+    WorkerMatch,
+)
+from kvmesh.contract.types import KVCacheEvent, Load, ModelSpec
 from kvmesh.kv_service.config import PendingConfig
 
 FLUSHED = "the index dropped this worker's blocks (FlushWorker)"
@@ -40,68 +46,9 @@ class Action(enum.IntEnum):
 
 
 @dataclass(slots=True, frozen=True)
-class Registration:
-    worker_id: str
-    address: str
-    model_id: str
-    block_size: int
-    hash_algorithm: str
-    num_blocks: int
-    epoch: int
-    engine: str = "kvmesh"
-    """What serves the worker's requests: kvmesh, vllm or sglang (a bridge registers those)."""
-
-
-@dataclass(slots=True, frozen=True)
 class PublishResult:
     action: Action
     reason: str = ""
-
-
-class WorkerMatch(NamedTuple):
-    """One live worker's answer to a lookup (a NamedTuple: built 64 times per lookup)."""
-
-    worker_id: str
-    address: str
-    matched_blocks: int
-    load: Load
-    block_size: int
-    pending: Pending = NO_PENDING
-
-
-@dataclass(slots=True, frozen=True)
-class Pick:
-    """A router's reservation of a worker for one request (the shared router view)."""
-
-    model_id: str
-    worker_id: str
-    router_id: str
-    request_id: str
-    prefill_tokens: int
-    blocks: int
-    seen_version: int | None = None
-    """The worker's ``Pending.version`` in the router's Lookup: refused when another router
-    reserved the worker since; None = unconditional."""
-
-
-@dataclass(slots=True, frozen=True)
-class ReserveResult:
-    reserved: bool
-    workers: list[tuple[str, Pending]] = field(default_factory=list)
-    """When refused: every live worker of the model and its pending picks now."""
-
-
-@dataclass(slots=True)
-class WorkerInfo:
-    registration: Registration
-    last_seq: int
-    blocks_indexed: int
-    load: Load
-    lease_expiry_ms: int
-    pending: Pending = NO_PENDING
-
-    def live(self, now_ms: int) -> bool:
-        return self.lease_expiry_ms > now_ms
 
 
 @dataclass(slots=True)
@@ -158,8 +105,8 @@ class BlockIndex(abc.ABC):
         """Per live worker of the model, the leading blocks of ``hashes`` it holds."""
 
     @abc.abstractmethod
-    async def reserve(self, pick: Pick, now_ms: int) -> ReserveResult:
-        """Records a router's pick of a live worker of ``pick.model_id``, unless ``seen_version`` is
+    async def reserve(self, reservation: Reservation, now_ms: int) -> ReservationAnswer:
+        """Records a router's reservation of a live worker of ``reservation.model_id``, unless ``seen_version`` is
         set and another router reserved the worker after it (then nothing changes and the answer
         lists the model's live workers' pending picks).
 

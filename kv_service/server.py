@@ -7,18 +7,21 @@ import logging
 from collections.abc import AsyncIterator
 
 from kvmesh.contract.convert import (
-    algorithm_from_pb,
     algorithm_to_pb,
     events_from_pb,
     load_from_pb,
     load_to_pb,
-    pending_to_pb,
+    registration_from_pb,
+    reservation_answer_to_pb,
+    reservation_from_pb,
+    worker_info_to_pb,
 )
 from kvmesh.contract.errors import InvalidArgument, ResourceExhausted
+from kvmesh.contract.index_protocol import WorkerMatch
 from kvmesh.contract.limits import MAX_EXTRA_KEYS_CHARS, check_length
 from kvmesh.contract.types import Load
 from kvmesh.kv_service.config import KVServiceConfig, ServiceConfig
-from kvmesh.kv_service.index import BlockIndex, Pick, Registration, WorkerMatch
+from kvmesh.kv_service.index import BlockIndex
 from kvmesh.kv_service.metrics import KVMetrics
 from kvmesh.kv_service.service import KVService, now_ms
 from kvmesh.transport.loop import LoopThread
@@ -105,9 +108,7 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
 
     async def RegisterWorker(self, request, context):
         check_length("extra_keys", request.extra_keys, MAX_EXTRA_KEYS_CHARS)
-        algo = algorithm_from_pb(request.hash_algorithm)
-        reg = Registration(request.worker_id, request.address, request.model_id, request.block_size, algo,
-                           request.num_blocks, request.epoch, request.engine or "kvmesh")
+        reg = registration_from_pb(request)
         ttl = await self.svc.register(reg)
         log.info("registered worker %s (%s, model %s, epoch %d)", reg.worker_id, reg.address, reg.model_id, reg.epoch)
         return pb.RegisterWorkerResponse(lease_ttl_ms=ttl, next_seq=1)
@@ -147,11 +148,7 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         return self._replies.response(matches, bs, len(request.block_hashes))
 
     async def Reserve(self, request, context):
-        seen = request.seen_version if request.HasField("seen_version") else None
-        result = await self.svc.reserve(Pick(request.model_id, request.worker_id, request.router_id,
-                                             request.request_id, request.prefill_tokens, request.blocks, seen))
-        return pb.ReserveResponse(reserved=result.reserved, workers=[
-            pb.WorkerPending(worker_id=w, pending=pending_to_pb(p)) for w, p in result.workers])
+        return reservation_answer_to_pb(await self.svc.reserve(reservation_from_pb(request)))
 
     async def LookupTokens(self, request, context):
         bs, matches = await self.svc.lookup_tokens(request.model_id, request.token_ids, request.cache_salt)
@@ -173,17 +170,8 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
 
     async def ListWorkers(self, request, context):
         now = now_ms()
-        out = []
-        for info in await self.svc.index.workers(now, include_expired=request.include_expired):
-            r = info.registration
-            out.append(pb.WorkerInfo(
-                worker_id=r.worker_id, address=r.address, model_id=r.model_id, block_size=r.block_size,
-                hash_algorithm=algorithm_to_pb(r.hash_algorithm), num_blocks=r.num_blocks, epoch=r.epoch,
-                last_seq=info.last_seq, blocks_indexed=info.blocks_indexed, load=load_to_pb(info.load),
-                lease_remaining_ms=info.lease_expiry_ms - now, live=info.live(now), engine=r.engine,
-                pending=pending_to_pb(info.pending),
-            ))
-        return pb.ListWorkersResponse(workers=out)
+        infos = await self.svc.index.workers(now, include_expired=request.include_expired)
+        return pb.ListWorkersResponse(workers=[worker_info_to_pb(info, now) for info in infos])
 
     async def GetBlock(self, request, context):
         holders = await self.svc.get_block(request.block_hash)

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from kvmesh.contract.block_hash import ALGORITHMS, HASH_LEN, BlockHasher
 from kvmesh.contract.errors import InvalidArgument
+from kvmesh.contract.index_protocol import Registration, Reservation, ReservationAnswer, WorkerMatch
 from kvmesh.contract.limits import (
     MAX_ADDRESS_CHARS,
     MAX_ADMITTED_IDS,
@@ -30,15 +31,7 @@ from kvmesh.contract.limits import (
 )
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load
 from kvmesh.kv_service.config import ServiceConfig
-from kvmesh.kv_service.index import (
-    Action,
-    BlockIndex,
-    Pick,
-    PublishResult,
-    Registration,
-    ReserveResult,
-    WorkerMatch,
-)
+from kvmesh.kv_service.index import Action, BlockIndex, PublishResult
 from kvmesh.kv_service.metrics import KVMetrics
 
 __all__ = ["MAX_CHAIN_BLOCKS", "MAX_TOKEN_ID", "HeartbeatAnswer", "KVService", "run_now"]
@@ -213,18 +206,18 @@ class KVService:
         self.events_applied_total += len(events)
 
     # -- the shared router view -----------------------------------------------------------
-    async def reserve(self, pick: Pick) -> ReserveResult:
+    async def reserve(self, r: Reservation) -> ReservationAnswer:
         """A router's pick, visible to every Lookup until the worker's report covers it."""
-        _check_model_id(pick.model_id)
-        _check_id("worker_id", pick.worker_id)
-        _check_id("router_id", pick.router_id)
-        check_id("request_id", pick.request_id, MAX_WORKER_REQUEST_ID_CHARS)
-        if not 0 <= pick.prefill_tokens <= MAX_PICK_TOKENS or not 0 <= pick.blocks < 2**32:
+        _check_model_id(r.model_id)
+        _check_id("worker_id", r.worker_id)
+        _check_id("router_id", r.router_id)
+        check_id("request_id", r.request_id, MAX_WORKER_REQUEST_ID_CHARS)
+        if not 0 <= r.prefill_tokens <= MAX_PICK_TOKENS or not 0 <= r.blocks < 2**32:
             raise InvalidArgument(f"prefill_tokens must be in [0, 2**40] and blocks in [0, 2**32), got "
-                                  f"{pick.prefill_tokens} and {pick.blocks}")
-        if pick.seen_version is not None and not 0 <= pick.seen_version <= MAX_EPOCH:
-            raise InvalidArgument(f"seen_version must be in [0, 2**53), got {pick.seen_version}")
-        result = await self.index.reserve(pick, self._now())
+                                  f"{r.prefill_tokens} and {r.blocks}")
+        if r.seen_version is not None and not 0 <= r.seen_version <= MAX_EPOCH:
+            raise InvalidArgument(f"seen_version must be in [0, 2**53), got {r.seen_version}")
+        result = await self.index.reserve(r, self._now())
         self.metrics.reservations.labels("reserved" if result.reserved else "conflict").inc()
         return result
 

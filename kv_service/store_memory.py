@@ -11,6 +11,13 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvmesh.contract.index_protocol import (
+    Registration,
+    Reservation,
+    ReservationAnswer,
+    WorkerInfo,
+    WorkerMatch,
+)
 from kvmesh.contract.types import (
     AllBlocksCleared,
     BlockRemoved,
@@ -20,18 +27,7 @@ from kvmesh.contract.types import (
     ModelSpec,
     Pending,
 )
-from kvmesh.kv_service.index import (
-    FLUSHED,
-    Action,
-    BlockIndex,
-    IndexStats,
-    Pick,
-    PublishResult,
-    Registration,
-    ReserveResult,
-    WorkerInfo,
-    WorkerMatch,
-)
+from kvmesh.kv_service.index import FLUSHED, Action, BlockIndex, IndexStats, PublishResult
 from kvmesh.kv_service.refusals import Refusal, refuse
 
 
@@ -270,23 +266,23 @@ class MemoryIndex(BlockIndex):
                 for wid, w in live.items()
             ]
 
-    async def reserve(self, pick: Pick, now_ms: int) -> ReserveResult:
+    async def reserve(self, res: Reservation, now_ms: int) -> ReservationAnswer:
         with self._lock:
-            w = self._workers.get(pick.worker_id)
-            if w is None or w.lease_expiry_ms <= now_ms or w.reg.model_id != pick.model_id:
-                raise refuse(Refusal.NOT_LIVE_FOR_MODEL, pick.worker_id, model_id=pick.model_id)
+            w = self._workers.get(res.worker_id)
+            if w is None or w.lease_expiry_ms <= now_ms or w.reg.model_id != res.model_id:
+                raise refuse(Refusal.NOT_LIVE_FOR_MODEL, res.worker_id, model_id=res.model_id)
             self._expire_picks(w, now_ms - self.pending_config.ttl_ms)  # NOTE: expired picks conflict with nobody
-            seen = pick.seen_version
-            if seen is not None and any(v > seen and r != pick.router_id for _, r, v, _, _ in w.picks.values()):
+            seen = res.seen_version
+            if seen is not None and any(v > seen and router != res.router_id for _, router, v, _, _ in w.picks.values()):
                 model = w.reg.model_id
-                return ReserveResult(False, [(wid, self._pending(o)) for wid, o in sorted(self._workers.items())
-                                             if o.reg.model_id == model and o.lease_expiry_ms > now_ms])
+                return ReservationAnswer(False, {wid: self._pending(o) for wid, o in sorted(self._workers.items())
+                                                 if o.reg.model_id == model and o.lease_expiry_ms > now_ms})
             w.pick_version += 1
-            w.picks.pop(pick.request_id, None)  # NOTE: re-reserved: it moves to the end (newest)
-            w.picks[pick.request_id] = (now_ms, pick.router_id, w.pick_version, pick.prefill_tokens, pick.blocks)
+            w.picks.pop(res.request_id, None)  # NOTE: re-reserved: it moves to the end (newest)
+            w.picks[res.request_id] = (now_ms, res.router_id, w.pick_version, res.prefill_tokens, res.blocks)
             while len(w.picks) > self.pending_config.max_per_worker:
                 del w.picks[next(iter(w.picks))]
-            return ReserveResult(True)
+            return ReservationAnswer(True)
 
     async def holders(self, block_hash: bytes, now_ms: int) -> list[str]:
         with self._lock:

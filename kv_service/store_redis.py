@@ -56,6 +56,13 @@ from redis.exceptions import (
 
 from kvmesh.contract.block_hash import HASH_LEN
 from kvmesh.contract.errors import FailedPrecondition, KVMeshError, Unavailable
+from kvmesh.contract.index_protocol import (
+    Registration,
+    Reservation,
+    ReservationAnswer,
+    WorkerInfo,
+    WorkerMatch,
+)
 from kvmesh.contract.types import (
     NO_PENDING,
     AllBlocksCleared,
@@ -66,17 +73,7 @@ from kvmesh.contract.types import (
     Pending,
 )
 from kvmesh.kv_service.config import RedisStoreConfig
-from kvmesh.kv_service.index import (
-    Action,
-    BlockIndex,
-    IndexStats,
-    Pick,
-    PublishResult,
-    Registration,
-    ReserveResult,
-    WorkerInfo,
-    WorkerMatch,
-)
+from kvmesh.kv_service.index import Action, BlockIndex, IndexStats, PublishResult
 from kvmesh.kv_service.refusals import Refusal, refuse
 
 _LUA_DIR = Path(__file__).parent / "lua"
@@ -580,21 +577,21 @@ class RedisIndex(BlockIndex):
                 for wid, addr, bs, load in (self._parse_info(raw, info),)]
 
     # -- the shared router view ------------------------------------------------------------
-    async def reserve(self, pick: Pick, now_ms: int) -> ReserveResult:
+    async def reserve(self, r: Reservation, now_ms: int) -> ReservationAnswer:
         cfg = self.pending_config
-        res = await self._call("reserve", pick.worker_id, pick.model_id, pick.router_id, pick.request_id,
-                               pick.prefill_tokens, pick.blocks,
-                               "" if pick.seen_version is None else pick.seen_version, now_ms,
+        res = await self._call("reserve", r.worker_id, r.model_id, r.router_id, r.request_id,
+                               r.prefill_tokens, r.blocks,
+                               "" if r.seen_version is None else r.seen_version, now_ms,
                                now_ms - cfg.ttl_ms, cfg.max_per_worker)
         code = _s(res[0])
         if code == "NOT_FOUND":
-            raise refuse(Refusal.NOT_LIVE_FOR_MODEL, pick.worker_id, model_id=pick.model_id)
+            raise refuse(Refusal.NOT_LIVE_FOR_MODEL, r.worker_id, model_id=r.model_id)
         if code == "OK":
-            return ReserveResult(True)
+            return ReservationAnswer(True)
         workers: list[tuple[str, Pending]] = []
-        for flat in await self._each("admin", "pending", pick.model_id):
+        for flat in await self._each("admin", "pending", r.model_id):
             workers += [(_s(flat[i]), _pending(flat[i + 1])) for i in range(0, len(flat), 2)]
-        return ReserveResult(False, sorted(workers))
+        return ReservationAnswer(False, dict(sorted(workers)))
 
     # -- a worker's address, block size and load, as Lookup reads them ---------------------------
     # NOTE: every Lookup reads each live worker's "addr|bs|load" in its one round (the load must be

@@ -1,4 +1,4 @@
-"""The two configs of a worker: the model's (config.json, parsed once) and the engine's."""
+"""The three configs of a worker: the model's (config.json, parsed once), the engine's and the worker process's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from kvmesh.contract.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128, algorithm_name
 from kvmesh.contract.settings import flag
-from kvmesh.model_worker.scheduler import SchedulerConfig
+from kvmesh.model_worker.scheduling.scheduler import SchedulerConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _DTYPES = {

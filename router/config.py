@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.contract.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128
 from kvmesh.contract.settings import flag
-from kvmesh.router.policies.base import PolicyConfig
+from kvmesh.router.core.policies.base import PolicyConfig
 
 
 @dataclass(slots=True)

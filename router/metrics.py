@@ -1,7 +1,7 @@
 """Prometheus metrics of the router (names under kvmesh_router_), on a registry of their own.
 
 The server makes one ``RouterMetrics`` at start and serves its registry on ``/metrics``; the
-request path gets it passed in and it is router/core.py's DecisionObserver. Nothing registers at
+request path gets it passed in and it is router/core/routing.py's DecisionObserver. Nothing registers at
 import, so several routers (tests, a simulator's many cores) live in one process.
 """
 
@@ -45,7 +45,7 @@ class RouterMetrics:
         self.tokenizing = Gauge("kvmesh_router_tokenizing_texts", "Long texts being tokenized off the event loop",
                                 registry=r)
 
-    # -- router/core.py's DecisionObserver ----------------------------------------------------
+    # -- router/core/routing.py's DecisionObserver ----------------------------------------------------
     def decision(self, policy: str, reason: str) -> None:
         self.decisions.labels(policy, reason).inc()
 

@@ -1,4 +1,4 @@
-"""The models one router serves: one request path (a :class:`Router`) per model.
+"""The models one router serves: one request path (a :class:`ModelRouter`) per model.
 
 A model is served once it is configured (``--model DIR``: its tokenizer and chat template, or
 ``--model-id ID``) or once discovery sees a live worker of it. Each model has its own worker pool,
@@ -22,10 +22,10 @@ from tokenizers import Tokenizer
 from kvmesh.contract.errors import InvalidArgument, NotFound
 from kvmesh.contract.modelinfo import context_length, load_tokenizer, model_id_for
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.core.upstream import AsyncPrefixIndex, WorkerPool
 from kvmesh.router.metrics import RouterMetrics
-from kvmesh.router.router import Router
+from kvmesh.router.model_router import ModelRouter
 from kvmesh.router.text.chat_template import ChatTemplate
-from kvmesh.router.upstream import AsyncPrefixIndex, WorkerPool
 
 log = logging.getLogger("kvmesh.router")
 
@@ -54,7 +54,7 @@ class ModelFiles:
 @dataclass(slots=True)
 class ServedModel:
     model_id: str
-    router: Router
+    router: ModelRouter
     files: ModelFiles | None = None
     """None: the router has no directory of the model (token ids only)."""
 
@@ -68,7 +68,7 @@ class ModelSet:
 
     Args:
         config: the router's flags (``model_dirs``, ``model_id``).
-        make_pool: a worker pool for a model id (router/adapters/discovery.py's GrpcWorkerPool live).
+        make_pool: a worker pool for a model id (router/workers/discovery.py's GrpcWorkerPool live).
         index: the kv_service Lookup shared by every model (each Lookup names its model).
         metrics: the server's metrics, shared by every model's request path.
     """
@@ -96,7 +96,7 @@ class ModelSet:
 
     def _add(self, model_id: str, files: ModelFiles | None) -> ServedModel:
         pool = self._make_pool(model_id)
-        router = Router(self.config, pool, self._index, files.tokenizer if files else None, metrics=self._metrics,
+        router = ModelRouter(self.config, pool, self._index, files.tokenizer if files else None, metrics=self._metrics,
                         chat_template=files.chat_template if files else None,
                         context_len=files.context_len if files else None)
         served = self._models[model_id] = ServedModel(model_id, router, files)

@@ -1,5 +1,5 @@
-"""The router process: the gRPC server (adapters/grpc_api.py), the OpenAI HTTP server
-(adapters/openai_api.py) and worker discovery (adapters/discovery.py), on one event loop."""
+"""The router process: the gRPC server (api/grpc_api.py), the OpenAI HTTP server
+(api/openai_api.py) and worker discovery (workers/discovery.py), on one event loop."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from kvmesh.router.adapters.discovery import WorkerDiscovery
-from kvmesh.router.adapters.grpc_api import RouterServicer
-from kvmesh.router.adapters.kv_client import KVServiceClient
-from kvmesh.router.adapters.openai_api import HttpServer
-from kvmesh.router.adapters.worker_calls import WorkerChannels
-from kvmesh.router.adapters.worker_pool import GrpcWorkerPool
+from kvmesh.kv_client.router_client import KVServiceClient
+from kvmesh.router.api.frontend import Frontend
+from kvmesh.router.api.grpc_api import RouterServicer
+from kvmesh.router.api.openai_api import HttpServer
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.frontend import Frontend
 from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.model_router import ModelRouter
 from kvmesh.router.models import ModelSet, ServedModel
-from kvmesh.router.router import Router
+from kvmesh.router.workers.discovery import WorkerDiscovery
+from kvmesh.router.workers.worker_calls import WorkerChannels
+from kvmesh.router.workers.worker_pool import GrpcWorkerPool
 from kvmesh.transport.loop import LoopThread
 from kvmesh.transport.server import AioServer
 from kvmesh.v1 import router_pb2 as pb
@@ -80,7 +80,7 @@ class RouterServer:
         return served
 
     @property
-    def router(self) -> Router:
+    def router(self) -> ModelRouter:
         """The default model's request path."""
         return self.default_model.router
 

@@ -1,10 +1,10 @@
-"""The event batching core (kvmesh/transport/event_batcher.py) the live publisher and the simulator
+"""The event batching core (kvmesh/kv_client/event_batcher.py) the live publisher and the simulator
 both drive: numbering, pacing, merging, load-only messages, snapshots replacing queued events."""
 
 from __future__ import annotations
 
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, Load
-from kvmesh.transport.event_batcher import EventBatcher
+from kvmesh.kv_client.event_batcher import EventBatcher
 
 A, B, C = BlockStored([b"a" * 16]), BlockStored([b"b" * 16]), BlockRemoved([b"a" * 16])
 

@@ -69,7 +69,7 @@ def test_outputs_in_input_order_and_token_exact(model_dir: Path, tmp_path: Path)
     from tokenizers import Tokenizer
 
     from kvmesh.contract.types import SamplingParams
-    from kvmesh.model_worker.llm import LLM
+    from kvmesh.model_worker.engine.llm import LLM
 
     shared = list(range(100, 148))  # 3 full blocks shared by rows 0 and 2
     text = "The keeper of the light"

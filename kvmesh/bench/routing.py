@@ -182,7 +182,7 @@ def run_policy(cfg: RoutingBenchConfig, policy: str, requests: Sequence[BenchReq
 def run_routing_bench(cfg: RoutingBenchConfig) -> dict:
     """Every policy on the same requests, plus the oracle hit rate; the `--json` document."""
     from kvmesh.model_worker.config import ModelConfig
-    from kvmesh.model_worker.sim_runner import DEFAULT_SIM_NUM_BLOCKS
+    from kvmesh.model_worker.simulated.sim_runner import DEFAULT_SIM_NUM_BLOCKS
 
     records = load_trace(cfg.trace, cfg.max_requests)
     vocab = ModelConfig.from_dir(cfg.model).vocab_size

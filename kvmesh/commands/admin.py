@@ -55,13 +55,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.set_defaults(func=flush)
 
 
-def _stub(args: argparse.Namespace):
-    from kvmesh.transport.channels import dial
+def _client(args: argparse.Namespace):
+    from kvmesh.kv_client.admin_client import AdminClient
 
     apply_security(args)
-    from kvmesh.v1 import kv_service_pb2_grpc
-
-    return kv_service_pb2_grpc.KVServiceStub(dial(args.kv_service))
+    return AdminClient(args.kv_service, args.timeout)
 
 
 def _as_dict(message) -> dict:
@@ -106,10 +104,8 @@ def _call(args: argparse.Namespace, fn) -> int:
 
 
 def stats(args: argparse.Namespace) -> int:
-    from kvmesh.v1 import kv_service_pb2 as pb
-
     def go():
-        data = _as_dict(_stub(args).GetStats(pb.GetStatsRequest(), timeout=args.timeout))
+        data = _as_dict(_client(args).stats())
         models = data["models"]
         text = _table([[k, v] for k, v in data.items() if k != "models"], ["stat", "value"])
         if models:
@@ -121,10 +117,8 @@ def stats(args: argparse.Namespace) -> int:
 
 
 def workers(args: argparse.Namespace) -> int:
-    from kvmesh.v1 import kv_service_pb2 as pb
-
     def go():
-        r = _stub(args).ListWorkers(pb.ListWorkersRequest(include_expired=args.all), timeout=args.timeout)
+        r = _client(args).workers(include_expired=args.all)
         data = _as_dict(r)["workers"]
         rows = [[d["worker_id"], d.get("engine") or "kvmesh", d["address"], d["model_id"], d["blocks_indexed"],
                  d["num_blocks"], d["load"]["num_running"], d["load"]["num_waiting"],
@@ -137,14 +131,12 @@ def workers(args: argparse.Namespace) -> int:
 
 
 def block(args: argparse.Namespace) -> int:
-    from kvmesh.v1 import kv_service_pb2 as pb
-
     def go():
         try:
             raw = bytes.fromhex(args.block_hash)
         except ValueError:
             raise ValueError(f"block hash must be hex, got {args.block_hash!r}") from None
-        r = _stub(args).GetBlock(pb.GetBlockRequest(block_hash=raw), timeout=args.timeout)
+        r = _client(args).block(raw)
         data = {"block_hash": args.block_hash, "refcount": r.refcount, "holders": list(r.holders)}
         return data, _table([[args.block_hash, r.refcount, ",".join(r.holders) or "-"]], ["block", "refcount", "holders"])
 
@@ -181,9 +173,7 @@ def model_dir_for(model: str | None, model_id: str | None) -> Path:
 
 
 def _models(args: argparse.Namespace) -> list[dict]:
-    from kvmesh.v1 import kv_service_pb2 as pb
-
-    return _as_dict(_stub(args).GetStats(pb.GetStatsRequest(), timeout=args.timeout))["models"]
+    return _as_dict(_client(args).stats())["models"]
 
 
 def _model_id(args: argparse.Namespace, models: list[dict] | None = None) -> str:
@@ -203,8 +193,6 @@ def _model_id(args: argparse.Namespace, models: list[dict] | None = None) -> str
 
 
 def lookup(args: argparse.Namespace) -> int:
-    from kvmesh.v1 import kv_service_pb2 as pb
-
     def go():
         models = _models(args)
         model_id = _model_id(args, models)
@@ -219,9 +207,7 @@ def lookup(args: argparse.Namespace) -> int:
                      "num_blocks_queried": 0, "workers": []},
                     f"{len(ids)} tokens, 0 full blocks of {spec['block_size']}: a prompt shorter than a block "
                     "is never cached")
-        r = _stub(args).LookupTokens(
-            pb.LookupTokensRequest(model_id=model_id, token_ids=ids, cache_salt=args.cache_salt), timeout=args.timeout
-        )
+        r = _client(args).lookup_tokens(model_id, ids, args.cache_salt)
         data = {"model_id": model_id, "num_tokens": len(ids)} | _as_dict(r)
         for w in data["workers"]:
             w["matched_tokens"] = w["matched_blocks"] * r.block_size
@@ -257,10 +243,8 @@ def hash_prompt(args: argparse.Namespace) -> int:
 
 
 def flush(args: argparse.Namespace) -> int:
-    from kvmesh.v1 import kv_service_pb2 as pb
-
     def go():
-        r = _stub(args).FlushWorker(pb.FlushWorkerRequest(worker_id=args.worker_id), timeout=args.timeout)
+        r = _client(args).flush(args.worker_id)
         return {"worker_id": args.worker_id} | _as_dict(r), (
             f"removed {r.blocks_removed} blocks of {args.worker_id} from the index; the worker is asked to "
             "resync: its next heartbeat makes it send a snapshot of its cache")

@@ -140,7 +140,7 @@ def run_routing(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, num_scheduler_steps=args.num_scheduler_steps,
         stream_interval=args.stream_interval, router_args=shlex.split(args.router_args),
         store=args.store, seed=args.seed, progress=not args.no_progress, log_dir=args.log_dir)
-    from kvmesh.router.policies import POLICIES, policy_names
+    from kvmesh.router.core.policies import POLICIES, policy_names
 
     unknown = [p for p in cfg.policies if p not in POLICIES]
     if unknown:

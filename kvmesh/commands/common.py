@@ -34,11 +34,11 @@ COST_MODEL_FLAGS = (("step_overhead_s", "fixed seconds per step"),
                     ("attn_pair_s", "seconds per prefill (new x context) token pair"),
                     ("decode_seq_s", "seconds per decoding sequence"),
                     ("decode_kv_token_s", "seconds per context token read by a decode"))
-"""The linear cost model's fields (model_worker/step_time.py LinearCost) and their help: ``--sim-step-overhead`` etc."""
+"""The linear cost model's fields (model_worker/simulated/step_time.py LinearCost) and their help: ``--sim-step-overhead`` etc."""
 
 def sim_choices() -> dict[str, tuple[str, ...]]:
     """Allowed values of StepTimeConfig's flags (--sim-cost-model, --sim-gpu)."""
-    from kvmesh.model_worker.step_time import COST_MODELS, GPUS
+    from kvmesh.model_worker.simulated.step_time import COST_MODELS, GPUS
 
     return {"cost_model": COST_MODELS, "gpu": tuple(GPUS)}
 
@@ -53,7 +53,7 @@ def add_cost_model_args(g: argparse._ArgumentGroup, defaults: object) -> None:
 def linear_cost_from(args: argparse.Namespace):
     """The linear model of the --sim-* coefficients with ``--sim-cost-model linear`` (None with the
     roofline); ValueError when a coefficient is set for the roofline, which would ignore it."""
-    from kvmesh.model_worker.step_time import LinearCost
+    from kvmesh.model_worker.simulated.step_time import LinearCost
 
     given = {f: getattr(args, f"sim_{f}") for f, _ in COST_MODEL_FLAGS}
     if args.cost_model == "linear":

@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.contract.errors import FailedPrecondition, Unavailable
     from kvmesh.kv_service.config import DEFAULT_REDIS_URL, KVServiceConfig
     from kvmesh.kv_service.server import KVServiceServer
+    from kvmesh.kv_service.stores import make_store
     from kvmesh.transport.server import wait_for_termination_signal
 
     setup_logging(args.log_level)
@@ -44,17 +45,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
-    if config.store == "memory":
-        from kvmesh.kv_service.store_memory import MemoryIndex
-
-        index = MemoryIndex()
-    else:
-        from kvmesh.kv_service.store_redis import RedisIndex
-
-        url = config.redis_url or DEFAULT_REDIS_URL
-        r = config.redis
-        index = RedisIndex(url, namespace=r.namespace, max_blocks_per_call=r.max_blocks_per_call,
-                           max_connections=r.redis_connections, shards=r.shards)
+    index = make_store(config.store, config.redis_url, config.redis)
     try:
         server = KVServiceServer(index, config.host, config.port, config.service,
                                  max_publishers=config.max_publishers).start()

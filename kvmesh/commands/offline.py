@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.commands.config_args import config_from_args
     from kvmesh.make_model import ensure_default_model
     from kvmesh.model_worker.config import EngineConfig
-    from kvmesh.model_worker.llm import LLM
+    from kvmesh.model_worker.engine.llm import LLM
 
     try:
         with open(args.input, encoding="utf-8") as f:

@@ -19,8 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     from kvmesh.commands.config_args import add_config_args
     from kvmesh.contract.block_hash import ALGORITHMS
     from kvmesh.router.config import RouterConfig
-    from kvmesh.router.policies import policy_names
-    from kvmesh.router.policies.base import STEP_COST_FITS
+    from kvmesh.router.core.policies import policy_names
+    from kvmesh.router.core.policies.base import STEP_COST_FITS
 
     p = sub.add_parser("router", help="run the KV-cache-aware router (gRPC, and OpenAI HTTP with --http-port)",
                        description="Route each request to the worker with the least tokens of work: "

@@ -21,10 +21,10 @@ seed from --seed, and no request waits for its first token past a timeout in vir
 def register(sub: argparse._SubParsersAction) -> None:
     from kvmesh.commands.common import add_cost_model_args, sim_choices
     from kvmesh.commands.config_args import add_config_args
-    from kvmesh.model_worker.step_time import LinearCost
-    from kvmesh.router.policies import policy_names
-    from kvmesh.router.policies.base import STEP_COST_FITS
-    from kvmesh.sim.mesh import SimConfig
+    from kvmesh.model_worker.simulated.step_time import LinearCost
+    from kvmesh.router.core.policies import policy_names
+    from kvmesh.router.core.policies.base import STEP_COST_FITS
+    from kvmesh.sim.config import SimConfig
     from kvmesh.sim.workload import GENERATORS
 
     p = sub.add_parser(
@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot-note", default="", help="a line under the plots' title (e.g. what else ran)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes for the runs (default 1)")
     p.add_argument("--no-progress", action="store_true")
-    add_config_args(p.add_argument_group("the mesh (kvmesh/sim/mesh.py SimConfig; live settings keep their flags)"),
+    add_config_args(p.add_argument_group("the mesh (kvmesh/sim/config.py SimConfig; live settings keep their flags)"),
                     SimConfig, exclude=EXCLUDE,
                     choices={"load_reports": ["events", "heartbeat"], "step_cost_fit": STEP_COST_FITS, **sim_choices()})
     add_cost_model_args(p.add_argument_group("the linear cost model (--sim-cost-model linear; as `kvmesh worker "
@@ -66,13 +66,13 @@ def config_from(args: argparse.Namespace):
     """SimConfig from the flags; ValueError where a flag does not apply."""
     from kvmesh.commands.common import linear_cost_from
     from kvmesh.commands.config_args import config_from_args
-    from kvmesh.sim.mesh import SimConfig
+    from kvmesh.sim.config import SimConfig
 
     return config_from_args(SimConfig, args, exclude=EXCLUDE, cost=linear_cost_from(args))
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.router.policies import POLICIES, policy_names
+    from kvmesh.router.core.policies import POLICIES, policy_names
     from kvmesh.sim import report
     from kvmesh.sim.run import Sim, dump, sweep
     from kvmesh.sim.workload import load_trace, make_workload

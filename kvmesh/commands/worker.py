@@ -48,10 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_sim_args(p: argparse.ArgumentParser) -> None:
-    """`--simulate` and the step-time model (model_worker/step_time.py, docs/benchmarks.md)."""
+    """`--simulate` and the step-time model (model_worker/simulated/step_time.py, docs/benchmarks.md)."""
     from kvmesh.commands.config_args import add_config_args
-    from kvmesh.model_worker.sim_runner import DEFAULT_SIM_MAX_MODEL_LEN
-    from kvmesh.model_worker.step_time import LinearCost, StepTimeConfig
+    from kvmesh.model_worker.simulated.sim_runner import DEFAULT_SIM_MAX_MODEL_LEN
+    from kvmesh.model_worker.simulated.step_time import LinearCost, StepTimeConfig
 
     g = p.add_argument_group("simulation (no weights, no KV tensors; the forward pass is a cost model)")
     g.add_argument("--simulate", action="store_true",
@@ -83,12 +83,12 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
-    from kvmesh.model_worker.llm_engine import LLMEngine
-    from kvmesh.model_worker.server import WorkerServer
+    from kvmesh.model_worker.engine.llm_engine import LLMEngine
+    from kvmesh.model_worker.serving.server import WorkerServer
     from kvmesh.transport.server import wait_for_termination_signal
 
     if worker.torch_threads:
-        from kvmesh.model_worker.model_runner import set_cpu_threads
+        from kvmesh.model_worker.execution.model_runner import set_cpu_threads
 
         set_cpu_threads(worker.torch_threads)
     model = args.model
@@ -100,8 +100,12 @@ def run(args: argparse.Namespace) -> int:
     engine_config = config_from_args(EngineConfig, args, model=model)
     runner_factory = None
     if args.simulate:
-        from kvmesh.model_worker.sim_runner import DEFAULT_SIM_MAX_MODEL_LEN, SimRunner, export_metrics
-        from kvmesh.model_worker.step_time import StepTimeConfig, gpu_spec
+        from kvmesh.model_worker.simulated.sim_runner import (
+            DEFAULT_SIM_MAX_MODEL_LEN,
+            SimRunner,
+            export_metrics,
+        )
+        from kvmesh.model_worker.simulated.step_time import StepTimeConfig, gpu_spec
 
         step_time = config_from_args(StepTimeConfig, args)
         try:

@@ -9,7 +9,15 @@ from collections.abc import Iterable
 
 from kvmesh.contract.block_hash import SHA256_128, XXH3_128
 from kvmesh.contract.errors import InvalidArgument
+from kvmesh.contract.index_protocol import (
+    Registration,
+    Reservation,
+    ReservationAnswer,
+    WorkerInfo,
+    WorkerMatch,
+)
 from kvmesh.contract.types import (
+    NO_PENDING,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -104,6 +112,65 @@ def algorithm_from_pb(value: int) -> str:
         what = "unset" if value == kv_pb.HASH_ALGORITHM_UNSPECIFIED else f"{value}, which is not a known algorithm"
         raise InvalidArgument(f"hash_algorithm is {what}: use HASH_ALGORITHM_SHA256_128 or HASH_ALGORITHM_XXH3_128")
     return name
+
+
+# -- the index protocol (kvmesh/contract/index_protocol.py) ---------------------------------------
+def registration_to_pb(r: Registration) -> kv_pb.RegisterWorkerRequest:
+    return kv_pb.RegisterWorkerRequest(worker_id=r.worker_id, address=r.address, model_id=r.model_id,
+                                       block_size=r.block_size, hash_algorithm=algorithm_to_pb(r.hash_algorithm),
+                                       num_blocks=r.num_blocks, epoch=r.epoch, engine=r.engine)
+
+
+def registration_from_pb(m: kv_pb.RegisterWorkerRequest) -> Registration:
+    """Raises InvalidArgument for an unset or unknown hash algorithm (the kv_service checks the rest)."""
+    return Registration(m.worker_id, m.address, m.model_id, m.block_size, algorithm_from_pb(m.hash_algorithm),
+                        m.num_blocks, m.epoch, m.engine or "kvmesh")
+
+
+def worker_info_to_pb(info: WorkerInfo, now_ms: int) -> kv_pb.WorkerInfo:
+    """``now_ms`` on the holder's clock: the wire carries the lease's remaining time, not its end."""
+    r = info.registration
+    return kv_pb.WorkerInfo(
+        worker_id=r.worker_id, address=r.address, model_id=r.model_id, block_size=r.block_size,
+        hash_algorithm=algorithm_to_pb(r.hash_algorithm), num_blocks=r.num_blocks, epoch=r.epoch,
+        last_seq=info.last_seq, blocks_indexed=info.blocks_indexed, load=load_to_pb(info.load),
+        lease_remaining_ms=info.lease_expiry_ms - now_ms, live=info.live(now_ms), engine=r.engine,
+        pending=pending_to_pb(info.pending),
+    )
+
+
+def worker_info_from_pb(m: kv_pb.WorkerInfo, now_ms: int) -> WorkerInfo:
+    """The lease ends ``lease_remaining_ms`` after ``now_ms`` on the receiver's clock. A hash algorithm
+    this side does not know reads as ""."""
+    reg = Registration(m.worker_id, m.address, m.model_id, m.block_size, PB_TO_ALGO.get(m.hash_algorithm, ""),
+                       m.num_blocks, m.epoch, m.engine or "kvmesh")
+    return WorkerInfo(reg, m.last_seq, m.blocks_indexed, load_from_pb(m.load), now_ms + m.lease_remaining_ms,
+                      pending_from_pb(m.pending) if m.HasField("pending") else NO_PENDING)
+
+
+def match_from_pb(m: kv_pb.WorkerMatch) -> WorkerMatch:
+    return WorkerMatch(m.worker_id, m.address, m.matched_blocks, load_from_pb(m.load), m.block_size,
+                       pending_from_pb(m.pending) if m.HasField("pending") else NO_PENDING)
+
+
+def reservation_to_pb(r: Reservation) -> kv_pb.ReserveRequest:
+    return kv_pb.ReserveRequest(model_id=r.model_id, worker_id=r.worker_id, router_id=r.router_id,
+                                request_id=r.request_id, prefill_tokens=r.prefill_tokens, blocks=r.blocks,
+                                seen_version=r.seen_version)
+
+
+def reservation_from_pb(m: kv_pb.ReserveRequest) -> Reservation:
+    return Reservation(m.model_id, m.worker_id, m.router_id, m.request_id, m.prefill_tokens, m.blocks,
+                       m.seen_version if m.HasField("seen_version") else None)
+
+
+def reservation_answer_to_pb(a: ReservationAnswer) -> kv_pb.ReserveResponse:
+    return kv_pb.ReserveResponse(reserved=a.reserved, workers=[
+        kv_pb.WorkerPending(worker_id=w, pending=pending_to_pb(p)) for w, p in a.pending.items()])
+
+
+def reservation_answer_from_pb(m: kv_pb.ReserveResponse) -> ReservationAnswer:
+    return ReservationAnswer(m.reserved, {w.worker_id: pending_from_pb(w.pending) for w in m.workers})
 
 
 def event_to_pb(ev: KVCacheEvent) -> kv_pb.KVEvent:

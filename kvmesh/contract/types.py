@@ -92,7 +92,7 @@ class Load:
 
     The first five fields are the worker's state now. The counters after them are cumulative since
     the worker started: what its steps computed and how long they took. A router learns the
-    worker's step-time coefficients from their deltas between two reports (router/policies/cost.py). A worker
+    worker's step-time coefficients from their deltas between two reports (router/core/policies/cost.py). A worker
     that does not report them (an older one) leaves them 0.
     """
 
@@ -125,7 +125,7 @@ class Load:
 
     def queue_state(self) -> tuple[int, int, int]:
         """What routing reads of the worker's state: (running, waiting, queued prefill tokens); a
-        change of it is worth a load report of its own (kvmesh/transport/kv_publisher.py)."""
+        change of it is worth a load report of its own (kvmesh/kv_client/publisher.py)."""
         return self.num_running, self.num_waiting, self.queued_prefill_tokens
 
     def encode(self) -> str:

@@ -3,7 +3,7 @@
 A simulated worker is the production :class:`LLMEngine` (scheduler, block pool, prefix cache,
 events) with two parts injected through its factories:
 
-- :class:`WindowRunner`: the cost-model runner (model_worker/sim_runner.py) whose ``execute_window``
+- :class:`WindowRunner`: the cost-model runner (model_worker/simulated/sim_runner.py) whose ``execute_window``
   computes a whole decode window at once, each inner step costed with the rows still in it, and
   hands the engine every row's tokens in one call; a window ends early at the next arrival
   (``window_deadline_s``) or when a row leaves while requests wait (``stop_window_on_exit``), where
@@ -21,9 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvmesh.model_worker.request import Request, RequestStatus
-from kvmesh.model_worker.scheduler import RequestOutput, ScheduledRequest, Scheduler, SchedulerOutput
-from kvmesh.model_worker.sim_runner import SimRunner, sim_token_ids
+from kvmesh.model_worker.scheduling.request import Request, RequestStatus
+from kvmesh.model_worker.scheduling.scheduler import (
+    RequestOutput,
+    ScheduledRequest,
+    Scheduler,
+    SchedulerOutput,
+)
+from kvmesh.model_worker.simulated.sim_runner import SimRunner, sim_token_ids
 
 
 class WindowScheduler(Scheduler):

@@ -1,7 +1,7 @@
 """The simulated fleet: which GPU each worker is (`kvmesh simulate --workers 4xH100,4xA100`).
 
 A fleet is written as comma-separated groups, each ``N`` (N workers of the default GPU,
-``--sim-gpu``) or ``NxGPU`` (N workers of that GPU type, model_worker/step_time.py ``GPUS``, any
+``--sim-gpu``) or ``NxGPU`` (N workers of that GPU type, model_worker/simulated/step_time.py ``GPUS``, any
 case). Workers are numbered in the order written: ``4xH100,4xA100`` is worker-000 .. worker-003 on
 H100s and worker-004 .. worker-007 on A100s.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from itertools import groupby
 
-from kvmesh.model_worker.step_time import gpu_spec
+from kvmesh.model_worker.simulated.step_time import gpu_spec
 
 
 def parse_fleet(spec: str, default_gpu: str) -> list[str]:

@@ -1,6 +1,6 @@
 """The information limit: kv-aware given what no router can have (a simulator-only reference).
 
-:class:`InformationLimit` scores workers with kv-aware's rule (router/policies/kv_aware.py: predicted
+:class:`InformationLimit` scores workers with kv-aware's rule (router/core/policies/kv_aware.py: predicted
 time to first token, plus its prefill's cost to the requests decoding there and to the backlogged
 mesh), but every input is exact, read from the simulated engines at the instant of the pick:
 
@@ -14,7 +14,7 @@ mesh), but every input is exact, read from the simulated engines at the instant 
 
 The run has no delays (Lookup, network, event messages: 0). It lives in kvmesh/sim/ and is
 installed only by the simulator (``kvmesh.sim.run.Sim`` for the name :data:`INFORMATION_LIMIT`) into
-routers it builds: the policy registry (router/policies/__init__.py) does not know it, and
+routers it builds: the policy registry (router/core/policies/__init__.py) does not know it, and
 router/ cannot import kvmesh/sim/ (import-linter's layers).
 """
 
@@ -25,11 +25,12 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvmesh.router.policies.base import Candidate, Decision, PolicyConfig, RouteQuery
-from kvmesh.router.policies.kv_aware import KvAwarePolicy
+from kvmesh.router.core.policies.base import Candidate, Decision, PolicyConfig, RouteQuery
+from kvmesh.router.core.policies.kv_aware import KvAwarePolicy
 
 if TYPE_CHECKING:
-    from kvmesh.sim.mesh import Mesh, SimWorker, _Attempt
+    from kvmesh.sim.mesh import Mesh
+    from kvmesh.sim.worker import Attempt, SimWorker
 
 INFORMATION_LIMIT = "information-limit"
 """The reference's name in `kvmesh simulate` results (``limits.information`` in the JSON)."""
@@ -51,7 +52,7 @@ class ExactView:
     def _arriving(self, worker: SimWorker, submit):
         chains = self.mesh.chains
 
-        def arrive(a: _Attempt) -> None:
+        def arrive(a: Attempt) -> None:
             pending = self.transit[worker.worker_id]
             chain = chains[a.record.index]
             for i, (c, _) in enumerate(pending):

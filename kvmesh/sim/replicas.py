@@ -1,6 +1,6 @@
 """The peers' multi-router modes on the virtual clock: what one router learns of the others.
 
-A policy says which mode its original has (router/policies/base.py); the simulator drives it:
+A policy says which mode its original has (router/core/policies/base.py); the simulator drives it:
 
 - **replica sync** (``RouterPolicy.replica_sync``; Dynamo's ``--router-replica-sync``): every event a
   router's policy publishes waits in that router's batch until the policy's batch period has passed
@@ -18,17 +18,19 @@ scheduler: one per router). This module only schedules: the policies are the pro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvmesh.sim.mesh import Mesh, SimRouter
+from kvmesh.sim.config import SimConfig
+from kvmesh.sim.events import EventQueue
+from kvmesh.sim.router import SimRouter
+from kvmesh.sim.worker import SimWorker
 
 
 class ReplicaSync:
     """Batches each router's replica events and delivers them to its peers."""
 
-    def __init__(self, mesh: Mesh, routers: Sequence[SimRouter]) -> None:
-        self.mesh = mesh
+    def __init__(self, q: EventQueue, cfg: SimConfig, routers: Sequence[SimRouter]) -> None:
+        self.q = q
+        self.cfg = cfg
         self.routers = list(routers)
         self._batches: list[list[object]] = [[] for _ in self.routers]
         self._opened: list[float] = [0.0] * len(self.routers)
@@ -43,7 +45,7 @@ class ReplicaSync:
         if len(batch) >= limit:
             self._flush(sender, self._opened[sender])
         elif len(batch) == 1:
-            q = self.mesh.q
+            q = self.q
             self._opened[sender] = q.now
             q.after(period, self._flush, sender, q.now)
 
@@ -54,44 +56,46 @@ class ReplicaSync:
         self._batches[sender] = []
         self._opened[sender] = -1.0
         self.batches_sent += 1
-        hop = self.mesh.cfg.network_s
+        hop = self.cfg.network_s
         for i, r in enumerate(self.routers):
             if i != sender:
-                self.mesh.q.after(hop, r.core.policy.apply_replica_events, batch)
+                self.q.after(hop, r.core.policy.apply_replica_events, batch)
 
 
 class LoadScrapes:
     """One router's periodic scrape of every live worker's load."""
 
-    def __init__(self, mesh: Mesh, router: SimRouter, phase: float) -> None:
-        self.mesh = mesh
+    def __init__(self, q: EventQueue, cfg: SimConfig, workers: Sequence[SimWorker], router: SimRouter,
+                 phase: float) -> None:
+        self.q = q
+        self.cfg = cfg
+        self.workers = workers
         self.router = router
         self.phase = phase
         self.interval = type(router.core.policy).scrape_interval_s
 
     def start(self) -> None:
-        self.mesh.q.at(self.phase, self._scrape)
+        self.q.at(self.phase, self._scrape)
 
     def _scrape(self) -> None:
-        mesh = self.mesh
         policy = self.router.core.policy
-        for w in mesh.workers:
+        for w in self.workers:
             if w.up and w.engine is not None:
-                mesh.q.after(mesh.cfg.network_s, policy.scraped, w.worker_id, w.load_now())
-        mesh.q.after(self.interval, self._scrape)
+                self.q.after(self.cfg.network_s, policy.scraped, w.worker_id, w.load_now())
+        self.q.after(self.interval, self._scrape)
 
 
 class PeerModes:
     """The multi-router modes of a run's policy: replica sync and load scrapes, where it has them."""
 
-    def __init__(self, mesh: Mesh) -> None:
-        routers = mesh.routers
+    def __init__(self, q: EventQueue, cfg: SimConfig, routers: Sequence[SimRouter],
+                 workers: Sequence[SimWorker]) -> None:
         policy = type(routers[0].core.policy)
-        self.sync = ReplicaSync(mesh, routers) if policy.replica_sync and mesh.cfg.replica_sync and len(routers) > 1 \
+        self.sync = ReplicaSync(q, cfg, routers) if policy.replica_sync and cfg.replica_sync and len(routers) > 1 \
             else None
         n = len(routers)
-        self.scrapes = [LoadScrapes(mesh, r, i * policy.scrape_interval_s / n) for i, r in enumerate(routers)] \
-            if policy.scrape_interval_s > 0 else []
+        self.scrapes = [LoadScrapes(q, cfg, workers, r, i * policy.scrape_interval_s / n)
+                        for i, r in enumerate(routers)] if policy.scrape_interval_s > 0 else []
 
     def start(self) -> None:
         for s in self.scrapes:

@@ -24,13 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
-from kvmesh.bench.oracle import lru_hit_rate
 from kvmesh.contract.block_hash import XXH3_128, BlockHasher
-from kvmesh.model_worker.step_time import gpu_spec
+from kvmesh.model_worker.simulated.step_time import gpu_spec
 from kvmesh.sim import information_limit
+from kvmesh.sim.config import MODEL_ID, SimConfig, fleet_capacity_blocks
+from kvmesh.sim.events import RequestRecord
 from kvmesh.sim.fleet import fleet_counts, fleet_spec
 from kvmesh.sim.information_limit import INFORMATION_LIMIT, ZERO_DELAYS
-from kvmesh.sim.mesh import MODEL_ID, Mesh, RequestRecord, SimConfig
+from kvmesh.sim.mesh import Mesh
+from kvmesh.sim.oracle import lru_hit_rate
 from kvmesh.sim.work_bound import work_bound
 from kvmesh.sim.workload import Workload
 
@@ -66,15 +68,10 @@ def chains_for(workload: Workload, block_size: int) -> list[list[bytes]]:
     return workload.chains(BlockHasher(MODEL_ID, block_size, XXH3_128))
 
 
-def fleet_capacity_blocks(cfg: SimConfig) -> int:
-    """Usable KV blocks of the whole fleet (each worker's pool less its null block)."""
-    return sum(cfg.blocks_per_worker(gpu) - 1 for gpu in cfg.worker_gpus())
-
-
 def oracle_hit_rate(workload: Workload, cfg: SimConfig) -> float:
     """Cached / prompt tokens through one LRU cache of all workers' blocks (no policy can beat it).
 
-    The same rule as kvmesh/bench/oracle.py, on the simulated block size: only leading hits count,
+    The same rule as kvmesh/sim/oracle.py, on the simulated block size: only leading hits count,
     the last prompt token is always computed, a chain's tail is evicted before its head.
     """
     chains = chains_for(workload, cfg.block_size)

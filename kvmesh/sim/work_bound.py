@@ -3,7 +3,7 @@
 Oracle hits and perfect balance, made a bound by deadlines (docs/benchmarks.md, "Limits"):
 
 1. **Least work per request.** Request i (prompt p, output o) gets the oracle's cache hit h (one LRU
-   of the whole fleet's blocks, kvmesh/bench/oracle.py), so it computes u = p - h prompt tokens
+   of the whole fleet's blocks, kvmesh/sim/oracle.py), so it computes u = p - h prompt tokens
    attending to h + (u + 1) / 2 tokens on average, and o - 1 decode steps at contexts p .. p + o - 2
    (or more). Split each piece of work (its prefill; its decodes) into the roofline's two sides:
    bytes (KV written by the prefill; KV read by the decodes, and the weights read once per step of
@@ -44,10 +44,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvmesh.bench.oracle import lru_hits
-from kvmesh.model_worker.step_time import LinearCost, Roofline, StepTimeModel
+from kvmesh.model_worker.simulated.step_time import LinearCost, Roofline, StepTimeModel
+from kvmesh.sim.config import SimConfig, cold_prefill_s, fleet_capacity_blocks, slo_cost
 from kvmesh.sim.fleet import fleet_counts
-from kvmesh.sim.mesh import SimConfig, cold_prefill_s, slo_cost
+from kvmesh.sim.oracle import lru_hits
 from kvmesh.sim.workload import Workload
 
 WEIGHTS = np.exp(np.linspace(-2.0, 2.0, 41))
@@ -87,8 +87,6 @@ def work_bound(workload: Workload, cfg: SimConfig, chains: list[list[bytes]]) ->
     reqs = workload.requests
     if not reqs:
         return WorkBound(None, None)
-    from kvmesh.sim.run import fleet_capacity_blocks
-
     prompt = np.array([r.prompt_len for r in reqs], dtype=float)
     output = np.array([r.output_len for r in reqs], dtype=float)
     hits = np.array(lru_hits(((r.prompt_len, c) for r, c in zip(reqs, chains, strict=True)),

@@ -13,8 +13,8 @@ import grpc
 from kvmesh.contract.limits import cap_message
 from kvmesh.transport import security
 from kvmesh.transport.drain import SHUTTING_DOWN, DrainGate
-from kvmesh.transport.status import _abort
-from kvmesh.transport.wire import Undecodable, _checked_deserializer
+from kvmesh.transport.status import abort_with
+from kvmesh.transport.wire import Undecodable, checked_deserializer
 
 
 async def _refuse(context: grpc.aio.ServicerContext, bad: Undecodable) -> None:
@@ -66,7 +66,7 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, gate: DrainGate,
                 raise  # the client went away (or its deadline passed)
             await _refuse_or_cut(context, gate)
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never a traceback
-            await _abort(context, exc, method)
+            await abort_with(context, exc, method)
         finally:
             gate.leave(task)  # type: ignore[arg-type]
 
@@ -87,7 +87,7 @@ def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str, gate: Drain
                 raise
             await _refuse_or_cut(context, gate)
         except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc, method)
+            await abort_with(context, exc, method)
         finally:
             gate.leave(task)  # type: ignore[arg-type]
 
@@ -127,7 +127,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
-        deserializer = _checked_deserializer(handler.request_deserializer)
+        deserializer = checked_deserializer(handler.request_deserializer)
         out = handler.response_serializer
         if method.startswith(security.OPEN_SERVICES):
             if handler.unary_unary:

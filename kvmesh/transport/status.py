@@ -33,7 +33,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.error("unhandled error in %s", method, exc_info=exc)

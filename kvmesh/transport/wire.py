@@ -74,7 +74,7 @@ def invalid_utf8_field(desc: Descriptor, data: bytes, depth: int = 0) -> str | N
     return None
 
 
-def _checked_deserializer(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+def checked_deserializer(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
     """Wraps a ``Message.FromString``: a DecodeError becomes an :class:`Undecodable` naming the field."""
     if deserializer is None:
         return None

@@ -1,7 +1,7 @@
 """What a prompt may be, checked before work is spent on it, and text tokenized within those bounds.
 
 Every front end of the router (the gRPC API, the OpenAI HTTP API) builds a ``GenerateInput`` and
-calls ``Router.generate``, which applies these checks, so a bad request gets the same answer
+calls ``ModelRouter.generate``, which applies these checks, so a bad request gets the same answer
 whichever way it came. One client's oversized request must not cost the others anything:
 
 - **ids and salt** (:func:`check_input`): bounded (kvmesh/contract/limits.py), refused before
@@ -16,7 +16,7 @@ whichever way it came. One client's oversized request must not cost the others a
   router's tokenizer pool with ``encode_batch``, which releases the GIL (``Tokenizer.encode`` does
   not: a 5 MB text held every other request on the loop for seconds); a conversation of more than
   ``RENDER_ON_LOOP_MESSAGES`` messages or ``TOKENIZE_ON_LOOP_CHARS`` characters is rendered by its
-  chat template on the same pool (router/router.py), so its Python work is spread by the GIL's
+  chat template on the same pool (router/model_router.py), so its Python work is spread by the GIL's
   switch interval instead of holding the loop in one piece.
 
 No grpc and no redis here.

@@ -4,9 +4,9 @@ defaults, the balance override, trees that grow between sweeps and are cut leave
 from __future__ import annotations
 
 from kvmesh.contract.types import Load
-from kvmesh.router.policies import POLICIES, make_policy
-from kvmesh.router.policies.approx_tree import ApproxPrefixTree, ApproxTreeConfig, ApproxTreePolicy
-from kvmesh.router.policies.base import Candidate, PolicyConfig, RouteQuery
+from kvmesh.router.core.policies import POLICIES, make_policy
+from kvmesh.router.core.policies.approx_tree import ApproxPrefixTree, ApproxTreeConfig, ApproxTreePolicy
+from kvmesh.router.core.policies.base import Candidate, PolicyConfig, RouteQuery
 
 
 def _q(*hashes: bytes, prompt_len: int | None = None) -> RouteQuery:

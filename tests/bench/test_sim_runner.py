@@ -6,10 +6,10 @@ import pytest
 
 from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ensure_default_model
-from kvmesh.model_worker.llm_engine import LLMEngine
-from kvmesh.model_worker.request import Request
-from kvmesh.model_worker.sim_runner import SimRunner, sim_token_id
-from kvmesh.model_worker.step_time import LinearCost
+from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.scheduling.request import Request
+from kvmesh.model_worker.simulated.sim_runner import SimRunner, sim_token_id
+from kvmesh.model_worker.simulated.step_time import LinearCost
 
 
 def test_cost_model_formula():

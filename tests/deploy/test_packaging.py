@@ -69,7 +69,7 @@ def test_the_installed_wheel_imports_every_part_and_runs_the_cli(wheel, tmp_path
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)
     code = (
-        "import kvmesh, kvmesh.router.server, kvmesh.kv_service.server, kvmesh.model_worker.server, kvmesh.kernels, kvmesh.bridge.bridge\n"
+        "import kvmesh, kvmesh.router.server, kvmesh.kv_service.server, kvmesh.model_worker.serving.server, kvmesh.kernels, kvmesh.bridge.bridge\n"
         "import kvmesh.kv_service.store_redis as s\n"
         "assert sorted(s._LUA_DIR.glob('*.lua'))\n"
         "print(kvmesh.__file__)\n"

@@ -17,10 +17,10 @@ from kvmesh.kv_service.store_memory import MemoryIndex
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
 from kvmesh.make_model import ModelSpec, make_model
-from kvmesh.model_worker.llm_engine import LLMEngine
-from kvmesh.model_worker.server import WorkerServer
+from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.serving.server import WorkerServer
 from kvmesh.router.config import RouterConfig, RoutingConfig
-from kvmesh.router.policies.base import PolicyConfig
+from kvmesh.router.core.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
 from kvmesh.stack import wait_serving
 from kvmesh.transport.channels import dial

@@ -10,8 +10,9 @@ import pytest
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import FailedPrecondition, NotFound
+from kvmesh.contract.index_protocol import Registration, Reservation
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, Load, Pending
-from kvmesh.kv_service.index import Action, PendingConfig, Pick, Registration
+from kvmesh.kv_service.index import Action, PendingConfig
 from kvmesh.kv_service.store_memory import MemoryIndex
 from kvmesh.kv_service.store_redis import RedisIndex
 
@@ -446,7 +447,7 @@ async def test_a_snapshot_with_duplicates_holds_each_block_once(index):
 
 # -- the shared router view: pending picks -------------------------------------------------------
 def pick(wid: str, rid: str, router: str = "ra", seen: int | None = None, prefill: int = 100, blocks: int = 5):
-    return Pick("m", wid, router, rid, prefill, blocks, seen)
+    return Reservation("m", wid, router, rid, prefill, blocks, seen)
 
 
 async def pending(index, now=T0) -> dict[str, Pending]:
@@ -484,7 +485,7 @@ async def test_a_pick_another_router_made_since_the_lookup_refuses_the_claim(ind
     assert (await index.reserve(pick("w0", "a2", router="ra", seen=seen), T0)).reserved
     refused = await index.reserve(pick("w0", "b1", router="rb", seen=seen), T0 + 1)
     assert not refused.reserved
-    fresh = dict(refused.workers)
+    fresh = refused.pending
     assert fresh["w0"] == Pending(2, 200, 10, 2)
     assert fresh.get("w1", Pending()).requests == 0
     assert (await pending(index, T0 + 2))["w0"].requests == 2  # a refused claim changes nothing
@@ -532,7 +533,7 @@ async def test_reserving_a_worker_that_is_not_live_or_serves_another_model_is_no
     with pytest.raises(NotFound):
         await index.reserve(pick("nobody", "r1"), T0)
     with pytest.raises(NotFound):
-        await index.reserve(Pick("other-model", "w0", "ra", "r1", 1, 1, None), T0)
+        await index.reserve(Reservation("other-model", "w0", "ra", "r1", 1, 1, None), T0)
     with pytest.raises(NotFound):
         await index.reserve(pick("w0", "r1"), T0 + TTL + 1)  # its lease lapsed
 

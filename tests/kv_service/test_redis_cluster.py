@@ -20,8 +20,9 @@ from redis.asyncio.connection import Connection
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import FailedPrecondition, NotFound, Unavailable
+from kvmesh.contract.index_protocol import Registration
 from kvmesh.contract.types import BlockStored, Load
-from kvmesh.kv_service.index import Action, Registration
+from kvmesh.kv_service.index import Action
 from kvmesh.kv_service.store_redis import RedisIndex, home_shard, shard_tags
 from kvmesh.loopback import RedisCluster
 

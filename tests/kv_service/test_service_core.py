@@ -8,8 +8,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.index_protocol import Registration
 from kvmesh.contract.types import BlockStored
-from kvmesh.kv_service.index import Registration
 from kvmesh.kv_service.service import KVService, run_now
 from kvmesh.kv_service.store_memory import MemoryIndex
 
@@ -36,8 +36,8 @@ def test_run_now_refuses_a_coroutine_that_suspends():
 
 def test_lookup_replies_from_cached_wire_bytes_equal_the_field_by_field_message():
     from kvmesh.contract.convert import load_to_pb
+    from kvmesh.contract.index_protocol import WorkerMatch
     from kvmesh.contract.types import Load
-    from kvmesh.kv_service.index import WorkerMatch
     from kvmesh.kv_service.server import LookupReplies
     from kvmesh.v1 import kv_service_pb2 as pb
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from kvmesh.contract.index_protocol import Registration
 from kvmesh.contract.types import Load
-from kvmesh.kv_service.index import Registration
 from kvmesh.kv_service.store_redis import RedisIndex
 
 pytestmark = pytest.mark.anyio

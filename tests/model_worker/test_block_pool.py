@@ -6,8 +6,8 @@ import pytest
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, SamplingParams
-from kvmesh.model_worker.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
-from kvmesh.model_worker.request import Request
+from kvmesh.model_worker.scheduling.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from kvmesh.model_worker.scheduling.request import Request
 
 BLOCK_SIZE = 4
 HASHER = BlockHasher("test-model", block_size=BLOCK_SIZE)

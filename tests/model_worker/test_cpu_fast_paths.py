@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels.torch_attention import _prefix_then_causal
-from kvmesh.model_worker.host_allocator import keep_freed_buffers
-from kvmesh.model_worker.model_runner import default_cpu_threads
-from kvmesh.model_worker.models.layers import _ONEDNN_MIN_ROWS, Linear, RMSNorm, apply_rotary
+from kvmesh.model_worker.execution.host_allocator import keep_freed_buffers
+from kvmesh.model_worker.execution.model_runner import default_cpu_threads
+from kvmesh.model_worker.execution.models.layers import _ONEDNN_MIN_ROWS, Linear, RMSNorm, apply_rotary
 
 
 @pytest.mark.parametrize("rows", [1, _ONEDNN_MIN_ROWS - 1, _ONEDNN_MIN_ROWS, 2048])
@@ -80,7 +80,7 @@ def test_cpu_threads_leave_one_core() -> None:
 def test_a_chosen_thread_count_is_kept_even_when_it_equals_torchs_default(monkeypatch):
     """`--torch-threads 2` on a 2-core machine is 2, not the engine's cores - 1 (it was 1: a choice
     equal to torch's default looked like no choice)."""
-    from kvmesh.model_worker import model_runner
+    from kvmesh.model_worker.execution import model_runner
 
     before = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -102,7 +102,7 @@ def test_usable_cores_honour_a_cgroup_cpu_quota(tmp_path):
     """A pod limited to 2 CPUs on a bigger node must not start a thread per node core."""
     import os
 
-    from kvmesh.model_worker.model_runner import usable_cores
+    from kvmesh.model_worker.execution.model_runner import usable_cores
 
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cpu_max = tmp_path / "cpu.max"

@@ -18,8 +18,8 @@ import pytest
 
 from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ModelSpec, make_model
-from kvmesh.model_worker.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
-from kvmesh.model_worker.llm import LLM
+from kvmesh.model_worker.engine.llm import LLM
+from kvmesh.model_worker.scheduling.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
 from tests.model_worker.conftest import TINY
 from tests.model_worker.test_model_vs_hf import assert_matches_hf, random_prompt
 

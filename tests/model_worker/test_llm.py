@@ -13,8 +13,8 @@ from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.block_hash import algorithm_name as _alg
 from kvmesh.contract.errors import AlreadyExists
 from kvmesh.contract.types import BlockStored, SamplingParams
-from kvmesh.model_worker.llm import LLM
-from kvmesh.model_worker.llm_engine import LLMEngine
+from kvmesh.model_worker.engine.llm import LLM
+from kvmesh.model_worker.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 

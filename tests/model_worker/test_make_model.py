@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from kvmesh.cli import main
 from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import CHAT_TEMPLATE, ensure_default_model
-from kvmesh.model_worker.llm import LLM
+from kvmesh.model_worker.engine.llm import LLM
 
 SMALL = [
     "--layers",

@@ -12,7 +12,7 @@ import torch
 
 from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.config import ModelConfig
-from kvmesh.model_worker.llm import LLM
+from kvmesh.model_worker.engine.llm import LLM
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 

@@ -15,10 +15,10 @@ import torch
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import SamplingParams
-from kvmesh.model_worker.kv_cache_manager import KVCacheManager
-from kvmesh.model_worker.llm_engine import LLMEngine
-from kvmesh.model_worker.request import Request
-from kvmesh.model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.scheduling.request import Request
+from kvmesh.model_worker.scheduling.scheduler import RequestOutput, Scheduler, SchedulerConfig
 
 BS = 16
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, SamplingParams
-from kvmesh.model_worker.kv_cache_manager import KVCacheManager
-from kvmesh.model_worker.request import Request, RequestStatus
+from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.scheduling.request import Request, RequestStatus
 
 BS = 16
 HASHER = BlockHasher("test-model", block_size=BS)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvmesh.contract.types import SamplingParams
-from kvmesh.model_worker.llm import LLM
-from kvmesh.model_worker.sampler import Sampler
+from kvmesh.model_worker.engine.llm import LLM
+from kvmesh.model_worker.execution.sampler import Sampler
 
 
 def logits_rows(n: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:

@@ -14,9 +14,14 @@ import pytest
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import SamplingParams
-from kvmesh.model_worker.kv_cache_manager import KVCacheManager
-from kvmesh.model_worker.request import Request, RequestStatus
-from kvmesh.model_worker.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.scheduling.request import Request, RequestStatus
+from kvmesh.model_worker.scheduling.scheduler import (
+    RequestOutput,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 
 BS = 16
 HASHER = BlockHasher("test-model", block_size=BS)

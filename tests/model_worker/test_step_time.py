@@ -1,4 +1,4 @@
-"""The roofline step time (model_worker/step_time.py): which bound a step hits, the GPU types, the KV
+"""The roofline step time (model_worker/simulated/step_time.py): which bound a step hits, the GPU types, the KV
 capacity that follows memory, what a linear fit cannot represent, and the per-step noise."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 
 from kvmesh.contract.types import H100_8B_KV_BLOCKS, SamplingParams
 from kvmesh.make_model import ensure_default_model
-from kvmesh.model_worker.llm_engine import LLMEngine
-from kvmesh.model_worker.sim_runner import SimRunner
-from kvmesh.model_worker.step_time import (
+from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.simulated.sim_runner import SimRunner
+from kvmesh.model_worker.simulated.step_time import (
     GPUS,
     LLAMA_31_8B,
     LinearCost,
@@ -78,7 +78,7 @@ def test_kv_capacity_follows_memory():
 
 
 def test_a_linear_fit_cannot_represent_the_roofline():
-    # the learner's features (router/policies/cost.py) over a mix of decode, prefill and mixed steps
+    # the learner's features (router/core/policies/cost.py) over a mix of decode, prefill and mixed steps
     rng = np.random.default_rng(0)
     rows, times = [], []
     for _ in range(400):

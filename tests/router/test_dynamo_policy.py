@@ -6,10 +6,10 @@ from __future__ import annotations
 import hashlib
 
 from kvmesh.contract.types import Load
-from kvmesh.router.inflight import InFlight, Ticket
-from kvmesh.router.policies import make_policy
-from kvmesh.router.policies.base import Candidate, PolicyConfig, RouteQuery
-from kvmesh.router.policies.dynamo import EXPIRY_S, ActiveSequenceEvent, ActiveSequences, DynamoPolicy
+from kvmesh.router.core.inflight import InFlight, Ticket
+from kvmesh.router.core.policies import make_policy
+from kvmesh.router.core.policies.base import Candidate, PolicyConfig, RouteQuery
+from kvmesh.router.core.policies.dynamo import EXPIRY_S, ActiveSequenceEvent, ActiveSequences, DynamoPolicy
 
 BS = 16
 PREFIX = [hashlib.sha256(b"prefix%d" % i).digest()[:16] for i in range(64)]

@@ -8,10 +8,10 @@ import hashlib
 import pytest
 
 from kvmesh.contract.types import Load
-from kvmesh.router.policies import POLICIES, make_policy
-from kvmesh.router.policies.base import Candidate, PolicyConfig, RouteQuery
-from kvmesh.router.policies.cost import StepCostLearner
-from kvmesh.router.policies.kv_aware import KvAwarePolicy, predicted_ttft
+from kvmesh.router.core.policies import POLICIES, make_policy
+from kvmesh.router.core.policies.base import Candidate, PolicyConfig, RouteQuery
+from kvmesh.router.core.policies.cost import StepCostLearner
+from kvmesh.router.core.policies.kv_aware import KvAwarePolicy, predicted_ttft
 
 BS = 16
 TRUE = dict(step_s=0.006, prefill_token_s=60e-6, prefill_pair_s=1.3e-9, decode_seq_s=50e-6, decode_context_token_s=40e-9)
@@ -54,7 +54,7 @@ def test_llmd_precise_profile_weights_2_1_1_on_the_index_and_the_workers_figures
 
 
 def test_prefix_hash_ring_has_150_points_per_worker_and_moves_only_a_leaving_workers_keys():
-    from kvmesh.router.policies.basic import HashRing
+    from kvmesh.router.core.policies.basic import HashRing
 
     assert len(HashRing(["a", "b", "c"])._owners) == 450
     workers = [cand(f"w{i}") for i in range(5)]

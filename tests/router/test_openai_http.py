@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from kvmesh.contract import errors
-from kvmesh.router.adapters.openai_protocol import ChatCompletionRequest, CompletionRequest
-from kvmesh.router.adapters.request_body import BodyBounds, BodyParser, BodyTooLarge, read_json_body
+from kvmesh.router.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.router.api.request_body import BodyBounds, BodyParser, BodyTooLarge, read_json_body
 from kvmesh.transport import http, status
 
 

@@ -10,9 +10,9 @@ from collections.abc import Callable
 import pytest
 
 from kvmesh.contract.types import Load
-from kvmesh.router.inflight import InFlight, Ticket
-from kvmesh.router.policies.base import Candidate, PolicyConfig, RouteQuery
-from kvmesh.router.policies.preble import NOMINAL_PREFILL_TOKEN_S, NOMINAL_STEP_S, PreblePolicy
+from kvmesh.router.core.inflight import InFlight, Ticket
+from kvmesh.router.core.policies.base import Candidate, PolicyConfig, RouteQuery
+from kvmesh.router.core.policies.preble import NOMINAL_PREFILL_TOKEN_S, NOMINAL_STEP_S, PreblePolicy
 
 BS = 16
 

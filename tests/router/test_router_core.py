@@ -1,13 +1,14 @@
-"""router/core.py: the decision part of the router on an injected clock (no threads, no grpc)."""
+"""router/core/routing.py: the decision part of the router on an injected clock (no threads, no grpc)."""
 
 from __future__ import annotations
 
 from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.index_protocol import IndexUnavailable, Reservation, ReservationAnswer, WorkerMatch
 from kvmesh.contract.types import Load, ModelSpec, Pending
-from kvmesh.router.core import CountingObserver, RoutingCore
-from kvmesh.router.policies import make_policy
-from kvmesh.router.policies.base import PolicyConfig
-from kvmesh.router.upstream import Claim, ClaimAnswer, IndexMatch, IndexUnavailable, WorkerEndpoint
+from kvmesh.router.core.policies import make_policy
+from kvmesh.router.core.policies.base import PolicyConfig
+from kvmesh.router.core.routing import CountingObserver, RoutingCore
+from kvmesh.router.core.upstream import WorkerEndpoint
 
 SPEC = ModelSpec("m", 4, "sha256_128")
 PROMPT = list(range(1, 33))  # 8 blocks of 4
@@ -23,12 +24,12 @@ class Clock:
 
 
 class Index:
-    def __init__(self, matches: list[IndexMatch] | None = None) -> None:
+    def __init__(self, matches: list[WorkerMatch] | None = None) -> None:
         self.matches = matches or []
         self.down = False
         self.calls = 0
 
-    def lookup(self, model_id: str, chain) -> list[IndexMatch]:
+    def lookup(self, model_id: str, chain) -> list[WorkerMatch]:
         self.calls += 1
         if self.down:
             raise IndexUnavailable("deadline exceeded")
@@ -60,7 +61,7 @@ def test_breaker_skips_the_index_for_retry_s_of_the_injected_clock():
 
 def test_lookup_answer_sets_matches_and_fresher_load_and_adopts_new_workers_only_when_discovering():
     load = Load(num_running=3)
-    index = Index([IndexMatch("w2", "a:2", 5, load), IndexMatch("w3", "a:3", 8, Load())])
+    index = Index([WorkerMatch("w2", "a:2", 5, load), WorkerMatch("w3", "a:3", 8, Load())])
     c, _, _ = core()
     plan = c.plan(SPEC, PROMPT, EPS, index, adopt=True)
     got = {x.worker_id: (x.matched_blocks, x.load.num_running) for x in plan.candidates}
@@ -82,7 +83,7 @@ def test_pick_records_speculative_entries_that_expire_on_the_clock_and_counts_re
 
 
 def test_inflight_accounting_charges_uncached_tokens_until_the_first_token():
-    index = Index([IndexMatch("w1", "a:1", 6, Load())])
+    index = Index([WorkerMatch("w1", "a:1", 6, Load())])
     c, _, _ = core()
     plan = c.plan(SPEC, PROMPT, EPS, index)
     ticket = c.start(plan, "w1")
@@ -95,7 +96,7 @@ def test_inflight_accounting_charges_uncached_tokens_until_the_first_token():
 
 
 def test_the_policy_hears_each_attempt_start_first_token_and_end_once_with_the_index_overlap():
-    from kvmesh.router.policies.kv_aware import KvAwarePolicy
+    from kvmesh.router.core.policies.kv_aware import KvAwarePolicy
 
     class Recording(KvAwarePolicy):
         def __init__(self) -> None:
@@ -114,7 +115,7 @@ def test_the_policy_hears_each_attempt_start_first_token_and_end_once_with_the_i
 
     policy = Recording()
     c = RoutingCore(policy, speculative_ttl_s=2.0, clock=Clock())
-    index = Index([IndexMatch("w1", "a:1", 3, Load())])
+    index = Index([WorkerMatch("w1", "a:1", 3, Load())])
     c.pick(c.plan(SPEC, PROMPT, EPS, index))  # the speculative map now says w1 or w2 holds all 8 blocks
     plan = c.plan(SPEC, PROMPT, EPS, index)
     first = c.start(plan, "w1")
@@ -147,7 +148,7 @@ def shared_core(policy: str = "kv-aware", attempts: int = 3) -> RoutingCore:
 
 
 def test_claims_only_for_a_policy_that_reads_the_view_and_only_with_an_index_answer():
-    answer = [IndexMatch("w1", "a:1", 0, Load(), Pending(1, 40, 10, 7)), IndexMatch("w2", "a:2", 0, Load())]
+    answer = [WorkerMatch("w1", "a:1", 0, Load(), pending=Pending(1, 40, 10, 7)), WorkerMatch("w2", "a:2", 0, Load())]
     c = shared_core()
     plan = c.plan(SPEC, PROMPT, EPS, Index(answer))
     assert plan.versions == {"w1": 7, "w2": 0}
@@ -164,31 +165,31 @@ def test_claims_only_for_a_policy_that_reads_the_view_and_only_with_an_index_ans
 
 def test_a_claim_is_in_flight_at_once_and_a_refusal_moves_it_with_the_fresh_view():
     # w1 holds the prompt: the first pick; w2 is idle.
-    answer = [IndexMatch("w1", "a:1", 8, Load()), IndexMatch("w2", "a:2", 0, Load())]
+    answer = [WorkerMatch("w1", "a:1", 8, Load()), WorkerMatch("w2", "a:2", 0, Load())]
     c = shared_core()
     plan = c.plan(SPEC, PROMPT, EPS, Index(answer))
     first = c.pick(plan, count=False)
     assert first.worker_id == "w1"
     claim = c.claim(plan, first, "req-1", 0)
-    assert claim == Claim("w1", "req-1", 0, 8, 0)
+    assert claim == Reservation("m", "w1", "ra", "req-1", 0, 8, 0)
     assert c.inflight.of("w1").requests == 1  # this router's next pick sees it while it is claimed
     # Another router got there first: w1 is now swamped by others' picks.
-    again = c.claimed(plan, ClaimAnswer(False, {"w1": Pending(40, 100_000, 400, 3), "w2": Pending(0, 0, 0, 1)}))
+    again = c.claimed(plan, ReservationAnswer(False, {"w1": Pending(40, 100_000, 400, 3), "w2": Pending(0, 0, 0, 1)}))
     assert again is not None and again.worker_id == "w2"
     assert plan.versions == {"w1": 3, "w2": 1}
     assert (c.inflight.of("w1").requests, c.inflight.of("w2").requests) == (0, 0)
     claim2 = c.claim(plan, again, "req-1", 1)
-    assert claim2 == Claim("w2", "req-1", 32, 8, 1)
+    assert claim2 == Reservation("m", "w2", "ra", "req-1", 32, 8, 1)
     assert (c.inflight.of("w1").requests, c.inflight.of("w2").requests) == (0, 1)
-    assert c.claimed(plan, ClaimAnswer(True)) is None
+    assert c.claimed(plan, ReservationAnswer(True)) is None
     # The forwarded attempt takes over the claimed ticket (one request in flight, not two).
     assert c.start(plan, "w2") is plan.ticket and c.inflight.of("w2").requests == 1
 
 
 def test_the_last_claim_is_unconditional_and_then_there_is_none():
     c = shared_core(attempts=2)
-    plan = c.plan(SPEC, PROMPT, EPS, Index([IndexMatch("w1", "a:1", 8, Load(), Pending(0, 0, 0, 5)),
-                                            IndexMatch("w2", "a:2", 0, Load())]))
+    plan = c.plan(SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 8, Load(), pending=Pending(0, 0, 0, 5)),
+                                            WorkerMatch("w2", "a:2", 0, Load())]))
     d = c.pick(plan, count=False)
     assert c.claim(plan, d, "r", 0).seen_version == 5
     assert c.claim(plan, d, "r", 1).seen_version is None
@@ -199,9 +200,9 @@ def test_other_routers_picks_weigh_on_kv_aware_like_its_own():
     """The view's pending picks count as load: with equal matches, the worker others just picked loses."""
     busy = Pending(6, 6 * 4096, 6 * 64, 9)
     c = shared_core()
-    plan = c.plan(SPEC, PROMPT, EPS, Index([IndexMatch("w1", "a:1", 0, Load(), busy),
-                                            IndexMatch("w2", "a:2", 0, Load())]))
+    plan = c.plan(SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 0, Load(), pending=busy),
+                                            WorkerMatch("w2", "a:2", 0, Load())]))
     assert c.pick(plan).worker_id == "w2"
-    plan = c.plan(SPEC, PROMPT, EPS, Index([IndexMatch("w1", "a:1", 0, Load()),
-                                            IndexMatch("w2", "a:2", 0, Load(), busy)]))
+    plan = c.plan(SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 0, Load()),
+                                            WorkerMatch("w2", "a:2", 0, Load(), pending=busy)]))
     assert c.pick(plan).worker_id == "w1"

@@ -15,7 +15,7 @@ from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
 from kvmesh.make_model import train_tokenizer
 from kvmesh.router.config import RouterConfig, RoutingConfig
-from kvmesh.router.policies.base import PolicyConfig
+from kvmesh.router.core.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
 from kvmesh.transport.channels import dial
 from kvmesh.transport.loop import LoopThread

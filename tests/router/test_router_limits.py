@@ -13,18 +13,19 @@ import pytest
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import InvalidArgument, ResourceExhausted
+from kvmesh.contract.index_protocol import IndexUnavailable
 from kvmesh.contract.limits import cap_message, check_id, excerpt
 from kvmesh.contract.types import ModelSpec
+from kvmesh.kv_client.router_client import KVServiceClient
 from kvmesh.kv_service.server import KVServiceServer
 from kvmesh.kv_service.store_memory import MemoryIndex
 from kvmesh.loopback import free_port
 from kvmesh.make_model import train_tokenizer
-from kvmesh.router.adapters.kv_client import KVServiceClient
-from kvmesh.router.core import CountingObserver, RoutingCore
-from kvmesh.router.policies import make_policy
-from kvmesh.router.policies.base import PolicyConfig
+from kvmesh.router.core.policies import make_policy
+from kvmesh.router.core.policies.base import PolicyConfig
+from kvmesh.router.core.routing import CountingObserver, RoutingCore
+from kvmesh.router.core.upstream import WorkerEndpoint
 from kvmesh.router.text.prompt import PromptLimits, PromptTokenizer
-from kvmesh.router.upstream import IndexUnavailable, WorkerEndpoint
 from kvmesh.transport.loop import LoopThread
 from kvmesh.transport.wire import invalid_utf8_field
 from kvmesh.v1 import router_pb2

@@ -1,4 +1,4 @@
-"""The request path (router/router.py) with fake workers and index: retries, failures, speculation."""
+"""The request path (router/model_router.py) with fake workers and index: retries, failures, speculation."""
 
 from __future__ import annotations
 
@@ -9,21 +9,18 @@ import pytest
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvmesh.contract.index_protocol import IndexUnavailable, Reservation, ReservationAnswer, WorkerMatch
 from kvmesh.contract.types import Load, ModelSpec, SamplingParams, Usage
 from kvmesh.router.config import RouterConfig, RoutingConfig
-from kvmesh.router.policies.base import PolicyConfig
-from kvmesh.router.router import GenerateInput, Router
-from kvmesh.router.upstream import (
-    Claim,
-    ClaimAnswer,
+from kvmesh.router.core.policies.base import PolicyConfig
+from kvmesh.router.core.upstream import (
     Failure,
-    IndexMatch,
-    IndexUnavailable,
     WorkerChunk,
     WorkerEndpoint,
     WorkerError,
     WorkerRequest,
 )
+from kvmesh.router.model_router import GenerateInput, ModelRouter
 
 SPEC = ModelSpec("m", 4, "sha256_128")
 PROMPT = list(range(1, 33))  # 8 blocks of 4
@@ -80,17 +77,17 @@ class FakeIndex:
     def __init__(self, matched: dict[str, int] | None = None, down: bool = False) -> None:
         self.matched = matched or {}
         self.down = down
-        self.claims: list[Claim] = []
+        self.claims: list[Reservation] = []
 
-    async def lookup(self, model_id: str, block_hashes) -> list[IndexMatch]:
+    async def lookup(self, model_id: str, block_hashes) -> list[WorkerMatch]:
         if self.down:
             raise IndexUnavailable("kv_service at x: UNAVAILABLE")
-        return [IndexMatch(w, f"{w}:1", n, Load()) for w, n in self.matched.items()]
+        return [WorkerMatch(w, f"{w}:1", n, Load()) for w, n in self.matched.items()]
 
-    async def reserve(self, model_id: str, router_id: str, claim: Claim) -> ClaimAnswer:
+    async def reserve(self, reservation: Reservation) -> ReservationAnswer:
         """The one router here never meets another's pick: every claim is reserved."""
-        self.claims.append(claim)
-        return ClaimAnswer(True)
+        self.claims.append(reservation)
+        return ReservationAnswer(True)
 
 
 def ok(wid: str) -> list:
@@ -105,14 +102,14 @@ async def collect(stream: AsyncIterator) -> list:
     return [o async for o in stream]
 
 
-def run(router: Router, ids=PROMPT) -> list:
+def run(router: ModelRouter, ids=PROMPT) -> list:
     return asyncio.run(collect(router.generate(GenerateInput(None, ids, SamplingParams(max_tokens=2)))))
 
 
-def make(scripts: dict[str, list], index=None, **kw) -> tuple[Router, FakePool]:
+def make(scripts: dict[str, list], index=None, **kw) -> tuple[ModelRouter, FakePool]:
     pool = FakePool(scripts)
     config = RouterConfig(routing=RoutingConfig(policy_config=PolicyConfig(seed=0), **kw))
-    return Router(config, pool, index if index is not None else FakeIndex()), pool
+    return ModelRouter(config, pool, index if index is not None else FakeIndex()), pool
 
 
 def test_streams_tokens_and_last_message_carries_usage_and_served_by():

@@ -8,9 +8,15 @@ import math
 import pytest
 
 from kvmesh.contract.types import Load
-from kvmesh.router.policies import make_policy, policy_names
-from kvmesh.router.policies.base import Candidate, PolicyConfig, RouteQuery, queued_tokens, rendezvous_weight
-from kvmesh.router.policies.kv_aware import KvAwarePolicy
+from kvmesh.router.core.policies import make_policy, policy_names
+from kvmesh.router.core.policies.base import (
+    Candidate,
+    PolicyConfig,
+    RouteQuery,
+    queued_tokens,
+    rendezvous_weight,
+)
+from kvmesh.router.core.policies.kv_aware import KvAwarePolicy
 
 BS = 16
 

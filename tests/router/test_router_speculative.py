@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from kvmesh.router.speculative import SpeculativeIndex
+from kvmesh.router.core.speculative import SpeculativeIndex
 
 
 class Clock:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.router.speculative import SpeculativeIndex
+from kvmesh.router.core.speculative import SpeculativeIndex
 
 TTL = 2.0
 WORKERS = ("w0", "w1", "w2")

@@ -1,4 +1,4 @@
-"""kv-aware's step-cost learner per worker, per class and pooled (router/policies/cost.py), and what
+"""kv-aware's step-cost learner per worker, per class and pooled (router/core/policies/cost.py), and what
 the per-worker fit changes in a pick."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import random
 import pytest
 
 from kvmesh.contract.types import Load
-from kvmesh.model_worker.step_time import LinearCost
-from kvmesh.router.policies.base import Candidate, PolicyConfig, RouteQuery
-from kvmesh.router.policies.cost import StepCostLearner
-from kvmesh.router.policies.kv_aware import KvAwarePolicy
+from kvmesh.model_worker.simulated.step_time import LinearCost
+from kvmesh.router.core.policies.base import Candidate, PolicyConfig, RouteQuery
+from kvmesh.router.core.policies.cost import StepCostLearner
+from kvmesh.router.core.policies.kv_aware import KvAwarePolicy
 
 FAST = LinearCost(step_overhead_s=0.006, prefill_token_s=40e-6, attn_pair_s=1e-9, decode_seq_s=50e-6,
                   decode_kv_token_s=40e-9)

@@ -1,4 +1,4 @@
-"""Stop strings on text deltas (router/text/stop_strings.py) and in the request path (router/router.py)."""
+"""Stop strings on text deltas (router/text/stop_strings.py) and in the request path (router/model_router.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.types import SamplingParams, Usage
 from kvmesh.make_model import train_tokenizer
 from kvmesh.router.config import RouterConfig, RoutingConfig
-from kvmesh.router.policies.base import PolicyConfig
-from kvmesh.router.router import GenerateInput, Router
+from kvmesh.router.core.policies.base import PolicyConfig
+from kvmesh.router.core.upstream import WorkerChunk
+from kvmesh.router.model_router import GenerateInput, ModelRouter
 from kvmesh.router.text.stop_strings import StopStrings, check_stop_strings
-from kvmesh.router.upstream import WorkerChunk
 
 from .test_router_path import FakeIndex, FakePool, collect
 
@@ -68,7 +68,7 @@ def test_a_stop_string_ends_the_request_aborts_the_worker_and_keeps_its_usage():
     ids = tok.encode(" the cat sat on the mat and the dog", add_special_tokens=False).ids
     script = [WorkerChunk([t]) for t in ids] + [WorkerChunk([], "abort", Usage(0, 16, 5), "w1")]
     pool = AbortablePool({"w1": script})
-    router = Router(RouterConfig(routing=RoutingConfig(policy_config=PolicyConfig(seed=0))), pool, FakeIndex(), tok)
+    router = ModelRouter(RouterConfig(routing=RoutingConfig(policy_config=PolicyConfig(seed=0))), pool, FakeIndex(), tok)
     inp = GenerateInput(None, list(range(1, 33)), SamplingParams(max_tokens=50), stop=[" on"])
     out = asyncio.run(collect(router.generate(inp)))
     assert "".join(o.text for o in out) == " the cat sat"
@@ -82,6 +82,6 @@ def test_a_stop_string_ends_the_request_aborts_the_worker_and_keeps_its_usage():
 
 
 def test_stop_strings_need_a_tokenizer():
-    router = Router(RouterConfig(routing=RoutingConfig(policy_config=PolicyConfig(seed=0))), FakePool({}), FakeIndex())
+    router = ModelRouter(RouterConfig(routing=RoutingConfig(policy_config=PolicyConfig(seed=0))), FakePool({}), FakeIndex())
     with pytest.raises(InvalidArgument, match="stop strings need the model's tokenizer"):
         asyncio.run(collect(router.generate(GenerateInput(None, [1, 2], SamplingParams(), stop=["x"]))))

@@ -13,8 +13,8 @@ from kvmesh.kv_service.server import KVServiceServer
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
 from kvmesh.make_model import ModelSpec, make_model
-from kvmesh.model_worker.llm_engine import LLMEngine
-from kvmesh.model_worker.server import WorkerServer
+from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.serving.server import WorkerServer
 
 TINY = ModelSpec(arch="llama", layers=2, hidden_size=64, heads=4, kv_heads=2, intermediate_size=128,
                  max_position_embeddings=512, seed=11, init_std=0.05)

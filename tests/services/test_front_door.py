@@ -21,10 +21,10 @@ from kvmesh.kv_service.server import KVServiceServer
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
 from kvmesh.make_model import ModelSpec, make_model
-from kvmesh.model_worker.llm_engine import LLMEngine
-from kvmesh.model_worker.server import WorkerServer
+from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.serving.server import WorkerServer
 from kvmesh.router.config import RouterConfig, RoutingConfig
-from kvmesh.router.policies.base import PolicyConfig
+from kvmesh.router.core.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
 from kvmesh.transport import security
 from tests.support import wait_until

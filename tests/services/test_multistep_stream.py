@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from kvmesh.contract.types import SamplingParams
-from kvmesh.model_worker.llm import LLM
+from kvmesh.model_worker.engine.llm import LLM
 from kvmesh.transport.channels import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import worker_pb2 as pb

@@ -15,9 +15,9 @@ from kvmesh.client import Client
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import SamplingParams
 from kvmesh.loopback import free_port
-from kvmesh.model_worker.llm import LLM
+from kvmesh.model_worker.engine.llm import LLM
 from kvmesh.router.config import RouterConfig, RoutingConfig
-from kvmesh.router.policies.base import PolicyConfig
+from kvmesh.router.core.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
 from kvmesh.stack import wait_serving
 from kvmesh.transport.channels import dial

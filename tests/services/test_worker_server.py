@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from kvmesh.contract.types import SamplingParams
-from kvmesh.model_worker.llm import LLM
+from kvmesh.model_worker.engine.llm import LLM
 from kvmesh.transport.channels import dial
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as kpb

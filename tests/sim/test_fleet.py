@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 
 from kvmesh.contract.types import Load
-from kvmesh.model_worker.step_time import GPUS, Roofline, StepTimeConfig
+from kvmesh.model_worker.simulated.step_time import GPUS, Roofline, StepTimeConfig
+from kvmesh.sim.config import SimConfig
 from kvmesh.sim.fleet import fleet_spec, parse_fleet
-from kvmesh.sim.mesh import Mesh, SimConfig
+from kvmesh.sim.mesh import Mesh
 from kvmesh.sim.run import Sim, chains_for, settings_of, sim_model_dir
 from kvmesh.sim.workload import shared_prefix
 

@@ -9,12 +9,13 @@ from dataclasses import replace
 
 import pytest
 
-from kvmesh.bench.oracle import lru_hit_rate
-from kvmesh.model_worker.step_time import GPUS, Roofline
-from kvmesh.router.policies import POLICIES
-from kvmesh.router.policies.base import RouteQuery
+from kvmesh.model_worker.simulated.step_time import GPUS, Roofline
+from kvmesh.router.core.policies import POLICIES
+from kvmesh.router.core.policies.base import RouteQuery
+from kvmesh.sim.config import SimConfig
 from kvmesh.sim.information_limit import INFORMATION_LIMIT, ExactView
-from kvmesh.sim.mesh import Mesh, SimConfig
+from kvmesh.sim.mesh import Mesh
+from kvmesh.sim.oracle import lru_hit_rate
 from kvmesh.sim.run import Sim, chains_for, oracle_hit_rate, sim_model_dir, sweep
 from kvmesh.sim.work_bound import work_bound
 from kvmesh.sim.workload import SimRequest, Workload, shared_prefix

@@ -11,20 +11,21 @@ import functools
 
 import pytest
 
+from kvmesh.kv_client.event_batcher import EventBatcher
 from kvmesh.kv_service.service import KVService
-from kvmesh.router.attempts import Attempts
 from kvmesh.router.config import RoutingConfig
-from kvmesh.router.core import RoutingCore
-from kvmesh.router.worker_set import WorkerSet
+from kvmesh.router.core.attempts import Attempts
+from kvmesh.router.core.routing import Claims, RoutingCore
+from kvmesh.router.core.worker_set import WorkerSet
+from kvmesh.sim.config import SimConfig
 from kvmesh.sim.engine import WindowScheduler
-from kvmesh.sim.mesh import SimConfig
 from kvmesh.sim.run import Sim
 from kvmesh.sim.workload import make_workload
-from kvmesh.transport.event_batcher import EventBatcher
 
 CORES = [
     (EventBatcher, "take"), (EventBatcher, "take_snapshot"), (EventBatcher, "resync"),
     (RoutingCore, "prepare"), (RoutingCore, "complete"), (RoutingCore, "pick"),
+    (Claims, "next"), (Claims, "answered"),
     (Attempts, "next"), (Attempts, "failed"),
     (WorkerSet, "update"), (WorkerSet, "mark_unhealthy"),
     (KVService, "publish"), (KVService, "snapshot"), (KVService, "lookup"),
@@ -54,12 +55,31 @@ def test_a_simulated_run_drives_every_live_core(monkeypatch):
     assert all(n > 0 for n in calls.values()), {k: n for k, n in calls.items() if not n}
 
 
-@pytest.mark.parametrize("module", ["kvmesh.sim.mesh", "kvmesh.sim.engine", "kvmesh.sim.run"])
+@pytest.mark.parametrize("module", ["kvmesh.sim.mesh", "kvmesh.sim.router", "kvmesh.sim.worker", "kvmesh.sim.index",
+                                    "kvmesh.sim.engine", "kvmesh.sim.run"])
 def test_the_simulator_defines_no_core_of_its_own(module):
     # the behaviours the live mesh has are imported, not defined again under kvmesh/sim/
     import importlib
 
     mod = importlib.import_module(module)
     defined = {n for n, v in vars(mod).items() if isinstance(v, type) and v.__module__ == module}
-    assert not defined & {"EventBatcher", "Attempts", "WorkerSet", "RoutingCore", "KVService", "Scheduler",
+    assert not defined & {"EventBatcher", "Attempts", "WorkerSet", "RoutingCore", "Claims", "KVService", "Scheduler",
                           "LLMEngine", "SpeculativeIndex", "InFlight", "KVPublisher"}
+
+
+def test_a_simulated_run_loads_neither_redis_nor_grpc():
+    # the simulator is one process: its index is the memory store (kv_service/stores.py loads a store's
+    # module only when asked for it), its wire is the event queue
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from kvmesh.sim.config import SimConfig\n"
+            "from kvmesh.sim.run import Sim\n"
+            "from kvmesh.sim.workload import make_workload\n"
+            "res = Sim(make_workload('multi-turn', 40, seed=1), SimConfig(workers=2, routers=2, seed=1)).run('kv-aware', 2.0)\n"
+            "assert res['completed'] == 40, res\n"
+            "print(sorted(m for m in ('redis', 'grpc') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

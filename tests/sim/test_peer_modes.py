@@ -8,9 +8,10 @@ import dataclasses
 
 import pytest
 
-from kvmesh.router.policies import policy_names
-from kvmesh.router.policies.dynamo import DynamoPolicy
-from kvmesh.sim.mesh import Mesh, SimConfig
+from kvmesh.router.core.policies import policy_names
+from kvmesh.router.core.policies.dynamo import DynamoPolicy
+from kvmesh.sim.config import SimConfig
+from kvmesh.sim.mesh import Mesh
 from kvmesh.sim.run import Sim, chains_for, sim_model_dir
 from kvmesh.sim.workload import SimRequest, Workload, make_workload
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import statistics
 from collections import Counter, defaultdict
 
-from kvmesh.sim.mesh import Mesh, SimConfig
+from kvmesh.sim.config import SimConfig
+from kvmesh.sim.mesh import Mesh
 from kvmesh.sim.run import chains_for, sim_model_dir
 from kvmesh.sim.workload import SimRequest, Workload
 

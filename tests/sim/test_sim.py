@@ -11,8 +11,9 @@ from dataclasses import replace
 import pytest
 
 from kvmesh.kv_service.service import run_now
-from kvmesh.model_worker.step_time import LinearCost
-from kvmesh.sim.mesh import Mesh, SimConfig
+from kvmesh.model_worker.simulated.step_time import LinearCost
+from kvmesh.sim.config import SimConfig
+from kvmesh.sim.mesh import Mesh
 from kvmesh.sim.run import Sim, chains_for, oracle_hit_rate, sim_model_dir
 from kvmesh.sim.workload import SimRequest, Workload, load_trace, make_workload, shared_prefix
 
@@ -171,7 +172,7 @@ def test_a_run_that_raises_is_reported_and_the_sweep_keeps_the_rest(monkeypatch,
     # not throw away the other policies' finished results: the JSON lists the failure with its
     # policy, rate and seed, keeps the rest, and the command exits non-zero.
     from kvmesh.commands import simulate as cmd
-    from kvmesh.router.policies import POLICIES
+    from kvmesh.router.core.policies import POLICIES
 
     cls = POLICIES["least-loaded"]
 

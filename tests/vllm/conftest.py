@@ -24,7 +24,7 @@ from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
 from kvmesh.make_model import ensure_default_model
 from kvmesh.router.config import RouterConfig, RoutingConfig
-from kvmesh.router.policies.base import PolicyConfig
+from kvmesh.router.core.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
 
 MODEL_ID = "default"

@@ -15,8 +15,8 @@ import msgpack
 
 from kvmesh.bench.vllm_peer import EventProxy
 from kvmesh.bridge.engine_events import encode_batch
-from kvmesh.model_worker.llm_engine import LLMEngine
-from kvmesh.model_worker.server import WorkerServer
+from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.serving.server import WorkerServer
 from kvmesh.router.config import RouterConfig, RoutingConfig
 from kvmesh.router.server import RouterServer
 from kvmesh.stack import kvmesh_cmd

@@ -1,0 +1,107 @@
+"""The index protocol's records: one type per concept, used by every side.
+
+The kv_service (its stores and core), the router (its core and its kv_service client), the
+workers' publisher and the simulator all speak in these; kvmesh/contract/convert.py is the one
+place they become kvmesh.v1 messages and back. Before, each side had its own name for the same
+thing (a reservation was the router's ``Claim``, the wire's ``ReserveRequest`` and the store's
+``Pick``); docs/architecture.md, "One vocabulary", lists the names.
+
+| concept | record | on the wire (kv_service.proto) |
+|---|---|---|
+| a worker joining the index | :class:`Registration` | RegisterWorkerRequest |
+| what the index knows of a worker | :class:`WorkerInfo` | WorkerInfo |
+| one worker's answer to a Lookup | :class:`WorkerMatch` | WorkerMatch |
+| a router's pick reserved before forwarding | :class:`Reservation` | ReserveRequest |
+| the index's answer to it | :class:`ReservationAnswer` | ReserveResponse |
+
+No grpc, no redis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvmesh.contract.types import NO_PENDING, Load, Pending
+
+
+@dataclass(slots=True, frozen=True)
+class Registration:
+    """A worker joining the index (a new process, or a new epoch of one)."""
+
+    worker_id: str
+    address: str
+    model_id: str
+    block_size: int
+    hash_algorithm: str
+    num_blocks: int
+    epoch: int
+    engine: str = "kvmesh"
+    """What serves the worker's requests: kvmesh, vllm or sglang (a bridge registers those)."""
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    """What the index knows of one registered worker (ListWorkers, admin, the routers' discovery)."""
+
+    registration: Registration
+    last_seq: int
+    blocks_indexed: int
+    load: Load
+    lease_expiry_ms: int
+    """When the lease ends, on the clock of whoever holds the record (the index's; a client's
+    copy is its receipt time plus the lease remaining on the wire)."""
+    pending: Pending = NO_PENDING
+
+    def live(self, now_ms: int) -> bool:
+        return self.lease_expiry_ms > now_ms
+
+
+class WorkerMatch(NamedTuple):
+    """One live worker's answer to a Lookup (a NamedTuple: built once per worker per Lookup)."""
+
+    worker_id: str
+    address: str
+    matched_blocks: int
+    """Leading blocks of the asked chain the worker holds."""
+    load: Load
+    block_size: int = 0
+    pending: Pending = NO_PENDING
+    """Routers' picks of the worker its reports do not cover yet (the shared router view)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Reservation:
+    """A router's pick of a worker for one request, reserved in the kv_service before the request is
+    forwarded (the shared router view, docs/router.md "Several routers")."""
+
+    model_id: str
+    worker_id: str
+    router_id: str
+    request_id: str
+    """The id the worker sees the request under: its admission retires the reservation."""
+    prefill_tokens: int
+    """Uncached prompt tokens the request brings to the worker."""
+    blocks: int
+    """KV blocks its prompt takes."""
+    seen_version: int | None = None
+    """The worker's ``Pending.version`` in the router's Lookup: refused when another router
+    reserved the worker since; None = unconditional."""
+
+
+@dataclass(slots=True, frozen=True)
+class ReservationAnswer:
+    reserved: bool
+    pending: dict[str, Pending] = field(default_factory=dict)
+    """When refused: every live worker of the model and its pending picks now, by worker id."""
+
+
+class IndexUnavailable(Exception):
+    """The prefix index (kv_service) could not answer a Lookup or Reserve; route without it."""
+
+    def __init__(self, message: str, cause: str = "lookup_failed") -> None:
+        super().__init__(message)
+        self.cause = cause
+        """lookup_failed (the index is down or too slow: the router's breaker opens), lookup_invalid
+        (it refused this Lookup as malformed: this request routes without it, the index stays in
+        use), reserve_failed, or index_down (skipped: a recent call failed)."""

@@ -1,0 +1,67 @@
+"""The index in the simulator: the kv_service core over its in-memory store, on the virtual clock."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmesh.contract.index_protocol import IndexUnavailable, WorkerMatch
+from kvmesh.kv_service.service import KVService, run_now
+from kvmesh.kv_service.stores import make_store
+from kvmesh.router.core.upstream import WorkerEndpoint
+from kvmesh.sim.config import MODEL_ID, SimConfig
+from kvmesh.sim.events import EventQueue
+
+
+@dataclass(slots=True)
+class IndexTraffic:
+    """What reached the index in one run: the kv_service's (and its Redis') load, counted where
+    the index receives it (lost messages are not counted). docs/deploy.md sizes Redis from it."""
+
+    event_messages: int = 0
+    """PublishEvents messages with events or a load (snapshots not included)."""
+    load_only_messages: int = 0
+    """Of those, the messages with a load and no event."""
+    blocks_stored: int = 0
+    """Block hashes in BlockStored events (in blocks of the run's block size)."""
+    blocks_removed: int = 0
+    all_cleared: int = 0
+    max_message_blocks: int = 0
+    """The most block hashes one message carried."""
+    snapshots: int = 0
+    snapshot_blocks: int = 0
+    heartbeats: int = 0
+    routed_requests: int = 0
+    """Requests a router planned (one per request; retries are not planned again)."""
+    lookups: int = 0
+    """Lookups the routers asked (those past the router's deadline included: the index served them)."""
+    lookup_chain_blocks: int = 0
+    """Block hashes in those Lookups' chains."""
+    reserves: int = 0
+    """Reserve calls of the shared router view (the refused ones included)."""
+
+    def as_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+class SimIndex:
+    """KVService over MemoryIndex on the virtual clock, with the router's Lookup deadline."""
+
+    def __init__(self, q: EventQueue, cfg: SimConfig) -> None:
+        self.q = q
+        self.cfg = cfg
+        self.svc = KVService(make_store("memory"), cfg.index, clock=lambda: int(q.now * 1000))
+        self.traffic = IndexTraffic()
+
+    def lookup(self, model_id: str, chain: Sequence[bytes]) -> list[WorkerMatch]:
+        self.traffic.lookups += 1
+        self.traffic.lookup_chain_blocks += len(chain)
+        if self.cfg.lookup_latency_s * 1000 > self.cfg.routing.lookup_timeout_ms:
+            raise IndexUnavailable("Lookup past its deadline (simulated)")
+        return run_now(self.svc.lookup(model_id, chain))
+
+    def endpoints(self) -> list[WorkerEndpoint]:
+        """ListWorkers: the live workers of the model, with their last reported load."""
+        now_ms = int(self.q.now * 1000)
+        return [WorkerEndpoint(w.registration.worker_id, w.registration.address, w.load)
+                for w in run_now(self.svc.index.workers(now_ms)) if w.registration.model_id == MODEL_ID]

@@ -1,0 +1,368 @@
+"""The engine core of one worker: validation at the door, then schedule -> run -> update per step."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.errors import AlreadyExists
+from kvmesh.contract.limits import MAX_ADMITTED_IDS, excerpt
+from kvmesh.contract.modelinfo import model_id_for
+from kvmesh.contract.types import DEFAULT_MAX_TOKENS, KVCacheEvent, Load, SamplingParams
+from kvmesh.model_worker.config import EngineConfig, ModelConfig
+from kvmesh.model_worker.execution.model_runner import ModelRunner
+from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
+from kvmesh.model_worker.scheduling.request import Request
+from kvmesh.model_worker.scheduling.scheduler import RequestOutput, Scheduler, SchedulerConfig, StepWork
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A worker's load as it reports it (heartbeats, routing)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    queued_prefill_tokens: int
+    prefix_cache_queries: int
+    """Prompt tokens looked up in the prefix cache so far."""
+    prefix_cache_hits: int
+    """Of those, tokens found cached."""
+    busy_s: float = 0.0
+    """Seconds spent in steps since start (modelled seconds on a simulated worker)."""
+    steps: int = 0
+    """Forward passes since start (every inner step of a multi-step window counts)."""
+    work: StepWork = field(default_factory=StepWork)
+    """Work of those passes since start: what ``busy_s`` was spent on."""
+    max_num_batched_tokens: int = 0
+
+    @property
+    def load(self) -> Load:
+        w = self.work
+        return Load(self.num_running, self.num_waiting, self.num_free_blocks, self.num_total_blocks,
+                    self.queued_prefill_tokens, busy_s=self.busy_s, steps=self.steps,
+                    prefill_tokens=w.prefill_tokens, prefill_pairs=w.prefill_pairs, decode_tokens=w.decode_seqs,
+                    decode_context_tokens=w.decode_context_tokens,
+                    max_num_batched_tokens=self.max_num_batched_tokens)
+
+
+def load_tokenizer(model_dir: str | Path) -> Any | None:
+    """The model's ``tokenizers.Tokenizer`` from tokenizer.json, or None when there is none."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def _eos_token_ids(model_dir: str | Path, model_config: ModelConfig) -> list[int]:
+    ids = list(model_config.eos_token_ids)
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        for e in [eos] if isinstance(eos, int) else (eos or []):
+            if e not in ids:
+                ids.append(e)
+    return ids
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model.
+
+    ``step()`` runs on one thread; ``add_request`` / ``abort_request`` may be called from
+    others: they go through an inbox that ``step()`` drains first.
+
+    Args:
+        config: the engine config; or pass its fields as keyword arguments.
+        runner_factory: builds the runner from the checked configs (default ModelRunner); it must
+            offer ``num_blocks`` and ``execute(SchedulerOutput)``, as model_worker/simulated/sim_runner.py does.
+            A runner without ``execute_window`` runs one decode step per ``step()`` whatever
+            ``num_scheduler_steps`` says.
+        scheduler_factory: builds the scheduler (default Scheduler) from its config and the KV
+            cache manager (the simulator's commits whole windows: kvmesh/sim/engine.py).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *,
+                 runner_factory: Callable[[EngineConfig, ModelConfig], Any] | None = None,
+                 scheduler_factory: Callable[[SchedulerConfig, KVCacheManager], Scheduler] = Scheduler,
+                 **kwargs: Any) -> None:
+        config = config if config is not None else EngineConfig(**kwargs)
+        self.model_config = ModelConfig.from_dir(config.model)
+        config.check(self.model_config)
+        self.config = config
+        self.model_id = model_id_for(config.model, config.model_id)
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = _eos_token_ids(config.model, self.model_config)
+        self.runner = (runner_factory or ModelRunner)(config, self.model_config)
+        self.block_hasher = BlockHasher(self.model_id, config.block_size, config.hash_algorithm)
+        # NOTE: the runner decides the grouping (it lays out the KV tensors); a runner without one
+        # (the simulated one) gets the grouping the model's windows imply.
+        kv_cache_config = getattr(self.runner, "kv_cache_config", None) or KVCacheConfig.from_sliding_windows(
+            self.model_config.sliding_windows, config.block_size
+        )
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            kv_cache_config=kv_cache_config,
+        )
+        assert config.max_model_len is not None
+        self.scheduler = scheduler_factory(
+            config.scheduler_config(None if hasattr(self.runner, "execute_window") else 1), self.kv_cache_manager)
+        self._lock = threading.Lock()
+        # NOTE: ("add", Request) / ("abort", id) in call order; only step() touches the scheduler.
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._live: set[str] = set()
+        # NOTE: ids of requests admitted and not yet in a load report the kv_service acknowledged
+        # (report_load / ack_admitted): they retire the routers' picks of them (docs/router.md,
+        # "Several routers"). Bounded: past it the oldest go (their picks expire instead).
+        self._unreported: dict[str, None] = {}
+        self._drained: list[Request] = []
+        """Requests moved from the inbox to the scheduler since the last snapshot."""
+        # NOTE: cumulative work and time of every step, reported in the load so that routers can
+        # learn this worker's step-time coefficients (router/core/policies/cost.py) instead of assuming them.
+        self._work = StepWork()
+        self._busy_s = 0.0
+        self._steps = 0
+        self.last_step_s = 0.0
+        """Seconds the last ``step()`` took: the runner's ``last_step_s`` when it models its time
+        (the simulated runner), else the wall time of its forward passes."""
+        self._stats = self._snapshot()
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                    cache_salt: str = "") -> None:
+        """Queues a request; it starts at the next ``step()``.
+
+        Raises:
+            ValueError: the request is malformed or can never fit; nothing else is affected.
+        """
+        # NOTE: a copy the caller cannot change under us (its only mutable field is the stop list).
+        params = (replace(sampling_params, stop_token_ids=copy.copy(sampling_params.stop_token_ids))
+                  if sampling_params is not None else SamplingParams())
+        params.validate()
+        self.check_prompt(prompt_token_ids)
+        if params.max_tokens is None:
+            params.max_tokens = min(DEFAULT_MAX_TOKENS, self.config.max_model_len - len(prompt_token_ids))
+        extra_eos = self.eos_token_ids[1:]
+        if extra_eos and not params.ignore_eos:
+            params = replace(params, stop_token_ids=[*params.stop_token_ids, *extra_eos])
+        self.submit(Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            block_hasher=self.block_hasher if self.config.enable_prefix_caching else None,
+            cache_salt=cache_salt,
+        ))
+
+    def submit(self, request: Request) -> None:
+        """Queues a request the caller built (:meth:`add_request` builds them from a prompt; the
+        simulator builds its own, with its workload's block hashes). Checks what every request must
+        meet: a non-empty prompt that leaves room for its ``max_tokens`` in ``max_model_len``.
+
+        Raises:
+            ValueError: it can never fit. AlreadyExists: its id is live.
+        """
+        n, max_len = request.num_prompt_tokens, self.config.max_model_len
+        assert max_len is not None
+        self.check_prompt_length(n)
+        room = max_len - n
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and max_tokens > room:
+            raise ValueError(
+                f"max_tokens is {max_tokens}, but the prompt's {n} tokens leave room for "
+                f"{room} of max_model_len {max_len}; ask for at most {room}")
+        with self._lock:
+            if request.request_id in self._live:
+                raise AlreadyExists(f"request id {excerpt(request.request_id)} is already in use")
+            self._live.add(request.request_id)
+            self._inbox.append(("add", request))
+            self._unreported[request.request_id] = None
+            if len(self._unreported) > MAX_ADMITTED_IDS:
+                del self._unreported[next(iter(self._unreported))]
+
+    def check_prompt_length(self, n: int) -> None:
+        """Raises ValueError unless a prompt of ``n`` tokens fits (and leaves room for one token)."""
+        if n == 0:
+            raise ValueError("the prompt is empty; it needs at least one token")
+        max_len = self.config.max_model_len
+        assert max_len is not None
+        if n >= max_len:
+            raise ValueError(
+                f"the prompt has {n} tokens but max_model_len is {max_len}; shorten it to at most "
+                f"{max_len - 1} tokens to leave room for one generated token"
+            )
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raises ValueError naming the problem: empty, too long for max_model_len, or an id outside the vocabulary."""
+        self.check_prompt_length(len(prompt_token_ids))
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(prompt_token_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab})")
+
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens of a live request the prefix cache served at its admission; 0 before it
+        was admitted or once it is gone. Safe from any thread (one dict read)."""
+        request = self.scheduler.requests.get(request_id)
+        return max(request.num_cached_tokens, 0) if request is not None else 0
+
+    def abort_request(self, request_id: str) -> bool:
+        """Aborts a queued or running request at the next step; False when it is not live."""
+        with self._lock:
+            if request_id not in self._live:
+                return False
+            self._live.discard(request_id)
+            self._inbox.append(("abort", request_id))
+            return True
+
+    def _drain_inbox(self) -> None:
+        while True:
+            with self._lock:
+                if not self._inbox:
+                    return
+                kind, item = self._inbox.popleft()
+                if kind == "add":
+                    # NOTE: in the scheduler but not in the last snapshot: stats() counts it until the next.
+                    self._drained.append(item)
+            if kind == "add":
+                self.scheduler.add_request(item)
+            else:
+                self.scheduler.abort_request(item)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_unfinished_requests()
+
+    def step(self, on_output: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
+        """Schedules one batch, runs it, and returns the requests that got tokens or finished.
+
+        A multi-step window (all-decode batch, ``num_scheduler_steps > 1``) runs several forward
+        passes; a request then appears once per inner step in the result. ``on_output`` gets each
+        inner step's outputs as soon as its tokens are on the host, so a caller can stream every
+        token when it is produced instead of when the window ends.
+        """
+        self._drain_inbox()
+        out = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+
+        def commit(step_outputs: list[RequestOutput]) -> None:
+            outputs.extend(step_outputs)
+            finished = [o.request_id for o in step_outputs if o.finished]
+            if finished:
+                with self._lock:
+                    self._live.difference_update(finished)
+            if on_output is not None and step_outputs:
+                on_output(step_outputs)
+
+        runner = self.runner
+        t0 = time.perf_counter()
+        if out.num_steps == 1:
+            commit(self.scheduler.update_from_output(out, runner.execute(out)))
+            if not out.is_empty:
+                self._work.add(out.work())
+                self._steps += 1
+        else:
+            num_done = 0
+            # NOTE: per row, the context its next token attends to; a runner hands over one token per
+            # row per inner step (the GPU's) or several at once (the simulator's whole windows).
+            context = {s.request.request_id: s.start + 1 for s in out.scheduled}
+            work = self._work
+
+            def on_step(tokens: dict[str, list[int]]) -> list[str]:
+                nonlocal num_done
+                steps = 0
+                for rid, ts in tokens.items():
+                    m, c = len(ts), context[rid]
+                    work.decode_seqs += m
+                    work.decode_context_tokens += m * c + m * (m - 1) // 2
+                    context[rid] = c + m
+                    steps = max(steps, m)
+                num_done += steps
+                commit(self.scheduler.update_from_output(out, tokens))
+                # NOTE: aborts take effect between inner steps; adds only queue until the next schedule().
+                self._drain_inbox()
+                return self.scheduler.prepare_window_step(out) if num_done < out.num_steps else []
+
+            runner.execute_window(out, on_step)
+            self._steps += num_done
+        modelled = getattr(runner, "last_step_s", None)
+        self.last_step_s = modelled if modelled is not None else time.perf_counter() - t0
+        self._busy_s += self.last_step_s
+        snap = self._snapshot()
+        with self._lock:
+            self._stats = snap
+            self._drained.clear()
+        return outputs
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """Block lifecycle events since the last call (to publish to kv_service)."""
+        return self.kv_cache_manager.take_events()
+
+    def cached_block_hashes(self) -> set[bytes]:
+        """Every block hash this worker holds: the snapshot for a kv_service resync."""
+        return self.kv_cache_manager.cached_block_hashes()
+
+    def queued_requests(self) -> list[Request]:
+        """Requests submitted since the last step's snapshot and not in it (in the inbox, or taken into the
+        running step); safe from any thread."""
+        with self._lock:
+            return [item for kind, item in self._inbox if kind == "add"] + self._drained
+
+    def stats(self) -> EngineStats:
+        """The load as of the last step, plus requests queued since; safe from any thread."""
+        with self._lock:
+            queued = [item for kind, item in self._inbox if kind == "add"] + self._drained
+            snap = self._stats
+        return replace(
+            snap,
+            num_waiting=snap.num_waiting + len(queued),
+            queued_prefill_tokens=snap.queued_prefill_tokens + sum(r.num_tokens for r in queued),
+        )
+
+    def report_load(self, stats: EngineStats | None = None) -> Load:
+        """The load to report to the kv_service: :meth:`stats`' load (or ``stats``', taken after
+        this call's admissions), listing the requests admitted since the last acknowledged report:
+        every one of them is in its counts."""
+        with self._lock:
+            admitted = tuple(self._unreported)
+        # NOTE: listed first, counted after: every request listed is in the counts.
+        return replace((stats or self.stats()).load, admitted=admitted, reports_admissions=True)
+
+    def ack_admitted(self, request_ids: Iterable[str]) -> None:
+        """The kv_service applied a report listing these admissions: later reports leave them out."""
+        with self._lock:
+            for rid in request_ids:
+                self._unreported.pop(rid, None)
+
+    @property
+    def last_step_stats(self) -> EngineStats:
+        """The load as of the end of the last step, without requests queued since."""
+        return self._stats
+
+    def _snapshot(self) -> EngineStats:
+        # NOTE: taken on the step thread only: the scheduler's queues are not thread-safe.
+        kv = self.kv_cache_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            busy_s=self._busy_s,
+            steps=self._steps,
+            work=replace(self._work),
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+        )

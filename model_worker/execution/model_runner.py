@@ -1,0 +1,345 @@
+"""Runs one scheduled step on the model: packs the batch, runs the forward pass, samples.
+
+A multi-step window (``SchedulerOutput.num_steps > 1``) runs in ``execute_window``: several decode
+passes whose inputs are advanced in place on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvmesh.model_worker.config import EngineConfig, ModelConfig
+from kvmesh.model_worker.execution.host_allocator import keep_freed_buffers
+from kvmesh.model_worker.execution.model_loader import load_model
+from kvmesh.model_worker.execution.models.attention import AttentionMetadata
+from kvmesh.model_worker.execution.sampler import Sampler
+from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
+from kvmesh.model_worker.scheduling.request import Request
+from kvmesh.model_worker.scheduling.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+WindowStepCallback = Callable[[dict[str, list[int]]], list[str]]
+"""Called after each inner step of a window with request id -> its token; returns the ids still running."""
+
+_DEFAULT_CPU_FRACTION = 0.05
+_TORCH_DEFAULT_THREADS = torch.get_num_threads()
+"""torch's own choice, read when this module is first imported (before anyone sets it)."""
+_CHOSEN_THREADS = False
+"""Whether :func:`set_cpu_threads` chose the count (then the engine keeps it)."""
+
+
+def set_cpu_threads(threads: int) -> None:
+    """Sets torch's intra-op threads and keeps the engine from changing them, whatever the count.
+
+    NOTE: ``torch.set_num_threads`` alone is not enough: a choice equal to torch's default (2 on a
+    2-core machine) looks like no choice to :func:`apply_cpu_threads`, which then sets 1.
+    """
+    global _CHOSEN_THREADS
+    torch.set_num_threads(threads)
+    _CHOSEN_THREADS = True
+
+
+def default_cpu_threads(usable_cores: int) -> int:
+    """The engine's intra-op threads on CPU: every usable core but one, at least one.
+
+    As vLLM's CPU worker does (one core left to its scheduler and front end): the engine shares
+    its process with the scheduler, the gRPC server and the stream threads, and a machine's cores
+    are often shared with other processes. On this project's 2-core machine one thread ran the
+    peer benchmark's workloads ~2x faster than two (docs/engine.md, CPU performance).
+    """
+    return max(1, usable_cores - 1)
+
+
+def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may use: its CPU affinity, capped by its cgroup v2 CPU quota.
+
+    NOTE: a Kubernetes pod with ``limits.cpu: 2`` on a 64-core node sees all 64 in its affinity;
+    only the quota (``cpu.max``: "200000 100000") says 2, and 63 threads on a 2-CPU quota are
+    throttled most of each period.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path(cpu_max).read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota here (or unreadable): the affinity is all we know
+    return cores
+
+
+def apply_cpu_threads() -> None:
+    """Sets torch's intra-op threads to ``default_cpu_threads`` unless someone chose: the
+    ``OMP_NUM_THREADS`` environment variable, or ``torch.set_num_threads`` before the engine starts
+    (``kvmesh worker --torch-threads`` and the benchmarks' ``--threads`` call :func:`set_cpu_threads`)."""
+    if _CHOSEN_THREADS or "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() != _TORCH_DEFAULT_THREADS:
+        return
+    threads = default_cpu_threads(usable_cores())
+    if threads != torch.get_num_threads():
+        log.info("torch CPU threads %d -> %d (one core left for the scheduler and server; set "
+                 "OMP_NUM_THREADS or --torch-threads to choose)", torch.get_num_threads(), threads)
+        torch.set_num_threads(threads)
+_DEFAULT_GPU_FRACTION = 0.9
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """Bytes one block takes, K and V, over ``num_layers`` layers (default all: one KV cache group).
+
+    With several groups a block id is one page in each of ``layers_per_group`` tensors, so a block
+    costs ``layers_per_group`` pages (kv_cache_spec.py).
+    """
+    elem = torch.empty((), dtype=dtype).element_size()
+    layers = cfg.num_layers if num_layers is None else num_layers
+    return 2 * layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    """Owns the model, its paged KV cache and the sampler.
+
+    Args:
+        config: the checked engine config.
+        model_config: the model's parsed config.json.
+    """
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_buffers()  # NOTE: process-wide; see host_allocator.py for why and the cost
+            apply_cpu_threads()
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.model = load_model(config.model, model_config, self.dtype, config.device)
+        self.kv_cache_config = KVCacheConfig.from_sliding_windows(model_config.sliding_windows, self.block_size)
+        self.num_blocks = self._decide_num_blocks()
+        self._allocate_kv_cache()
+        self.sampler = Sampler(config.seed)
+        self._copy_stream: torch.cuda.Stream | None = None
+
+    def _decide_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        kvc = self.kv_cache_config
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype, kvc.layers_per_group)
+        assert cfg.max_model_len is not None
+        blocks_per_seq = kvc.max_blocks_per_request(cfg.max_model_len, cfg.max_num_batched_tokens)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            fraction = cfg.memory_fraction or _DEFAULT_GPU_FRACTION
+            # NOTE: activations of one step are bounded by the token budget; keep room for them.
+            mc = self.model_config
+            activation = cfg.max_num_batched_tokens * 4 * (2 * mc.intermediate_size + 4 * mc.hidden_size) * 4
+            budget = int(total * fraction) - (total - free) - activation
+        else:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = int(available * (cfg.memory_fraction or _DEFAULT_CPU_FRACTION))
+            # Enough for every sequence at full length is all a CPU worker can use.
+            budget = min(budget, (cfg.max_num_seqs * blocks_per_seq + 1) * per_block)
+        num_blocks = budget // per_block
+        if num_blocks < blocks_per_seq + 1:
+            raise ValueError(
+                f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {num_blocks} blocks, fewer than "
+                f"one max_model_len sequence needs ({blocks_per_seq + 1}); raise memory_fraction, set "
+                "num_blocks, or lower max_model_len"
+            )
+        return num_blocks
+
+    def _allocate_kv_cache(self) -> None:
+        mc = self.model_config
+        shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        # NOTE: block 0 is the null block: padding entries of block tables (and a sliding window's
+        # dropped blocks) point at it, never written. Groups hold disjoint block ids of one pool, so
+        # the j-th layer of every group shares the j-th tensor pair: layers_per_group pairs in all.
+        kvc = self.kv_cache_config
+        pairs = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(kvc.layers_per_group)
+        ]
+        attns = self.model.kv_caches()
+        group_of_layer = [0] * len(attns)
+        for g, group in enumerate(kvc.groups):
+            for j, layer in enumerate(group.layer_ids):
+                attns[layer].k_cache, attns[layer].v_cache = pairs[j]
+                group_of_layer[layer] = g
+        self.model.kv_group_of_layer = group_of_layer
+
+    def prepare_inputs(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], torch.Tensor]:
+        """Packs the step: token ids, positions, attention metadata per KV cache group, rows to sample."""
+        ids: list[int] = []
+        q_lens: list[int] = []
+        starts: list[int] = []
+        kv_lens: list[int] = []
+        sample_rows: list[int] = []
+        num_groups = len(out.scheduled[0].block_tables)
+        max_blocks = max(len(s.block_ids) for s in out.scheduled)
+        tables = torch.zeros((num_groups, len(out.scheduled), max_blocks), dtype=torch.int32)
+        total = 0
+        for i, s in enumerate(out.scheduled):
+            ids.extend(s.request.all_token_ids[s.start : s.start + s.num_new_tokens])
+            q_lens.append(s.num_new_tokens)
+            starts.append(s.start)
+            kv_lens.append(s.start + s.num_new_tokens)
+            for g, table in enumerate(s.block_tables):
+                tables[g, i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            total += s.num_new_tokens
+            if s.sample:
+                sample_rows.append(total - 1)
+        q_len_t = torch.tensor(q_lens, dtype=torch.int64)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_len_t)
+        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q_len_t, 0, out=cu[1:])
+        positions = torch.arange(total) - cu[:-1][seq_of_token] + torch.tensor(starts)[seq_of_token]
+        dev = self.device
+        cu_dev = cu.to(torch.int32).to(dev)
+        kv_lens_dev = torch.tensor(kv_lens, dtype=torch.int32).to(dev)
+        metas = [
+            AttentionMetadata(
+                slot_mapping=self._slots(tables[g], positions, seq_of_token).to(dev),
+                cu_q_lens=cu_dev,
+                kv_lens=kv_lens_dev,
+                block_tables=tables[g].to(dev),
+            )
+            for g in range(num_groups)
+        ]
+        return (
+            torch.tensor(ids, dtype=torch.int64).to(dev),
+            positions.to(dev),
+            metas,
+            torch.tensor(sample_rows, dtype=torch.int64).to(dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """Runs the scheduled batch; returns request id -> sampled tokens for the rows that sample."""
+        for request_id in out.finished_ids:
+            self.sampler.release(request_id)
+        if out.is_empty:
+            return {}
+        input_ids, positions, metas, sample_rows = self.prepare_inputs(out)
+        hidden = self.model(input_ids, positions, metas)
+        sampling = [s.request for s in out.scheduled if s.sample]
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])
+        tokens = self.sampler.sample(
+            logits, [r.sampling_params for r in sampling], [r.request_id for r in sampling]
+        )
+        return {r.request_id: [t] for r, t in zip(sampling, tokens, strict=True)}
+
+    @torch.inference_mode()
+    def execute_window(self, out: SchedulerOutput, on_step: WindowStepCallback) -> None:
+        """Runs up to ``out.num_steps`` decode passes on an all-decode batch (multi-step decode).
+
+        Step i+1's inputs come from step i's in place: the sampled ids stay on the device and are
+        the next input ids, positions and KV lengths advance by one, slots are read from the block
+        tables (which hold the window's lookahead blocks). ``on_step`` gets each step's tokens as
+        soon as they are on the host; rows of requests it no longer lists leave the batch.
+
+        On CUDA the device-to-host copy runs on a side stream and the next step is launched before
+        waiting for it, so stop checks and streaming overlap the GPU; a request that stopped has
+        then one extra token computed, which the scheduler drops (it is no longer running). On the
+        CPU every step's tokens are handed over before the next step runs.
+        """
+        for request_id in out.finished_ids:
+            self.sampler.release(request_id)
+        input_ids, positions, metas, _ = self.prepare_inputs(out)
+        rows: list[Request] = [s.request for s in out.scheduled]
+        overlap = self.device.type == "cuda"
+        pending: tuple[list[Request], Callable[[], list[int]]] | None = None
+
+        def deliver(batch: list[Request], wait: Callable[[], list[int]]) -> set[str]:
+            tokens = wait()
+            return set(on_step({r.request_id: [t] for r, t in zip(batch, tokens, strict=True)}))
+
+        for step in range(out.num_steps):
+            if step > 0:
+                positions = positions + 1
+                kv_lens = metas[0].kv_lens + 1
+                metas = [
+                    AttentionMetadata(
+                        slot_mapping=self._slots(m.block_tables, positions),
+                        cu_q_lens=m.cu_q_lens,
+                        kv_lens=kv_lens,
+                        block_tables=m.block_tables,
+                    )
+                    for m in metas
+                ]
+            hidden = self.model(input_ids, positions, metas)
+            logits = self.model.compute_logits(hidden)
+            input_ids = self.sampler.sample_on_device(
+                logits, [r.sampling_params for r in rows], [r.request_id for r in rows]
+            )
+            wait = self._copy_to_host(input_ids)
+            if overlap:
+                # NOTE: the previous step's tokens are handled while this one runs on the GPU.
+                keep = deliver(*pending) if pending is not None else {r.request_id for r in rows}
+                pending = (rows, wait)
+            else:
+                keep = deliver(rows, wait)
+            if step + 1 == out.num_steps:
+                break
+            idx = [i for i, r in enumerate(rows) if r.request_id in keep]
+            if not idx:
+                break
+            if len(idx) < len(rows):
+                # NOTE: a finished request's blocks are freed at once. On CUDA its in-flight step
+                # may still write one slot past its last committed token: that block is not full
+                # of committed tokens, so it is not cached, and nothing allocates during a window.
+                sel = torch.tensor(idx, dtype=torch.int64, device=self.device)
+                rows = [rows[i] for i in idx]
+                input_ids, positions = input_ids[sel], positions[sel]
+                cu_q_lens = torch.arange(len(idx) + 1, dtype=torch.int32, device=self.device)
+                kv_lens = metas[0].kv_lens[sel]
+                metas = [
+                    AttentionMetadata(
+                        slot_mapping=m.slot_mapping[sel],
+                        cu_q_lens=cu_q_lens,
+                        kv_lens=kv_lens,
+                        block_tables=m.block_tables[sel],
+                    )
+                    for m in metas
+                ]
+        if pending is not None:
+            deliver(*pending)
+
+    def _slots(
+        self, block_tables: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Flat cache slot of each token: its row's block of its position, and the offset in it."""
+        bs = self.block_size
+        if rows is None:  # one token per row (decode)
+            rows = torch.arange(positions.shape[0], device=positions.device)
+        return block_tables[rows, positions // bs].long() * bs + positions % bs
+
+    def _copy_to_host(self, ids: torch.Tensor) -> Callable[[], list[int]]:
+        """Starts copying ``ids`` to the host; the returned function waits for it and gives the list."""
+        if self.device.type != "cuda":
+            return ids.tolist
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        stream = self._copy_stream
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        done = torch.cuda.Event()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            host.copy_(ids, non_blocking=True)
+            done.record(stream)
+        # NOTE: ids was made on the compute stream and is read on the copy stream.
+        ids.record_stream(stream)
+
+        def wait() -> list[int]:
+            done.synchronize()
+            return host.tolist()
+
+        return wait

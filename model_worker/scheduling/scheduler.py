@@ -1,0 +1,464 @@
+"""Continuous batching with chunked prefill, prefix-cache admission and preemption by recompute.
+
+Each step: ``schedule()`` picks the batch under the token budget, the model runs it, and
+``update_from_output()`` records the sampled tokens and retires finished requests.
+
+Multi-step decode: when every scheduled request decodes and no waiting request could be admitted,
+``schedule()`` gives each request slots for up to ``num_scheduler_steps`` tokens and marks the
+batch with ``num_steps > 1``; the runner then runs that many forward passes without coming back
+here. After each inner step ``update_from_output()`` commits that step's tokens (stop rules apply
+per token, so a request can finish mid-window) and ``prepare_window_step()`` readies the next one.
+(The virtual-time simulator commits a whole window at once with its own scheduler, kvmesh/sim/engine.py,
+under the same stop rule: ``stop_after()``.)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.contract.settings import flag
+from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.scheduling.kv_cache_spec import FullAttentionSpec
+from kvmesh.model_worker.scheduling.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """What the scheduler is told: one declaration of these settings, for the engine (EngineConfig
+    extends it) and the simulator's engines (kvmesh/sim/mesh.py); `kvmesh worker` and `kvmesh
+    simulate` derive the same flags from it."""
+
+    max_num_seqs: int = 128
+    """Running requests at most."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decodes)."""
+    max_model_len: int | None = None
+    """Prompt + output tokens at most; none = the model's max_position_embeddings."""
+    enable_chunked_prefill: bool = flag(True, name="no-chunked-prefill")
+    """Split a prompt over steps when it exceeds the step's remaining budget."""
+    num_scheduler_steps: int = 1
+    """Decode steps per scheduler call when the batch is all decodes (multi-step decode); 1 = off."""
+
+    def validate(self) -> None:
+        """Raises ValueError on a configuration that could never schedule some request."""
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is None or self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1 (the model's context when unset), got {self.max_model_len}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}), or a long prompt could never be scheduled"
+            )
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    """Tokens computed for it this step: all_token_ids[start:start + num_new_tokens]."""
+    start: int
+    """num_computed_tokens before this step: the position of the first new token."""
+    sample: bool
+    """This step reaches the end of all_token_ids, so the model samples a token for it."""
+    window_steps: int = 1
+    """In a multi-step window, the inner steps this request has lookahead slots for (it may
+    finish sooner); 1 outside windows."""
+    kv_cache_manager: KVCacheManager | None = field(default=None, repr=False)
+    """Where :attr:`block_tables` comes from, on first use."""
+    tables: list[list[int]] | None = field(default=None, repr=False)
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """Per KV cache group, the request's whole block table after this step's allocation (all of
+        one length; a sliding-window group has the null block 0 where its window dropped a block).
+
+        Read from the KV cache manager on first use, i.e. by the runner once the whole batch is
+        planned: copying every running request's table at every step would cost the scheduler
+        O(context) per request per step, and a runner that needs no tables (the simulated one)
+        never pays it.
+
+        Valid from ``schedule()`` until the next ``schedule()``: ``update_from_output()`` reads the
+        table of a request that finishes before freeing its blocks, so a finished request still
+        reports this step's table; a running request's table grows at the next ``schedule()``.
+        """
+        if self.tables is None:
+            assert self.kv_cache_manager is not None, "a scheduled request without its KV cache manager"
+            self.tables = self.kv_cache_manager.get_group_block_ids(self.request.request_id)
+        return self.tables
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's block table: the only one of a model without windows."""
+        return self.block_tables[0]
+
+
+@dataclass(slots=True)
+class StepWork:
+    """What one forward pass computes, in the units a step's time depends on (step_time.StepTimeModel,
+    and the work counters a worker reports for routers to learn its step time from)."""
+
+    prefill_tokens: int = 0
+    """New tokens of prefill chunks (prompts, and recomputed tokens of preempted requests)."""
+    prefill_pairs: int = 0
+    """Attention (new token x context token) pairs of the prefill chunks: sum n * (start + (n + 1) / 2)."""
+    decode_seqs: int = 0
+    """Sequences decoding one token."""
+    decode_context_tokens: int = 0
+    """Context tokens the decoding sequences attend to."""
+
+    def add(self, other: StepWork) -> None:
+        self.prefill_tokens += other.prefill_tokens
+        self.prefill_pairs += other.prefill_pairs
+        self.decode_seqs += other.decode_seqs
+        self.decode_context_tokens += other.decode_context_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    """Batch order: running requests first, then newly admitted ones."""
+    num_scheduled_tokens: int = 0
+    """Sum of num_new_tokens: at most max_num_batched_tokens."""
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+    """Requests finished or aborted since the previous step: drop their per-request state."""
+    num_steps: int = 1
+    """Forward passes to run on this batch; > 1 only when every request in it decodes one token
+    per pass and has KV slots for all of them (multi-step decode)."""
+    _work: StepWork | None = field(default=None, repr=False)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def work(self) -> StepWork:
+        """The first (or only) forward pass's work: a row computing one token past its prompt decodes.
+
+        Computed once per output (the runner's cost and the engine's counters both read it).
+        """
+        if self._work is not None:
+            return self._work
+        w = self._work = StepWork()
+        for s in self.scheduled:
+            n = s.num_new_tokens
+            if n == 1 and s.start >= s.request.num_prompt_tokens:
+                w.decode_seqs += 1
+                w.decode_context_tokens += s.start + 1
+            else:
+                w.prefill_tokens += n
+                # NOTE: n * (n + 1) is even: the pair count is exact in integers.
+                w.prefill_pairs += n * s.start + n * (n + 1) // 2
+        return w
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    """Tokens sampled this step (empty when only finishing)."""
+    finished: bool
+    finish_reason: str | None
+    """"stop" | "length" | "abort" once finished, else None."""
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    """Prompt tokens served from the prefix cache at first admission."""
+
+
+class Scheduler:
+    """FCFS scheduler over one KVCacheManager.
+
+    Args:
+        config: batch limits.
+        kv_cache_manager: the block tables; it must be able to hold one request of
+            ``max_model_len`` tokens, so that a request alone always fits.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        config.validate()
+        needed = kv_cache_manager.max_blocks_per_request(config.max_model_len, config.max_num_batched_tokens)
+        if needed > kv_cache_manager.num_blocks - 1:
+            usable_tokens = (kv_cache_manager.num_blocks - 1) * kv_cache_manager.block_size
+            raise ValueError(
+                f"the KV cache holds {usable_tokens} tokens in {kv_cache_manager.num_blocks - 1} blocks, "
+                f"fewer than max_model_len ({config.max_model_len}) needs ({needed} blocks over "
+                f"{kv_cache_manager.num_groups} KV cache groups): lower max_model_len or give it more blocks"
+            )
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        # NOTE: running is in admission order; the last one is the first to be preempted.
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+        # NOTE: with full attention only, an inner window step changes the block tables only when
+        # its token completes a block (then it is cached); sliding windows also free blocks.
+        self._full_attention_only = all(isinstance(g.spec, FullAttentionSpec)
+                                        for g in kv_cache_manager.kv_cache_config.groups)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt (or recompute) tokens not computed yet, over waiting and running requests.
+
+        Waiting requests count all their tokens: their cache hit is known only at admission.
+        """
+        total = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        for r in self.running:
+            if r.num_output_tokens == 0 or r.num_computed_tokens < r.num_tokens - 1:
+                total += r.num_tokens - r.num_computed_tokens
+        return total
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request. Raises ValueError on one that could never be served."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty; it needs at least one token")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens but max_model_len is "
+                f"{self.config.max_model_len}; it must be shorter to leave room for one generated token"
+            )
+        hasher = request.block_hasher
+        if hasher is not None and hasher.block_size != self.kv_cache_manager.block_size:
+            raise ValueError(
+                f"the request hashes blocks of {hasher.block_size} tokens, "
+                f"the KV cache has blocks of {self.kv_cache_manager.block_size}"
+            )
+        request.sampling_params.validate()
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finishes a live request as aborted and frees its blocks; False when none is live."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv_cache_manager
+
+        # Running requests first: decodes and the next chunks of prompts being prefilled.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            if not self._allocate_or_preempt(request, num_new, out):
+                break  # it preempted itself: every request after it is preempted already
+            self._add_scheduled(out, request, num_new, request.num_computed_tokens)
+            budget -= num_new
+            i += 1
+
+        # Then admit waiting requests, oldest (or most recently preempted) first.
+        # NOTE: no admission in a step that preempted: the pool is known to be short.
+        num_admitted = 0
+        while self.waiting and budget > 0 and not out.preempted_ids:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            self._add_scheduled(out, request, num_new, num_hit)
+            budget -= num_new
+            num_admitted += 1
+        # NOTE: admission comes first, so a window runs only when no waiting request could start
+        # now; an arrival waits at most the rest of one window.
+        if self.config.num_scheduler_steps > 1 and not out.preempted_ids and num_admitted == 0:
+            self._plan_window(out)
+        return out
+
+    def _plan_window(self, out: SchedulerOutput) -> None:
+        """Turns an all-decode batch into a multi-step window when the pool has the lookahead slots."""
+        if not out.scheduled or any(s.num_new_tokens != 1 or not s.sample for s in out.scheduled):
+            return
+        kv = self.kv_cache_manager
+        steps: list[int] = []
+        extra_blocks = 0
+        for s in out.scheduled:
+            r = s.request
+            # NOTE: a request gets no more steps than it may still produce tokens, so lookahead
+            # never reaches past max_tokens or max_model_len.
+            left = min(r.sampling_params.max_tokens - r.num_output_tokens, self.config.max_model_len - r.num_tokens)
+            k = max(1, min(self.config.num_scheduler_steps, left))
+            steps.append(k)
+            # NOTE: counted in every group (tables have one length); sliding windows may need fewer.
+            extra_blocks += kv.num_groups * max(
+                0, -(-(r.num_computed_tokens + k) // kv.block_size) - kv.num_request_blocks(r.request_id))
+        if max(steps) == 1 or extra_blocks > kv.num_free_blocks:
+            return  # nothing to gain, or too few free blocks for the lookahead: one step
+        for s, k in zip(out.scheduled, steps, strict=True):
+            s.window_steps = k
+            if k > 1:
+                got = kv.allocate_slots(s.request, 1, num_lookahead_tokens=k - 1)
+                assert got is not None, "lookahead blocks were counted as free"
+                s.tables = None  # NOTE: re-read with the lookahead blocks
+        out.num_steps = max(steps)
+
+    def prepare_window_step(self, output: SchedulerOutput) -> list[str]:
+        """Readies the next inner step of a window; returns the ids of its requests still running.
+
+        Caches the blocks the step's input tokens fill, exactly as ``schedule()`` would have for
+        a one-step batch, so block events and the prefix cache equal those of one-step decoding.
+        """
+        kv = self.kv_cache_manager
+        bs = kv.block_size
+        lazy = self._full_attention_only
+        active: list[str] = []
+        for s in output.scheduled:
+            r = s.request
+            if r.status != RequestStatus.RUNNING:
+                continue  # finished or aborted mid-window: it leaves the batch
+            if lazy and r.num_tokens % bs:
+                active.append(r.request_id)  # no block completes at this token: nothing to cache
+                continue
+            # NOTE: the window's lookahead covers every step the request can still take, so this
+            # allocates nothing; it only caches newly full blocks, as schedule() would.
+            assert kv.num_request_blocks(r.request_id) * kv.block_size >= r.num_tokens, "inner step past the lookahead slots"
+            got = kv.allocate_slots(r, 1)
+            assert got == [], "an inner step needed a block outside its window's lookahead"
+            active.append(r.request_id)
+        return active
+
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int, start: int) -> None:
+        out.scheduled.append(
+            ScheduledRequest(
+                request=request,
+                num_new_tokens=num_new,
+                start=start,
+                kv_cache_manager=self.kv_cache_manager,
+                sample=start + num_new == request.num_tokens,
+            )
+        )
+        out.num_scheduled_tokens += num_new
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocates for a running request, preempting from the back until it fits.
+
+        Returns False when the request itself had to be preempted.
+        """
+        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        # NOTE: preemption by recompute: the blocks go back to the pool (their full blocks stay
+        # cached, so re-admission usually hits them) and every token is computed again.
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[RequestOutput]:
+        """Records a step's results.
+
+        Args:
+            output: what ``schedule()`` returned for this step.
+            sampled: request id -> tokens sampled for it (requests with ``sample`` only).
+
+        Returns:
+            One RequestOutput per request that got tokens or finished, in batch order.
+        """
+        results: list[RequestOutput] = []
+        for sched in output.scheduled:
+            request = sched.request
+            if request.is_finished:  # aborted after schedule()
+                continue
+            request.num_computed_tokens += sched.num_new_tokens
+            new_ids: list[int] = []
+            if sched.sample:
+                for token in sampled.get(request.request_id, ()):
+                    _, status = self.stop_after(request, (token,))
+                    request.append_output_token_ids(token)
+                    new_ids.append(token)
+                    if status is not None:
+                        _ = sched.block_tables  # NOTE: this step's table, read before the blocks go
+                        self.running.remove(request)
+                        self._finish(request, status)
+                        break
+            if new_ids or request.is_finished:
+                results.append(
+                    RequestOutput(
+                        request_id=request.request_id,
+                        new_token_ids=new_ids,
+                        finished=request.is_finished,
+                        finish_reason=request.finish_reason,
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        num_cached_tokens=request.num_cached_tokens,
+                    )
+                )
+        return results
+
+    def stop_after(self, request: Request, tokens: Sequence[int]) -> tuple[int, RequestStatus | None]:
+        """The stop rule: of ``tokens`` about to be appended to ``request``, how many it takes and
+        the status it finishes with after them (None: it goes on).
+
+        A stop token (EOS unless ignored, or one of ``stop_token_ids``) ends it and is kept; else
+        reaching ``max_tokens`` or ``max_model_len`` does. A stop token wins over the length limit
+        on the same token.
+        """
+        params = request.sampling_params
+        take, status = len(tokens), None
+        stops = params.stop_token_ids
+        eos = None if params.ignore_eos else request.eos_token_id
+        for i, t in enumerate(tokens):
+            if t == eos or t in stops:
+                take, status = i + 1, RequestStatus.FINISHED_STOPPED
+                break
+        room = min(params.max_tokens - request.num_output_tokens, self.config.max_model_len - request.num_tokens)
+        if room < take or (room == take and status is None):
+            take, status = room, RequestStatus.FINISHED_LENGTH
+        return take, status
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)

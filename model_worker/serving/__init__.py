@@ -1,0 +1,1 @@
+"""The server side: the gRPC adapter of the engine and its Prometheus metrics."""

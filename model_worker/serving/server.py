@@ -1,0 +1,179 @@
+"""The model worker's gRPC server: a thin adapter over EngineLoop + KVPublisher."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from kvmesh.contract.convert import FINISH_TO_PB, load_to_pb, sampling_from_pb, usage_to_pb
+from kvmesh.contract.errors import ResourceExhausted, Unavailable
+from kvmesh.contract.limits import MAX_CACHE_SALT_CHARS, MAX_WORKER_REQUEST_ID_CHARS, check_id, check_length
+from kvmesh.contract.types import Usage
+from kvmesh.kv_client.publisher import KVPublisher, registration
+from kvmesh.model_worker.engine.engine_loop import EngineLoop, Stream, TokenEvent
+from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.serving.metrics import WorkerMetrics
+from kvmesh.transport.loop import LoopThread
+from kvmesh.transport.server import AioServer
+from kvmesh.v1 import worker_pb2 as pb
+from kvmesh.v1 import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvmesh.worker")
+
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+"""Streams one worker accepts at once (``--max-queued-requests``); each is a coroutine."""
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    def __init__(self, worker: WorkerServer) -> None:
+        self.w = worker
+
+    async def Generate(self, request, context):
+        w = self.w
+        if w.draining:
+            raise Unavailable(f"worker {w.worker_id} is shutting down; retry on another worker")
+        if w.loop.num_streams >= w.max_queued_requests:
+            raise ResourceExhausted(
+                f"worker {w.worker_id} has {w.max_queued_requests} requests in flight (--max-queued-requests); "
+                "retry later or on another worker")
+        params = sampling_from_pb(request.sampling)
+        check_id("request_id", request.request_id, MAX_WORKER_REQUEST_ID_CHARS, allow_empty=True)
+        check_length("cache_salt", request.cache_salt, MAX_CACHE_SALT_CHARS)
+        rid = request.request_id or uuid.uuid4().hex
+        stream = w.loop.submit_async(rid, list(request.prompt_token_ids), params, request.cache_salt)
+        ended = "cancelled"  # the caller went away (or its deadline passed) unless set below
+        try:
+            while True:
+                batch = await stream.next_batch()
+                tokens = [ev.token_id for ev in batch if ev.token_id is not None]
+                if tokens:
+                    yield pb.WorkerGenerateResponse(token_ids=tokens, worker_id=w.worker_id)
+                ev = batch[-1]
+                if ev.token_id is not None:
+                    continue
+                ended = f"{ev.finish_reason or 'stop'}, prompt {ev.prompt_tokens} cached {ev.cached_tokens} " \
+                        f"completion {ev.completion_tokens} tokens"
+                if ev.error:
+                    ended = f"failed: {ev.error}"
+                    raise Unavailable(f"worker {w.worker_id}: {ev.error}")
+                yield pb.WorkerGenerateResponse(
+                    finish_reason=FINISH_TO_PB[ev.finish_reason or "stop"], worker_id=w.worker_id,
+                    usage=usage_to_pb(Usage(ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)))
+                return
+        finally:
+            # NOTE: one line per request at the default level, under the id the router logged.
+            log.info("request %s: %s", rid, ended)
+            # NOTE: a cancelled or expired RPC (CancelledError here) aborts the request at once
+            # (blocks freed next step); after a normal finish the abort is a no-op.
+            w.loop.abort(rid)
+
+    async def Abort(self, request, context):
+        check_length("request_id", request.request_id, MAX_WORKER_REQUEST_ID_CHARS)
+        aborted = self.w.loop.abort(request.request_id)
+        if aborted:
+            log.info("request %s: abort asked", request.request_id)
+        return pb.AbortResponse(aborted=aborted)
+
+    async def GetLoad(self, request, context):
+        w = self.w
+        return pb.GetLoadResponse(worker_id=w.worker_id, load=load_to_pb(w.engine.stats().load), model_id=w.engine.model_id,
+                                  block_size=w.engine.config.block_size,
+                                  max_model_len=w.engine.config.max_model_len or 0)
+
+
+class WorkerServer:
+    """A worker process's parts: engine loop (its own thread), kv_service publisher (optional),
+    grpc.aio server (its own event loop).
+
+    Args:
+        engine: a loaded LLMEngine.
+        worker_id: this worker's id in the index and in ``served_by``.
+        kv_service: host:port of the kv_service, or None to run without one.
+        advertise_address: host:port routers dial (default 127.0.0.1:<port>).
+        max_queued_requests: streams accepted at once; one more gets RESOURCE_EXHAUSTED.
+        stream_interval: tokens per stream message after the first (EngineLoop).
+    """
+
+    def __init__(self, engine: LLMEngine, worker_id: str, host: str = "0.0.0.0", port: int = 50061,
+                 kv_service: str | None = None, advertise_address: str | None = None,
+                 max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, stream_interval: int = 1) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.max_queued_requests = max_queued_requests
+        self.draining = False
+        self.metrics = WorkerMetrics()
+        self._aio = LoopThread("worker-grpc")
+        self.grpc: AioServer = self._aio.run(self._build(host, port))
+        self.port = self.grpc.port
+        self.address = advertise_address or f"127.0.0.1:{self.port}"
+        model = engine.model_id
+        self._labels = {"model_name": model}
+        # NOTE: the per-token series resolved once, not a label lookup per token.
+        self._tokens = self.metrics.generation_tokens.labels(model)
+        self._ttft = self.metrics.ttft.labels(model)
+        self._itl = self.metrics.itl.labels(model)
+        self.publisher: KVPublisher | None = None
+        if kv_service:
+            reg = registration(worker_id, self.address, model, engine.config.block_size, engine.config.hash_algorithm,
+                               engine.kv_cache_manager.num_blocks)
+            self.publisher = KVPublisher(kv_service, reg, engine.report_load, ack_admitted=engine.ack_admitted)
+        self.loop = EngineLoop(engine, self.publisher, on_step=self._on_step, on_finish=self._on_finish,
+                               on_token=self._on_token, stream_interval=stream_interval)
+        if self.publisher is not None:
+            self.publisher.wake_engine = self.loop.wake
+        self._prefix = (0, 0)
+
+    async def _build(self, host: str, port: int) -> AioServer:
+        server = AioServer(host, port)
+        pb_grpc.add_WorkerServicer_to_server(WorkerServicer(self), server.server)
+        server.add_service(pb.DESCRIPTOR.services_by_name["Worker"].full_name)
+        return server
+
+    def start(self, wait_registered: float = 0.0) -> WorkerServer:
+        self.loop.start()
+        self._aio.run(self.grpc.start())
+        if self.publisher is not None:
+            self.publisher.start()
+            if wait_registered and not self.publisher.wait_registered(wait_registered):
+                log.warning("not registered with kv_service yet; serving anyway (routers with --workers can reach us)")
+        self._aio.run(self.grpc.set_serving(True))
+        return self
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Refuses new requests, lets open streams finish for up to ``grace`` seconds, then stops."""
+        if not self._aio.running:
+            return
+        self.draining = True
+        self._aio.run(self.grpc.stop(grace))
+        self._aio.stop()
+        self.loop.stop()
+        if self.publisher is not None:
+            self.publisher.stop()
+
+    # -- metrics (called on the engine thread) --------------------------------------------
+    def _on_step(self, outputs, _elapsed: float) -> None:
+        s = self.engine.stats()
+        m, wm = self._labels, self.metrics
+        wm.num_running.labels(**m).set(s.num_running)
+        wm.num_waiting.labels(**m).set(s.num_waiting)
+        wm.kv_usage.labels(**m).set(1 - s.num_free_blocks / max(1, s.num_total_blocks))
+        q0, h0 = self._prefix
+        if s.prefix_cache_queries > q0:
+            wm.prefix_queries.labels(**m).inc(s.prefix_cache_queries - q0)
+        if s.prefix_cache_hits > h0:
+            wm.prefix_hits.labels(**m).inc(s.prefix_cache_hits - h0)
+        self._prefix = (s.prefix_cache_queries, s.prefix_cache_hits)
+
+    def _on_token(self, stream: Stream, now: float) -> None:
+        self._tokens.inc()
+        if stream.first_token is None:
+            self._ttft.observe(now - stream.arrival)
+        elif stream.last_token is not None:
+            self._itl.observe(now - stream.last_token)
+
+    def _on_finish(self, stream: Stream, end: TokenEvent) -> None:
+        m, wm = self._labels, self.metrics
+        wm.e2e.labels(**m).observe((stream.last_token or stream.arrival) - stream.arrival)
+        wm.prompt_tokens.labels(**m).inc(end.prompt_tokens)
+        wm.requests.labels(finished_reason=end.finish_reason or "stop", **m).inc()
+

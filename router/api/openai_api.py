@@ -1,0 +1,400 @@
+"""The OpenAI-compatible HTTP API of the router (docs/openai.md): a FastAPI app served by uvicorn on
+the router's own event loop, calling the same Frontend (model pick, stream limit, request path) as
+the gRPC adapter. This module only converts JSON to GenerateInput and outputs to OpenAI objects.
+
+- ``POST /v1/chat/completions`` and ``POST /v1/completions``, streamed as server-sent events (one
+  event per token as the worker produces it, then ``data: [DONE]``) or as one JSON object;
+- ``GET /v1/models`` (``/v1/models/{id}``), ``GET /health``, ``GET /metrics`` (the router's registry);
+- errors are OpenAI error objects naming ``param`` where there is one; the status comes from
+  kvmesh/transport/http.py, the one table that maps kvmesh's errors to HTTP. A streamed request
+  that fails before its first token gets that status; one that fails later ends its stream with an
+  error event, then ``data: [DONE]``.
+- ``/v1/*`` requires ``Authorization: Bearer <api token>`` when the router has an API token,
+  checked from the headers before a byte of the body is read; ``/health`` and ``/metrics`` stay
+  open (probes, scrapers), as gRPC health does. TLS when the router serves TLS (the same
+  certificate, key and client CA).
+
+The front door (docs/security.md): a POST body is read by router/api/request_body.py, parsed as it
+arrives and refused at the first element past a bound, never buffered whole; connections whose
+request is slow to arrive are closed by kvmesh/transport/http_guard.py. What is left that grows
+with a request (rendering a long conversation, tokenizing a long text) runs on the tokenizer pool
+(router/text/prompt.py), so no request holds the loop that HTTP and gRPC share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import ssl
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import suppress
+from typing import Any
+
+import anyio
+import pydantic
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from kvmesh.contract.errors import InvalidArgument, KVMeshError, Unauthenticated
+from kvmesh.contract.types import Usage
+from kvmesh.router.api.frontend import Frontend
+from kvmesh.router.api.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from kvmesh.router.api.request_body import BodyBounds, BodyTooLarge, read_json_body
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.model_router import GenerateOutput
+from kvmesh.router.models import ServedModel
+from kvmesh.transport import http, security
+from kvmesh.transport.http_guard import ReadGuard
+
+log = logging.getLogger("kvmesh.router.http")
+
+MAX_REQUEST_ID_CHARS = 128
+
+
+def usage_json(u: Usage | None) -> dict[str, Any]:
+    u = u or Usage()
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def error_response(exc: BaseException, chat: bool | None = None) -> JSONResponse:
+    """The OpenAI error object of ``exc``; ``chat``: the request was a chat (its prompt is ``messages``)."""
+    status, message = http.status_for(exc)
+    if status == 500:
+        log.error("unhandled error in an HTTP request", exc_info=exc)
+    code = {401: "invalid_api_key", 404: "model_not_found"}.get(status)
+    param = _public_param(http.param_of(exc), chat)
+    return JSONResponse(http.error_body(status, message, param=param, code=code), status_code=status,
+                        headers=_headers(status))
+
+
+def _headers(status: int) -> dict[str, str] | None:
+    if status == 401:
+        name, value = http.WWW_AUTHENTICATE
+        return {name.decode(): value.decode()}
+    return None
+
+
+def _public_param(param: str | None, chat: bool | None) -> str | None:
+    """The request path's names for the prompt (``prompt``, gRPC's ``token_ids``) as this API calls it."""
+    if param in ("prompt", "token_ids") and chat is not None:
+        return "messages" if chat else "prompt"
+    return param
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+"""The last event of every stream, after an error event too: SSE clients wait for it."""
+
+
+def _is_json(content_type: str) -> bool:
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or kind.endswith("+json")
+
+
+def _validation_error(exc: pydantic.ValidationError) -> InvalidArgument:
+    """The first problems of a body the models refuse, each named as a parameter (``messages[0].role``)."""
+    problems: list[str] = []
+    first: str | None = None
+    for e in exc.errors()[:3]:
+        where = ""
+        for part in e.get("loc", ()):
+            if isinstance(part, int):
+                where += f"[{part}]"
+            elif where and not part[:1].isalpha():
+                continue  # pydantic's union-member labels ("str", "list[TextPart]") are not fields
+            else:
+                where += f".{part}"
+        where = where.lstrip(".")
+        first = first or where or None
+        problems.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    return InvalidArgument("invalid request body: " + "; ".join(problems), param=first)
+
+
+class OpenAIApi:
+    """The routes; ``app`` is the ASGI application.
+
+    Args:
+        frontend: what both protocols call.
+        token: the API token (None: no auth).
+        config: the router's flags (the body bounds); default: RouterConfig's defaults.
+    """
+
+    def __init__(self, frontend: Frontend, token: str | None = None, config: RouterConfig | None = None) -> None:
+        self.frontend = frontend
+        self._token = token
+        self.config = config or RouterConfig()
+        app = FastAPI(title="kvmesh", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_exception_handler(KVMeshError, self._on_error)
+        app.add_exception_handler(ValueError, self._on_error)
+        app.add_exception_handler(RequestValidationError, self._on_invalid)
+        app.add_exception_handler(StarletteHTTPException, self._on_http)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/v1/models", self.list_models, methods=["GET"])
+        app.add_api_route("/v1/models/{model:path}", self.get_model, methods=["GET"])
+        # NOTE: the POST routes take the raw Request: FastAPI reads no body for them (read_json_body does).
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        self.app = self.fastapi = app
+        self._created = int(time.time())
+
+    # -- errors ---------------------------------------------------------------------------------
+    async def _on_error(self, _request: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)
+
+    async def _on_invalid(self, _request: Request, exc: RequestValidationError) -> JSONResponse:
+        # NOTE: only path and query parameters reach FastAPI's validation (the bodies are read by _post).
+        return error_response(InvalidArgument("invalid request: " + "; ".join(
+            str(e.get("msg")) for e in exc.errors()[:3])))
+
+    async def _on_http(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        message = str(exc.detail)
+        if status == 404:
+            message = f"no route {request.url.path}: the API is under /v1 (POST /v1/chat/completions, ...)"
+        elif status == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"{request.method} is not allowed on {request.url.path}" + (f"; use {allowed}" if allowed else "")
+        return JSONResponse(http.error_body(status, message), status_code=status, headers=exc.headers)
+
+    def _authorize(self, request: Request) -> None:
+        why = http.check_bearer(request.headers.get("authorization"), self._token)
+        if why is not None:
+            raise Unauthenticated(why)
+
+    # -- plain routes -----------------------------------------------------------------------------
+    async def health(self) -> Response:
+        """200 with each model's worker count while some model has a worker; 503 naming why not."""
+        models = [{"id": m.model_id, "workers": len(m.pool.endpoints())} for m in self.frontend.models.all()]
+        if any(m["workers"] for m in models):
+            return JSONResponse({"status": "ok", "models": models})
+        known = ", ".join(m["id"] for m in models) or "none"
+        body = http.error_body(503, f"no worker is available yet (models: {known}): workers register with the "
+                                    "kv_service (or answer at --workers) when they are up")
+        return JSONResponse({**body, "status": "unavailable", "models": models}, status_code=503)
+
+    async def metrics(self) -> Response:
+        return Response(generate_latest(self.frontend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def _card(self, m: ServedModel) -> ModelCard:
+        return ModelCard(id=m.model_id, created=self._created, root=m.model_id)
+
+    async def list_models(self, request: Request) -> ModelList:
+        self._authorize(request)
+        return ModelList(data=[self._card(m) for m in self.frontend.models.all()])
+
+    async def get_model(self, request: Request, model: str) -> ModelCard:
+        self._authorize(request)
+        return self._card(self.frontend.model(model))
+
+    # -- generation -------------------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._post(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._post(request, chat=False)
+
+    def bounds(self) -> BodyBounds:
+        """The body bounds now: the flags, and the largest prompt any served model accepts."""
+        cfg = self.config
+        tokens, nbytes = self.frontend.prompt_bounds()
+        # NOTE: twice the largest prompt: these bound the work a body costs; a prompt over its own model's
+        # bound (but under these) gets the request path's message, which names the limit and the flag.
+        return BodyBounds(cfg.max_body_bytes, cfg.max_messages, cfg.max_content_parts,
+                          max_prompt_ids=2 * tokens + 16 if tokens else 0,
+                          max_token_bytes=6 * nbytes + 1024 if nbytes else 0)
+
+    async def _post(self, request: Request, chat: bool) -> Response:
+        """Authenticate (headers only), check the declared size and type, read the body within its bounds,
+        then generate. Nothing reads the body before the token is checked."""
+        try:
+            self._authorize(request)
+            length = request.headers.get("content-length")
+            limit = self.config.max_body_bytes
+            if length is not None and length.isdigit() and int(length) > limit:
+                raise BodyTooLarge(limit)
+            content_type = request.headers.get("content-type")
+            if content_type is not None and not _is_json(content_type):
+                return JSONResponse(http.error_body(415, (
+                    f"the request body must be JSON sent with 'Content-Type: application/json', got "
+                    f"{content_type[:60]!r} (curl -d needs -H 'Content-Type: application/json')"), param=None),
+                    status_code=415)
+            try:
+                raw = await read_json_body(request.stream(), self.bounds())
+                body = (ChatCompletionRequest if chat else CompletionRequest).model_validate(raw)
+            except pydantic.ValidationError as exc:
+                raise _validation_error(exc) from None
+            return await self._generate(request, body, chat)
+        except BodyTooLarge as exc:
+            # NOTE: the rest of an oversized body is not worth reading: the connection closes after the 413.
+            return JSONResponse(http.error_body(413, str(exc)), status_code=413, headers={"connection": "close"})
+        except ClientDisconnect:
+            return Response(status_code=400)  # NOTE: nobody is listening: uvicorn drops it
+        except (KVMeshError, ValueError) as exc:
+            # NOTE: an early refusal leaves the rest of the body unread; uvicorn drains it (within
+            # --http-body-timeout) so the client reads this answer instead of a reset.
+            return error_response(exc, chat)
+
+    async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest,
+                        chat: bool) -> Response:
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        if len(rid) > MAX_REQUEST_ID_CHARS:
+            raise InvalidArgument(f"the x-request-id header has {len(rid)} characters; at most {MAX_REQUEST_ID_CHARS}")
+        model = self.frontend.model(body.model)
+        inp = body.to_input(rid)
+        outputs = self.frontend.generate(model, inp)
+        response_id = ("chatcmpl-" if chat else "cmpl-") + rid
+        created = int(time.time())
+        if not body.stream:
+            return await self._whole(outputs, response_id, created, model.model_id, chat, body.return_token_ids)
+        # NOTE: the first output is awaited before the 200 goes out, so a request refused before its
+        # first token (bad input, unknown model, overload) gets its real status, not a broken stream.
+        try:
+            first = await outputs.__anext__()
+        except StopAsyncIteration:
+            raise RuntimeError("the request path ended without output") from None
+        return StreamingResponse(
+            self._stream(first, outputs, response_id, created, model.model_id, chat, body),
+            media_type="text/event-stream", headers={"cache-control": "no-cache", "x-request-id": rid})
+
+    async def _whole(self, outputs: AsyncIterator[GenerateOutput], response_id: str, created: int, model: str,
+                     chat: bool, token_ids: bool) -> JSONResponse:
+        text, ids, last = [], [], None
+        async for out in outputs:
+            text.append(out.text)
+            ids.extend(out.token_ids)
+            last = out
+        assert last is not None
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+        else:
+            choice["text"] = "".join(text)
+        if token_ids:
+            choice["token_ids"] = ids
+        return JSONResponse({
+            "id": response_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice], "usage": usage_json(last.usage), "system_fingerprint": None})
+
+    async def _stream(self, first: GenerateOutput, outputs: AsyncIterator[GenerateOutput], response_id: str,
+                      created: int, model: str, chat: bool,
+                      body: ChatCompletionRequest | CompletionRequest) -> AsyncIterator[str]:
+        head = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": model}
+
+        def chunk(out: GenerateOutput | None, role: bool = False) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                                      "finish_reason": out.finish_reason if out is not None else None}
+            text = out.text if out is not None else ""
+            if chat:
+                choice["delta"] = {"role": "assistant", "content": text} if role else (
+                    {"content": text} if text else {})
+            else:
+                choice["text"] = text
+            if body.return_token_ids and out is not None:
+                choice["token_ids"] = list(out.token_ids)
+            return {**head, "choices": [choice]}
+
+        try:
+            if chat:
+                yield _sse(chunk(None, role=True))
+            out: GenerateOutput | None = first
+            last = first
+            while out is not None:
+                last = out
+                # NOTE: one event per worker message (one token each by default), sent at once;
+                # a token that completes no character yet (UTF-8 held back) sends nothing.
+                if out.text or out.finish_reason is not None or (body.return_token_ids and out.token_ids):
+                    yield _sse(chunk(out))
+                out = await anext_or_none(outputs)
+            if body.include_usage:
+                yield _sse({**head, "choices": [], "usage": usage_json(last.usage)})
+        except (KVMeshError, ValueError) as exc:
+            status, message = http.status_for(exc)
+            yield _sse(http.error_body(status, message, param=_public_param(http.param_of(exc), chat)))
+        except Exception as exc:  # noqa: BLE001 - the stream is open: end it with an error event
+            log.error("unhandled error in an HTTP stream", exc_info=exc)
+            yield _sse(http.error_body(500, f"internal error ({type(exc).__name__}); see the server log"))
+        finally:
+            # NOTE: shielded: the client may be gone and this task cancelled; closing the request path
+            # frees its in-flight share and cancels the worker call.
+            with anyio.CancelScope(shield=True):
+                await outputs.aclose()  # type: ignore[attr-defined]
+        yield SSE_DONE
+
+
+async def anext_or_none(it: AsyncIterator[GenerateOutput]) -> GenerateOutput | None:
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+class HttpServer:
+    """uvicorn serving :class:`OpenAIApi` on the calling event loop (the router's); TLS and the API
+    token from kvmesh/transport/security.py, read timeouts and the unfinished-request cap from
+    kvmesh/transport/http_guard.py. Build, ``start`` and ``stop`` it on that loop."""
+
+    def __init__(self, frontend: Frontend, host: str, port: int, config: RouterConfig | None = None) -> None:
+        config = config or RouterConfig()
+        sec = security.current()
+        self.api = OpenAIApi(frontend, sec.server_token, config)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as exc:
+            self._sock.close()
+            raise OSError(f"cannot listen on {host}:{port} (--http-port): {exc.strerror}") from None
+        self.port: int = self._sock.getsockname()[1]
+        tls = sec.server_tls
+        kwargs: dict[str, Any] = {}
+        if tls.enabled:
+            kwargs = dict(ssl_certfile=tls.cert, ssl_keyfile=tls.key, ssl_ca_certs=tls.ca,
+                          ssl_cert_reqs=ssl.CERT_REQUIRED if tls.ca else ssl.CERT_NONE)
+        self.tls = tls.enabled
+        self.guard = ReadGuard(config.http_header_timeout_s, config.http_body_timeout_s, config.http_max_unfinished)
+        uv = uvicorn.Config(self.api.app, http=self.guard.protocol(), lifespan="off", log_config=None,
+                            access_log=False, server_header=False, timeout_keep_alive=config.http_keep_alive_s,
+                            **kwargs)
+        self._server = uvicorn.Server(uv)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise OSError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+
+    async def stop(self, grace: float) -> None:
+        """Stops accepting, lets open requests finish for ``grace`` seconds, then closes them."""
+        if self._task is None:
+            return
+        self._server.config.timeout_graceful_shutdown = grace
+        self._server.should_exit = True
+        with suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+        self._sock.close()

@@ -1,0 +1,48 @@
+"""The routing policies (docs/router.md) and their registry: ``--policy NAME``.
+
+- kvmesh's own: ``kv-aware`` (kv_aware.py);
+- the plain ones: ``round-robin``, ``least-loaded``, and SGLang's ``prefix-hash`` (basic.py);
+- the field's, each from its own source: ``approx-tree`` (SGLang's cache-aware router,
+  approx_tree.py), ``dynamo`` (dynamo.py), ``preble`` (preble.py), ``llm-d`` and ``lmetric`` (field.py).
+
+A policy is pure: no grpc, no I/O, no clock but the injected one (router/core/policies/base.py).
+"""
+
+from __future__ import annotations
+
+from kvmesh.router.core.policies.approx_tree import ApproxTreePolicy
+from kvmesh.router.core.policies.base import PolicyConfig, RouterPolicy
+from kvmesh.router.core.policies.basic import LeastLoadedPolicy, PrefixHashPolicy, RoundRobinPolicy
+from kvmesh.router.core.policies.dynamo import DynamoPolicy
+from kvmesh.router.core.policies.field import LlmdPolicy, LmetricPolicy
+from kvmesh.router.core.policies.kv_aware import KvAwarePolicy
+from kvmesh.router.core.policies.preble import PreblePolicy
+
+POLICIES: dict[str, type[RouterPolicy]] = {
+    p.name: p for p in (KvAwarePolicy, RoundRobinPolicy, LeastLoadedPolicy, PrefixHashPolicy, ApproxTreePolicy,
+                        DynamoPolicy, LlmdPolicy, PreblePolicy, LmetricPolicy)
+}
+
+
+POLICY_ORDER = ("kv-aware", "round-robin", "least-loaded", "prefix-hash", "approx-tree", "dynamo", "llm-d", "preble",
+                "lmetric")
+"""The order policies are listed and run in (tables, JSON)."""
+
+
+def policy_names() -> list[str]:
+    """Every registered policy name: ``POLICY_ORDER`` first, any other after it, alphabetically."""
+    rank = {name: i for i, name in enumerate(POLICY_ORDER)}
+    return sorted(POLICIES, key=lambda n: (rank.get(n, len(rank)), n))
+
+
+def make_policy(name: str, config: PolicyConfig | None = None) -> RouterPolicy:
+    """The policy registered under ``name`` (``--policy``).
+
+    Raises:
+        ValueError: no policy has that name.
+    """
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(policy_names())}") from None
+    return cls(config)

@@ -1,0 +1,181 @@
+"""The workers' step time, learned online from what they report.
+
+Every worker reports cumulative counters in its load (kvmesh.contract.types.Load): seconds spent
+in steps, and what those steps computed (steps, prefill tokens, prefill attention pairs, decode
+sequence-steps, decode context tokens). Between two reports of one worker, the busy seconds are
+(close to) a linear function of the work:
+
+    busy = step_s * steps + prefill_token_s * prefill + prefill_pair_s * pairs
+         + decode_seq_s * decode_seqs + decode_context_token_s * decode_context
+
+:class:`StepCostLearner` fits those five coefficients by least squares over the deltas of
+successive reports, with exponential forgetting so the fit follows drift. It keeps one fit per
+worker (``group``: each worker's own reports; a fleet may mix GPU types, and nothing a worker reports
+names its hardware) and one pooled over every worker's reports, which answers for a worker until its
+own fit has ``min_reports`` (docs/benchmarks.md, "Step-cost fit: per worker or pooled", has the
+measurement that chose per worker). No coefficient is assumed: until enough reports arrived,
+:meth:`StepCostLearner.estimate` returns None and callers fall back to a plain token count. The
+fit approximates the true step time: on a GPU, and on a simulated worker (model_worker/simulated/step_time.py,
+a roofline: memory bound at small batch, compute bound in a large prefill), step time is not
+linear in the work.
+
+This module imports neither grpc nor redis.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvmesh.contract.types import Load
+
+FEATURES = ("steps", "prefill_tokens", "prefill_pairs", "decode_tokens", "decode_context_tokens")
+
+
+@dataclass(slots=True, frozen=True)
+class StepCost:
+    """Seconds per unit of work of one step (the fitted coefficients)."""
+
+    step_s: float
+    prefill_token_s: float
+    prefill_pair_s: float
+    decode_seq_s: float
+    decode_context_token_s: float
+    pairs_per_prefill_token: float
+    """The mean attention pairs per prefill token seen (to cost a queue of unknown prompts)."""
+
+
+def _counters(load: Load) -> tuple[float, ...]:
+    return (load.busy_s, *(float(getattr(load, f)) for f in FEATURES))
+
+
+def per_worker(worker_id: str) -> str:
+    """The default grouping of :class:`StepCostLearner`: every worker its own fit."""
+    return worker_id
+
+
+class _Fit:
+    """One least-squares fit: the forgetting normal equations in scaled units."""
+
+    __slots__ = ("a", "b", "scale", "pairs", "prefill", "reports", "fit", "dirty")
+
+    def __init__(self) -> None:
+        k = len(FEATURES)
+        self.a = np.zeros((k, k))
+        self.b = np.zeros(k)
+        self.scale = np.ones(k)
+        self.pairs = 0.0
+        self.prefill = 0.0
+        self.reports = 0
+        self.fit: StepCost | None = None
+        self.dirty = False
+
+    def add(self, x: np.ndarray, y: float, forget: float) -> None:
+        # NOTE: the features differ by ~10 orders of magnitude (steps vs attention pairs):
+        # solve in units of each feature's largest delta seen, for a well-conditioned system.
+        self._rescale(np.maximum(self.scale, x))
+        z = x / self.scale
+        self.a = forget * self.a + np.outer(z, z)
+        self.b = forget * self.b + z * y
+        self.pairs += x[2]
+        self.prefill += x[1]
+        self.reports += 1
+        self.dirty = True
+
+    def _rescale(self, scale: np.ndarray) -> None:
+        if np.array_equal(scale, self.scale):
+            return
+        r = self.scale / scale
+        self.a *= np.outer(r, r)
+        self.b *= r
+        self.scale = scale
+
+    def solve(self) -> StepCost:
+        if self.dirty or self.fit is None:
+            self.fit = self._solve()
+            self.dirty = False
+        return self.fit
+
+    def _solve(self) -> StepCost:
+        k = len(FEATURES)
+        active = list(range(k))
+        coef = np.zeros(k)
+        ridge = 1e-9 * (np.trace(self.a) / k or 1.0)
+        # NOTE: non-negative least squares by elimination: a coefficient fitted below zero (a
+        # feature the data cannot tell apart from the others) is dropped and the rest refitted.
+        while active:
+            a = self.a[np.ix_(active, active)] + ridge * np.eye(len(active))
+            sol = np.linalg.solve(a, self.b[active])
+            if (sol >= 0).all():
+                coef[active] = sol
+                break
+            active = [j for j, v in zip(active, sol, strict=True) if v >= 0] if (sol > 0).any() else []
+        c = coef / self.scale
+        ratio = self.pairs / self.prefill if self.prefill else 0.0
+        return StepCost(*(float(v) for v in c), pairs_per_prefill_token=ratio)
+
+
+class StepCostLearner:
+    """Least squares of busy time on the work counters, per group of workers and pooled; thread-safe.
+
+    Args:
+        forget: weight kept by the past per new observation (0.995: ~200 reports of memory).
+        min_reports: observations a fit needs before it answers.
+        group: which fit a worker's reports feed besides the pooled one (:func:`per_worker`, the
+            default: its own); None = the pooled fit only.
+    """
+
+    def __init__(self, forget: float = 0.995, min_reports: int = 8,
+                 group: Callable[[str], Hashable] | None = per_worker) -> None:
+        self.forget = forget
+        self.min_reports = min_reports
+        self.group = group
+        self._last: dict[str, tuple[float, ...]] = {}
+        self._pooled = _Fit()
+        self._groups: dict[Hashable, _Fit] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def reports(self) -> int:
+        """Observations so far (every worker's)."""
+        return self._pooled.reports
+
+    def observe(self, worker_id: str, load: Load) -> None:
+        """Feeds one report of a worker (repeats of the last one are ignored)."""
+        if not load.steps:
+            return  # NOTE: an older worker, or one that has not run a step yet
+        cur = _counters(load)
+        with self._lock:
+            prev = self._last.get(worker_id)
+            if prev == cur:
+                return
+            self._last[worker_id] = cur
+            if prev is None or cur[1] <= prev[1]:
+                return  # first report, or a restarted worker (counters back to 0)
+            d = np.subtract(cur, prev)
+            y, x = d[0], d[1:]
+            if y <= 0 or (x < 0).any():
+                return
+            self._pooled.add(x, y, self.forget)
+            if self.group is not None:
+                key = self.group(worker_id)
+                fit = self._groups.get(key)
+                if fit is None:
+                    fit = self._groups[key] = _Fit()
+                fit.add(x, y, self.forget)
+
+    def estimate(self, worker_id: str | None = None) -> StepCost | None:
+        """The fit for ``worker_id``: its group's once that has ``min_reports`` observations, else the
+        pooled one; None (any worker) before the pooled fit has ``min_reports``. Without a worker:
+        the pooled fit."""
+        with self._lock:
+            if self._pooled.reports < self.min_reports:
+                return None
+            if worker_id is not None and self.group is not None:
+                fit = self._groups.get(self.group(worker_id))
+                if fit is not None and fit.reports >= self.min_reports:
+                    return fit.solve()
+            return self._pooled.solve()

@@ -1,0 +1,461 @@
+"""The router's decisions, pure: prompt -> chain -> one index lookup -> candidates -> pick -> in-flight.
+
+The live router (router/model_router.py: tokenizing, forwarding, retries, streaming) and the virtual-time
+simulator (kvmesh/sim/) both call :class:`RoutingCore`, so what the simulator measures is the code
+that routes in production. Everything here is decision logic:
+
+- hashing the prompt into its block chain (one :class:`BlockHasher` per model spec);
+- whether to ask the index at all: the policy must use it, the prompt must have a full block and
+  the breaker must be closed (after a failed Lookup the index is skipped for ``index_retry_s``);
+- merging the Lookup answer (matched blocks, and each worker's load, fresher than discovery's)
+  with the speculative map (router/core/speculative.py) and this router's in-flight view
+  (router/core/inflight.py) into :class:`Candidate`s;
+- the policy's pick (router/core/policies/: hot-spot guard, rendezvous fallback) and the speculative
+  record of it; the in-flight accounting of the request on the chosen worker;
+- the shared router view (docs/router.md, "Several routers"): for a policy that reads it, each
+  pick becomes a :class:`Reservation` the caller makes in the kv_service before forwarding; a
+  refused one (another router reserved the worker since this router's Lookup) updates the
+  candidates' pending picks and the policy picks again, ``claim_attempts`` times at most, the last
+  one unconditional. :class:`Claims` is that loop without its I/O: the live router awaits each
+  Reserve (router/model_router.py), the simulator schedules it on its clock (kvmesh/sim/router.py).
+
+No grpc, no redis, no threads, no wall clock: time is the injected ``clock`` (monotonic seconds),
+and the index is anything with a ``lookup`` (router/core/upstream.py's ``PrefixIndex``). Metrics go to
+an injected :class:`DecisionObserver`; the live router maps them to Prometheus.
+
+A plan is :meth:`RoutingCore.prepare` (the chain and whether to ask the index), the Lookup (awaited
+live, router/model_router.py; answered at once in the simulator, :meth:`RoutingCore.plan`), then
+:meth:`RoutingCore.complete` (the outcome taken in, the candidates built): one code for both.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.errors import InvalidArgument
+from kvmesh.contract.index_protocol import IndexUnavailable, Reservation, ReservationAnswer, WorkerMatch
+from kvmesh.contract.limits import MAX_CHAIN_BLOCKS
+from kvmesh.contract.types import ModelSpec, Pending
+from kvmesh.router.core.inflight import InFlight, Ticket
+from kvmesh.router.core.policies.base import Candidate, Decision, RouteQuery, RouterPolicy, uncached_tokens
+from kvmesh.router.core.speculative import SpeculativeIndex
+from kvmesh.router.core.upstream import PrefixIndex, WorkerEndpoint
+
+log = logging.getLogger("kvmesh.router")
+
+
+class DecisionObserver(Protocol):
+    """Where the core's counters go (Prometheus in the live router, plain counts in the simulator)."""
+
+    def decision(self, policy: str, reason: str) -> None: ...
+
+    def fallback(self, cause: str) -> None:
+        """A request routed without the index: ``no_index``, ``lookup_failed`` or ``index_down``."""
+        ...
+
+    def lookup_latency(self, seconds: float) -> None: ...
+
+
+class CountingObserver:
+    """Counts decisions by reason and fallbacks by cause (the simulator's and the tests' observer)."""
+
+    def __init__(self) -> None:
+        self.decisions: dict[str, int] = {}
+        self.fallbacks: dict[str, int] = {}
+        self.lookups = 0
+
+    def decision(self, policy: str, reason: str) -> None:
+        self.decisions[reason] = self.decisions.get(reason, 0) + 1
+
+    def fallback(self, cause: str) -> None:
+        self.fallbacks[cause] = self.fallbacks.get(cause, 0) + 1
+
+    def lookup_latency(self, seconds: float) -> None:
+        self.lookups += 1
+
+
+class IndexBreaker:
+    """After a failed Lookup, the index is skipped for ``retry_s``.
+
+    NOTE: without it a blackholed kv_service would add the full Lookup deadline to every request;
+    with it, one request per ``retry_s`` pays the deadline while the others route by rendezvous.
+    """
+
+    def __init__(self, retry_s: float, clock: Callable[[], float]) -> None:
+        self.retry_s = retry_s
+        self._clock = clock
+        self._down_until = 0.0
+
+    def open(self) -> bool:
+        return self._clock() < self._down_until
+
+    def failed(self) -> None:
+        self._down_until = self._clock() + self.retry_s
+
+    def succeeded(self) -> None:
+        self._down_until = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class PendingPlan:
+    """A plan waiting for its Lookup (:meth:`RoutingCore.prepare`)."""
+
+    spec: ModelSpec
+    token_ids: Sequence[int]
+    chain: list[bytes]
+    lookup: list[bytes] | None
+    """The blocks to ask the index for; None = no Lookup (the policy reads no index, no full block,
+    no index configured, or the breaker is open)."""
+    index_ok: bool
+    max_tokens: int
+    asked_at: float = 0.0
+    """The router's clock when the Lookup was asked: its own picks claimed since may be missing from it."""
+
+
+@dataclass(slots=True)
+class RoutePlan:
+    """A request's tokens, chain and candidates; the first pick and every retry choose from it."""
+
+    token_ids: Sequence[int]
+    query: RouteQuery
+    candidates: list[Candidate]
+    endpoints: dict[str, WorkerEndpoint]
+    model_id: str = ""
+    versions: dict[str, int] | None = None
+    """Per worker, its reservation count in the Lookup answer; None = no claims for this plan (the
+    policy does not read the shared view, it is off, or the index did not answer)."""
+    ticket: Ticket | None = None
+    """The request's in-flight share on the worker it goes to (:meth:`RoutingCore.start`)."""
+    claimed_at: float = 0.0
+    """When its last claim was sent (the refusal's answer may miss this router's picks claimed since)."""
+
+    def candidate(self, worker_id: str) -> Candidate:
+        return next(c for c in self.candidates if c.worker_id == worker_id)
+
+
+class RoutingCore:
+    """One router's decision state: policy, speculative map, in-flight view, index breaker.
+
+    Args:
+        policy: the routing policy (router/core/policies/).
+        speculative_ttl_s: how long a pick counts as the worker holding the prompt's blocks (0 = off).
+        index_retry_s: after a failed Lookup, skip the index this long.
+        clock: monotonic seconds (time.monotonic live, the virtual clock in the simulator).
+        observer: receives decision / fallback / lookup-latency counts; None = not counted.
+        shared_view: reserve picks in the kv_service and read the other routers' (when the policy
+            reads the view).
+        router_id: this router's id in its claims.
+        claim_attempts: claims per request at most; the last is unconditional.
+    """
+
+    def __init__(self, policy: RouterPolicy, *, speculative_ttl_s: float = 2.0, index_retry_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, observer: DecisionObserver | None = None,
+                 shared_view: bool = False, router_id: str = "router", claim_attempts: int = 10) -> None:
+        self.policy = policy
+        self.shared_view = shared_view and policy.shares_view
+        self.router_id = router_id
+        self.claim_attempts = claim_attempts
+        self.clock = clock
+        self.speculative = SpeculativeIndex(speculative_ttl_s, clock=clock)
+        self.inflight = InFlight()
+        self.breaker = IndexBreaker(index_retry_s, clock)
+        self.observer: DecisionObserver = observer or CountingObserver()
+        self._hashers: dict[ModelSpec, BlockHasher] = {}
+
+    # -- 1. the chain ---------------------------------------------------------------------------
+    def hasher(self, spec: ModelSpec) -> BlockHasher:
+        h = self._hashers.get(spec)
+        if h is None:
+            h = self._hashers[spec] = BlockHasher(spec.model_id, spec.block_size, spec.hash_algorithm)
+        return h
+
+    def chain(self, spec: ModelSpec, token_ids: Sequence[int], cache_salt: str = "") -> list[bytes]:
+        """The prompt's block hashes. Raises InvalidArgument on token ids that cannot be hashed."""
+        try:
+            return self.hasher(spec).hash_prompt(token_ids, cache_salt)
+        except ValueError as exc:
+            raise InvalidArgument(f"token_ids: {exc}") from None
+
+    # -- 2. the index ---------------------------------------------------------------------------
+    def wants_index(self, chain: Sequence[bytes]) -> bool:
+        """Whether this request's pick would use a Lookup (the policy reads it, the prompt has a block)."""
+        return self.policy.uses_index and bool(chain)
+
+    def index_allowed(self, have_index: bool = True) -> bool:
+        """Whether to ask the index now; counts the fallback cause when not."""
+        if not have_index:
+            self.observer.fallback("no_index")
+            return False
+        if self.breaker.open():
+            self.observer.fallback("index_down")
+            return False
+        return True
+
+    def lookup_succeeded(self, seconds: float) -> None:
+        self.breaker.succeeded()
+        self.observer.lookup_latency(seconds)
+
+    def lookup_failed(self, exc: IndexUnavailable) -> None:
+        """A Lookup did not answer. Only ``lookup_failed`` (down, too slow) opens the breaker: a
+        Lookup the index refused as malformed (``lookup_invalid``) is that request's problem, and
+        every other client keeps the index."""
+        self.observer.fallback(exc.cause)
+        if exc.cause == "lookup_failed":
+            self.breaker.failed()
+            log.warning("kv_service lookup failed, routing by rendezvous hash: %s", exc)
+        elif exc.cause == "lookup_invalid":
+            log.warning("kv_service refused a Lookup, routing this request without it: %s", exc)
+
+    # -- 3. the candidates ----------------------------------------------------------------------
+    def build(self, spec: ModelSpec, token_ids: Sequence[int], chain: list[bytes],
+              endpoints: Iterable[WorkerEndpoint], answer: Sequence[WorkerMatch] | None, index_ok: bool, *,
+              adopt: bool, healthy: Callable[[str], bool] = lambda _w: True, max_tokens: int = 0,
+              asked_at: float | None = None) -> RoutePlan:
+        """The candidates of one request.
+
+        Args:
+            answer: the Lookup's answer, or None when the index was not asked or failed.
+            index_ok: False when the index was wanted but could not be asked.
+            adopt: a worker the Lookup names that discovery has not listed yet joins the candidates
+                (discovery from the index); False with a static worker list.
+            healthy: whether a worker is free of a recent failure mark.
+            max_tokens: the request's max_tokens, for policies that cost its decode.
+            asked_at: when the Lookup was asked (the shared view adds this router's picks claimed since).
+        """
+        eps = {e.worker_id: e for e in endpoints}
+        matched: dict[str, int] = {}
+        indexed: dict[str, int] = {}
+        shared = self.shared_view and answer is not None
+        pending: dict[str, WorkerMatch] = {}
+        if answer is not None:
+            for m in answer:
+                known = eps.get(m.worker_id)
+                if known is not None:
+                    # NOTE: the Lookup's load is fresher than the last discovery poll.
+                    eps[m.worker_id] = replace(known, load=m.load)
+                elif adopt:  # registered since the last poll
+                    eps[m.worker_id] = WorkerEndpoint(m.worker_id, m.address, m.load)
+                else:  # static --workers: a worker outside the list is not ours to use
+                    continue
+                matched[m.worker_id] = indexed[m.worker_id] = m.matched_blocks
+                if shared:
+                    pending[m.worker_id] = m
+        if self.wants_index(chain):
+            for worker_id, n in self.speculative.matches(chain).items():
+                if worker_id in eps and n > matched.get(worker_id, 0):
+                    matched[worker_id] = n
+        candidates = []
+        for e in eps.values():
+            f = self.inflight.of(e.worker_id)
+            c = Candidate(e.worker_id, e.address, matched.get(e.worker_id, 0), e.load, f.requests,
+                          f.prefill_tokens, f.waiting, f.blocks, indexed.get(e.worker_id, 0))
+            m = pending.get(e.worker_id)
+            if m is not None:
+                c.pending = self._with_own(m.pending, e.worker_id, self.clock() if asked_at is None else asked_at)
+            candidates.append(c)
+        usable = [c for c in candidates if healthy(c.worker_id)]
+        # NOTE: unhealthy marks are hints: when every worker carries one, try them all anyway.
+        return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok, max_tokens),
+                         usable or candidates, eps, spec.model_id,
+                         {w: m.pending.version for w, m in pending.items()} if shared else None)
+
+    def prepare(self, spec: ModelSpec, token_ids: Sequence[int], have_index: bool, *, cache_salt: str = "",
+              chain: list[bytes] | None = None, max_tokens: int = 0) -> PendingPlan:
+        """Steps 1-2 of a plan: the chain, and whether (and for which blocks) to ask the index.
+
+        The caller asks the index for ``pending.lookup`` when it is not None (a Lookup awaited live,
+        answered at once in the simulator) and hands the outcome to :meth:`complete`. ``chain`` may be
+        passed when the caller already has the prompt's hashes (the simulator hashes each prompt
+        once per trace).
+        """
+        if chain is None:
+            chain = self.chain(spec, token_ids, cache_salt)
+        lookup = None
+        index_ok = True
+        if self.wants_index(chain):
+            index_ok = self.index_allowed(have_index)
+            if index_ok:
+                # NOTE: the index answers at most MAX_CHAIN_BLOCKS blocks; a longer prompt
+                # (--max-prompt-tokens 0) is looked up by its leading ones, never refused.
+                lookup = chain[:MAX_CHAIN_BLOCKS]
+        return PendingPlan(spec, token_ids, chain, lookup, index_ok, max_tokens, self.clock())
+
+    def complete(self, pending: PendingPlan, endpoints: Iterable[WorkerEndpoint],
+               outcome: Sequence[WorkerMatch] | IndexUnavailable | None, seconds: float = 0.0, *,
+               adopt: bool, healthy: Callable[[str], bool] = lambda _w: True) -> RoutePlan:
+        """Steps 3 of a plan: the Lookup's ``outcome`` (its answer, or the IndexUnavailable it raised;
+        None when none was asked) taken in, the candidates built."""
+        answer: Sequence[WorkerMatch] | None = None
+        index_ok = pending.index_ok
+        if pending.lookup is not None:
+            if isinstance(outcome, IndexUnavailable):
+                self.lookup_failed(outcome)
+                index_ok = False
+            else:
+                self.lookup_succeeded(seconds)
+                answer = outcome
+        return self.build(pending.spec, pending.token_ids, pending.chain, endpoints, answer, index_ok, adopt=adopt,
+                          healthy=healthy, max_tokens=pending.max_tokens, asked_at=pending.asked_at)
+
+    def plan(self, spec: ModelSpec, token_ids: Sequence[int], endpoints: Iterable[WorkerEndpoint],
+             index: PrefixIndex | None, *, cache_salt: str = "", adopt: bool = True,
+             healthy: Callable[[str], bool] = lambda _w: True, chain: list[bytes] | None = None,
+             max_tokens: int = 0) -> RoutePlan:
+        """:meth:`prepare` + at most one Lookup of a synchronous index + :meth:`complete` (the simulator's)."""
+        pending = self.prepare(spec, token_ids, index is not None, cache_salt=cache_salt, chain=chain,
+                             max_tokens=max_tokens)
+        outcome: Sequence[WorkerMatch] | IndexUnavailable | None = None
+        t0 = self.clock()
+        if pending.lookup is not None:
+            assert index is not None
+            try:
+                outcome = index.lookup(spec.model_id, pending.lookup)
+            except IndexUnavailable as exc:
+                outcome = exc
+        return self.complete(pending, endpoints, outcome, self.clock() - t0, adopt=adopt, healthy=healthy)
+
+    # -- 4. the pick ----------------------------------------------------------------------------
+    def pick(self, plan: RoutePlan, candidates: Sequence[Candidate] | None = None, *, count: bool = True) -> Decision:
+        """The policy's pick among ``candidates`` (default: all of the plan's), recorded in the
+        speculative map at once (a burst's next same-prefix request follows it) and counted
+        (``count=False``: the caller counts it with :meth:`commit` once its claim is settled)."""
+        decision = self.policy.pick(plan.query, plan.candidates if candidates is None else candidates)
+        self.speculative.record(plan.query.block_hashes, decision.worker_id)
+        if count:
+            self.commit(plan, decision)
+        return decision
+
+    def commit(self, plan: RoutePlan, decision: Decision) -> None:
+        """The pick stands: counted."""
+        self.observer.decision(self.policy.name, decision.reason)
+
+    # -- 4b. the shared view --------------------------------------------------------------------
+    def claims(self, plan: RoutePlan, decision: Decision, request_id: str) -> Claims:
+        """The reservation loop of a pick (:class:`Claims`), for a plan with or without the shared view."""
+        return Claims(self, plan, decision, request_id)
+
+    def claim(self, plan: RoutePlan, decision: Decision, request_id: str, tries: int) -> Reservation | None:
+        """The reservation of the pick to make before forwarding (``tries`` made before it), or None
+        when there is none to make: no shared view for this plan, or the attempts are used up."""
+        if plan.versions is None or tries >= self.claim_attempts:
+            return None
+        # NOTE: in flight from the pick on, so this router's next picks see it while it is claimed.
+        ticket = self.start(plan, decision.worker_id)
+        self.inflight.claim_started(ticket)
+        plan.claimed_at = self.clock()
+        q = plan.query
+        c = plan.candidate(decision.worker_id)
+        seen = plan.versions.get(decision.worker_id, 0) if tries < self.claim_attempts - 1 else None
+        blocks = -(-q.prompt_len // q.block_size) if q.block_size else 0
+        return Reservation(plan.model_id, decision.worker_id, self.router_id, request_id, uncached_tokens(c, q), blocks,
+                           seen)
+
+    def _with_own(self, p: Pending, worker_id: str, since: float) -> Pending:
+        """The kv_service's pending picks of a worker plus this router's own that it may not hold yet
+        (claimed after ``since``, when its answer was asked): the view counts each pick once."""
+        n, tokens, blocks = self.inflight.claimed_since(worker_id, since)
+        return Pending(p.requests + n, p.prefill_tokens + tokens, p.blocks + blocks, p.version) if n else p
+
+    def claimed(self, plan: RoutePlan, answer: ReservationAnswer) -> Decision | None:
+        """The kv_service's answer to a claim: None when reserved (forward the pick), else the
+        policy's new pick with every candidate's pending picks as they are now (claim it next)."""
+        if answer.reserved:
+            self.claim_settled(plan)
+            return None
+        assert plan.versions is not None
+        if plan.ticket is not None:
+            self.finish(plan.ticket)  # NOTE: the pick moves: its own share must not weigh on the re-pick
+            self.speculative.forget(plan.query.block_hashes, plan.ticket.worker_id)
+        for c in plan.candidates:
+            p = answer.pending.get(c.worker_id)
+            if p is not None:
+                c.pending = self._with_own(p, c.worker_id, plan.claimed_at)
+                plan.versions[c.worker_id] = p.version
+        # NOTE: the first pick's speculative record stays (its TTL ends it): removing one record's
+        # entries would also remove those of every same-instant record of that worker.
+        return self.pick(plan, count=False)
+
+    def claim_settled(self, plan: RoutePlan) -> None:
+        """The plan's claim was reserved, or given up on (the kv_service did not answer)."""
+        if plan.ticket is not None:
+            self.inflight.claim_settled(plan.ticket, self.clock())
+
+    # -- 5. in-flight accounting ----------------------------------------------------------------
+    def start(self, plan: RoutePlan, worker_id: str) -> Ticket:
+        """The request goes to ``worker_id``: its uncached tokens wait for prefill there; the policy
+        hears of it (``RouterPolicy.started``). Idempotent per plan and worker (a claimed pick is in
+        flight from its claim on); a plan's earlier ticket on another worker is finished."""
+        t = plan.ticket
+        if t is not None and not t.finished:
+            if t.worker_id == worker_id:
+                return t
+            self.finish(t)
+        q = plan.query
+        chosen = plan.candidate(worker_id)
+        blocks = -(-q.prompt_len // q.block_size) if q.block_size else 0
+        plan.ticket = self.inflight.start(worker_id, uncached_tokens(chosen, q), blocks)
+        self.policy.started(plan.ticket, q, chosen)
+        return plan.ticket
+
+    def prefilled(self, ticket: Ticket) -> None:
+        """Its first token arrived."""
+        if self.inflight.prefilled(ticket):
+            self.policy.prefilled(ticket)
+
+    def finish(self, ticket: Ticket, output_tokens: int = 0) -> None:
+        """It ended (any way), after ``output_tokens`` tokens (0: failed or not known); idempotent."""
+        if self.inflight.finish(ticket):
+            self.policy.finished(ticket, output_tokens)
+
+
+class Claims:
+    """One request's reservation loop in the shared router view, without its I/O.
+
+    The caller sends each :meth:`next` reservation to the kv_service and hands back its answer
+    (:meth:`answered`) or its failure (:meth:`unanswered`) until :meth:`next` answers None; then
+    :attr:`decision` is the pick to forward. The live router awaits each Reserve; the simulator
+    schedules it on its virtual clock: one loop for both.
+    """
+
+    __slots__ = ("core", "plan", "decision", "request_id", "tries", "conflicts", "_done")
+
+    def __init__(self, core: RoutingCore, plan: RoutePlan, decision: Decision, request_id: str) -> None:
+        self.core = core
+        self.plan = plan
+        self.decision = decision
+        self.request_id = request_id
+        self.tries = 0
+        self.conflicts = 0
+        """Reservations refused because another router reserved the worker first."""
+        self._done = plan.versions is None
+
+    def next(self) -> Reservation | None:
+        """The reservation to make now, or None: the pick stands (reserved, given up on, or no claims
+        for this plan)."""
+        if self._done:
+            return None
+        r = self.core.claim(self.plan, self.decision, self.request_id, self.tries)
+        if r is None:
+            self._done = True
+        return r
+
+    def answered(self, answer: ReservationAnswer) -> bool:
+        """The kv_service's answer; True when it reserved the pick, False when the policy picked again
+        (the next reservation is that pick's)."""
+        again = self.core.claimed(self.plan, answer)
+        if again is None:
+            self._done = True
+            return True
+        self.decision, self.tries = again, self.tries + 1
+        self.conflicts += 1
+        return False
+
+    def unanswered(self) -> None:
+        """The kv_service did not answer (or the worker left it): the pick is forwarded as it is."""
+        self.core.claim_settled(self.plan)
+        self._done = True

@@ -1,0 +1,493 @@
+"""The request path: validate, tokenize, hash, look up, pick, forward, stream back.
+
+The gRPC adapter (router/api/grpc_api.py) and the OpenAI HTTP adapter (router/api/openai_api.py) turn a
+request into a :class:`GenerateInput`, iterate :meth:`ModelRouter.generate` (through router/api/frontend.py,
+which picks the model's ModelRouter) and turn each :class:`GenerateOutput` into their messages. Workers and
+the index are reached through router/core/upstream.py's protocols, so this module imports neither
+grpc nor redis; errors are kvmesh.contract.errors, mapped to status codes by kvmesh/transport/.
+
+Everything here runs on the router's event loop. The decisions (chain, candidates, pick, in-flight
+accounting) are router/core/routing.py's synchronous code; only I/O is awaited: the Lookup, the worker's
+stream, and tokenizing a long text (router/text/prompt.py: on a thread of the tokenizer pool, within
+the prompt bounds). A client that goes away cancels the request's task; the cancellation reaches
+the open worker call at its await, and the ``finally`` blocks free its in-flight share.
+
+Every request is validated here (router/text/prompt.py), whichever front end built it, before any work
+is spent on it. Public messages name no worker and no address (a client has no use for the mesh's
+topology): the details go to this router's log, under the request's id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from kvmesh.contract.errors import (
+    InvalidArgument,
+    KVMeshError,
+    RequestTooLarge,
+    Unavailable,
+)
+from kvmesh.contract.index_protocol import IndexUnavailable, WorkerMatch
+from kvmesh.contract.types import DEFAULT_MAX_TOKENS, SamplingParams, Usage
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.core.attempts import Attempts
+from kvmesh.router.core.inflight import InFlight
+from kvmesh.router.core.policies import make_policy
+from kvmesh.router.core.policies.base import Decision, RouterPolicy
+from kvmesh.router.core.routing import RoutePlan, RoutingCore
+from kvmesh.router.core.speculative import SpeculativeIndex
+from kvmesh.router.core.upstream import (
+    AsyncPrefixIndex,
+    Failure,
+    WorkerChunk,
+    WorkerEndpoint,
+    WorkerError,
+    WorkerPool,
+    WorkerRequest,
+)
+from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.text.chat_template import ChatTemplate
+from kvmesh.router.text.detokenize import IncrementalDetokenizer
+from kvmesh.router.text.prompt import (
+    RENDER_ON_LOOP_MESSAGES,
+    TOKENIZE_ON_LOOP_CHARS,
+    PromptLimits,
+    PromptTokenizer,
+    check_input,
+    check_message_count,
+    check_token_id_range,
+)
+from kvmesh.router.text.stop_strings import StopStrings, check_stop_strings
+
+log = logging.getLogger("kvmesh.router")
+
+ABORT_DRAIN_S = 2.0
+"""After a stop string, how long the worker's final message (with the request's usage) is awaited."""
+
+
+@dataclass(slots=True, frozen=True)
+class ChatInput:
+    """A conversation for the model's chat template (router/text/chat_template.py)."""
+
+    messages: Sequence[Mapping[str, Any]]
+    """``{"role", "content"[, "name"]}`` each, content as text."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Extra template variables (vLLM's ``chat_template_kwargs``)."""
+
+
+@dataclass(slots=True, frozen=True)
+class GenerateInput:
+    """A client request, already converted from protobuf or JSON; exactly one of text / token_ids /
+    chat is set."""
+
+    text: str | None
+    token_ids: Sequence[int] | None
+    sampling: SamplingParams
+    cache_salt: str = ""
+    request_id: str = ""
+    timeout_s: float | None = None
+    """Time the client has left (its gRPC deadline); None = no client deadline."""
+    chat: ChatInput | None = None
+    stop: Sequence[str] = ()
+    """Stop strings (router/text/stop_strings.py); they need the model's tokenizer."""
+    include_stop_str_in_output: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class GenerateOutput:
+    token_ids: Sequence[int]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    served_by: str = ""
+    request_id: str = ""
+    """On the first output only: the id the request has in the router's and the worker's logs."""
+
+
+class ModelRouter:
+    """The request path of one model, on the server's event loop.
+
+    One ModelRouter serves one model (router/models.py keeps one per model): its own pool, tokenizer,
+    chat template, speculative map and in-flight view, so models never share routing state.
+
+    Args:
+        config: the router's flags.
+        pool: the workers of the model (router/workers/discovery.py).
+        index: the kv_service Lookup, or None to route without an index.
+        tokenizer: the model's tokenizer, or None (clients must then send token ids).
+        metrics: where to count (the server's, served on /metrics); default: a private registry.
+        chat_template: the model's chat template, or None (chat requests are refused).
+        context_len: the model's context length (from its config.json), the default prompt bound.
+    """
+
+    def __init__(self, config: RouterConfig, pool: WorkerPool, index: AsyncPrefixIndex | None,
+                 tokenizer: Tokenizer | None = None, policy: RouterPolicy | None = None,
+                 speculative: SpeculativeIndex | None = None, metrics: RouterMetrics | None = None,
+                 chat_template: ChatTemplate | None = None, context_len: int | None = None) -> None:
+        self.config = config
+        self.pool = pool
+        self.index = index
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.context_len = context_len
+        self.metrics = metrics or RouterMetrics()
+        self.prompts = (PromptTokenizer(tokenizer, self.metrics.tokenized_chars.inc, self.metrics.tokenizing.inc)
+                        if tokenizer is not None else None)
+        routing = config.routing
+        policy = policy or make_policy(routing.policy, routing.policy_config)
+        self.core = RoutingCore(policy, speculative_ttl_s=routing.speculative_ttl_s,
+                                index_retry_s=routing.index_retry_s, observer=self.metrics,
+                                shared_view=routing.shared_view and index is not None,
+                                router_id=f"router-{uuid.uuid4().hex[:12]}", claim_attempts=routing.claim_attempts)
+        if speculative is not None:
+            self.core.speculative = speculative
+
+    @property
+    def policy(self) -> RouterPolicy:
+        return self.core.policy
+
+    @property
+    def speculative(self) -> SpeculativeIndex:
+        return self.core.speculative
+
+    @property
+    def inflight(self) -> InFlight:
+        return self.core.inflight
+
+    def close(self) -> None:
+        """Stops the tokenizer pool (the server's stop)."""
+        if self.prompts is not None:
+            self.prompts.close()
+
+    # -- validation --------------------------------------------------------------------------
+    def limits(self) -> PromptLimits:
+        """The prompt bounds now: the flags over the model's context (its config.json, or the
+        smallest max_model_len static workers report)."""
+        cfg = self.config
+        context = self.context_len or getattr(self.pool, "max_model_len", 0) or None
+        try:
+            block_size = self.pool.model_spec().block_size
+        except Unavailable:
+            block_size = cfg.block_size
+        return PromptLimits.resolve(cfg.max_prompt_tokens, cfg.max_prompt_bytes, context, block_size)
+
+    def request_id_for(self, inp: GenerateInput) -> str:
+        """The id the request has from here on (worker, logs, the client's first message): the
+        client's id with a random suffix, or a random one. Raises InvalidArgument on a bad id."""
+        check_input(inp.request_id, inp.cache_salt)
+        # NOTE: the client's id is only unique to that client; clients (or routers) sharing a
+        # worker may reuse one, so the worker gets it with a random suffix, as vLLM's engine does.
+        return f"{inp.request_id}-{uuid.uuid4().hex[:12]}" if inp.request_id else uuid.uuid4().hex
+
+    def _refused(self, limit: str) -> None:
+        self.metrics.prompts_refused.labels(limit).inc()
+
+    # -- decision path (tokenize + hash + lookup + pick) ------------------------------------
+    async def tokenize(self, inp: GenerateInput, limits: PromptLimits | None = None) -> list[int]:
+        """The prompt's token ids within the prompt bounds; raises InvalidArgument on an empty or
+        missing prompt, InvalidArgument / ResourceExhausted past a bound (router/text/prompt.py)."""
+        limits = limits or self.limits()
+        if inp.token_ids is not None:
+            if not inp.token_ids:
+                raise InvalidArgument("token_ids is empty: send at least one prompt token", param="token_ids")
+            try:
+                limits.check_tokens(len(inp.token_ids))
+            except KVMeshError:
+                self._refused("tokens")
+                raise
+            check_token_id_range(inp.token_ids, "token_ids")
+            return list(inp.token_ids)
+        if inp.chat is not None:
+            return await self._encode(await self._render(inp.chat), limits, add_special_tokens=False)
+        if inp.text is None:
+            raise InvalidArgument("the request sets no input: set text, token_ids or chat")
+        if not inp.text:
+            raise InvalidArgument("text is empty: send a non-empty prompt", param="prompt")
+        # NOTE: add_special_tokens=True, as the worker's offline path encodes, so both hash the same ids.
+        return await self._encode(inp.text, limits, add_special_tokens=True)
+
+    def render_chat(self, chat: ChatInput) -> str:
+        """The conversation as prompt text, by the model's chat template.
+
+        Raises:
+            InvalidArgument: no tokenizer or template for the model, or the template refused the messages.
+        """
+        model = self.pool.model_spec().model_id
+        if self.tokenizer is None:
+            raise InvalidArgument(f"this router has no tokenizer for model {model!r} (start it with --model DIR): "
+                                  "chat needs the model's tokenizer and chat template; send token_ids instead")
+        if self.chat_template is None:
+            raise InvalidArgument(f"model {model!r} has no chat template (chat_template in its tokenizer_config.json "
+                                  "or a chat_template.jinja): send text or token_ids instead")
+        return self.chat_template.render(chat.messages, add_generation_prompt=chat.add_generation_prompt,
+                                         continue_final_message=chat.continue_final_message,
+                                         extra=chat.template_kwargs)
+
+    async def _render(self, chat: ChatInput) -> str:
+        """:meth:`render_chat`, on the tokenizer pool for a long conversation (router/text/prompt.py)."""
+        small = len(chat.messages) <= RENDER_ON_LOOP_MESSAGES and sum(
+            len(m.get("content") or "") for m in chat.messages) <= TOKENIZE_ON_LOOP_CHARS
+        if small or self.prompts is None:
+            return self.render_chat(chat)
+        return await self.prompts.run(self.render_chat, chat)
+
+    async def _encode(self, text: str, limits: PromptLimits, add_special_tokens: bool) -> list[int]:
+        """``text`` tokenized within ``limits`` (bytes first, then tokens), refusals counted."""
+        if self.prompts is None:
+            raise InvalidArgument("this router has no tokenizer (start it with --model DIR): send token_ids")
+        try:
+            limits.check_bytes(text)
+        except KVMeshError:
+            self._refused("bytes")
+            raise
+        try:
+            return await self.prompts.encode(text, limits, add_special_tokens=add_special_tokens)
+        except KVMeshError:
+            self._refused("tokens")
+            raise
+
+    async def plan(self, token_ids: list[int], cache_salt: str = "", max_tokens: int = 0) -> RoutePlan:
+        """Hashes the prompt, asks the index at most once and builds the candidates: router/core/routing.py's
+        ``prepare`` / ``complete`` around the awaited Lookup."""
+        core, spec = self.core, self.pool.model_spec()
+        pending = core.prepare(spec, token_ids, self.index is not None, cache_salt=cache_salt, max_tokens=max_tokens)
+        outcome: list[WorkerMatch] | IndexUnavailable | None = None
+        t0 = time.perf_counter()
+        if pending.lookup is not None:
+            assert self.index is not None
+            try:
+                outcome = await self.index.lookup(spec.model_id, pending.lookup)
+            except IndexUnavailable as exc:
+                outcome = exc
+        return core.complete(pending, self.pool.endpoints(), outcome, time.perf_counter() - t0,
+                           adopt=self.pool.discovers_from_index, healthy=self.pool.healthy)
+
+    async def claim(self, plan: RoutePlan, decision: Decision, request_id: str) -> Decision:
+        """Reserves the pick in the kv_service (the shared router view), picking again while another
+        router got there first; the pick to forward. A kv_service that does not answer leaves the
+        pick as it is (the request is not held up for the view). router/core/routing.py's
+        ``Claims`` is the loop; this awaits its reservations."""
+        claims = self.core.claims(plan, decision, request_id)
+        while (reservation := claims.next()) is not None:
+            assert self.index is not None
+            try:
+                answer = await self.index.reserve(reservation)
+            except IndexUnavailable as exc:
+                self.metrics.claims.labels("failed").inc()
+                log.debug("reserve failed, forwarding unreserved: %s", exc)
+                claims.unanswered()
+                break
+            self.metrics.claims.labels("reserved" if claims.answered(answer) else "conflict").inc()
+        return claims.decision
+
+    async def decide(self, inp: GenerateInput, request_id: str = "") -> tuple[RoutePlan, Decision]:
+        """Tokenize + hash + lookup + pick (+ its reservation in the shared view), and the speculative
+        record: all the server does before forwarding (benchmarks/router_overhead.py times exactly
+        this). ``request_id``: the id the worker will see (the reservation names it)."""
+        t0 = time.perf_counter()
+        if inp.stop:
+            try:
+                check_stop_strings(inp.stop)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc), param="stop") from None
+            if self.tokenizer is None:
+                raise InvalidArgument("stop strings need the model's tokenizer at the router (--model DIR); "
+                                      "use stop_token_ids", param="stop")
+        if inp.chat is not None:
+            check_message_count(len(inp.chat.messages), self.config.max_messages)
+        check_input(inp.request_id, inp.cache_salt)
+        token_ids = await self.tokenize(inp)
+        self._check_limits(inp.sampling.max_tokens)
+        plan = await self.plan(token_ids, inp.cache_salt, inp.sampling.max_tokens or DEFAULT_MAX_TOKENS)
+        if not plan.candidates:
+            raise Unavailable(self._no_worker_message())
+        decision = self.core.pick(plan, count=False)
+        if plan.versions is not None:
+            decision = await self.claim(plan, decision, request_id or self.request_id_for(inp))
+        self.core.commit(plan, decision)
+        self.metrics.decision_latency_s.observe(time.perf_counter() - t0)
+        return plan, decision
+
+    def _check_limits(self, max_tokens: int | None) -> None:
+        cfg = self.config
+        if cfg.max_tokens_limit and (max_tokens or DEFAULT_MAX_TOKENS) > cfg.max_tokens_limit:
+            raise RequestTooLarge(f"max_tokens {max_tokens or DEFAULT_MAX_TOKENS} is over this router's limit of "
+                                  f"{cfg.max_tokens_limit} (--max-tokens-limit)", param="max_tokens")
+
+    def _no_worker_message(self) -> str:
+        spec = self.pool.model_spec()
+        why = self.pool.problem or "none has a live lease in kv_service (or answers in --workers)"
+        return f"no worker is available for model {spec.model_id!r}: {why}"
+
+    # -- forwarding ---------------------------------------------------------------------------
+    async def generate(self, inp: GenerateInput, request_id: str | None = None) -> AsyncIterator[GenerateOutput]:
+        """Routes the request and streams the worker's tokens back.
+
+        Before the first token a worker that is down, busy or too slow is replaced by the next pick
+        (up to ``max_attempts``); after it, a worker failure ends the stream with Unavailable.
+        Cancelling the consuming task (the client went away) cancels the worker call. The first
+        output carries the request's id; one log line at the default level says how it ended.
+
+        Args:
+            request_id: the id :meth:`request_id_for` made (a front end that wants it before the
+                first output, e.g. for trailers); None = made here.
+
+        Raises:
+            InvalidArgument: the request is bad (here or at the worker).
+            Unavailable: no worker could take it, or the worker failed mid-stream.
+            ResourceExhausted: every worker tried was at capacity, or the prompt is over a limit.
+        """
+        rid = request_id or self.request_id_for(inp)
+        route: dict[str, object] = {}
+        try:
+            async for out in self._generate(inp, rid, route):
+                if out.finish_reason is not None:
+                    u = out.usage or Usage()
+                    log.info("request %s: %s on %s (%s, %s of %s blocks matched): prompt %d cached %d completion %d "
+                             "tokens", rid, out.finish_reason, out.served_by, route.get("reason"),
+                             route.get("matched"), route.get("blocks"), u.prompt_tokens, u.cached_tokens,
+                             u.completion_tokens)
+                yield out
+        except KVMeshError as exc:
+            log.info("request %s: %s: %s", rid, type(exc).__name__, exc)
+            raise
+        except asyncio.CancelledError:
+            log.info("request %s: cancelled (the client went away or its deadline passed)", rid)
+            raise
+
+    async def _generate(self, inp: GenerateInput, rid: str, route: dict[str, object]) -> AsyncIterator[GenerateOutput]:
+        plan, decision = await self.decide(inp, rid)
+        budget = self.config.routing.request_timeout_s if inp.timeout_s is None else min(inp.timeout_s,
+                                                                                 self.config.routing.request_timeout_s)
+        deadline = time.monotonic() + budget
+        request = WorkerRequest(rid, plan.token_ids, inp.sampling, inp.cache_salt)
+        attempts = Attempts(self.core, plan, decision, self.config.routing.max_attempts, deadline, self.pool.mark_unhealthy)
+        first = True
+        while (decision := attempts.next(time.monotonic())) is not None:
+            endpoint = plan.endpoints[decision.worker_id]
+            route.update(reason=decision.reason, matched=plan.candidate(decision.worker_id).matched_blocks,
+                         blocks=len(plan.query.block_hashes))
+            try:
+                async for out in self._stream(endpoint, plan, request, deadline - time.monotonic(), inp):
+                    if first:
+                        out, first = replace(out, request_id=rid), False
+                    yield out
+                return
+            except WorkerError as exc:  # only ever raised before the first token
+                if exc.failure is Failure.CANCELLED:
+                    return
+                # NOTE: an INVALID failure raises with the worker's own words, without who said it.
+                if not attempts.failed(endpoint.worker_id, exc.failure, f"{endpoint.address}: {exc}", exc.details):
+                    break
+                self.metrics.retries.labels(exc.failure.value).inc()
+                log.info("request %s: worker %s at %s %s before the first token (%s); trying another",
+                         rid, endpoint.worker_id, endpoint.address, exc.failure.value, exc)
+        if attempts.failures:
+            log.warning("request %s: no worker took it: %s", rid,
+                        "; ".join(f"{w}: {f.value} ({m})" for w, f, m in attempts.failures))
+        raise attempts.error()
+
+    async def _stream(self, endpoint: WorkerEndpoint, plan: RoutePlan, request: WorkerRequest,
+                      timeout_s: float, inp: GenerateInput) -> AsyncIterator[GenerateOutput]:
+        """One attempt. Raises WorkerError only before the first chunk has been yielded."""
+        ticket = self.core.start(plan, endpoint.worker_id)
+        detok = IncrementalDetokenizer(self._decode) if self.tokenizer is not None else None
+        stops = StopStrings(inp.stop, inp.include_stop_str_in_output) if inp.stop and detok is not None else None
+        completion = 0
+        started = False
+        call = None
+        try:
+            call = self.pool.generate(endpoint, request, timeout_s)
+            chunks = call.__aiter__()
+            first_token_s = self.config.routing.first_token_timeout_s
+            try:
+                if 0 < first_token_s < timeout_s:
+                    # NOTE: a worker that sits on a request is given up on while there is still
+                    # time to retry elsewhere; the call's own deadline is the whole request budget.
+                    chunk = await asyncio.wait_for(chunks.__anext__(), first_token_s)
+                else:
+                    chunk = await chunks.__anext__()
+            except asyncio.TimeoutError:  # noqa: UP041 - TimeoutError only from Python 3.11
+                raise WorkerError(Failure.TIMEOUT, f"no first token within {first_token_s:g}s "
+                                                   "(--first-token-timeout)") from None
+            except StopAsyncIteration:
+                raise WorkerError(Failure.OTHER, "the stream ended without a finish reason") from None
+            started = True
+            self.core.prefilled(ticket)
+            while True:
+                if stops is None:
+                    ids = chunk.token_ids
+                    text = detok.push(ids) if detok is not None else ""
+                else:
+                    assert detok is not None
+                    # NOTE: token by token, so the output ends at the token that completed the stop.
+                    ids, text = [], ""
+                    for t in chunk.token_ids:
+                        ids.append(t)
+                        text += stops.push(detok.push([t]))
+                        if stops.matched is not None:
+                            break
+                completion += len(ids)
+                if stops is not None and stops.matched is not None:
+                    usage = await self._end_at_stop(endpoint, request, chunks, completion)
+                    yield GenerateOutput(ids, text, "stop", usage, endpoint.worker_id)
+                    return
+                if chunk.finish_reason is not None:
+                    finish = chunk.finish_reason
+                    if detok is not None:
+                        tail = detok.flush()
+                        if stops is not None:
+                            tail = stops.push(tail)
+                            finish = "stop" if stops.matched is not None else finish
+                            tail += stops.flush()
+                        text += tail
+                    yield GenerateOutput(ids, text, finish, chunk.usage, chunk.worker_id or endpoint.worker_id)
+                    return
+                yield GenerateOutput(ids, text)
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    raise WorkerError(Failure.OTHER, "the stream ended without a finish reason") from None
+        except WorkerError as exc:
+            if not started or exc.failure is Failure.CANCELLED:
+                raise
+            log.warning("request %s: worker %s at %s failed mid-stream: %s (%s)", request.request_id,
+                        endpoint.worker_id, endpoint.address, exc.failure.value, exc)
+            raise Unavailable(f"the worker serving the request failed mid-stream ({exc.failure.value}); "
+                              "the tokens already sent stand") from None
+        finally:
+            self.core.finish(ticket, completion)
+            if call is not None:
+                call.cancel()  # a no-op once the call has ended; frees it when the client left
+
+    async def _end_at_stop(self, endpoint: WorkerEndpoint, request: WorkerRequest,
+                           chunks: AsyncIterator[WorkerChunk], completion: int) -> Usage:
+        """A stop string ended the text: the worker is told to abort, and its last message (which
+        carries the prompt's cached tokens) is awaited for at most ABORT_DRAIN_S."""
+        usage = None
+        if await self.pool.abort(endpoint, request.request_id):
+            async def last() -> Usage | None:
+                async for c in chunks:
+                    if c.finish_reason is not None:
+                        return c.usage
+                return None
+
+            with contextlib.suppress(asyncio.TimeoutError, WorkerError):  # noqa: UP041 - 3.10's TimeoutError
+                usage = await asyncio.wait_for(last(), ABORT_DRAIN_S)
+        prompt = len(request.prompt_token_ids)
+        return Usage(prompt, usage.cached_tokens if usage is not None else 0, completion)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        assert self.tokenizer is not None
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -1,0 +1,102 @@
+"""Calls to workers: one gRPC channel per kvmesh worker address (Worker.Generate streams as
+WorkerChunks), one HTTP session for the workers served over the OpenAI API (openai_worker.py).
+
+The one place the router reads the status codes of worker calls: they become router/core/upstream.py's
+Failure kinds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvmesh.contract.convert import PB_TO_FINISH, usage_from_pb
+from kvmesh.router.core.upstream import (
+    Failure,
+    WorkerChunk,
+    WorkerEndpoint,
+    WorkerError,
+)
+from kvmesh.router.workers.openai_worker import new_session
+from kvmesh.transport.channels import dial_aio
+from kvmesh.v1 import worker_pb2_grpc as w_grpc
+
+FAILURE_OF: dict[grpc.StatusCode, Failure] = {
+    grpc.StatusCode.INVALID_ARGUMENT: Failure.INVALID,
+    grpc.StatusCode.UNAVAILABLE: Failure.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Failure.BUSY,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Failure.TIMEOUT,
+    grpc.StatusCode.CANCELLED: Failure.CANCELLED,
+}
+CHANNEL_IDLE_S = 900.0
+"""A worker channel unused and out of the worker set this long is closed."""
+
+
+class GrpcWorkerCall:
+    """A Worker.Generate stream; iteration yields WorkerChunks and raises WorkerError."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, endpoint: WorkerEndpoint) -> None:
+        self._call = call
+        self._endpoint = endpoint
+
+    async def __aiter__(self) -> AsyncIterator[WorkerChunk]:
+        try:
+            async for m in self._call:
+                yield WorkerChunk(
+                    list(m.token_ids),
+                    PB_TO_FINISH.get(m.finish_reason) if m.finish_reason else None,
+                    usage_from_pb(m.usage) if m.HasField("usage") else None,
+                    m.worker_id,
+                )
+        except grpc.aio.AioRpcError as exc:
+            failure = FAILURE_OF.get(exc.code(), Failure.OTHER)
+            if failure is Failure.CANCELLED:
+                # NOTE: this router cancels a call only when it stops reading it (its task was
+                # cancelled); a CANCELLED status read here came from the worker (e.g. shutting down).
+                failure = Failure.UNAVAILABLE
+            raise WorkerError(failure, f"{exc.code().name}: {exc.details()}", exc.details() or "") from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class WorkerChannels:
+    """One aio channel per worker address, and one HTTP session for the workers served over the
+    OpenAI API (router/workers/openai_worker.py), shared by every model's pool; build it on the router's loop."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, tuple[grpc.aio.Channel, w_grpc.WorkerStub, float]] = {}
+        self._http = None
+
+    def http(self):
+        """The aiohttp session (made on first use, on the router's loop)."""
+        if self._http is None:
+            self._http = new_session()
+        return self._http
+
+    def stub(self, address: str) -> w_grpc.WorkerStub:
+        entry = self._channels.get(address)
+        if entry is None:
+            channel = dial_aio(address)
+            entry = (channel, w_grpc.WorkerStub(channel), time.monotonic())
+        else:
+            entry = (entry[0], entry[1], time.monotonic())
+        self._channels[address] = entry
+        return entry[1]
+
+    async def prune(self, live: set[str]) -> None:
+        """Closes channels out of ``live`` and unused for CHANNEL_IDLE_S."""
+        now = time.monotonic()
+        stale = [a for a, (_, _, used) in self._channels.items() if a not in live and now - used > CHANNEL_IDLE_S]
+        for address in stale:
+            await self._channels.pop(address)[0].close()
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        for channel, _, _ in channels.values():
+            await channel.close()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None

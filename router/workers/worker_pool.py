@@ -1,0 +1,96 @@
+"""The workers of one model, as discovery last saw them, and calls to them (router/core/upstream.py's
+WorkerPool over worker_calls.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from kvmesh.contract.block_hash import algorithm_name
+from kvmesh.contract.convert import sampling_to_pb
+from kvmesh.contract.types import ModelSpec
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.core.upstream import (
+    WorkerEndpoint,
+    WorkerRequest,
+)
+from kvmesh.router.core.worker_set import WorkerSet
+from kvmesh.router.workers.openai_worker import OpenAIWorkerCall, is_http
+from kvmesh.router.workers.worker_calls import GrpcWorkerCall, WorkerChannels
+from kvmesh.transport.security import call_metadata
+from kvmesh.v1 import worker_pb2 as w_pb
+
+log = logging.getLogger("kvmesh.router.discovery")
+
+class GrpcWorkerPool:
+    """The workers of one model, as :class:`WorkerDiscovery` last saw them, and calls to them.
+
+    Args:
+        model_id: the model.
+        config: the router's flags (block size / hash algorithm until a worker reports them).
+        channels: the router's worker channels.
+        discovers_from_index: the set comes from kv_service (a Lookup may name newer workers).
+    """
+
+    def __init__(self, model_id: str, config: RouterConfig, channels: WorkerChannels,
+                 discovers_from_index: bool = True) -> None:
+        self.model_id = model_id
+        self.config = config
+        self.discovers_from_index = discovers_from_index
+        self.workers = WorkerSet(config.routing.unhealthy_s, discovers_from_index)
+        self.max_model_len = 0
+        """The smallest max_model_len the static workers report (0 = unknown; kv_service discovery
+        does not carry it)."""
+        self._channels = channels
+        self._md = call_metadata()
+
+    # -- WorkerPool -------------------------------------------------------------------------
+    @property
+    def problem(self) -> str:
+        return self.workers.problem
+
+    def endpoints(self) -> list[WorkerEndpoint]:
+        return self.workers.endpoints
+
+    def model_spec(self) -> ModelSpec:
+        if self.workers.spec is not None:
+            return self.workers.spec
+        # NOTE: no worker seen yet: hash with the flags (a static pool's workers never report an algorithm).
+        return ModelSpec(self.model_id, self.config.block_size, algorithm_name(self.config.hash_algorithm))
+
+    def healthy(self, worker_id: str) -> bool:
+        return self.workers.healthy(worker_id)
+
+    def mark_unhealthy(self, worker_id: str) -> None:
+        self.workers.mark_unhealthy(worker_id)
+
+    def generate(self, endpoint: WorkerEndpoint, request: WorkerRequest,
+                 timeout_s: float) -> GrpcWorkerCall | OpenAIWorkerCall:
+        if is_http(endpoint.address):
+            return OpenAIWorkerCall(self._channels.http(), endpoint, request, timeout_s)
+        call = self._channels.stub(endpoint.address).Generate(
+            w_pb.WorkerGenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                                       sampling=sampling_to_pb(request.sampling), cache_salt=request.cache_salt),
+            timeout=timeout_s, metadata=self._md)
+        return GrpcWorkerCall(call, endpoint)
+
+    async def abort(self, endpoint: WorkerEndpoint, request_id: str) -> bool:
+        if is_http(endpoint.address):
+            return False  # NOTE: closing the call is the abort; its usage is not awaited
+        try:
+            r = await self._channels.stub(endpoint.address).Abort(
+                w_pb.AbortRequest(request_id=request_id), timeout=self.config.rpc_timeout_s, metadata=self._md)
+        except grpc.aio.AioRpcError as exc:
+            log.info("abort of %s on worker %s failed: %s", request_id, endpoint.worker_id, exc.code().name)
+            return False
+        return r.aborted
+
+    # -- fed by WorkerDiscovery ------------------------------------------------------------------
+    def update(self, endpoints: list[WorkerEndpoint], spec: ModelSpec | None, problem: str = "") -> None:
+        """The model's live workers of the last poll (``spec`` None: keep the last one)."""
+        self.workers.update(endpoints, spec, problem)
+
+    def set_problem(self, problem: str) -> None:
+        """The source failed: keep the last good set, say why it may be stale."""
+        self.workers.set_problem(problem)
