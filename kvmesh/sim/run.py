@@ -18,7 +18,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -318,53 +318,76 @@ def sweep(sim: Sim, policies: Sequence[str], rates: Sequence[float] = (), *, cap
     info: float | None = None
     search: dict[str, list[dict]] = {}
     failures: list[dict] = []
+    if relative and not (capacity and baseline in policies):
+        raise ValueError(f"relative rates need the capacity of {baseline!r}: add it to --policies")
     chains_for(sim.workload, sim.base.block_size)  # NOTE: once, before the workers fork: they share it
+    search_items = [("capacity", p, 1.0) for p in searched] if capacity else []
+    full = [("run", p, r) for p in policies for r in rates]
+    done: dict[tuple[str, str, float], object] = {}
+
+    def relative_items() -> list[tuple[str, str, float]]:
+        """The runs at ``relative`` x the baseline's capacity, once its search is done (none if it failed)."""
+        res = done[("capacity", baseline, 1.0)]
+        return [] if isinstance(res, RunFailed) else [("run", p, _r(x * res[0])) for p in policies  # type: ignore[index]
+                                                      for x in relative]
+
+    def record(item: tuple[str, str, float, object], ticked: bool = False) -> None:
+        kind, policy, _, res = item
+        done[item[:3]] = res
+        if isinstance(res, RunFailed):
+            return
+        if kind == "run":
+            if not ticked:
+                bar.tick(res)  # type: ignore[arg-type]
+            return
+        cap, tried = res  # type: ignore[misc]
+        for r in [] if ticked else tried:
+            bar.tick(r)
+        if policy == INFORMATION_LIMIT:
+            nonlocal info
+            info = cap
+        else:
+            caps[policy] = cap
+        search[policy] = tried
+
     pool = ProcessPoolExecutor(jobs, initializer=_init, initargs=(sim,)) if jobs > 1 else None
     try:
-        def submit_all(items: list[tuple[str, str, float]]) -> list[tuple[str, str, float, object]]:
-            if pool is None:
-                out = [_attempt(sim, *it, on_run=bar.tick) for it in items]
-            else:
-                out = []
-                for f in [pool.submit(_job, *it) for it in items]:
-                    item = f.result()
-                    if item[0] == "capacity" and not isinstance(item[3], RunFailed):
-                        for res in item[3][1]:  # type: ignore[index]
-                            bar.tick(res)
-                    elif isinstance(item[3], dict):
-                        bar.tick(item[3])
-                    out.append(item)
-            done = []
-            for item in out:
-                if isinstance(item[3], RunFailed):
-                    failures.append(item[3].as_dict(item[0]))
-                    sys.stderr.write(f"\n{item[3]}\n{item[3].trace}")
-                else:
-                    done.append(item)
-            return done
-
-        if capacity:
-            for _, policy, _, (cap, tried) in submit_all([("capacity", p, 1.0) for p in searched]):  # type: ignore[misc]
-                if policy == INFORMATION_LIMIT:
-                    info = cap
-                else:
-                    caps[policy] = cap
-                search[policy] = tried
-        full = [(p, r) for p in policies for r in rates]
-        if relative:
-            ref = caps.get(baseline)
-            if ref is None and any(f["policy"] == baseline for f in failures):
-                relative = ()  # NOTE: the baseline's search failed: nothing to scale by
-            elif ref is None:
-                raise ValueError(f"relative rates need the capacity of {baseline!r}: add it to --policies")
-            else:
-                full += [(p, _r(x * ref)) for p in policies for x in relative]
-        for _, _, _, res in submit_all([("run", p, r) for p, r in full]):
-            runs.append(res)  # type: ignore[arg-type]
+        if pool is None:
+            for it in search_items:
+                record(_attempt(sim, *it, on_run=bar.tick), ticked=True)
+            full += relative_items() if relative else []
+            for it in full:
+                record(_attempt(sim, *it, on_run=bar.tick), ticked=True)
+        else:
+            # NOTE: no barrier between the searches and the full runs: the baseline's search goes
+            # first and the runs scaled by its capacity follow as soon as it is known, while the
+            # runs at fixed rates fill the pool; the results are assembled in the serial order.
+            first = sorted(search_items, key=lambda it: it[1] != baseline)
+            futures = {pool.submit(_job, *it): it for it in first + full}
+            waiting_relative = bool(relative)
+            while futures:
+                finished, _ = wait(futures, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    del futures[f]
+                    record(f.result())
+                if waiting_relative and ("capacity", baseline, 1.0) in done:
+                    waiting_relative = False
+                    extra = relative_items()
+                    full += extra
+                    futures.update({pool.submit(_job, *it): it for it in extra})
     finally:
         if pool is not None:
             pool.shutdown()
         bar.close()
+    if relative and isinstance(done.get(("capacity", baseline, 1.0)), RunFailed):
+        relative = ()  # NOTE: the baseline's search failed: nothing was scaled by it
+    for it in search_items + full:  # NOTE: in the serial order, whichever finished first
+        res = done[it]
+        if isinstance(res, RunFailed):
+            failures.append(res.as_dict(it[0]))
+            sys.stderr.write(f"\n{res}\n{res.trace}")
+        elif it[0] == "run":
+            runs.append(res)  # type: ignore[arg-type]
     wall = sum(r.pop("_wall_s", 0.0) for r in runs) + sum(r.pop("_wall_s", 0.0) for t in search.values() for r in t)
     doc = {
         "oracle_hit_rate": _r(oracle_hit_rate(sim.workload, sim.base)),

@@ -40,6 +40,24 @@ def test_same_seed_gives_byte_identical_json_across_processes(tmp_path):
     assert other.run("kv-aware", 4.0)["lost_event_batches"] != 0
 
 
+@pytest.mark.timeout(300)
+def test_a_sweep_in_two_processes_gives_the_json_of_one():
+    # two processes run the searches and the runs in whatever order they finish (the runs scaled by
+    # the baseline's capacity start as soon as it is known); the document is the serial one
+    from kvmesh.sim.run import dump, sweep
+
+    sim = Sim(make_workload("hot-prompt", 40, seed=3), SimConfig(workers=2, seed=3))
+    kw = dict(rates=[3.0], relative=[0.5, 1.0], baseline="kv-aware", progress=False)
+    serial = sweep(sim, ["round-robin", "kv-aware"], jobs=1, **kw)
+    parallel = sweep(sim, ["round-robin", "kv-aware"], jobs=2, **kw)
+    cap = serial["capacity"]["kv-aware"]
+    assert cap > 0
+    assert [(r["policy"], r["rate"]) for r in serial["runs"]] == [
+        ("round-robin", 3.0), ("kv-aware", 3.0), ("round-robin", round(0.5 * cap, 6)), ("round-robin", round(cap, 6)),
+        ("kv-aware", round(0.5 * cap, 6)), ("kv-aware", round(cap, 6))]
+    assert dump(parallel) == dump(serial)
+
+
 def test_kv_aware_hits_the_shared_prefixes_round_robin_scatters():
     # 4 groups behind 2048-token prefixes, slow arrivals: a cache-aware router sends every group's
     # requests to the worker that computed its prefix; round robin spreads each group over all 4.
