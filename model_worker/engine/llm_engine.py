@@ -48,12 +48,15 @@ class EngineStats:
 
     @property
     def load(self) -> Load:
+        return self.report()
+
+    def report(self, admitted: tuple[str, ...] = (), reports_admissions: bool = False) -> Load:
+        """The load, with the admissions it covers (what a kvmesh worker reports)."""
         w = self.work
         return Load(self.num_running, self.num_waiting, self.num_free_blocks, self.num_total_blocks,
-                    self.queued_prefill_tokens, busy_s=self.busy_s, steps=self.steps,
-                    prefill_tokens=w.prefill_tokens, prefill_pairs=w.prefill_pairs, decode_tokens=w.decode_seqs,
-                    decode_context_tokens=w.decode_context_tokens,
-                    max_num_batched_tokens=self.max_num_batched_tokens)
+                    self.queued_prefill_tokens, self.busy_s, self.steps, w.prefill_tokens, w.prefill_pairs,
+                    w.decode_seqs, w.decode_context_tokens, self.max_num_batched_tokens, admitted,
+                    reports_admissions)
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:
@@ -128,6 +131,8 @@ class LLMEngine:
         # (report_load / ack_admitted): they retire the routers' picks of them (docs/router.md,
         # "Several routers"). Bounded: past it the oldest go (their picks expire instead).
         self._unreported: dict[str, None] = {}
+        self._last_report: tuple[EngineStats, tuple[str, ...], Load] | None = None
+        """The last report_load: (stats it was made of, admissions, the load)."""
         self._drained: list[Request] = []
         """Requests moved from the inbox to the scheduler since the last snapshot."""
         # NOTE: cumulative work and time of every step, reported in the load so that routers can
@@ -320,10 +325,13 @@ class LLMEngine:
             return [item for kind, item in self._inbox if kind == "add"] + self._drained
 
     def stats(self) -> EngineStats:
-        """The load as of the last step, plus requests queued since; safe from any thread."""
+        """The load as of the last step, plus requests queued since; safe from any thread. Read it,
+        never change it: with nothing queued it is the step's own snapshot."""
         with self._lock:
             queued = [item for kind, item in self._inbox if kind == "add"] + self._drained
             snap = self._stats
+        if not queued:
+            return snap
         return replace(
             snap,
             num_waiting=snap.num_waiting + len(queued),
@@ -337,7 +345,15 @@ class LLMEngine:
         with self._lock:
             admitted = tuple(self._unreported)
         # NOTE: listed first, counted after: every request listed is in the counts.
-        return replace((stats or self.stats()).load, admitted=admitted, reports_admissions=True)
+        stats = stats or self.stats()
+        # NOTE: an idle worker is asked for the same report over and over (heartbeats, and llm-d's
+        # load scrapes every 50 ms in the simulator): the last one is kept while nothing changed.
+        last = self._last_report
+        if last is not None and last[0] is stats and last[1] == admitted:
+            return last[2]
+        load = stats.report(admitted, reports_admissions=True)
+        self._last_report = (stats, admitted, load)
+        return load
 
     def ack_admitted(self, request_ids: Iterable[str]) -> None:
         """The kv_service applied a report listing these admissions: later reports leave them out."""
