@@ -7,7 +7,8 @@ SiLU x up) into a few kernels: on a GPU that is what a decode step is mostly mad
 positions (the metadata comes from the forward context), and ``T`` is dynamic: one graph serves
 every batch size, plus the sizes torch specialises (``T = 1``; on CPU ``T >= 128``, where float32
 products go to oneDNN). ``ModelRunner.warm_up`` runs each of them before the worker serves, and
-:attr:`CompiledForward.num_compiles` says whether anything compiled later.
+:attr:`CompiledForward.num_compiles` says whether anything compiled later. The default (on for
+CUDA, off for the CPU) is ``EngineConfig.check``'s.
 """
 
 from __future__ import annotations
@@ -36,8 +37,35 @@ def _raise_recompile_limits() -> None:
             setattr(cfg, name, max(getattr(cfg, name), _RECOMPILE_LIMIT))
 
 
+class _Inductor:
+    """The backend of every compiled forward pass of the process: inductor, counted.
+
+    NOTE: one backend for all models, so a model of a shape compiled before (another engine of this
+    process: the tests, the benchmarks) reuses its graphs: parameters are graph inputs
+    (``inline_inbuilt_nn_modules``), so a graph does not depend on one model's weights.
+    """
+
+    def __init__(self) -> None:
+        self.compiles = 0
+        self.seconds = 0.0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx
+
+        start = time.perf_counter()
+        compiled = compile_fx(gm, example_inputs)
+        seconds = time.perf_counter() - start
+        self.compiles += 1
+        self.seconds += seconds
+        log.info("compiled a forward graph in %.1f s (%d in this process)", seconds, self.compiles)
+        return compiled
+
+
+_INDUCTOR = _Inductor()
+
+
 class CompiledForward:
-    """``model.forward`` compiled by inductor, with a count of the graphs compiled.
+    """``model.forward`` compiled by inductor (``fullgraph``, dynamic token count).
 
     The first call of each specialisation compiles (seconds to a minute); later calls run the
     compiled code. Token-exact with the eager model on the same device and dtype (the fused
@@ -46,29 +74,18 @@ class CompiledForward:
 
     def __init__(self, model: nn.Module) -> None:
         _raise_recompile_limits()
-        self.num_compiles = 0
-        """Graphs compiled so far (each specialisation of T once)."""
-        self.compile_s = 0.0
-        """Seconds spent in inductor (dynamo's tracing not included)."""
         self._fn: Callable[..., torch.Tensor] = torch.compile(
-            model.forward, fullgraph=True, dynamic=True, backend=self._inductor)
+            model.forward, fullgraph=True, dynamic=True, backend=_INDUCTOR)
 
-    def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        from torch._inductor.compile_fx import compile_fx
+    @property
+    def num_compiles(self) -> int:
+        """Graphs compiled in this process so far (by any model): a request that compiles raises it."""
+        return _INDUCTOR.compiles
 
-        start = time.perf_counter()
-        compiled = compile_fx(gm, example_inputs)
-        seconds = time.perf_counter() - start
-        self.num_compiles += 1
-        self.compile_s += seconds
-        log.info("compiled the forward pass (graph %d) in %.1f s", self.num_compiles, seconds)
-        return compiled
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent in inductor in this process (dynamo's tracing not included)."""
+        return _INDUCTOR.seconds
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self._fn(input_ids, positions)
-
-
-def compile_default(device_type: str) -> bool:
-    """Whether ``--compile`` is on when not given: on CUDA, not on the CPU (docs/engine.md, "Compiled
-    forward": on this project's CPU host the compile costs more than it saves)."""
-    return device_type == "cuda"

@@ -54,7 +54,8 @@ class WarmupReport:
     graphs: int
     """CUDA graphs captured."""
     compiles: int
-    """Graphs of the compiled forward pass compiled (0 without --compile)."""
+    """Graphs of the compiled forward pass compiled (0 without --compile, or when an earlier engine of
+    this process compiled this model shape already)."""
     compile_s: float
     """Of ``seconds``, spent in inductor."""
 
@@ -67,13 +68,9 @@ class WarmupReport:
         return f"warm-up took {self.seconds:.1f} s: " + ", ".join(parts)
 
 
-def warmup_batches(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,
-                   *, full: bool = True) -> list[WarmupBatch]:
-    """The dummy batches of a warm-up, in the order they run.
-
-    ``full``: every shape class (compile, Triton, CUDA graphs need it); otherwise one small mixed
-    batch, which is all an eager CPU worker has to set up.
-    """
+def warmup_batches(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int
+                   ) -> list[WarmupBatch]:
+    """The dummy batches of a warm-up, in the order they run: one of each shape class."""
     widest = -(-max_model_len // block_size)
     longest = max(1, min(max_num_batched_tokens, max_model_len - 1))  # a prompt is < max_model_len
     seqs = min(max_num_seqs, max_num_batched_tokens)
@@ -84,8 +81,6 @@ def warmup_batches(max_num_seqs: int, max_num_batched_tokens: int, max_model_len
     mixed_seqs = min(seqs, 3)
     mixed_tail = max(1, min(longest, max_num_batched_tokens - (mixed_seqs - 1), 2 * mixed_seqs + 1))
     mixed = WarmupBatch((1,) * (mixed_seqs - 1) + (mixed_tail,), cover(mixed_tail))
-    if not full:
-        return [mixed]
     batches = [
         WarmupBatch((1,), 1),  # decode of one sequence, T = 1
         WarmupBatch((1,), widest),  # the same with split-KV (GPU)
@@ -121,9 +116,11 @@ def warm_up(runner: ModelRunner) -> WarmupReport:
     cfg = runner.config
     assert cfg.max_model_len is not None
     compiled = runner.compiled
-    full = compiled is not None or runner.graphs is not None or runner.device.type == "cuda"
-    batches = warmup_batches(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, runner.block_size,
-                             full=full)
+    compiles_before = compiled.num_compiles if compiled is not None else 0
+    inductor_before = compiled.compile_s if compiled is not None else 0.0
+    # NOTE: on an eager CPU worker too: the largest batches set up the allocator's buffers and
+    # oneDNN's primitives, which the first request would pay for (benchmarks/warm_start_bench.py).
+    batches = warmup_batches(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, runner.block_size)
     greedy, sampled = SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9, top_k=5, seed=0)
     for batch in batches:
         ids, positions, metas = dummy_inputs(batch, len(runner.kv_cache_config.groups), runner.device)
@@ -146,8 +143,8 @@ def warm_up(runner: ModelRunner) -> WarmupReport:
         seconds=time.perf_counter() - start,
         batches=len(batches),
         graphs=graphs.num_captured if graphs is not None else 0,
-        compiles=compiled.num_compiles if compiled is not None else 0,
-        compile_s=compiled.compile_s if compiled is not None else 0.0,
+        compiles=compiled.num_compiles - compiles_before if compiled is not None else 0,
+        compile_s=compiled.compile_s - inductor_before if compiled is not None else 0.0,
     )
     log.info("%s", report)
     return report
