@@ -29,7 +29,7 @@ def test_attention_and_the_kv_write_are_one_opaque_op_in_the_graph(tiny_model_di
     with torch.inference_mode(), forward_context(ForwardContext(runner.attention_layers, metas)):
         out = compiled(ids, positions)
         want = runner.model(ids, positions)
-    assert torch.equal(out, want)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)  # the traced graph runs the same ops
     (gm,) = graphs
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     attention = [n for n in calls if n.target in (torch.ops.kvmesh.paged_attention,
