@@ -126,6 +126,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_buffers()  # NOTE: process-wide; see host_allocator.py for why and the cost
             apply_cpu_threads()
+        if self.device.type == "cuda" and self.device.index is not None:
+            # NOTE: graph captures, Triton launches and the side stream use the current device.
+            torch.cuda.set_device(self.device)
         self._share: tuple[DeviceMemory, int, int] | None = None
         if self.device.type == "cuda" and config.num_blocks is None:
             # NOTE: before anything is loaded, and refused at once when the share is not free. What
