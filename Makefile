@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.kvmesh-setup
 
-.PHONY: setup test test-vllm run lint protos bench clean peer-venv peer-constraints bench-peer bench-vllm
+.PHONY: setup test test-vllm run lint protos bench clean peer-venv peer-constraints bench-peer bench-vllm gpu-check
 
 setup: $(STAMP)
 
@@ -83,6 +83,14 @@ test-vllm: setup peer-venv
 
 bench-vllm: setup peer-venv
 	KVMESH_PEER_PYTHON=$(PEER_PY) $(PY) benchmarks/vllm_bridge.py
+
+# The GPU worker's figures on a machine with an NVIDIA GPU, torch, triton and CUDA, and no internet
+# (docs/engine.md, "The worker on a GPU"). It installs nothing: the .venv's python where there is one,
+# else python3; it names the imports it lacks, and refuses without CUDA.
+GPU_PY ?= $(shell test -x $(PY) && echo $(PY) || echo python3)
+
+gpu-check:
+	$(GPU_PY) scripts/gpu_check.py --json gpu-check.json
 
 clean:
 	rm -rf $(VENV) $(PEER_VENV) build *.egg-info

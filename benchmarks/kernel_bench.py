@@ -1,17 +1,25 @@
 """Times the Triton ragged paged attention on prefill-heavy, decode-heavy and mixed batches.
 
-Usage: ``python benchmarks/kernel_bench.py [--dtype bf16|fp16] [--heads 32 --kv-heads 8 --head-dim 128]``
+Usage: ``python benchmarks/kernel_bench.py [--dtype bf16|fp16] [--heads 32 --kv-heads 8 --head-dim 128]
+[--json OUT] [--sweep]``
 
 Per scenario it prints tokens/s, achieved TFLOP/s (causal FLOPs actually needed, 4 per visible
 (query, key, head, dim)) and GB/s (a lower bound on traffic: q + out + each sequence's K/V read
 once), then the same for torch SDPA on dense, already gathered K/V (an idealised baseline that
 does no paging) and flash-attn's varlen kernel when it is importable. Needs a CUDA GPU; on a
 machine without one it says so and exits 0.
+
+``--sweep`` also times a grid of launch configs (tile rows, key tile, warps, pipeline stages) per
+scenario and prints the best beside the default: the input to ``ATTENTION_CONFIGS`` in
+kernels/triton_attention.py (docs/kernels.md, "Tuning"). ``--json`` writes every figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
+import json
 import math
 import sys
 from collections.abc import Callable
@@ -124,6 +132,29 @@ def _flash_varlen_fn(batch: dict, lens, dense, scale: float) -> Callable[[], Non
     return run
 
 
+def _sweep(batch: dict, scenario: Scenario, scale: float, default_ms: float) -> dict:
+    """Times candidate launch configs on one scenario; returns the best and its speed-up."""
+    from kvmesh.kernels.triton_attention import AttentionConfig, ragged_paged_attention_triton
+
+    decode = sum(q for q, _ in scenario.lens) <= 2 * len(scenario.lens)
+    rows = (16, 32, 64) if decode else (32, 64, 128)
+    best: tuple[float, AttentionConfig] | None = None
+    for block_m, block_n, warps, stages in itertools.product(rows, (32, 64, 128), (4, 8), (1, 2, 3, 4)):
+        config = AttentionConfig(block_m, block_n, warps, stages)
+        try:
+            ms = _time_ms(lambda c=config: ragged_paged_attention_triton(
+                batch["q"], batch["k"], batch["v"], batch["cu"], batch["kv"], batch["table"], scale, config=c))
+        except Exception:  # out of shared memory / registers for this shape
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, config)
+    if best is None:
+        return {}
+    ms, config = best
+    print(f"{scenario.name:<20}{'best config':<14}{ms:>9.3f}   {config}  ({default_ms / ms:.2f}x the default)")
+    return {"ms": ms, "config": dataclasses.asdict(config), "speedup": default_ms / ms}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
@@ -132,6 +163,8 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-baselines", action="store_true", help="time only the Triton kernel")
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of launch configs per scenario")
+    parser.add_argument("--json", default=None, help="write every figure here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernel_bench: a CUDA GPU is needed for timings (none found); nothing measured.")
@@ -146,7 +179,11 @@ def main() -> int:
         f"D={args.head_dim} block_size={args.block_size}"
     )
     print(f"{'scenario':<20}{'impl':<14}{'ms':>9}{'tok/s':>13}{'TFLOP/s':>10}{'GB/s':>9}{'vs triton':>11}")
+    figures: dict = {"device": torch.cuda.get_device_name(), "dtype": args.dtype, "heads": args.heads,
+                     "kv_heads": args.kv_heads, "head_dim": args.head_dim, "block_size": args.block_size,
+                     "scenarios": {}}
     for scenario in SCENARIOS:
+        row = figures["scenarios"][scenario.name] = {}
         batch = _build(scenario, args, dtype)
         tokens, flops, nbytes = _stats(
             scenario.lens, args.heads, args.kv_heads, args.head_dim, torch.finfo(dtype).bits // 8
@@ -170,13 +207,21 @@ def main() -> int:
                 print(f"{scenario.name:<20}{name:<14}  n/a: {type(exc).__name__}: {exc}"[:160])
                 continue
             base_ms = base_ms or ms
+            row[name] = {"ms": ms, "tflops": flops / ms / 1e9, "gbps": nbytes / ms / 1e6}
             print(
                 f"{scenario.name:<20}{name:<14}{ms:>9.3f}{tokens / ms * 1e3:>13,.0f}"
                 f"{flops / ms / 1e9:>10.1f}{nbytes / ms / 1e6:>9.0f}{ms / base_ms:>10.2f}x"
             )
+        if "triton" in row and "torch-sdpa" in row:
+            row["triton_over_sdpa"] = row["torch-sdpa"]["ms"] / row["triton"]["ms"]  # speed ratio, goal >= 0.9
+        if args.sweep and "triton" in row:
+            row["sweep"] = _sweep(batch, scenario, scale, row["triton"]["ms"])
         del batch
         torch.cuda.empty_cache()
     print("'vs triton' = other time / triton time (>1: triton faster). SDPA/flash read dense, unpaged K/V.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
     return 0
 
 

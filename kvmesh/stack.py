@@ -63,6 +63,9 @@ class StackConfig:
     is started for each (docs/vllm.md)."""
     bridge_args: list[str] = field(default_factory=list)
     """Extra flags for every `kvmesh bridge`."""
+    worker_start_timeout: float = 900.0
+    """Seconds to wait for each worker to report SERVING: loading, compiling and capturing CUDA graphs
+    (a worker warms up before it serves)."""
     worker_nice: int = 0
     """Start the workers this much nicer (``nice -n``). For simulated stacks on one small host: in
     a real mesh every worker has its own machine, so Redis, kv_service and router should not queue
@@ -191,7 +194,7 @@ class LocalStack:
                     *c.worker_args))
                 workers.append((addr, proc))
             for i, (addr, proc) in enumerate(workers):
-                wait_serving(addr, proc, 300)
+                wait_serving(addr, proc, c.worker_start_timeout)
                 self.endpoints[f"worker-{i}"] = addr
             self._start_bridges(kv_addr, models[0])
             addrs = []

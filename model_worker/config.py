@@ -156,8 +156,10 @@ class EngineConfig(SchedulerConfig):
     num_blocks: int | None = None
     """KV blocks in the pool, incl. the null block; none = derived from --memory-fraction."""
     memory_fraction: float | None = None
-    """CUDA: share of total GPU memory for weights + KV (none = 0.9). CPU: share of available RAM
-    for the KV cache (none = 0.05)."""
+    """CUDA: this worker's share of the GPU's total memory for everything it holds (weights,
+    activations, CUDA graphs, KV cache), whatever other processes hold, as vLLM's
+    --gpu-memory-utilization; it must be free at start (none = 0.9). CPU: share of available RAM for
+    the KV cache (none = 0.05)."""
     enable_prefix_caching: bool = flag(True, name="no-prefix-caching")
     """Reuse cached KV blocks of earlier prompts (vLLM's automatic prefix caching)."""
     hash_algorithm: str = SHA256_128
@@ -170,6 +172,16 @@ class EngineConfig(SchedulerConfig):
     """Seeds the generator of sampled requests that have no seed of their own."""
     model_id: str | None = None
     """Model identity in block hashes and the index; none = the model directory's name (docs/block-hashing.md)."""
+    compile: bool | None = None
+    """torch.compile the forward pass (inductor fuses norms, rotary, activation and residuals; attention
+    and the KV write stay opaque custom ops); neither flag = the device's default: on for CUDA, off for
+    CPU (docs/engine.md, "Compiled forward")."""
+    enforce_eager: bool = False
+    """No CUDA graphs: every decode step runs eagerly (vLLM's --enforce-eager). CUDA only; a CPU worker
+    never captures graphs."""
+    cuda_graph_sizes: list[int] = field(default_factory=list)
+    """Decode batch sizes captured as CUDA graphs (a batch runs padded to the next one; larger batches
+    run eagerly); none = 1, 2, 4, 8 and every multiple of 16 up to --max-num-seqs (at most 512)."""
 
     def check(self, model_config: ModelConfig) -> None:
         """Validates and fills derived fields; raises ValueError with what to change."""
@@ -179,6 +191,10 @@ class EngineConfig(SchedulerConfig):
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        bad = [s for s in self.cuda_graph_sizes if not 1 <= s <= self.max_num_seqs]
+        if bad:
+            raise ValueError(f"cuda_graph_sizes must lie in [1, max_num_seqs = {self.max_num_seqs}] (a decode "
+                             f"batch holds at most max_num_seqs sequences), got {bad}")
         if self.max_model_len is None:
             self.max_model_len = model_config.max_position_embeddings
         self.validate()
@@ -192,6 +208,8 @@ class EngineConfig(SchedulerConfig):
             else:
                 self.dtype = "float32"
         parse_dtype(self.dtype)
+        if self.compile is None:
+            self.compile = self.device.startswith("cuda")
 
     def scheduler_config(self, num_scheduler_steps: int | None = None) -> SchedulerConfig:
         """The scheduler's part (``num_scheduler_steps`` overridden: a runner without windows runs 1)."""

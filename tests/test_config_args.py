@@ -67,3 +67,31 @@ def test_a_field_without_a_docstring_is_refused():
 
     with pytest.raises(TypeError, match="Undocumented.bare has no docstring"):
         add_config_args(argparse.ArgumentParser(), Undocumented)
+
+
+def test_an_optional_bool_takes_a_flag_and_its_no_flag_and_leaves_none_to_the_code():
+    def engine(*argv: str) -> EngineConfig:
+        return config_from_args(EngineConfig, build_parser(only="worker").parse_args(["worker", *argv]), model="m")
+
+    assert engine().compile is None
+    assert engine("--compile").compile is True
+    assert engine("--no-compile").compile is False
+    assert (engine().enforce_eager, engine("--enforce-eager").enforce_eager) == (False, True)
+    assert engine("--cuda-graph-sizes", "1,2,8").cuda_graph_sizes == [1, 2, 8]
+
+
+def test_the_compile_default_is_per_device_and_graph_sizes_are_checked():
+    from kvmesh.model_worker.config import ModelConfig
+
+    model = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 8,
+                                   "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                   "intermediate_size": 8})
+    for device, want in (("cpu", False), ("cuda", True), ("cuda:1", True)):
+        cfg = EngineConfig(model="m", device=device)
+        cfg.check(model)
+        assert cfg.compile is want, device
+    explicit = EngineConfig(model="m", device="cpu", compile=True)
+    explicit.check(model)
+    assert explicit.compile is True
+    with pytest.raises(ValueError, match=r"cuda_graph_sizes must lie in \[1, max_num_seqs = 8\].*\[0, 16\]"):
+        EngineConfig(model="m", max_num_seqs=8, cuda_graph_sizes=[0, 4, 16]).check(model)

@@ -6,7 +6,7 @@ a flag kept an older name), its annotation, its default and the docstring under 
 is an error at start-up: the docstring is the flag's help.
 
 Types: ``int``, ``float``, ``str``, ``bool`` (default False: ``--flag`` sets it; default True:
-``--no-flag`` clears it) and ``list[str]`` / ``list[int]`` (comma-separated). An optional field
+``--no-flag`` clears it; ``bool | None``: ``--flag`` / ``--no-flag``, neither = None) and ``list[str]`` / ``list[int]`` (comma-separated). An optional field
 (``X | None``) also takes ``none`` (or an empty value) for None. A field whose type is a dataclass
 is a group: its fields become flags (flat, their defaults those of the group's default), and
 ``config_from_args`` builds it back. A field made with ``code_only()`` gets no flag.
@@ -142,7 +142,12 @@ def add_config_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: t
         else:
             kwargs["default"] = default
             shown = f" (default {_shown(default)})"
-        if tp is bool:
+        if tp is bool and optional:
+            # NOTE: an optional bool is a choice with a default left to the code (e.g. per device):
+            # --flag sets True, --no-flag False, neither keeps None.
+            kwargs["action"] = argparse.BooleanOptionalAction
+            shown = ""
+        elif tp is bool:
             if default is True:
                 name = name if name.startswith("no-") else f"no-{name}"
                 kwargs["action"] = "store_false"

@@ -144,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
         log.info("simulated worker: %s, time scale %g", cost, args.sim_time_scale)
     if args.metrics_port:
         start_metrics_server(args.metrics_port, server.metrics.registry)
-    log.info("worker %s serving %s on %s:%d (%d KV blocks of %d tokens)", worker_id, engine.model_id, worker.host,
-             server.port, engine.kv_cache_manager.num_blocks, engine.config.block_size)
+    warm = engine.warmup_report
+    log.info("worker %s serving %s on %s:%d (%d KV blocks of %d tokens%s)", worker_id, engine.model_id, worker.host,
+             server.port, engine.kv_cache_manager.num_blocks, engine.config.block_size, f"; {warm}" if warm else "")
     wait_for_termination_signal(server.stop, args.grace)
     return 0

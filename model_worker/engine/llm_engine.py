@@ -108,6 +108,11 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = _eos_token_ids(config.model, self.model_config)
         self.runner = (runner_factory or ModelRunner)(config, self.model_config)
+        # NOTE: before the first request (and before a worker reports SERVING): every compile, JIT
+        # and graph capture happens here (model_worker/execution/warmup.py).
+        warm_up = getattr(self.runner, "warm_up", None)
+        self.warmup_report = warm_up() if warm_up is not None else None
+        """What the runner's warm-up did and how long it took (None for a runner without one)."""
         self.block_hasher = BlockHasher(self.model_id, config.block_size, config.hash_algorithm)
         # NOTE: the runner decides the grouping (it lays out the KV tensors); a runner without one
         # (the simulated one) gets the grouping the model's windows imply.

@@ -51,4 +51,5 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
     finally:
         torch.set_default_dtype(default)
     model.load_weights(iter_weights(model_dir))
-    return model.eval()
+    # NOTE: inference only: no parameter needs a gradient (nor a compiled graph a backward pass).
+    return model.requires_grad_(False).eval()

@@ -14,11 +14,23 @@ from pathlib import Path
 
 import torch
 
+from kvmesh.kernels.dispatch import attention_backend
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
+from kvmesh.model_worker.execution.compile import CompiledForward
+from kvmesh.model_worker.execution.forward_context import ForwardContext, forward_context
+from kvmesh.model_worker.execution.graph_runner import DecodeGraphs, capture_sizes
 from kvmesh.model_worker.execution.host_allocator import keep_freed_buffers
+from kvmesh.model_worker.execution.memory import (
+    DeviceMemory,
+    activation_reserve,
+    graph_reserve,
+    kv_cache_budget,
+    worker_share,
+)
 from kvmesh.model_worker.execution.model_loader import load_model
 from kvmesh.model_worker.execution.models.attention import AttentionMetadata
 from kvmesh.model_worker.execution.sampler import Sampler
+from kvmesh.model_worker.execution.warmup import WarmupReport, warm_up
 from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.scheduling.request import Request
 from kvmesh.model_worker.scheduling.scheduler import SchedulerOutput
@@ -114,14 +126,61 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_buffers()  # NOTE: process-wide; see host_allocator.py for why and the cost
             apply_cpu_threads()
+        if self.device.type == "cuda" and self.device.index is not None:
+            # NOTE: graph captures, Triton launches and the side stream use the current device.
+            torch.cuda.set_device(self.device)
+        self._share: tuple[DeviceMemory, int, int] | None = None
+        if self.device.type == "cuda" and config.num_blocks is None:
+            # NOTE: before anything is loaded, and refused at once when the share is not free. What
+            # torch caches but does not use (an earlier engine of this process) is given back first.
+            torch.cuda.empty_cache()
+            memory = DeviceMemory.read(self.device)
+            share = worker_share(memory, config.memory_fraction or _DEFAULT_GPU_FRACTION)
+            self._share = (memory, share, torch.cuda.memory_reserved(self.device))
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.model = load_model(config.model, model_config, self.dtype, config.device)
         self.kv_cache_config = KVCacheConfig.from_sliding_windows(model_config.sliding_windows, self.block_size)
+        self.compiled = CompiledForward(self.model) if config.compile else None
+        """The compiled forward pass (--compile); None = the eager model."""
+        self.graphs = self._decode_graphs_for_device()
+        """Decode steps replayed from CUDA graphs (CUDA without --enforce-eager); None = eager."""
         self.num_blocks = self._decide_num_blocks()
         self._allocate_kv_cache()
         self.sampler = Sampler(config.seed)
         self._copy_stream: torch.cuda.Stream | None = None
+        self.warmup_report: WarmupReport | None = None
+
+    def warm_up(self) -> WarmupReport:
+        """Runs every shape the scheduler can produce once (compiles, Triton JITs, graph captures), so
+        that no request pays for them; the worker calls it before it reports SERVING."""
+        self.warmup_report = warm_up(self)
+        return self.warmup_report
+
+    def decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """Static decode buffers for this model and config; ``capture=False`` runs their padded
+        steps eagerly (what the CPU tests check)."""
+        cfg = self.config
+        assert cfg.max_model_len is not None
+        return DecodeGraphs(
+            self._forward_logits,
+            sizes=capture_sizes(cfg.max_num_seqs, cfg.cuda_graph_sizes),
+            num_groups=len(self.kv_cache_config.groups),
+            max_blocks=-(-cfg.max_model_len // self.block_size),
+            block_size=self.block_size,
+            vocab_size=self.model_config.vocab_size,
+            device=self.device,
+            capture=capture,
+        )
+
+    def _decode_graphs_for_device(self) -> DecodeGraphs | None:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if attention_backend(self.device) != "triton":
+            log.warning("no CUDA graphs: the torch attention backend reads its metadata on the host, which a "
+                        "graph cannot replay (unset KVMESH_ATTENTION_BACKEND, or pass --enforce-eager)")
+            return None
+        return self.decode_graphs(capture=True)
 
     def _decide_num_blocks(self) -> int:
         cfg = self.config
@@ -132,12 +191,21 @@ class ModelRunner:
         assert cfg.max_model_len is not None
         blocks_per_seq = kvc.max_blocks_per_request(cfg.max_model_len, cfg.max_num_batched_tokens)
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            fraction = cfg.memory_fraction or _DEFAULT_GPU_FRACTION
-            # NOTE: activations of one step are bounded by the token budget; keep room for them.
+            assert self._share is not None
+            start, share, reserved = self._share
             mc = self.model_config
-            activation = cfg.max_num_batched_tokens * 4 * (2 * mc.intermediate_size + 4 * mc.hidden_size) * 4
-            budget = int(total * fraction) - (total - free) - activation
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # NOTE: this runner's weights and static decode buffers (not another engine's of this process).
+            held = torch.cuda.memory_reserved(self.device) - reserved
+            graphs = self.graphs.max_size if self.graphs is not None else 0
+            budget = kv_cache_budget(
+                share,
+                weights=held,
+                # NOTE: activations of one step are bounded by the token budget; keep room for them.
+                activations=activation_reserve(cfg.max_num_batched_tokens, mc.hidden_size, mc.intermediate_size),
+                graphs=graph_reserve(graphs, mc.hidden_size, mc.intermediate_size, mc.vocab_size),
+                other=max(0, start.free - free - held),  # what libraries took outside torch's allocator
+            )
         else:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = int(available * (cfg.memory_fraction or _DEFAULT_CPU_FRACTION))
@@ -147,8 +215,8 @@ class ModelRunner:
         if num_blocks < blocks_per_seq + 1:
             raise ValueError(
                 f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {num_blocks} blocks, fewer than "
-                f"one max_model_len sequence needs ({blocks_per_seq + 1}); raise memory_fraction, set "
-                "num_blocks, or lower max_model_len"
+                f"one max_model_len sequence needs ({blocks_per_seq + 1}); raise --memory-fraction, set "
+                "--num-blocks, or lower --max-model-len (or --max-num-batched-tokens, --max-num-seqs)"
             )
         return num_blocks
 
@@ -165,12 +233,11 @@ class ModelRunner:
             for _ in range(kvc.layers_per_group)
         ]
         attns = self.model.kv_caches()
-        group_of_layer = [0] * len(attns)
         for g, group in enumerate(kvc.groups):
             for j, layer in enumerate(group.layer_ids):
                 attns[layer].k_cache, attns[layer].v_cache = pairs[j]
-                group_of_layer[layer] = g
-        self.model.kv_group_of_layer = group_of_layer
+                attns[layer].kv_group = g
+        self.attention_layers = attns
 
     def prepare_inputs(
         self, out: SchedulerOutput
@@ -226,8 +293,15 @@ class ModelRunner:
             self.sampler.release(request_id)
         if out.is_empty:
             return {}
+        graphs = self.graphs
+        if graphs is not None and self._graph_decode(out):
+            graphs.load(*self._decode_rows(out))
+            logits = graphs.run()
+            rows = [s.request for s in out.scheduled]
+            tokens = self.sampler.sample(logits, [r.sampling_params for r in rows], [r.request_id for r in rows])
+            return {r.request_id: [t] for r, t in zip(rows, tokens, strict=True)}
         input_ids, positions, metas, sample_rows = self.prepare_inputs(out)
-        hidden = self.model(input_ids, positions, metas)
+        hidden = self.forward(input_ids, positions, metas)
         sampling = [s.request for s in out.scheduled if s.sample]
         if not sampling:
             return {}
@@ -253,7 +327,11 @@ class ModelRunner:
         """
         for request_id in out.finished_ids:
             self.sampler.release(request_id)
-        input_ids, positions, metas, _ = self.prepare_inputs(out)
+        graphs = self.graphs if self.graphs is not None and self._graph_decode(out) else None
+        if graphs is not None:
+            graphs.load(*self._decode_rows(out))
+        else:
+            input_ids, positions, metas, _ = self.prepare_inputs(out)
         rows: list[Request] = [s.request for s in out.scheduled]
         overlap = self.device.type == "cuda"
         pending: tuple[list[Request], Callable[[], list[int]]] | None = None
@@ -263,7 +341,9 @@ class ModelRunner:
             return set(on_step({r.request_id: [t] for r, t in zip(batch, tokens, strict=True)}))
 
         for step in range(out.num_steps):
-            if step > 0:
+            if graphs is not None:
+                logits = graphs.run()  # NOTE: it also moves positions and KV lengths to the next step
+            elif step > 0:
                 positions = positions + 1
                 kv_lens = metas[0].kv_lens + 1
                 metas = [
@@ -275,11 +355,13 @@ class ModelRunner:
                     )
                     for m in metas
                 ]
-            hidden = self.model(input_ids, positions, metas)
-            logits = self.model.compute_logits(hidden)
+            if graphs is None:
+                logits = self.model.compute_logits(self.forward(input_ids, positions, metas))
             input_ids = self.sampler.sample_on_device(
                 logits, [r.sampling_params for r in rows], [r.request_id for r in rows]
             )
+            if graphs is not None:
+                graphs.feed(input_ids)
             wait = self._copy_to_host(input_ids)
             if overlap:
                 # NOTE: the previous step's tokens are handled while this one runs on the GPU.
@@ -298,6 +380,9 @@ class ModelRunner:
                 # of committed tokens, so it is not cached, and nothing allocates during a window.
                 sel = torch.tensor(idx, dtype=torch.int64, device=self.device)
                 rows = [rows[i] for i in idx]
+                if graphs is not None:
+                    graphs.keep(sel)
+                    continue
                 input_ids, positions = input_ids[sel], positions[sel]
                 cu_q_lens = torch.arange(len(idx) + 1, dtype=torch.int32, device=self.device)
                 kv_lens = metas[0].kv_lens[sel]
@@ -312,6 +397,31 @@ class ModelRunner:
                 ]
         if pending is not None:
             deliver(*pending)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: list[AttentionMetadata]) -> torch.Tensor:
+        """The model's hidden states ``[T, hidden]`` for one packed batch (compiled with --compile)."""
+        with forward_context(ForwardContext(self.attention_layers, metas)):
+            if self.compiled is not None:
+                return self.compiled(input_ids, positions)
+            return self.model(input_ids, positions)
+
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        metas: list[AttentionMetadata]) -> torch.Tensor:
+        return self.model.compute_logits(self.forward(input_ids, positions, metas))
+
+    def _graph_decode(self, out: SchedulerOutput) -> bool:
+        """Whether the step is a decode batch a graph holds: one new token per row, every row samples."""
+        assert self.graphs is not None
+        return self.graphs.fits(len(out.scheduled)) and all(
+            s.num_new_tokens == 1 and s.sample for s in out.scheduled)
+
+    @staticmethod
+    def _decode_rows(out: SchedulerOutput) -> tuple[list[int], list[int], list[list[list[int]]]]:
+        """Token ids, positions and, per KV cache group, the block tables of a decode batch."""
+        scheduled = out.scheduled
+        tables = [s.block_tables for s in scheduled]
+        return ([s.request.all_token_ids[s.start] for s in scheduled], [s.start for s in scheduled],
+                [[t[g] for t in tables] for g in range(len(tables[0]))])
 
     def _slots(
         self, block_tables: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None

@@ -332,7 +332,8 @@ def test_compiles_for_h100_without_a_gpu(dtype, decode, group, head_dim, extras)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     group_pad = 1 << (group - 1).bit_length()
     head_dim_pad = 1 << (head_dim - 1).bit_length()
-    block_q, block_n = triton_attention._block_shape(head_dim_pad, group_pad, decode, torch_dtype)
+    config = triton_attention.attention_config(decode, torch_dtype, head_dim_pad)
+    block_q, block_n = max(1, config.block_m // group_pad), config.block_n
     types = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
     types.update({"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "scale_log2": "fp32", "softcap": "fp32"})
     types.update({n: "*i32" for n in ("cu_q_lens_ptr", "kv_lens_ptr", "block_tables_ptr")})
@@ -341,7 +342,7 @@ def test_compiles_for_h100_without_a_gpu(dtype, decode, group, head_dim, extras)
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, USE_WINDOW=extras, USE_SOFTCAP=extras,
         SPLIT_KV=extras, DOT_PRECISION="tf32",
     )  # fmt: skip
-    jobs = [["_ragged_paged_attention_kernel", types, constexprs, 4]]
+    jobs = [["_ragged_paged_attention_kernel", types, constexprs, config.num_warps]]
     if extras:
         combine_types = {"out_ptr": f"*{dtype}", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
         combine_types["cu_q_lens_ptr"] = "*i32"
@@ -363,3 +364,34 @@ def test_compiles_for_h100_without_a_gpu(dtype, decode, group, head_dim, extras)
     assert len(compiled) == len(jobs)
     for kernel in compiled:
         assert kernel["cubin_bytes"] > 0 and kernel["shared"] <= 227 * 1024  # H100 max per block
+
+
+CONFIG_CASES = [
+    (decode, dtype, head_dim)
+    for decode in (True, False)
+    for dtype in (torch.float32, torch.float16)
+    for head_dim in (64, 128)
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("decode", "dtype", "head_dim"), CONFIG_CASES,
+                         ids=[f"{'decode' if d else 'prefill'}-{str(t)[6:]}-d{h}" for d, t, h in CONFIG_CASES])
+def test_each_launch_config_is_exact(device, decode: bool, dtype: torch.dtype, head_dim: int) -> None:
+    """The launch a GPU batch of each kind gets (tiles of several pages, its key tile), run here
+    with those tiles: configs are tunable per (decode/prefill, dtype, head size) without changing
+    results. Decode batches get the split path too (two splits), as a small grid would."""
+    config = triton_attention.attention_config(decode, dtype, head_dim)
+    assert config == triton_attention.default_attention_config(decode, dtype, head_dim)  # nothing tuned yet
+    lens = [(1, 70), (1, 5), (1, 129)] if decode else [(70, 70), (3, 40), (1, 17)]
+    batch = make_batch(lens, 8, 2, head_dim, 16, dtype, device, seed=head_dim)
+    check(batch, head_dim**-0.5, config=config, **({"num_kv_splits": 2} if decode else {}))
+
+
+def test_tuned_configs_and_the_split_policy_are_looked_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    tuned = triton_attention.AttentionConfig(block_m=32, block_n=128, num_warps=8, num_stages=3)
+    monkeypatch.setitem(triton_attention.ATTENTION_CONFIGS, (False, torch.bfloat16, 128), tuned)
+    assert triton_attention.attention_config(False, torch.bfloat16, 128) is tuned
+    assert triton_attention.attention_config(True, torch.bfloat16, 128).block_m == 16
+    assert triton_attention.attention_config(False, torch.float32, 256).block_n == 16
+    assert triton_attention.SplitKVPolicy(max_splits=16, min_tiles_per_split=4) == triton_attention.SPLIT_KV

@@ -1,4 +1,5 @@
-"""Tiny random checkpoints made once per session by kvmesh's make-model (fp32, CPU)."""
+"""Tiny random checkpoints made once per session by kvmesh's make-model (fp32); the device and dtype
+of the token-exact tests are in tests/model_worker/support.py."""
 
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ SPECS = {
         arch="llama", **TINY, seed=4, init_std=0.05, extra_config={"rope_parameters": LLAMA3_ROPE}
     ),
 }
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from tests.model_worker.support import ENGINE_DEVICE, ORACLE
+
+    return f"token-exact tests: the engine in float32 on {ENGINE_DEVICE}; the oracle: {ORACLE}"
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Windowed models through the hybrid allocator, greedy token-exact with transformers (fp32, CPU).
+"""Windowed models through the hybrid allocator, greedy token-exact with transformers (the engine
+in float32 on ``ENGINE_DEVICE``, the oracle in float32 on the CPU: tests/model_worker/support.py).
 
 Mistral windows every layer (one sliding-window group); the interleaved Qwen2 keeps full
 attention in layers 0-1 and windows 2-3 (``use_sliding_window`` + ``max_window_layers``: one
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,9 +21,9 @@ from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.model_worker.engine.llm import LLM
 from kvmesh.model_worker.scheduling.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
 from tests.model_worker.conftest import TINY
-from tests.model_worker.test_model_vs_hf import assert_matches_hf, random_prompt
+from tests.model_worker.support import EXACT, EXACT_CLI, KVMESH, hf_greedy, random_prompt
+from tests.model_worker.test_model_vs_hf import assert_matches_hf
 
-KVMESH = str(Path(sys.executable).parent / "kvmesh")
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
 
 
@@ -39,7 +39,7 @@ def test_mistral_pool_smaller_than_full_attention_needs_is_exact_and_drains(tiny
     model_dir = tiny_model_dir("mistral")  # window 32, blocks of 16: a hit needs 2 window blocks
     # 15 usable blocks hold 240 tokens: two 170-token requests fit only because the window frees
     # their early blocks (each holds at most ceil((31 + 32) / 16) + 1 = 5 blocks).
-    llm = LLM(str(model_dir), num_blocks=16, max_model_len=256, max_num_batched_tokens=32)
+    llm = LLM(str(model_dir), num_blocks=16, max_model_len=256, max_num_batched_tokens=32, **EXACT)
     kv = llm.engine.kv_cache_manager
     assert [type(g.spec) for g in kv.kv_cache_config.groups] == [SlidingWindowSpec]
     prompts = [random_prompt(150, seed=31), random_prompt(130, seed=32)]
@@ -54,7 +54,7 @@ def test_mistral_pool_smaller_than_full_attention_needs_is_exact_and_drains(tiny
 
 
 def test_qwen2_interleaved_windows_are_exact_with_hits_and_chunked_prefill(qwen2_interleaved: Path) -> None:
-    llm = LLM(str(qwen2_interleaved), num_blocks=64, max_model_len=256, max_num_batched_tokens=48)
+    llm = LLM(str(qwen2_interleaved), num_blocks=64, max_model_len=256, max_num_batched_tokens=48, **EXACT)
     kv = llm.engine.kv_cache_manager
     assert [(type(g.spec), g.layer_ids) for g in kv.kv_cache_config.groups] == [
         (FullAttentionSpec, (0, 1)),
@@ -78,7 +78,7 @@ def test_qwen2_interleaved_windows_are_exact_with_hits_and_chunked_prefill(qwen2
 
 
 def test_multistep_decode_over_sliding_windows_is_exact(qwen2_interleaved: Path) -> None:
-    llm = LLM(str(qwen2_interleaved), num_blocks=64, max_model_len=256, num_scheduler_steps=4)
+    llm = LLM(str(qwen2_interleaved), num_blocks=64, max_model_len=256, num_scheduler_steps=4, **EXACT)
     outs = llm.generate([random_prompt(60, seed=51), random_prompt(75, seed=52)], SamplingParams(
         max_tokens=40, ignore_eos=True))
     assert_matches_hf(qwen2_interleaved, outs, 40)
@@ -87,7 +87,7 @@ def test_multistep_decode_over_sliding_windows_is_exact(qwen2_interleaved: Path)
 
 def _kvmesh(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([KVMESH, *args], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([*KVMESH, *args], capture_output=True, text=True, env=env, timeout=300)
 
 
 @pytest.mark.parametrize(
@@ -111,10 +111,8 @@ def test_kvmesh_offline_on_windowed_checkpoints_matches_transformers(
         json.dumps({"prompt_token_ids": p, "max_tokens": 12, "ignore_eos": True}) + "\n" for p in prompts
     ))
     done = _kvmesh("offline", "--model", str(model_dir), "--input", str(src), "--output", str(dst),
-                   "--num-blocks", "48", "--max-num-batched-tokens", "32")
+                   "--num-blocks", "48", "--max-num-batched-tokens", "32", *EXACT_CLI)
     assert done.returncode == 0, done.stderr
     got = [json.loads(line) for line in dst.read_text().splitlines()]
-    from tests.model_worker.test_model_vs_hf import hf_greedy
-
     for p, row in zip(prompts, got, strict=True):
         assert row["token_ids"] == hf_greedy(model_dir, p, 12)

@@ -15,12 +15,13 @@ from kvmesh.contract.errors import AlreadyExists
 from kvmesh.contract.types import BlockStored, SamplingParams
 from kvmesh.model_worker.engine.llm import LLM
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from tests.model_worker.support import EXACT
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
 
 def make_engine(model_dir: Path, **kwargs) -> LLMEngine:
-    return LLMEngine(model=str(model_dir), num_blocks=64, max_model_len=128, **kwargs)
+    return LLMEngine(model=str(model_dir), num_blocks=64, max_model_len=128, **{**EXACT, **kwargs})
 
 
 def run_to_end(engine: LLMEngine) -> dict[str, list[int]]:
@@ -67,7 +68,7 @@ def test_bad_requests_raise_and_leave_a_running_request_alone(tiny_model_dir) ->
 
 def test_eos_from_config_stops_unless_ignored(tiny_model_dir, tmp_path: Path) -> None:
     src = tiny_model_dir("llama")
-    (free,) = LLM(str(src), num_blocks=64, max_model_len=128).generate([[20, 21, 22]], GREEDY)
+    (free,) = LLM(str(src), num_blocks=64, max_model_len=128, **EXACT).generate([[20, 21, 22]], GREEDY)
     eos = free.token_ids[4]
     cut = free.token_ids.index(eos)
     # A second EOS id in config.json and generation_config.json (as Llama 3 ships them).
@@ -77,7 +78,7 @@ def test_eos_from_config_stops_unless_ignored(tiny_model_dir, tmp_path: Path) ->
         cfg = json.loads((model_dir / name).read_text())
         cfg["eos_token_id"] = [1, eos]
         (model_dir / name).write_text(json.dumps(cfg))
-    llm = LLM(str(model_dir), num_blocks=64, max_model_len=128)
+    llm = LLM(str(model_dir), num_blocks=64, max_model_len=128, **EXACT)
     stopped, ignored = llm.generate(
         [[20, 21, 22]] * 2, [SamplingParams(max_tokens=10), SamplingParams(max_tokens=10, ignore_eos=True)]
     )
@@ -182,7 +183,7 @@ def test_requests_taken_into_a_running_window_are_counted_until_its_snapshot(tin
 
 
 def test_text_prompts_in_input_order(tiny_model_dir) -> None:
-    llm = LLM(str(tiny_model_dir("llama")), num_blocks=64, max_model_len=128)
+    llm = LLM(str(tiny_model_dir("llama")), num_blocks=64, max_model_len=128, **EXACT)
     texts = ["The keeper climbed the tower.", "Ships", "Why is the lens shaped like a beehive?"]
     outputs = llm.generate(texts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 7, 5)])
     assert [len(o.token_ids) for o in outputs] == [3, 7, 5]

@@ -13,6 +13,7 @@ from kvmesh.cli import main
 from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import CHAT_TEMPLATE, ensure_default_model
 from kvmesh.model_worker.engine.llm import LLM
+from tests.model_worker.support import EXACT
 
 SMALL = [
     "--layers",
@@ -112,6 +113,6 @@ def test_default_model_is_made_once_and_not_degenerate(tmp_path: Path, monkeypat
     assert json.loads((path / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
 
-    llm = LLM(str(path), num_blocks=300)
+    llm = LLM(str(path), num_blocks=300, **EXACT)
     (out,) = llm.generate(["The keeper of the light"], SamplingParams(max_tokens=32, ignore_eos=True))
     assert len(set(out.token_ids)) > 8

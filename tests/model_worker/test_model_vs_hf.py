@@ -1,51 +1,24 @@
-"""Greedy outputs of our engine are token-exact with transformers ``generate`` (fp32, CPU)."""
+"""Greedy outputs of our engine are token-exact with transformers ``generate``: the engine in float32
+on ``ENGINE_DEVICE``, the oracle in float32 on the CPU (tests/model_worker/support.py)."""
 
 from __future__ import annotations
 
 import json
 import shutil
-from functools import cache
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.config import ModelConfig
 from kvmesh.model_worker.engine.llm import LLM
+from tests.model_worker.support import EXACT, hf_greedy, random_prompt
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
-@cache
-def _hf_model(model_dir: str):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # run exactly max_new_tokens, like ignore_eos
-    return model
-
-
-def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    model = _hf_model(str(model_dir))
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-def random_prompt(n: int, seed: int, vocab: int = 600) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, vocab, (n,), generator=g).tolist()
-
-
 def make_llm(model_dir: Path, **kwargs) -> LLM:
-    kwargs = {"num_blocks": 64, "max_model_len": 256, "max_num_batched_tokens": 256, **kwargs}
+    kwargs = {"num_blocks": 64, "max_model_len": 256, "max_num_batched_tokens": 256, **EXACT, **kwargs}
     return LLM(str(model_dir), **kwargs)
 
 

@@ -7,11 +7,7 @@ import json
 import os
 import shutil
 import subprocess
-import sys
-from functools import cache
 from pathlib import Path
-
-import torch
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import SamplingParams
@@ -19,33 +15,13 @@ from kvmesh.model_worker.engine.llm_engine import LLMEngine
 from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.scheduling.request import Request
 from kvmesh.model_worker.scheduling.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from tests.model_worker.support import EXACT, EXACT_CLI, KVMESH, hf_greedy, random_prompt
 
 BS = 16
 
 
-@cache
-def _hf_model(model_dir: str):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        out = _hf_model(str(model_dir)).generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def random_prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(2, 600, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def make_engine(model_dir: Path, n: int, **kwargs) -> LLMEngine:
-    kwargs = {"num_blocks": 64, "max_model_len": 256, "max_num_batched_tokens": 256, **kwargs}
+    kwargs = {"num_blocks": 64, "max_model_len": 256, "max_num_batched_tokens": 256, **EXACT, **kwargs}
     return LLMEngine(model=str(model_dir), num_scheduler_steps=n, **kwargs)
 
 
@@ -234,9 +210,8 @@ def test_offline_cli_with_eight_steps_is_token_exact_with_transformers(tiny_mode
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"prompt_token_ids": p, "max_tokens": 19, "ignore_eos": True}) + "\n"
                            for p in prompts))
-    kvmesh = str(Path(sys.executable).parent / "kvmesh")
-    done = subprocess.run([kvmesh, "offline", "--model", str(model_dir), "--input", str(src), "--output", str(dst),
-                           "--num-blocks", "64", "--max-model-len", "256", "--num-scheduler-steps", "8"],
+    done = subprocess.run([*KVMESH, "offline", "--model", str(model_dir), "--input", str(src), "--output", str(dst),
+                           "--num-blocks", "64", "--max-model-len", "256", "--num-scheduler-steps", "8", *EXACT_CLI],
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert done.returncode == 0, done.stderr
     got = [json.loads(line)["token_ids"] for line in dst.read_text().splitlines()]

@@ -8,6 +8,7 @@ import torch
 from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.engine.llm import LLM
 from kvmesh.model_worker.execution.sampler import Sampler
+from tests.model_worker.support import EXACT
 
 
 def logits_rows(n: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -74,7 +75,7 @@ def test_release_restarts_a_seeded_stream() -> None:
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir) -> LLM:
-    return LLM(str(tiny_model_dir("llama")), num_blocks=64, max_model_len=256)
+    return LLM(str(tiny_model_dir("llama")), num_blocks=64, max_model_len=256, **EXACT)
 
 
 def test_engine_seed_reproducible_and_seed_dependent(llm: LLM) -> None:

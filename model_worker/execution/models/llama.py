@@ -3,13 +3,13 @@ embeddings), Mistral (sliding window). The differences are config flags, not cla
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from kvmesh.model_worker.config import ModelConfig
-from kvmesh.model_worker.execution.models.attention import AttentionMetadata, PagedAttention
+from kvmesh.model_worker.execution.models.attention import PagedAttention
 from kvmesh.model_worker.execution.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 
@@ -21,18 +21,16 @@ class LlamaAttention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer])
+        self.attn = PagedAttention(layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer])
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         # NOTE: q and k sit side by side in the fused projection: one rotary pass over both heads.
         qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
                                                                      self.head_dim), cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v, meta)
+        out = self.attn(q, k, v)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -50,10 +48,9 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, meta)
+        h = self.self_attn(h, cos, sin)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -80,26 +77,23 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.kv_group_of_layer = [0] * cfg.num_layers
+
+    @property
+    def kv_group_of_layer(self) -> list[int]:
         """Per layer: its KV cache group, whose metadata (block tables, slots) it reads; bound by
         the runner with the caches."""
+        return [attn.kv_group for attn in self.kv_caches()]
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata | Sequence[AttentionMetadata],
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``input_ids``/``positions`` ``[T]`` -> final hidden states ``[T, hidden]``.
 
-        ``meta`` is one metadata per KV cache group (or one for a single group).
+        Called inside the runner's forward context (forward_context.py): the attention metadata.
         """
-        metas = [meta] if isinstance(meta, AttentionMetadata) else meta
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual = None
-        for layer, group in zip(self.layers, self.kv_group_of_layer, strict=True):
-            x, residual = layer(x, residual, cos, sin, metas[group])
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,120 @@
+"""`make gpu-check` on a machine without a GPU: what can be checked without one (scripts/gpu_check.py).
+
+The import check names what is missing, the check refuses cleanly without CUDA, a source checkout
+is laid out as the wheel lays it, and the goal table is assembled from the parts' figures.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+assert _spec is not None and _spec.loader is not None
+gpu_check = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_check"] = gpu_check
+_spec.loader.exec_module(gpu_check)
+
+
+def test_missing_imports_and_binaries_are_named_with_their_pip_packages() -> None:
+    absent = {"grpc", "redis", "google.protobuf"}
+    found = gpu_check.missing(["torch", "grpc", "redis", "google.protobuf", "grpc", "redis-server"],
+                              find=lambda m: None if m in absent else object(), which=lambda b: None)
+    assert found == ["grpc", "redis", "google.protobuf", "redis-server"]
+    line = gpu_check.describe_missing(found)
+    assert line == ("missing: pip packages grpcio, redis, protobuf (imports grpc, redis, google.protobuf); "
+                    "the redis-server binary")
+    assert gpu_check.describe_missing([]) == "nothing missing"
+
+
+def test_a_part_whose_parent_package_is_absent_counts_as_missing() -> None:
+    def find(name: str):
+        raise ModuleNotFoundError(name)
+
+    assert gpu_check.missing(["google.protobuf"], find=find) == ["google.protobuf"]
+
+
+def test_every_part_needs_only_known_packages() -> None:
+    names = [p.name for p in gpu_check.PARTS]
+    assert names == ["model", "cuda-tests", "kernel-bench", "decode-profile", "multistep", "warm-start", "mesh"]
+    for part in gpu_check.PARTS:
+        assert all(m in gpu_check.PACKAGES or m == "redis-server" for m in part.needs), part.name
+    assert sum(p.budget_s for p in gpu_check.PARTS) >= 480  # the overall budget is what cuts
+
+
+def test_it_refuses_cleanly_without_cuda() -> None:
+    assert gpu_check.cuda_refusal(True, True) is None
+    assert "torch is not importable" in gpu_check.cuda_refusal(False, False)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--json", os.devnull],
+                          capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert done.returncode == 2
+    assert "no CUDA device" in done.stderr and "needs an NVIDIA GPU with CUDA" in done.stderr
+    assert done.stdout.startswith("gpu-check imports: ")
+
+
+def test_a_source_checkout_is_importable_as_the_wheel_lays_it_out(tmp_path: Path) -> None:
+    env = gpu_check.source_tree_env(ROOT, importable=False)
+    assert env["PYTHONSAFEPATH"] == "1"
+    code = ("import kvmesh, kvmesh.model_worker.execution.graph_runner, kvmesh.kernels.dispatch, kvmesh.router.config; "
+            "import decode_profile, tests.support; print(kvmesh.__path__[0])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **env})
+    assert done.returncode == 0, done.stderr
+    assert "kvmesh-gpu-check-" in done.stdout  # the staged layout, not an installed copy
+    assert gpu_check.source_tree_env(ROOT, importable=True) == {}
+
+
+def outcome(figures: dict) -> object:
+    return gpu_check.Outcome("ok", 1.0, figures)
+
+
+def test_the_goal_table_reads_each_part_and_says_what_did_not_run() -> None:
+    outcomes = {
+        "decode-profile": outcome({"modes": {
+            "eager": {"batches": {"64": {"wall_ms": 9.7, "gpu_busy_ms": 2.15, "launches": 523}}},
+            "graphs": {"batches": {"64": {"wall_ms": 1.2, "gpu_busy_ms": 1.0, "launches": 4}}}}}),
+        "multistep": outcome({"steps": {"1": {"tok_s": 9_000.0}, "8": {"tok_s": 41_000.0}}}),
+        "kernel-bench": outcome({"scenarios": {"prefill-heavy": {"triton_over_sdpa": 0.64},
+                                               "decode-heavy": {"triton_over_sdpa": 0.95}}}),
+        "warm-start": outcome({"configs": {"default": {"with_warmup": {"ratio": 1.2},
+                                                       "without_warmup": {"ratio": 40.0}}}}),
+        "cuda-tests": outcome({"passed": 170, "failed": 0, "skipped": 3}),
+        "mesh": gpu_check.Outcome("timed out", 120.0),
+    }
+    rows = {r["measure"]: r for r in gpu_check.goal_rows(outcomes)}
+    step = rows["decode step, batch 64, 1B shape, MS-1, wall"]
+    assert (step["figure"], step["verdict"]) == ("1.20 ms (GPU busy 1.00 ms; eager 9.70 ms)", "met")
+    assert rows["kernel launches per decode step (graph replay = 1)"]["figure"] == "4 (eager 523)"
+    assert rows["output tok/s, 64 requests x 128 out, best MS"]["verdict"] == "met"
+    assert rows["Triton attention / SDPA dense: prefill-heavy"]["verdict"] == "not met"
+    assert rows["Triton attention / SDPA dense: decode-heavy"]["verdict"] == "met"
+    assert rows["TTFT of the first request after ready / warm TTFT"]["figure"] == "1.20 (without the warm-up 40.0)"
+    assert rows["2 workers at --memory-fraction 0.4 on one GPU"]["verdict"] == "not run"
+    assert rows["CUDA tests (kernels + model_worker, -m cuda)"]["verdict"] == "met"
+    table = gpu_check.format_table(list(rows.values()), outcomes)
+    assert "part mesh" in table and "timed out" in table
+    json.dumps(list(rows.values()))  # every row goes to the JSON as it is
+
+
+def test_nothing_run_is_nothing_met() -> None:
+    rows = gpu_check.goal_rows({})
+    assert rows and all(r["verdict"] == "not run" and r["figure"] == "not run" for r in rows)
+
+
+@pytest.mark.parametrize("xml, want", [
+    ('<testsuites><testsuite tests="5" failures="1" errors="1" skipped="2"/></testsuites>',
+     {"passed": 1, "failed": 2, "skipped": 2}),
+    ('<testsuite tests="3" failures="0" errors="0" skipped="0"/>', {"passed": 3, "failed": 0, "skipped": 0}),
+])
+def test_junit_counts(tmp_path: Path, xml: str, want: dict) -> None:
+    path = tmp_path / "r.xml"
+    path.write_text(xml)
+    assert gpu_check.junit_counts(path) == want
