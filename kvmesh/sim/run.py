@@ -332,7 +332,7 @@ def sweep(sim: Sim, policies: Sequence[str], rates: Sequence[float] = (), *, cap
                                                       for x in relative]
 
     def record(item: tuple[str, str, float, object], ticked: bool = False) -> None:
-        kind, policy, _, res = item
+        kind, _, _, res = item
         done[item[:3]] = res
         if isinstance(res, RunFailed):
             return
@@ -340,15 +340,8 @@ def sweep(sim: Sim, policies: Sequence[str], rates: Sequence[float] = (), *, cap
             if not ticked:
                 bar.tick(res)  # type: ignore[arg-type]
             return
-        cap, tried = res  # type: ignore[misc]
-        for r in [] if ticked else tried:
+        for r in [] if ticked else res[1]:  # type: ignore[index]
             bar.tick(r)
-        if policy == INFORMATION_LIMIT:
-            nonlocal info
-            info = cap
-        else:
-            caps[policy] = cap
-        search[policy] = tried
 
     pool = ProcessPoolExecutor(jobs, initializer=_init, initargs=(sim,)) if jobs > 1 else None
     try:
@@ -388,6 +381,12 @@ def sweep(sim: Sim, policies: Sequence[str], rates: Sequence[float] = (), *, cap
             sys.stderr.write(f"\n{res}\n{res.trace}")
         elif it[0] == "run":
             runs.append(res)  # type: ignore[arg-type]
+        else:
+            cap, search[it[1]] = res  # type: ignore[misc]
+            if it[1] == INFORMATION_LIMIT:
+                info = cap
+            else:
+                caps[it[1]] = cap
     wall = sum(r.pop("_wall_s", 0.0) for r in runs) + sum(r.pop("_wall_s", 0.0) for t in search.values() for r in t)
     doc = {
         "oracle_hit_rate": _r(oracle_hit_rate(sim.workload, sim.base)),

@@ -48,13 +48,15 @@ def test_a_sweep_in_two_processes_gives_the_json_of_one():
 
     sim = Sim(make_workload("hot-prompt", 40, seed=3), SimConfig(workers=2, seed=3))
     kw = dict(rates=[3.0], relative=[0.5, 1.0], baseline="kv-aware", progress=False)
-    serial = sweep(sim, ["round-robin", "kv-aware"], jobs=1, **kw)
-    parallel = sweep(sim, ["round-robin", "kv-aware"], jobs=2, **kw)
+    policies = ["round-robin", "least-loaded", "kv-aware"]  # NOTE: the baseline's search is submitted first
+    serial = sweep(sim, policies, jobs=1, **kw)
+    parallel = sweep(sim, policies, jobs=2, **kw)
     cap = serial["capacity"]["kv-aware"]
     assert cap > 0
+    assert list(serial["capacity"]) == policies
     assert [(r["policy"], r["rate"]) for r in serial["runs"]] == [
-        ("round-robin", 3.0), ("kv-aware", 3.0), ("round-robin", round(0.5 * cap, 6)), ("round-robin", round(cap, 6)),
-        ("kv-aware", round(0.5 * cap, 6)), ("kv-aware", round(cap, 6))]
+        ("round-robin", 3.0), ("least-loaded", 3.0), ("kv-aware", 3.0),
+        *((p, round(x * cap, 6)) for p in policies for x in (0.5, 1.0))]
     assert dump(parallel) == dump(serial)
 
 
