@@ -300,6 +300,50 @@ class Progress:
             sys.stderr.write("\n")
 
 
+Item = tuple[str, str, float]
+"""One sweep item: ("capacity", policy, start rate) or ("run", policy, rate)."""
+
+
+def execute(sim: Sim, jobs: int, bar: Progress, searches: list[Item], runs: list[Item],
+            scaled: Callable[[object], list[Item]] | None = None, baseline: str = "") -> tuple[dict[Item, object], list[Item]]:
+    """Runs ``searches`` and ``runs`` (in ``jobs`` processes), then the runs ``scaled`` makes of the
+    ``baseline``'s search result, as soon as that is known. Returns every item's result (a search's
+    ``(capacity, runs)``, a run's dict, or its RunFailed) and the runs made, in the serial order.
+
+    NOTE: in processes there is no barrier between the searches and the runs: the baseline's search
+    goes first, the runs scaled by its capacity follow when it is done, while the runs at fixed
+    rates fill the pool; callers assemble results in the serial order, so the JSON is the same.
+    """
+    done: dict[Item, object] = {}
+    key = ("capacity", baseline, 1.0)
+    runs = list(runs)
+    if jobs <= 1:
+        for it in searches:
+            done[it] = _attempt(sim, *it, on_run=bar.tick)[3]
+        runs += scaled(done[key]) if scaled is not None else []
+        for it in runs:
+            done[it] = _attempt(sim, *it, on_run=bar.tick)[3]
+        return done, runs
+    pool = ProcessPoolExecutor(jobs, initializer=_init, initargs=(sim,))
+    try:
+        futures = {pool.submit(_job, *it): it for it in sorted(searches, key=lambda it: it[1] != baseline) + runs}
+        while futures:
+            finished, _ = wait(futures, return_when=FIRST_COMPLETED)
+            for f in finished:
+                it = futures.pop(f)
+                res = done[it] = f.result()[3]
+                if not isinstance(res, RunFailed):
+                    for r in res[1] if it[0] == "capacity" else [res]:  # type: ignore[index]
+                        bar.tick(r)  # type: ignore[arg-type]
+            if scaled is not None and key in done:
+                extra, scaled = scaled(done[key]), None
+                runs += extra
+                futures.update({pool.submit(_job, *it): it for it in extra})
+    finally:
+        pool.shutdown()
+    return done, runs
+
+
 def sweep(sim: Sim, policies: Sequence[str], rates: Sequence[float] = (), *, capacity: bool = True,
           relative: Sequence[float] = (), baseline: str = "round-robin", jobs: int = 1,
           progress: bool = True, limits: bool = True) -> dict:
@@ -310,83 +354,42 @@ def sweep(sim: Sim, policies: Sequence[str], rates: Sequence[float] = (), *, cap
     listed under ``failures`` (kind, policy, rate, seed, error; the traceback goes to stderr) and
     the sweep goes on; that policy has no capacity, and the caller decides the exit code.
     """
+    if relative and not (capacity and baseline in policies):
+        raise ValueError(f"relative rates need the capacity of {baseline!r}: add it to --policies")
     searched = [*policies, INFORMATION_LIMIT] if capacity and limits else list(policies)
     bar = Progress(len(searched) * (8 if capacity else 0) + len(policies) * (len(rates) + len(relative)),
                    progress)
+    chains_for(sim.workload, sim.base.block_size)  # NOTE: once, before the workers fork: they share it
+    searches: list[Item] = [("capacity", p, 1.0) for p in searched] if capacity else []
+
+    def scaled(res: object) -> list[Item]:
+        """The runs at ``relative`` x the baseline's capacity (none when its search failed)."""
+        return [] if isinstance(res, RunFailed) else [("run", p, _r(x * res[0])) for p in policies  # type: ignore[index]
+                                                      for x in relative]
+
+    try:
+        done, full = execute(sim, jobs, bar, searches, [("run", p, r) for p in policies for r in rates],
+                             scaled if relative else None, baseline)
+    finally:
+        bar.close()
+    if relative and isinstance(done[("capacity", baseline, 1.0)], RunFailed):
+        relative = ()  # NOTE: the baseline's search failed: nothing was scaled by it
     runs: list[dict] = []
     caps: dict[str, float] = {}
     info: float | None = None
     search: dict[str, list[dict]] = {}
     failures: list[dict] = []
-    if relative and not (capacity and baseline in policies):
-        raise ValueError(f"relative rates need the capacity of {baseline!r}: add it to --policies")
-    chains_for(sim.workload, sim.base.block_size)  # NOTE: once, before the workers fork: they share it
-    search_items = [("capacity", p, 1.0) for p in searched] if capacity else []
-    full = [("run", p, r) for p in policies for r in rates]
-    done: dict[tuple[str, str, float], object] = {}
-
-    def relative_items() -> list[tuple[str, str, float]]:
-        """The runs at ``relative`` x the baseline's capacity, once its search is done (none if it failed)."""
-        res = done[("capacity", baseline, 1.0)]
-        return [] if isinstance(res, RunFailed) else [("run", p, _r(x * res[0])) for p in policies  # type: ignore[index]
-                                                      for x in relative]
-
-    def record(item: tuple[str, str, float, object], ticked: bool = False) -> None:
-        kind, _, _, res = item
-        done[item[:3]] = res
-        if isinstance(res, RunFailed):
-            return
-        if kind == "run":
-            if not ticked:
-                bar.tick(res)  # type: ignore[arg-type]
-            return
-        for r in [] if ticked else res[1]:  # type: ignore[index]
-            bar.tick(r)
-
-    pool = ProcessPoolExecutor(jobs, initializer=_init, initargs=(sim,)) if jobs > 1 else None
-    try:
-        if pool is None:
-            for it in search_items:
-                record(_attempt(sim, *it, on_run=bar.tick), ticked=True)
-            full += relative_items() if relative else []
-            for it in full:
-                record(_attempt(sim, *it, on_run=bar.tick), ticked=True)
-        else:
-            # NOTE: no barrier between the searches and the full runs: the baseline's search goes
-            # first and the runs scaled by its capacity follow as soon as it is known, while the
-            # runs at fixed rates fill the pool; the results are assembled in the serial order.
-            first = sorted(search_items, key=lambda it: it[1] != baseline)
-            futures = {pool.submit(_job, *it): it for it in first + full}
-            waiting_relative = bool(relative)
-            while futures:
-                finished, _ = wait(futures, return_when=FIRST_COMPLETED)
-                for f in finished:
-                    del futures[f]
-                    record(f.result())
-                if waiting_relative and ("capacity", baseline, 1.0) in done:
-                    waiting_relative = False
-                    extra = relative_items()
-                    full += extra
-                    futures.update({pool.submit(_job, *it): it for it in extra})
-    finally:
-        if pool is not None:
-            pool.shutdown()
-        bar.close()
-    if relative and isinstance(done.get(("capacity", baseline, 1.0)), RunFailed):
-        relative = ()  # NOTE: the baseline's search failed: nothing was scaled by it
-    for it in search_items + full:  # NOTE: in the serial order, whichever finished first
+    for it in searches + full:  # NOTE: in the serial order, whichever finished first
         res = done[it]
         if isinstance(res, RunFailed):
             failures.append(res.as_dict(it[0]))
             sys.stderr.write(f"\n{res}\n{res.trace}")
         elif it[0] == "run":
             runs.append(res)  # type: ignore[arg-type]
+        elif it[1] == INFORMATION_LIMIT:
+            info, search[it[1]] = res  # type: ignore[misc]
         else:
-            cap, search[it[1]] = res  # type: ignore[misc]
-            if it[1] == INFORMATION_LIMIT:
-                info = cap
-            else:
-                caps[it[1]] = cap
+            caps[it[1]], search[it[1]] = res  # type: ignore[misc]
     wall = sum(r.pop("_wall_s", 0.0) for r in runs) + sum(r.pop("_wall_s", 0.0) for t in search.values() for r in t)
     doc = {
         "oracle_hit_rate": _r(oracle_hit_rate(sim.workload, sim.base)),
