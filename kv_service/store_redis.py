@@ -44,6 +44,7 @@ import itertools
 import logging
 import re
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,21 +213,22 @@ class ScriptConnections:
         replica redirects every read to its master)."""
         self.in_sync = False
         """As a replica: its link to its master was up at the last check (``RedisIndex.REPLICA_CHECK_S``)."""
+        self._readonly: weakref.WeakSet[aioredis.Connection] = weakref.WeakSet()
 
     async def acquire(self) -> aioredis.Connection:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._size)
         await self._slots.acquire()
-        if self._free:
-            return self._free.pop()
-        conn = self._factory()
-        if self.readonly:
+        conn = self._free.pop() if self._free else self._factory()
+        if self.readonly and conn not in self._readonly:
+            # NOTE: also an idle connection opened while the node was a master (a failover made it a replica)
             try:
                 await conn.send_command("READONLY")
                 await conn.read_response()
             except BaseException:
                 await self.discard(conn)
                 raise
+            self._readonly.add(conn)
         return conn
 
     def release(self, conn: aioredis.Connection) -> None:
@@ -793,6 +795,11 @@ class RedisIndex(BlockIndex):
             return
         self._replicas_checked = now
         self._replica_check = asyncio.get_running_loop().create_task(self.check_replicas())
+
+    def replicas(self) -> list[tuple[int, str, bool]]:
+        """(shard, address, in sync) of each replica Lookups may read, as last discovered and checked."""
+        topo = self._topo
+        return [(k, r.address, r.in_sync) for k, rs in enumerate(topo.shard_replicas if topo else []) for r in rs]
 
     async def check_replicas(self) -> None:
         """Reads the slot map again (new and failed-over replicas) and marks each replica in sync or
