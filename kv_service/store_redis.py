@@ -145,6 +145,18 @@ def _split_info(raw: bytes | None) -> tuple[bytes, str, str, str]:
     return b"", bs, load, addr
 
 
+def replica_readable(info: str, stale_s: int) -> bool:
+    """Whether a replica may answer Lookups, from its INFO replication: a replica, not syncing, whose
+    link to its master is up or broke at most ``stale_s`` seconds ago (-1: never up since it started)."""
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    if fields.get("role") != "slave" or fields.get("master_sync_in_progress", "1").strip() != "0":
+        return False
+    if fields.get("master_link_status", "").strip() == "up":
+        return True
+    down = int(fields.get("master_link_down_since_seconds", "-1").strip() or -1)
+    return 0 <= down <= stale_s
+
+
 def _as_map(reply: dict | list) -> dict:
     """HGETALL's reply: a map in RESP3 (redis-py's default), a flat list in RESP2."""
     return reply if isinstance(reply, dict) else dict(zip(reply[0::2], reply[1::2], strict=True))
@@ -758,9 +770,13 @@ class RedisIndex(BlockIndex):
 
     # -- Lookups from replicas ---------------------------------------------------------------
     REPLICA_CHECK_S = 1.0
-    """With read_replicas: how often the slot map is read again and each replica asked whether its
-    link to its master is up (INFO replication). A replica whose link broke (its master died, it is
-    resyncing after a restart, with an empty or old dataset) stops answering Lookups within this."""
+    """With read_replicas: how often the slot map is read again and each replica asked about its link
+    to its master (INFO replication, :func:`replica_readable`)."""
+    REPLICA_STALE_S = 5
+    """A replica whose link to its master broke (the master died: a failover takes the node timeout
+    and an election) keeps answering Lookups for this many seconds of it, with what it had: a
+    failover does not stop the Lookups. A replica that never synced since it started (an empty
+    dataset) or is syncing answers none."""
 
     async def _read(self, cmds: Sequence[tuple[int, tuple | Tx]]) -> list[Any]:
         """A Lookup's round: with read_replicas on one in-sync replica of each shard (round robin),
@@ -822,7 +838,7 @@ class RedisIndex(BlockIndex):
             except (ResponseError, redis.ConnectionError, redis.TimeoutError, OSError, asyncio.TimeoutError):
                 node.in_sync = False
                 return
-            node.in_sync = "master_link_status:up" in info and "master_sync_in_progress:0" in info
+            node.in_sync = replica_readable(info, self.REPLICA_STALE_S)
 
         await asyncio.gather(*(check(r) for r in replicas))
 
