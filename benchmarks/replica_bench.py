@@ -89,7 +89,7 @@ async def lag(cluster: RedisCluster, idx: RedisIndex, probes: int) -> list[float
 
 def start_ingest(url: str, clients: int) -> list[subprocess.Popen]:
     procs = [subprocess.Popen([sys.executable, str(SHARD_BENCH), "--client", url, "3", str(1000 + 40 * k), "40",
-                               "100000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                               "1000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for k in range(clients)]
     for p in procs:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"

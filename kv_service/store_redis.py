@@ -823,7 +823,7 @@ class RedisIndex(BlockIndex):
         arrive; never raises."""
         try:
             topo = await self._discover()
-        except (Unavailable, ResponseError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a background check: the next one tries again
             log.warning("reading the Redis Cluster's slot map for replica reads failed: %s", exc)
             topo = self._topo
         if topo is None:
