@@ -13,8 +13,17 @@ model's index on one redis-server (1 shard, today's default) and on a 3-master R
    interleaved call by call from one client: p50 and p99.
 3. gRPC Lookup: a `kvmesh kv-service` per setup (--shards 1 on the one node, --shards 3 on the
    cluster), Lookups interleaved call by call from one grpc.aio client: p50 and p99.
+4. Lookup throughput per shard count and replica count: one model of --tp-workers workers whose
+   Lookups are the traces' 12-15k-token prompts (859-block chains, 8 workers holding 389-396
+   blocks of each), on one node (1 shard), on the cluster's masters (--shards 3) and on its
+   replicas (--shards 3 --read-replicas, a cluster with --replicas per master). --tp-clients
+   client processes of --tp-concurrency callers each (RedisIndex.lookup, the kv_service's call)
+   for --tp-seconds: Lookups/s, and each node's Redis CPU (INFO cpu) per Lookup; from those, the
+   Lookups/s one model gets at a whole core per node, the capacity the sizing rule counts
+   (a node at a core = Lookups/s measured / the busiest node's share of a core).
 
     python benchmarks/shard_bench.py [--workers 96] [--messages 400] [--clients 2] [--lookups 3000] [--json OUT]
+    python benchmarks/shard_bench.py --only throughput [--replicas 1] [--tp-workers 128] [--tp-seconds 10]
 """
 
 from __future__ import annotations
@@ -108,6 +117,120 @@ def ingest(url: str, masters: list[str], shards: int, a: argparse.Namespace) -> 
             "redis_cpu_us_per_block": 1e6 * sum(cpu) / blocks, "cpu_by_node": cpu}
 
 
+# -- 4. Lookup throughput: a client process ------------------------------------------------------
+async def lookup_client_main(url: str, shards: int, read_replicas: bool, concurrency: int, seconds: float,
+                             queries_file: str) -> dict:
+    idx = RedisIndex(url, NAMESPACE + "-tp", shards=shards, read_replicas=read_replicas)
+    queries = json.loads(Path(queries_file).read_text())
+    queries = [[bytes.fromhex(h) for h in q] for q in queries]
+    now = int(time.time() * 1000)
+    if read_replicas:  # NOTE: until the first check, the masters answer: check before the clock starts
+        await idx.lookup("tp", queries[0], now)
+        await idx.check_replicas()
+    for q in queries[:8]:
+        await idx.lookup("tp", q, now)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0 = time.perf_counter()
+    done = 0
+
+    async def caller(k: int) -> None:
+        nonlocal done
+        i = k
+        while time.perf_counter() - t0 < seconds:
+            await idx.lookup("tp", queries[i % len(queries)], now)
+            i += concurrency
+            done += 1
+
+    await asyncio.gather(*(caller(k) for k in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    replica_reads = idx.replica_lookups
+    await idx.close()
+    return {"lookups": done, "elapsed_s": elapsed, "replica_reads": replica_reads}
+
+
+async def populate_tp(idx: RedisIndex, workers: int, chains: list[list[bytes]]) -> None:
+    """``workers`` workers of model "tp"; chain q is held by 8 of them, its first 389-396 blocks."""
+    now = int(time.time() * 1000)
+    held: dict[int, list[bytes]] = {}
+    for q, c in enumerate(chains):
+        for j in range(8):
+            held.setdefault((q * 8 + j * 17) % workers, []).extend(c[:396 - j])
+    for w in range(workers):
+        wid = f"tp{w:04d}"
+        await idx.register_worker(Registration(wid, f"10.0.{w // 256}.{w % 256}:50061", "tp", 16, "sha256_128",
+                                               1_000_000, 1), TTL, now)
+        blocks = list(dict.fromkeys(held.get(w, [])))
+        await idx.publish(wid, 1, 1, [BlockStored(blocks)] if blocks else [], now,
+                          Load(num_running=w % 5, num_free_blocks=1000, num_total_blocks=27_648))
+
+
+def throughput(label: str, url: str, nodes: dict[str, str], shards: int, read_replicas: bool,
+               queries_file: str, a: argparse.Namespace) -> dict:
+    procs = [subprocess.Popen([sys.executable, __file__, "--lookup-client", url, str(shards), str(int(read_replicas)),
+                               str(a.tp_concurrency), str(a.tp_seconds), queries_file],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(a.tp_clients)]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    cpu0 = dict(zip(nodes, redis_cpu(list(nodes.values())), strict=True))
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    results = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+    cpu = {n: c1 - cpu0[n] for n, c1 in zip(nodes, redis_cpu(list(nodes.values())), strict=True)}
+    lookups = sum(r["lookups"] for r in results)
+    per_s = lookups / max(r["elapsed_s"] for r in results)
+    busiest = max(cpu.values()) / max(r["elapsed_s"] for r in results)  # share of a core
+    row = {"config": label, "lookups": lookups, "lookups_per_s": per_s,
+           "cpu_us_per_lookup": {n: 1e6 * c / lookups for n, c in cpu.items()},
+           "busiest_node_core_share": busiest, "lookups_per_s_at_a_core_per_node": per_s / busiest,
+           "replica_reads": sum(r["replica_reads"] for r in results)}
+    return row
+
+
+def run_throughput(a: argparse.Namespace) -> list[dict]:
+    import tempfile
+
+    chains = [[os.urandom(16) for _ in range(859)] for _ in range(a.tp_chains)]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([[h.hex() for h in c] for c in chains], f)
+        queries_file = f.name
+    rows = []
+    loop = new_event_loop()
+    with RedisServer() as one:
+        idx = RedisIndex(one.url, NAMESPACE + "-tp")
+        loop.run_until_complete(populate_tp(idx, a.tp_workers, chains))
+        loop.run_until_complete(idx.close())
+        rows.append(throughput("1 node", one.url, {"node": one.url}, 1, False, queries_file, a))
+    with RedisCluster(masters=a.shards, replicas=a.replicas) as cluster:
+        masters = cluster.master_ports()
+        nodes = {(f"master {masters.index(p)}" if p in masters else f"replica :{p}"): f"redis://127.0.0.1:{p}/0"
+                 for p in cluster.ports}
+        idx = RedisIndex(cluster.url, NAMESPACE + "-tp", shards=a.shards)
+        loop.run_until_complete(populate_tp(idx, a.tp_workers, chains))
+        loop.run_until_complete(idx.close())
+        rows.append(throughput(f"{a.shards} masters (--shards {a.shards})", cluster.url, nodes, a.shards, False,
+                               queries_file, a))
+        if a.replicas:
+            time.sleep(1.0)  # NOTE: replicated long since (loopback); the clients check before they start
+            rows.append(throughput(f"{a.shards} masters + {a.shards * a.replicas} replicas (--read-replicas)",
+                                   cluster.url, nodes, a.shards, True, queries_file, a))
+    os.unlink(queries_file)
+    return rows
+
+
+def print_throughput(rows: list[dict], a: argparse.Namespace) -> None:
+    print(f"4. Lookup throughput: {a.tp_workers} workers, 859-block chains (8 holders of 389-396 blocks each), "
+          f"{a.tp_clients} client processes x {a.tp_concurrency} callers, {a.tp_seconds:g} s each")
+    for r in rows:
+        cpu = ", ".join(f"{n} {v:.0f}" for n, v in r["cpu_us_per_lookup"].items())
+        print(f"   {r['config']}: {r['lookups_per_s']:,.0f} Lookups/s measured; Redis CPU-us per Lookup by node: {cpu}; "
+              f"busiest node at {r['busiest_node_core_share']:.0%} of a core -> "
+              f"{r['lookups_per_s_at_a_core_per_node']:,.0f} Lookups/s at a core per node"
+              + (f" ({r['replica_reads']:,} shard reads on replicas)" if r["replica_reads"] else ""))
+
+
 # -- 2., 3. lookups -------------------------------------------------------------------------------
 def chains_of(workers: int, per_worker: int) -> dict[str, list[list[bytes]]]:
     system = [os.urandom(16) for _ in range(16)]
@@ -174,11 +297,32 @@ def main() -> int:
     ap.add_argument("--pin", choices=["auto", "no"], default="auto",
                     help="auto: pin each Redis node to its own core when there are shards + 2 cores or more")
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--only", choices=["all", "sharding", "throughput"], default="all",
+                    help="sharding: 1.-3.; throughput: 4. (default all)")
+    ap.add_argument("--replicas", type=int, default=1, help="replicas per master in 4. (default 1)")
+    ap.add_argument("--tp-workers", type=int, default=128, help="workers of the model in 4. (default 128)")
+    ap.add_argument("--tp-chains", type=int, default=16, help="distinct 859-block chains asked in 4. (default 16)")
+    ap.add_argument("--tp-clients", type=int, default=2, help="client processes in 4. (default 2)")
+    ap.add_argument("--tp-concurrency", type=int, default=16, help="callers per client process in 4. (default 16)")
+    ap.add_argument("--tp-seconds", type=float, default=10.0, help="seconds per configuration in 4. (default 10)")
     ap.add_argument("--client", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--lookup-client", nargs=6, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.client:
         url, shards, first, count, messages = a.client
         print(json.dumps(asyncio.run(client_main(url, int(shards), int(first), int(count), int(messages)))))
+        return 0
+    if a.lookup_client:
+        url, shards, rr, conc, secs, qfile = a.lookup_client
+        print(json.dumps(asyncio.run(lookup_client_main(url, int(shards), rr == "1", int(conc), float(secs), qfile))))
+        return 0
+    if a.only == "throughput":
+        rows = run_throughput(a)
+        print(f"\nshard benchmark {time.strftime('%Y-%m-%d %H:%M')}: {len(os.sched_getaffinity(0))} CPUs, "
+              f"Python {sys.version.split()[0]}, Redis not pinned")
+        print_throughput(rows, a)
+        if a.json:
+            Path(a.json).write_text(json.dumps({"throughput": rows}, indent=1))
         return 0
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -260,6 +404,9 @@ def main() -> int:
     print(line.format("--shards 1, one redis-server", statistics.median(g1), pct(g1, 99)))
     print(line.format(f"--shards {n}, {n}-master cluster", statistics.median(gn), pct(gn, 99)))
     print(f"   {n} ÷ 1: p50 {fig['grpc_p50_ratio']:.2f} (goal <= 1.3), p99 {fig['grpc_p99_ratio']:.2f} (goal <= 1.5)")
+    if a.only == "all":
+        fig["throughput"] = run_throughput(a)
+        print_throughput(fig["throughput"], a)
     if a.json:
         Path(a.json).write_text(json.dumps(fig, indent=1))
     return 0

@@ -8,6 +8,8 @@ from kvmesh.contract.settings import code_only, flag
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 MAX_SHARDS = 256
+LOOKUP_WALKS = ("search", "linear")
+"""How a Lookup finds each worker's match (kv_service/prefix_search.py): search, or the walk it replaced."""
 """--shards at most (kvmesh.kv_service.store_redis.MAX_SHARDS: every Lookup is one script call per shard)."""
 
 
@@ -65,6 +67,10 @@ class RedisStoreConfig:
     """Redis Cluster hash tags one index is spread over: a worker's blocks and events live on its home shard, a
     Lookup asks every shard in one parallel round. Set it to the cluster's masters (or a multiple); 1 = one node
     holds the whole namespace. Every replica of a namespace uses the same value."""
+    read_replicas: bool = False
+    """Send Lookups to the Redis replicas of each shard, spread over them (EVALSHA_RO, Redis >= 7); a shard with no
+    replica in sync is read on its master. Writes, Reserve and admin reads stay on the masters. A Lookup then sees
+    the index up to the replication lag late (docs/kv-service.md "Lookups from replicas")."""
 
     def check(self) -> None:
         if self.max_blocks_per_call < 1 or self.redis_connections < 1:
@@ -89,6 +95,10 @@ class KVServiceConfig:
     """Leases and the routers' picks (a group: its fields are the flags)."""
     max_publishers: int = 1024
     """Workers that may stream block events to this replica at once; one more is refused with RESOURCE_EXHAUSTED."""
+    lookup_walk: str = "search"
+    """How a Lookup finds each worker's match: search (a binary search per worker, O(log n) probes of the chain;
+    exact while every worker's blocks are prefix-closed, docs/kv-service.md "Lookup") or linear (the walk down the
+    chain to the first miss that it replaced; a baseline for benchmarks)."""
 
     def check(self) -> None:
         """Raises ValueError with the flag to fix."""
@@ -102,3 +112,7 @@ class KVServiceConfig:
         self.redis.check()
         if self.store == "memory" and self.redis.shards != 1:
             raise ValueError("--shards applies to the Redis store, not --store memory")
+        if self.store == "memory" and self.redis.read_replicas:
+            raise ValueError("--read-replicas applies to the Redis store, not --store memory")
+        if self.lookup_walk not in LOOKUP_WALKS:
+            raise ValueError(f"--lookup-walk must be one of {', '.join(LOOKUP_WALKS)}, got {self.lookup_walk!r}")

@@ -87,14 +87,17 @@ def _check_hashes(what: str, hashes: Sequence[bytes], *, allow_empty: bool = Tru
         raise InvalidArgument(f"{what} is empty: send at least one {HASH_LEN}-byte block hash")
     if len(hashes) > MAX_CHAIN_BLOCKS:
         raise InvalidArgument(f"{what} has {len(hashes)} hashes; at most {MAX_CHAIN_BLOCKS} per message")
-    if not hashes or set(map(len, hashes)) == {HASH_LEN}:  # NOTE: C-level; the loop below only names the bad one
-        return list(hashes)
+    # NOTE: copied once (a protobuf repeated field makes a bytes object per read), checked at C level;
+    # the loop below only names the bad one
+    hashes = list(hashes)
+    if not hashes or set(map(len, hashes)) == {HASH_LEN}:
+        return hashes
     for i, h in enumerate(hashes):
         if len(h) != HASH_LEN:
             raise InvalidArgument(
                 f"{what}[{i}] is {len(h)} bytes; block hashes are {HASH_LEN} bytes (docs/block-hashing.md)"
             )
-    return list(hashes)
+    return hashes
 
 
 def _check_hash(what: str, h: bytes) -> None:

@@ -27,7 +27,9 @@ from kvmesh.contract.types import (
     ModelSpec,
     Pending,
 )
+from kvmesh.kv_service.config import LOOKUP_WALKS
 from kvmesh.kv_service.index import FLUSHED, Action, BlockIndex, IndexStats, PublishResult
+from kvmesh.kv_service.prefix_search import search_prefixes
 from kvmesh.kv_service.refusals import Refusal, refuse
 
 
@@ -46,10 +48,21 @@ class _Worker:
     pick_version: int = 0
 
 
+_NOBODY: frozenset[str] = frozenset()
+
+
 class MemoryIndex(BlockIndex):
+    """Args:
+    lookup_walk: ``search`` (each worker's match in O(log n) probes, kv_service/prefix_search.py) or
+        ``linear`` (the walk down the chain to the first block no worker left holds, as before).
+    """
+
     name = "memory"
 
-    def __init__(self) -> None:
+    def __init__(self, lookup_walk: str = "search") -> None:
+        if lookup_walk not in LOOKUP_WALKS:
+            raise ValueError(f"lookup_walk must be one of {', '.join(LOOKUP_WALKS)}, got {lookup_walk!r}")
+        self.lookup_walk = lookup_walk
         self._lock = threading.Lock()
         self._blocks: dict[bytes, set[str]] = {}
         self._workers: dict[str, _Worker] = {}
@@ -254,13 +267,19 @@ class MemoryIndex(BlockIndex):
                 if w.reg.model_id == model_id and w.lease_expiry_ms > now_ms
             }
             matched = dict.fromkeys(live, 0)
-            candidates = set(live)
-            for i, h in enumerate(hashes):
-                candidates &= self._blocks.get(h, set())
-                if not candidates:
-                    break
-                for wid in candidates:
-                    matched[wid] = i + 1
+            blocks = self._blocks
+            if self.lookup_walk == "search":
+                first = blocks.get(hashes[0], _NOBODY) if hashes else _NOBODY
+                matched.update(search_prefixes(len(hashes), (wid for wid in first if wid in live),
+                                               lambda at: [blocks.get(hashes[i], _NOBODY) for i in at]))
+            else:
+                candidates = set(live)
+                for i, h in enumerate(hashes):
+                    candidates &= blocks.get(h, _NOBODY)
+                    if not candidates:
+                        break
+                    for wid in candidates:
+                        matched[wid] = i + 1
             return [
                 WorkerMatch(wid, w.reg.address, matched[wid], w.load, w.reg.block_size, self._pending(w))
                 for wid, w in live.items()

@@ -18,7 +18,8 @@ one shard, :func:`shard_tags` with more):
                         (pv: the worker's reservation count, kept across its registrations)
     m:<model>     HASH  bs, algo (the model's registered spec)
     mw:<model>    ZSET  worker -> lease expiry (ms)
-    ld:<model>    HASH  worker -> "addr|block_size|load" (read by every Lookup; parsed once per change)
+    ld:<model>    HASH  worker -> "num|block_size|load|addr" (read by every Lookup; parsed once per change;
+                        ``num`` names the worker in the holders, which is how Lookup's answer names it)
     pk:<worker>   HASH  request id -> "taken_ms,router,version,prefill,blocks": the routers' pending
                         picks of the worker (the shared router view)
     pd:<model>    HASH  worker -> "picks,prefill,blocks,version": their sums (read by every Lookup)
@@ -27,19 +28,27 @@ one shard, :func:`shard_tags` with more):
 
 and ``kvm:{<namespace>}:shards`` (STRING): the namespace's shard count, so replicas started with
 another ``--shards`` refuse to start instead of splitting the index.
+
+A Lookup is one transaction per shard: the search script (lua/lookup.lua: each holder's match, by
+worker number) and three plain reads (the live workers, their "num|bs|load|addr", their pending
+picks), all read-only, so with ``read_replicas`` it runs on a replica of the shard.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
+import itertools
+import logging
 import re
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 import redis.asyncio as aioredis
@@ -72,11 +81,12 @@ from kvmesh.contract.types import (
     ModelSpec,
     Pending,
 )
-from kvmesh.kv_service.config import RedisStoreConfig
+from kvmesh.kv_service.config import LOOKUP_WALKS, RedisStoreConfig
 from kvmesh.kv_service.index import Action, BlockIndex, IndexStats, PublishResult
 from kvmesh.kv_service.refusals import Refusal, refuse
 
 _LUA_DIR = Path(__file__).parent / "lua"
+log = logging.getLogger("kvmesh.kv_service")
 
 _DEFAULTS = RedisStoreConfig()
 DEFAULT_MAX_BLOCKS_PER_CALL = _DEFAULTS.max_blocks_per_call
@@ -115,6 +125,38 @@ def split_payload(events: list[KVCacheEvent], limit: int) -> list[list]:
             i += len(chunk)
     parts.append(cur)
     return parts
+
+
+def _split_info(raw: bytes | None) -> tuple[bytes, str, str, str]:
+    """A worker's ``ld:<model>`` entry "num|bs|load|addr" as (num, bs, load, addr).
+
+    NOTE: an entry written before it named the worker's number ("addr|bs|load", before issue 37)
+    has none (b""): the worker matches nothing in Lookups until its next load report (a heartbeat,
+    a third of a lease at most) rewrites it."""
+    if not raw:
+        return b"", "", "", ""
+    parts = raw.split(b"|", 3)
+    if len(parts) == 4 and parts[0].isdigit():
+        return parts[0], _s(parts[1]), _s(parts[2]), _s(parts[3])
+    addr, bs, load = (_s(raw).split("|", 2) + ["", ""])[:3]
+    return b"", bs, load, addr
+
+
+def replica_readable(info: str, stale_s: int) -> bool:
+    """Whether a replica may answer Lookups, from its INFO replication: a replica, not syncing, whose
+    link to its master is up or broke at most ``stale_s`` seconds ago (-1: never up since it started)."""
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    if fields.get("role") != "slave" or fields.get("master_sync_in_progress", "1").strip() != "0":
+        return False
+    if fields.get("master_link_status", "").strip() == "up":
+        return True
+    down = int(fields.get("master_link_down_since_seconds", "-1").strip() or -1)
+    return 0 <= down <= stale_s
+
+
+def _as_map(reply: dict | list) -> dict:
+    """HGETALL's reply: a map in RESP3 (redis-py's default), a flat list in RESP2."""
+    return reply if isinstance(reply, dict) else dict(zip(reply[0::2], reply[1::2], strict=True))
 
 
 def _pending(raw: bytes | str | None) -> Pending:
@@ -175,12 +217,28 @@ class ScriptConnections:
         self.order = order
         """Rounds take connections of several nodes in this order (no two rounds wait on each other)."""
         self.address = address
+        self.readonly = False
+        """A Redis Cluster replica that serves reads: each new connection says READONLY first (else the
+        replica redirects every read to its master)."""
+        self.in_sync = False
+        """As a replica: its link to its master was up at the last check (``RedisIndex.REPLICA_CHECK_S``)."""
+        self._readonly: weakref.WeakSet[aioredis.Connection] = weakref.WeakSet()
 
     async def acquire(self) -> aioredis.Connection:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._size)
         await self._slots.acquire()
-        return self._free.pop() if self._free else self._factory()
+        conn = self._free.pop() if self._free else self._factory()
+        if self.readonly and conn not in self._readonly:
+            # NOTE: also an idle connection opened while the node was a master (a failover made it a replica)
+            try:
+                await conn.send_command("READONLY")
+                await conn.read_response()
+            except BaseException:
+                await self.discard(conn)
+                raise
+            self._readonly.add(conn)
+        return conn
 
     def release(self, conn: aioredis.Connection) -> None:
         """Back to the idle list: every reply it was sent has been read."""
@@ -230,6 +288,22 @@ class _Topology:
     slots: list[tuple[int, int, tuple[str, int]]]
     """Cluster: (first slot, last slot, master address); empty for one Redis."""
     cluster: bool
+    shard_replicas: list[list[ScriptConnections]] = dataclasses.field(default_factory=list)
+    """Each shard's replicas (read by Lookups with ``read_replicas``; empty lists without)."""
+
+
+class _ReplicaFailed(Exception):
+    """A Lookup's read on a replica failed (connection, redirect, loading): the master answers it."""
+
+    def __init__(self, node: ScriptConnections, cause: BaseException) -> None:
+        super().__init__(f"replica {node.address}: {cause}")
+        self.node = node
+
+
+class Tx(NamedTuple):
+    """Commands sent as one MULTI ... EXEC (one reply: EXEC's list)."""
+
+    cmds: tuple[tuple, ...]
 
 
 class RedisIndex(BlockIndex):
@@ -245,6 +319,10 @@ class RedisIndex(BlockIndex):
     shards: how many shards (hash tags) the index is spread over; on a Redis Cluster with
         ``shards`` = masters each shard lands on its own master (:func:`shard_tags`). One Redis
         holds any number of shards (the semantics are the same; tests use that).
+    read_replicas: Lookups go to each shard's replicas (round robin over those in sync), with
+        EVALSHA_RO; a shard without one is read on its master. Everything else stays on the masters.
+    lookup_walk: ``search`` (lua/lookup.lua) or ``linear`` (lua/lookup_linear.lua, the walk it
+        replaced, with its reply; kept as the benchmarks' baseline).
 
     The client (redis.asyncio) binds its connections to the event loop that first uses them: use
     one RedisIndex from one loop.
@@ -254,13 +332,25 @@ class RedisIndex(BlockIndex):
 
     def __init__(self, url: str, namespace: str = _DEFAULTS.namespace, socket_timeout: float = 2.0,
                  max_blocks_per_call: int = DEFAULT_MAX_BLOCKS_PER_CALL,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, shards: int = _DEFAULTS.shards) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, shards: int = _DEFAULTS.shards,
+                 read_replicas: bool = False, lookup_walk: str = "search") -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", namespace):
             raise ValueError(f"namespace must be 1-64 letters, digits, '_', '.', '-', got {namespace!r}")
         RedisStoreConfig(namespace, max_blocks_per_call, max_connections, shards).check()
+        if lookup_walk not in LOOKUP_WALKS:
+            raise ValueError(f"lookup_walk must be one of {', '.join(LOOKUP_WALKS)}, got {lookup_walk!r}")
         self.url = url
         self.max_blocks_per_call = max_blocks_per_call
         self.shards = shards
+        self.read_replicas = read_replicas
+        self.lookup_walk = lookup_walk
+        self._lookup_script = "lookup" if lookup_walk == "search" else "lookup_linear"
+        self._eval_lookup = "EVALSHA_RO" if read_replicas else "EVALSHA"
+        self._rr = itertools.count()
+        self._replicas_checked = -float("inf")
+        self._replica_check: asyncio.Task | None = None
+        self.replica_lookups = 0
+        """Shard reads of Lookups a replica answered (a Lookup of N shards counts up to N)."""
         # NOTE: the pool only parses the URL (TLS, password, db, timeouts); it never connects.
         parsed = aioredis.ConnectionPool.from_url(url, socket_timeout=socket_timeout,
                                                   socket_connect_timeout=socket_timeout)
@@ -278,11 +368,12 @@ class RedisIndex(BlockIndex):
         self.prefix = self.prefixes[0]
         self._keys = [p + "workers" for p in self.prefixes]  # the KEYS[1] that routes a script to its slot
         self._layout_key = f"kvm:{{{namespace}}}:shards"
-        self._info: dict[bytes, tuple[bytes | None, tuple[str, str, int, Load]]] = {}
+        self._info: dict[bytes, tuple[bytes | None, tuple[str, str, int, Load, bytes]]] = {}
+        self._matches: dict[bytes, tuple[bytes | None, bytes | None, WorkerMatch, bytes]] = {}
         self._closed = False
         self._scripts: dict[str, tuple[str, str]] = {}
         self._sources: dict[str, str] = {}
-        for n in ("register", "heartbeat", "publish", "lookup", "admin", "reserve"):
+        for n in ("register", "heartbeat", "publish", "lookup", "lookup_linear", "admin", "reserve"):
             src = _script_source(n)
             sha = hashlib.sha1(src.encode()).hexdigest()
             self._scripts[n], self._sources[sha] = (sha, src), src
@@ -331,7 +422,8 @@ class RedisIndex(BlockIndex):
                 reply = await node.command("CLUSTER", "SLOTS")
             except ResponseError as exc:
                 if "cluster support disabled" in str(exc).lower():
-                    return _Topology([self._seed] * self.shards, [], False)
+                    replicas = await self._plain_replicas() if self.read_replicas else []
+                    return _Topology([self._seed] * self.shards, [], False, [replicas] * self.shards)
                 last = exc
                 continue
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
@@ -339,14 +431,21 @@ class RedisIndex(BlockIndex):
                 await node.drop_idle()
                 continue
             slots = []
+            replicas_of: dict[tuple[str, int], list[ScriptConnections]] = {}
             for entry in reply:
                 host, port = _s(entry[2][0]), int(entry[2][1])
                 host = host if host not in ("", "?") else node.address.rsplit(":", 1)[0]
                 slots.append((int(entry[0]), int(entry[1]), (host, port)))
-                for replica in entry[3:]:  # known for the next discovery (a promoted replica)
+                # NOTE: known for the next discovery (a promoted replica) and, with read_replicas, read
+                # by Lookups. CLUSTER SLOTS leaves out replicas the cluster marked failed.
+                rs = replicas_of.setdefault((host, port), [])
+                for replica in entry[3:]:
                     rhost = _s(replica[0])
-                    self._node((rhost if rhost not in ("", "?") else host, int(replica[1])))
-            shard_node = []
+                    rnode = self._node((rhost if rhost not in ("", "?") else host, int(replica[1])))
+                    if self.read_replicas and rnode not in rs:
+                        rnode.readonly = True
+                        rs.append(rnode)
+            shard_node, shard_replicas = [], []
             for k, tag in enumerate(self.tags):
                 slot = key_slot(tag.encode())
                 owner = next((a for lo, hi, a in slots if lo <= slot <= hi), None)
@@ -354,10 +453,21 @@ class RedisIndex(BlockIndex):
                     raise Unavailable(f"slot {slot} of index shard {k} is served by no Redis Cluster node "
                                       "(the cluster is down or being resharded)")
                 shard_node.append(self._node(owner))
-            return _Topology(shard_node, slots, True)
+                shard_replicas.append(replicas_of.get(owner, []))
+            return _Topology(shard_node, slots, True, shard_replicas)
         if isinstance(last, ResponseError):
             raise Unavailable(f"the index's Redis answered CLUSTER SLOTS with an error: {last}")
         raise Unavailable(f"the index's Redis is unreachable: {last}")
+
+    async def _plain_replicas(self) -> list[ScriptConnections]:
+        """The replicas of a Redis that is not a cluster, as it names them (ROLE)."""
+        try:
+            role = await self._seed.command("ROLE")
+        except (ResponseError, redis.ConnectionError, redis.TimeoutError, OSError):
+            return []
+        if _s(role[0]) != "master":
+            return []
+        return [self._node((_s(r[0]), int(r[1]))) for r in role[2]]
 
     async def _check_layout(self, topo: _Topology) -> None:
         """Records the namespace's shard count, or refuses another one (replicas must agree)."""
@@ -387,13 +497,16 @@ class RedisIndex(BlockIndex):
             self._stale_since = time.monotonic() if self._topo is not None and self._topo.cluster else None
 
     # -- one round of commands ----------------------------------------------------------------
-    async def _round(self, cmds: Sequence[tuple[int, tuple]], retried: bool = False) -> list[Any]:
-        """One command per ``(shard, args)``, all sent before any reply is read: one round trip
-        however many shards. The commands for one node go pipelined on one connection."""
+    async def _round(self, cmds: Sequence[tuple[int, tuple | Tx]], retried: bool = False,
+                     route: dict[int, ScriptConnections] | None = None) -> list[Any]:
+        """One command (or transaction) per ``(shard, args)``, all sent before any reply is read: one
+        round trip however many shards. The commands for one node go pipelined on one connection.
+        ``route`` sends a shard's commands to another node than its master (a replica)."""
         topo = await self._topology()
         groups: dict[ScriptConnections, list[int]] = {}
         for i, (shard, _) in enumerate(cmds):
-            groups.setdefault(topo.shard_node[shard], []).append(i)
+            node = route.get(shard) if route else None
+            groups.setdefault(node or topo.shard_node[shard], []).append(i)
         order = sorted(groups, key=lambda n: n.order) if len(groups) > 1 else list(groups)
         replies: list[Any] = [None] * len(cmds)
         held: list[tuple[ScriptConnections, aioredis.Connection, list[int]]] = []
@@ -402,14 +515,17 @@ class RedisIndex(BlockIndex):
             for node in order:
                 conn = await node.acquire()
                 held.append((node, conn, groups[node]))
-                await conn.send_packed_command(conn.pack_commands([cmds[i][1] for i in groups[node]]))
+                packed: list[tuple] = []
+                for i in groups[node]:
+                    args = cmds[i][1]
+                    packed += [("MULTI",), *args.cmds, ("EXEC",)] if isinstance(args, Tx) else [args]
+                await conn.send_packed_command(conn.pack_commands(packed))
             while held:
                 node, conn, idxs = held[0]
                 for i in idxs:
-                    try:
-                        replies[i] = await conn.read_response()
-                    except ResponseError as exc:
-                        replies[i] = exc  # an error reply: the connection is in step
+                    args = cmds[i][1]
+                    replies[i] = await (self._read_tx(conn, len(args.cmds)) if isinstance(args, Tx)
+                                        else self._read_one(conn))
                 node.release(conn)
                 held.pop(0)
         except BaseException as exc:
@@ -418,24 +534,58 @@ class RedisIndex(BlockIndex):
             if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError)):
                 if node is not None:
                     await node.drop_idle()
+                    if route and node in route.values():
+                        raise _ReplicaFailed(node, exc) from None
                 self._failed()
                 raise Unavailable(f"the index's Redis is unreachable: {exc}") from None
             raise
         for i, reply in enumerate(replies):
             if isinstance(reply, ResponseError):
-                replies[i] = await self._after_error(cmds[i], reply, retried)
+                node = route.get(cmds[i][0]) if route else None
+                replies[i] = await self._after_error(cmds[i], reply, retried, node)
         return replies
 
-    async def _after_error(self, cmd: tuple[int, tuple], err: ResponseError, retried: bool) -> Any:
+    @staticmethod
+    async def _read_one(conn: aioredis.Connection) -> Any:
+        try:
+            return await conn.read_response()
+        except ResponseError as exc:
+            return exc  # an error reply: the connection is in step
+
+    @classmethod
+    async def _read_tx(cls, conn: aioredis.Connection, n: int) -> Any:
+        """MULTI's +OK, a +QUEUED per command, EXEC's list: the list, or the first error (a command
+        refused when queued: EXEC then aborts; an error inside EXEC's list, e.g. NOSCRIPT)."""
+        first: ResponseError | None = None
+        for _ in range(n + 1):
+            r = await cls._read_one(conn)
+            if first is None and isinstance(r, ResponseError):
+                first = r
+        done = await cls._read_one(conn)
+        if first is not None:
+            return first
+        if isinstance(done, ResponseError):
+            return done
+        return next((r for r in done if isinstance(r, ResponseError)), done)
+
+    async def _after_error(self, cmd: tuple[int, tuple | Tx], err: ResponseError, retried: bool,
+                           replica: ScriptConnections | None = None) -> Any:
         shard, args = cmd
         if isinstance(err, NoScriptError):  # a Redis that restarted (or a promoted replica) lost it
-            node = (await self._topology()).shard_node[shard]
+            node = replica or (await self._topology()).shard_node[shard]
+            script = next(c for c in args.cmds if c[0].startswith("EVALSHA")) if isinstance(args, Tx) else args
             try:
-                await node.command("SCRIPT", "LOAD", self._sources[args[1]])
+                await node.command("SCRIPT", "LOAD", self._sources[script[1]])
             except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if replica is not None:
+                    raise _ReplicaFailed(replica, exc) from None
                 self._failed()
                 raise Unavailable(f"the index's Redis is unreachable: {exc}") from None
-            return (await self._round([cmd], retried=True))[0]
+            return (await self._round([cmd], retried=True, route={shard: replica} if replica else None))[0]
+        if replica is not None:
+            # NOTE: a replica that redirects (it was promoted or demoted), is loading or lost its master
+            # (replica-serve-stale-data no): the master answers this one; the next check decides on it.
+            raise _ReplicaFailed(replica, err)
         if isinstance(err, (MovedError, ReadOnlyError)) and not retried:
             # NOTE: the slot moved (failover, resharding): read the map now and try once more
             self._stale_since = 0.0
@@ -462,8 +612,15 @@ class RedisIndex(BlockIndex):
 
     async def ping(self) -> None:
         """One PING round trip to every node that holds a shard, on the path every script call takes
-        (and the namespace's shard count checked: FailedPrecondition)."""
+        (and the namespace's shard count checked: FailedPrecondition). With read_replicas, also the
+        read-only script call Lookups make (FailedPrecondition before Redis 7: no EVALSHA_RO)."""
         await self._round([(k, ("PING",)) for k in range(self.shards)])
+        if self.read_replicas:
+            try:
+                await self._round([(k, ("EVALSHA_RO", self._scripts["lookup"][0], 1, self._keys[k], self.prefixes[k],
+                                        HASH_LEN, b"")) for k in range(self.shards)])
+            except ResponseError as exc:
+                raise FailedPrecondition(f"--read-replicas needs Redis 7.0 or later (EVALSHA_RO): {exc}") from None
 
     # -- registration ----------------------------------------------------------------------
     async def _other_spec(self, reg: Registration, now_ms: int) -> tuple[str, str] | None:
@@ -558,23 +715,129 @@ class RedisIndex(BlockIndex):
 
     # -- lookup ----------------------------------------------------------------------------
     async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
+        # NOTE: every shard answers for its own workers, all in one round; a worker lives on one shard,
+        # so the answers are disjoint and merge by concatenation.
         chain = b"".join(hashes)
-        if self.shards == 1:
-            live, pairs, pending, infos = await self._on(0, "lookup", model_id, now_ms, HASH_LEN, chain)
-        else:
-            # NOTE: every shard walks the chain for its own workers, all in one round; a worker
-            # lives on one shard, so the answers are disjoint and merge by concatenation.
-            live, pairs, pending, infos = [], [], [], []
-            for shard_live, shard_pairs, shard_pending, shard_infos in await self._each(
-                    "lookup", model_id, now_ms, HASH_LEN, chain):
-                live += shard_live
-                pairs += shard_pairs
-                pending += shard_pending
-                infos += shard_infos
+        if self.lookup_walk == "linear":
+            return await self._lookup_linear(model_id, chain, now_ms)
+        out: list[WorkerMatch] = []
+        txs = [(k, self._lookup_tx(k, model_id, chain, now_ms)) for k in range(self.shards)]
+        cache = self._matches
+        for pairs, live, infos, pending in await self._read(txs):
+            matched = {num: k for i in range(0, len(pairs), 2) for k in (pairs[i],) for num in pairs[i + 1].split(b",")}
+            info, picks = _as_map(infos), _as_map(pending)
+            # NOTE: a worker's answer with 0 blocks is kept per (entry, picks) string pair: with 128
+            # workers, rebuilding each answer was most of a Lookup's time in this process.
+            for raw in live:
+                entry, pick = info.get(raw), picks.get(raw)
+                c = cache.get(raw)
+                if c is None or c[0] != entry or c[1] != pick:
+                    wid, addr, bs, load, num = self._parse_info(raw, entry)
+                    if len(cache) >= self.MAX_PARSED:
+                        cache.clear()  # workers that left
+                    c = cache[raw] = (entry, pick, WorkerMatch(wid, addr, 0, load, bs, _pending(pick)), num)
+                k = matched.get(c[3]) if matched and c[3] else None
+                out.append(c[2]._replace(matched_blocks=int(k)) if k else c[2])
+        return out
+
+    def _lookup_tx(self, shard: int, model_id: str, chain: bytes, now_ms: int) -> Tx:
+        """One shard's Lookup: each holder's match (lua/lookup.lua), the model's live workers, their
+        "num|bs|load|addr" and pending picks; one transaction, so one instant of the shard."""
+        pre = self.prefixes[shard]
+        return Tx(((self._eval_lookup, self._scripts["lookup"][0], 1, self._keys[shard], pre, HASH_LEN, chain),
+                   ("ZRANGEBYSCORE", f"{pre}mw:{model_id}", f"({now_ms}", "+inf"),
+                   ("HGETALL", f"{pre}ld:{model_id}"),
+                   ("HGETALL", f"{pre}pd:{model_id}")))
+
+    async def _lookup_linear(self, model_id: str, chain: bytes, now_ms: int) -> list[WorkerMatch]:
+        """The walk and reply of before the search (lua/lookup_linear.lua): the benchmarks' baseline."""
+        live, pairs, pending, infos = [], [], [], []
+        sha = self._scripts["lookup_linear"][0]
+        for shard_live, shard_pairs, shard_pending, shard_infos in await self._read(
+                [(k, (self._eval_lookup, sha, 1, self._keys[k], self.prefixes[k], model_id, now_ms, HASH_LEN, chain))
+                 for k in range(self.shards)]):
+            live += shard_live
+            pairs += shard_pairs
+            pending += shard_pending
+            infos += shard_infos
         matched = {pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
         return [WorkerMatch(wid, addr, matched.get(raw, 0), load, bs, _pending(p))
                 for raw, p, info in zip(live, pending, infos, strict=True)
-                for wid, addr, bs, load in (self._parse_info(raw, info),)]
+                for wid, addr, bs, load, _ in (self._parse_info(raw, info),)]
+
+    # -- Lookups from replicas ---------------------------------------------------------------
+    REPLICA_CHECK_S = 1.0
+    """With read_replicas: how often the slot map is read again and each replica asked about its link
+    to its master (INFO replication, :func:`replica_readable`)."""
+    REPLICA_STALE_S = 5
+    """A replica whose link to its master broke (the master died: a failover takes the node timeout
+    and an election) keeps answering Lookups for this many seconds of it, with what it had: a
+    failover does not stop the Lookups. A replica that never synced since it started (an empty
+    dataset) or is syncing answers none."""
+
+    async def _read(self, cmds: Sequence[tuple[int, tuple | Tx]]) -> list[Any]:
+        """A Lookup's round: with read_replicas on one in-sync replica of each shard (round robin),
+        a shard without one on its master. A replica that fails the read is dropped until the next
+        check, and the masters answer this Lookup."""
+        if not self.read_replicas:
+            return await self._round(cmds)
+        topo = await self._topology()
+        self._schedule_replica_check()
+        turn = next(self._rr)
+        route: dict[int, ScriptConnections] = {}
+        for k, replicas in enumerate(topo.shard_replicas):
+            ok = [r for r in replicas if r.in_sync]
+            if ok:
+                route[k] = ok[turn % len(ok)]
+        if route:
+            try:
+                replies = await self._round(cmds, route=route)
+            except _ReplicaFailed as exc:
+                exc.node.in_sync = False
+                log.warning("a Lookup on a Redis replica failed (%s); the masters answer until it is in sync again", exc)
+            else:
+                self.replica_lookups += len(route)
+                return replies
+        return await self._round(cmds)
+
+    def _schedule_replica_check(self) -> None:
+        now = time.monotonic()
+        if now - self._replicas_checked < self.REPLICA_CHECK_S or self._closed:
+            return
+        if self._replica_check is not None and not self._replica_check.done():
+            return
+        self._replicas_checked = now
+        self._replica_check = asyncio.get_running_loop().create_task(self.check_replicas())
+
+    def replicas(self) -> list[tuple[int, str, bool]]:
+        """(shard, address, in sync) of each replica Lookups may read, as last discovered and checked."""
+        topo = self._topo
+        return [(k, r.address, r.in_sync) for k, rs in enumerate(topo.shard_replicas if topo else []) for r in rs]
+
+    async def check_replicas(self) -> None:
+        """Reads the slot map again (new and failed-over replicas) and marks each replica in sync or
+        not (its master link up, no sync in progress). Runs every ``REPLICA_CHECK_S`` while Lookups
+        arrive; never raises."""
+        try:
+            topo = await self._discover()
+        except Exception as exc:  # noqa: BLE001 - a background check: the next one tries again
+            log.warning("reading the Redis Cluster's slot map for replica reads failed: %s", exc)
+            topo = self._topo
+        if topo is None:
+            return
+        if self._topo is not None and self._stale_since is None:
+            self._topo = topo
+        replicas = {r for rs in topo.shard_replicas for r in rs}
+
+        async def check(node: ScriptConnections) -> None:
+            try:
+                info = _s(await asyncio.wait_for(node.command("INFO", "replication"), self.REPLICA_CHECK_S))
+            except (ResponseError, redis.ConnectionError, redis.TimeoutError, OSError, asyncio.TimeoutError):
+                node.in_sync = False
+                return
+            node.in_sync = replica_readable(info, self.REPLICA_STALE_S)
+
+        await asyncio.gather(*(check(r) for r in replicas))
 
     # -- the shared router view ------------------------------------------------------------
     async def reserve(self, r: Reservation, now_ms: int) -> ReservationAnswer:
@@ -593,20 +856,21 @@ class RedisIndex(BlockIndex):
             workers += [(_s(flat[i]), _pending(flat[i + 1])) for i in range(0, len(flat), 2)]
         return ReservationAnswer(False, dict(sorted(workers)))
 
-    # -- a worker's address, block size and load, as Lookup reads them ---------------------------
-    # NOTE: every Lookup reads each live worker's "addr|bs|load" in its one round (the load must be
-    # as fresh as the pending picks its report retired: a cached load would hide a worker's newly
+    # -- a worker's number, address, block size and load, as Lookup reads them -------------------
+    # NOTE: every Lookup reads each live worker's "num|bs|load|addr" in its one round (the load must
+    # be as fresh as the pending picks its report retired: a cached load would hide a worker's newly
     # admitted requests from the shared router view). Parsing is what costs: a worker's entry is
     # parsed once per distinct string, and the same Load object is handed out until it changes
     # (the server's reply cache checks it by identity).
     MAX_PARSED = 16_384
 
-    def _parse_info(self, wid: bytes, raw: bytes | None) -> tuple[str, str, int, Load]:
+    def _parse_info(self, wid: bytes, raw: bytes | None) -> tuple[str, str, int, Load, bytes]:
+        """(worker id, address, block size, load, worker number: b"" if the entry has none)."""
         cached = self._info.get(wid)
         if cached is not None and cached[0] == raw:
             return cached[1]
-        addr, bs, load = _s(raw or b"||").split("|", 2)
-        parsed = (_s(wid), addr, int(bs or 0), Load.decode(load))
+        num, bs, load, addr = _split_info(raw)
+        parsed = (_s(wid), addr, int(bs or 0), Load.decode(load), num)
         if len(self._info) >= self.MAX_PARSED:
             self._info.clear()  # workers that left
         self._info[wid] = (raw, parsed)
@@ -693,5 +957,9 @@ class RedisIndex(BlockIndex):
 
     async def close(self) -> None:
         self._closed = True
+        if self._replica_check is not None and not self._replica_check.done():
+            self._replica_check.cancel()
+            with contextlib.suppress(BaseException):
+                await self._replica_check
         for node in self._nodes.values():
             await node.close()

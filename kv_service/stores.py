@@ -19,16 +19,17 @@ STORES = {"memory": "kvmesh.kv_service.store_memory", "redis": "kvmesh.kv_servic
 
 
 def make_store(store: str | None = None, redis_url: str | None = None,
-               redis: RedisStoreConfig | None = None) -> BlockIndex:
+               redis: RedisStoreConfig | None = None, lookup_walk: str = "search") -> BlockIndex:
     """``store``: "memory" (in this process), or "redis" / None (at ``redis_url``, default
-    redis://127.0.0.1:6379/0, with ``redis``'s settings). Raises ValueError for another name."""
+    redis://127.0.0.1:6379/0, with ``redis``'s settings); ``lookup_walk``: how a Lookup finds each
+    worker's prefix (docs/kv-service.md, "Lookup"). Raises ValueError for another name."""
     name = store or "redis"
     if name not in STORES:
         raise ValueError(f"store must be redis or memory, got {store!r}")
     module = importlib.import_module(STORES[name])
     if name == "memory":
-        return module.MemoryIndex()
+        return module.MemoryIndex(lookup_walk=lookup_walk)
     r = redis or RedisStoreConfig()
     return module.RedisIndex(redis_url or DEFAULT_REDIS_URL, namespace=r.namespace,
                              max_blocks_per_call=r.max_blocks_per_call, max_connections=r.redis_connections,
-                             shards=r.shards)
+                             shards=r.shards, read_replicas=r.read_replicas, lookup_walk=lookup_walk)

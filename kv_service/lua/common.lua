@@ -187,10 +187,10 @@ local function cover_picks(wid, model, cover)
   end
 end
 
--- Records a live worker's load (w: live_worker's answer) where Lookup's cache reads it, and
--- retires the picks the report covers.
+-- Records a live worker's load (w: live_worker's answer) where Lookup reads it, with the worker's
+-- number, block size and address ("num|bs|load|addr": ld:<model>), and retires the picks the report covers.
 local function set_load(wid, w, load, cover)
   redis.call('HSET', pre .. 'w:' .. wid, 'load', load)
-  redis.call('HSET', pre .. 'ld:' .. w[5], wid, w[6] .. '|' .. w[7] .. '|' .. load)
+  redis.call('HSET', pre .. 'ld:' .. w[5], wid, w[8] .. '|' .. w[7] .. '|' .. load .. '|' .. w[6])
   cover_picks(wid, w[5], cover)
 end

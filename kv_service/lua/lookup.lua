@@ -1,59 +1,92 @@
--- ARGV: pre, model, now, hash length L, the chain: n hashes of L bytes concatenated in one string
--- (one argument instead of n: Redis turns each argument into a Lua string, the client encodes each).
--- Returns {live worker ids, {wid, matched, wid, matched, ...} for workers with matched > 0, each live
--- worker's pending picks "picks,prefill,blocks,version" (false: none ever), each live worker's
--- "addr|block_size|load"}.
-local now = ARGV[3]
-local live = redis.call('ZRANGEBYSCORE', pre .. 'mw:' .. ARGV[2], '(' .. now, '+inf')
-if #live == 0 then return {live, {}, {}, {}} end
-local nums = redis.call('HMGET', pre .. 'wn', unpack(live))
-local tags, cand, matched = {}, {}, {}
-for j = 1, #live do
-  if nums[j] then
-    tags[j] = ',' .. nums[j] .. ','
-    cand[#cand + 1] = j
-  end
-end
--- NOTE: the chain's holder strings come 64 at a time (one HMGET each); the walk stops at the
--- first block no remaining candidate holds, so a miss early in a long chain costs one call.
--- Consecutive blocks usually have the same holders, hence the same (interned) Lua string: the
--- candidates are re-filtered only when the string changes; `depth` is how far the current
--- candidates have matched, recorded for each candidate when it drops out.
-local WINDOW = 64
-local L, chain = tonumber(ARGV[4]), ARGV[5]
+-- ARGV: pre, hash length L, the chain: n hashes of L bytes concatenated in one string (one argument
+-- instead of n: Redis turns each argument into a Lua string, the client encodes each).
+-- Returns {matched, "num,num,...", matched, "num,...", ...}: every holder of the chain's first block
+-- (worker numbers, live or not: store_redis.py keeps the live workers of the model, read in the same
+-- transaction) by how many leading blocks of the chain it holds. Writes nothing (it runs on replicas:
+-- EVALSHA_RO).
+--
+-- NOTE: no walk down the chain. Each worker's match is found by the binary search of
+-- kvmesh.kv_service.prefix_search.held_prefix (block 0, then over [1, n]; exact while the worker's
+-- blocks are prefix-closed, docs/kv-service.md "Lookup"); a probe is one block's holder string.
+-- Workers that agreed on every probe so far form a group and share the next probe, so one HMGET per
+-- round probes every group (~log2(n) rounds). A group splits only where a probe's holders differ
+-- from both strings its members are known by: of a block they all hold (lo - 1) and of one none of
+-- them holds (hi); strings are interned, so == is a pointer test.
+local L, chain = tonumber(ARGV[2]), ARGV[3]
 local n = #chain / L
-local depth, prev = 0, nil
-local c = 1
-while c <= n and #cand > 0 do
-  local e = math.min(n, c + WINDOW - 1)
-  local window = {}
-  for i = c, e do window[i - c + 1] = string.sub(chain, (i - 1) * L + 1, i * L) end
-  local holders = redis.call('HMGET', BH, unpack(window))
-  for k = 1, e - c + 1 do
-    local v = holders[k]
-    if v ~= prev then
-      local next_cand = {}
-      for _, j in ipairs(cand) do
-        if v and string.find(v, tags[j], 1, true) then
-          next_cand[#next_cand + 1] = j
-        else
-          matched[j] = depth
-        end
-      end
-      cand, prev = next_cand, v
-      if #cand == 0 then break end
+if n == 0 then return {} end
+local function block(i) return string.sub(chain, i * L + 1, (i + 1) * L) end
+local function midpoint(lo, hi) local m = (lo + hi + 1) / 2 return m - m % 1 end
+
+-- round 1: block 0 (who holds any of the chain) and, speculatively, the first midpoint
+local probe = {block(0)}
+if n > 1 then probe[2] = block(midpoint(1, n) - 1) end
+local got = redis.call('HMGET', BH, unpack(probe))
+local h0 = got[1]
+if not h0 then return {} end
+-- NOTE: the answer comes by group: {k, "num,num,..."}: one string per group instead of two values
+-- per worker (each value of a script's reply costs Redis a conversion; 128 holders cost ~30 us).
+local out = {}
+local function answer(k, members)
+  out[#out + 1] = k
+  out[#out + 1] = table.concat(members, ',')
+end
+local members = {}
+for num in string.gmatch(h0, '%d+') do members[#members + 1] = num end
+if n == 1 then
+  answer(1, members)
+  return out
+end
+
+-- Splits `members` by a holder string: a few members are found in it, many look it up as a set
+-- (parsed once per distinct string).
+local sets = {}
+local function split(v, mem)
+  local right, left = {}, {}
+  if #mem <= 16 then
+    for _, num in ipairs(mem) do
+      if string.find(v, ',' .. num .. ',', 1, true) then right[#right + 1] = num else left[#left + 1] = num end
     end
-    depth = c - 1 + k
+  else
+    local set = sets[v]
+    if not set then
+      set = {}
+      for num in string.gmatch(v, '%d+') do set[num] = true end
+      sets[v] = set
+    end
+    for _, num in ipairs(mem) do
+      if set[num] then right[#right + 1] = num else left[#left + 1] = num end
+    end
   end
-  c = e + 1
+  return right, left
 end
-for _, j in ipairs(cand) do matched[j] = depth end
-local pairs_out = {}
-for j, wid in ipairs(live) do
-  if matched[j] and matched[j] > 0 then
-    pairs_out[#pairs_out + 1] = wid
-    pairs_out[#pairs_out + 1] = matched[j]
+
+-- a group: {lo, hi, members, holders of block lo - 1, holders of block hi (false: none, or hi = n)}
+local open, vals = {{1, n, members, h0, false}}, {got[2]}
+while true do
+  local next_open = {}
+  for g = 1, #open do
+    local lo, hi, mem, slo, shi = open[g][1], open[g][2], open[g][3], open[g][4], open[g][5]
+    local mid = midpoint(lo, hi)
+    local v = vals[g]
+    local right, left
+    if not v or v == shi then
+      left = mem
+    elseif v == slo then
+      right = mem
+    else
+      right, left = split(v, mem)
+    end
+    if right and #right > 0 then
+      if mid < hi then next_open[#next_open + 1] = {mid, hi, right, v, shi} else answer(mid, right) end
+    end
+    if left and #left > 0 then
+      if lo < mid - 1 then next_open[#next_open + 1] = {lo, mid - 1, left, slo, v} else answer(lo, left) end
+    end
   end
+  if #next_open == 0 then return out end
+  open = next_open
+  local keys = {}
+  for g = 1, #open do keys[g] = block(midpoint(open[g][1], open[g][2]) - 1) end
+  vals = redis.call('HMGET', BH, unpack(keys))
 end
-return {live, pairs_out, redis.call('HMGET', pre .. 'pd:' .. ARGV[2], unpack(live)),
-        redis.call('HMGET', pre .. 'ld:' .. ARGV[2], unpack(live))}

@@ -30,7 +30,7 @@ redis.call('HSET', wkey, 'model', model, 'addr', addr, 'bs', bs, 'algo', algo, '
   -- NOTE: the picks died with the process; their count goes on, so routers' seen versions stay comparable.
   'pv', old[5] or 0)
 redis.call('ZADD', pre .. 'mw:' .. model, lease, wid)
-redis.call('HSET', pre .. 'ld:' .. model, wid, addr .. '|' .. bs .. '|')
+redis.call('HSET', pre .. 'ld:' .. model, wid, num .. '|' .. bs .. '||' .. addr)
 if old[5] and tonumber(old[5]) > 0 then redis.call('HSET', pre .. 'pd:' .. model, wid, '0,0,0,' .. old[5]) end
 redis.call('ZADD', pre .. 'workers', lease, wid)
 return {'OK'}

@@ -16,11 +16,11 @@ from kvmesh.commands.common import (
 
 def register(sub: argparse._SubParsersAction) -> None:
     from kvmesh.commands.config_args import add_config_args
-    from kvmesh.kv_service.config import KVServiceConfig
+    from kvmesh.kv_service.config import LOOKUP_WALKS, KVServiceConfig
 
     p = sub.add_parser("kv-service", help="run the KV-cache metadata service (gRPC)",
                        description="Run the KV-cache metadata service: which worker holds which block.")
-    add_config_args(p, KVServiceConfig, choices={"store": ["redis", "memory"]})
+    add_config_args(p, KVServiceConfig, choices={"store": ["redis", "memory"], "lookup_walk": list(LOOKUP_WALKS)})
     p.add_argument("--metrics-port", type=int, default=9100, help="Prometheus /metrics port, 0 = off (default 9100)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
     add_security_args(p, serves="admin", calls=None)
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
-    index = make_store(config.store, config.redis_url, config.redis)
+    index = make_store(config.store, config.redis_url, config.redis, config.lookup_walk)
     try:
         server = KVServiceServer(index, config.host, config.port, config.service,
                                  max_publishers=config.max_publishers).start()
@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.metrics_port:
         start_metrics_server(args.metrics_port, server.metrics.registry)
-    log.info("kv_service listening on %s:%d (store=%s%s)", config.host, server.port, index.name,
-             f", {config.redis.shards} shards" if config.redis.shards > 1 else "")
+    log.info("kv_service listening on %s:%d (store=%s%s%s)", config.host, server.port, index.name,
+             f", {config.redis.shards} shards" if config.redis.shards > 1 else "",
+             ", Lookups from replicas" if config.redis.read_replicas else "")
     wait_for_termination_signal(server.stop, args.grace)
     return 0

@@ -80,12 +80,63 @@ async def test_two_workers_with_overlapping_chains(index):
     assert (st.live_workers, st.indexed_blocks, st.block_replicas) == (2, 8, 10)
 
 
-async def test_lookup_stops_at_first_miss(index):
+async def test_lookups_answer_each_workers_first_miss_while_its_blocks_are_prefix_closed(index):
+    """The prefix invariant (docs/kv-service.md "Lookup"): stores arrive parent-first and evictions
+    leaf-first, so the search's answer is the walk's, the first block the worker misses."""
+    h = chain(40)
+    for w in ("w0", "w1", "w2", "w3"):
+        await join(index, w)
+    await index.publish("w0", 1, 1, [BlockStored(h)], T0)
+    await index.publish("w1", 1, 1, [BlockStored(h[:17])], T0)
+    await index.publish("w2", 1, 1, [BlockStored(h[:1])], T0)
+    await index.publish("w3", 1, 1, [BlockStored(chain(40, start=1000))], T0)
+    assert await matches(index, h) == {"w0": 40, "w1": 17, "w2": 1, "w3": 0}
+    # a pool frees a request's blocks tail-first; a worker extends what it holds parent-first
+    await index.publish("w0", 1, 2, [BlockRemoved(h[39:19:-1])], T0)
+    await index.publish("w1", 1, 2, [BlockStored(h[17:30])], T0)
+    await index.publish("w2", 1, 2, [BlockRemoved(h[:1])], T0)
+    assert await matches(index, h) == {"w0": 20, "w1": 30, "w2": 0, "w3": 0}
+    assert await matches(index, h[:25]) == {"w0": 20, "w1": 25, "w2": 0, "w3": 0}
+    assert await matches(index, h[:1]) == {"w0": 1, "w1": 1, "w2": 0, "w3": 0}
+    fork = BlockHasher("m", 4).hash_prompt(list(range(40)) + [7] * 80)  # h's first 10 blocks, then its own
+    assert fork[:10] == h[:10] and fork[10] != h[10]
+    assert await matches(index, fork) == {"w0": 10, "w1": 10, "w2": 0, "w3": 0}
+    assert await matches(index, chain(3, start=500)) == {"w0": 0, "w1": 0, "w2": 0, "w3": 0}
+
+
+async def test_a_hole_in_a_workers_prefix_is_answered_by_the_end_of_a_run_it_holds(index):
+    """A worker that broke the invariant (blocks 0, 2 and 3 of a chain, not 1): its answer is some
+    k >= the walk's with block k-1 held and block k not (docs/kv-service.md "Lookup"); which k is the
+    search's, the same in every store. A worker without block 0 matches nothing."""
     h = chain(4)
     await join(index, "w1")
+    await join(index, "w2")
     await index.publish("w1", 1, 1, [BlockStored([h[0], h[2], h[3]])], T0)
-    assert await matches(index, h) == {"w1": 1}
-    assert await matches(index, chain(3, start=500)) == {"w1": 0}
+    await index.publish("w2", 1, 1, [BlockStored(h[1:])], T0)
+    assert await matches(index, h) == {"w1": 4, "w2": 0}
+    assert await matches(index, h[:2]) == {"w1": 1, "w2": 0}
+    assert await matches(index, chain(3, start=500)) == {"w1": 0, "w2": 0}
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_the_linear_walk_stops_at_the_first_miss(store, request):
+    """--lookup-walk linear: the walk the search replaced (the benchmarks' baseline)."""
+    if store == "memory":
+        index = MemoryIndex(lookup_walk="linear")
+    else:
+        index = RedisIndex(request.getfixturevalue("redis_url"), namespace=request.getfixturevalue("redis_namespace"),
+                           lookup_walk="linear")
+    try:
+        h = chain(4)
+        await join(index, "w1")
+        await join(index, "w2")
+        await index.publish("w1", 1, 1, [BlockStored([h[0], h[2], h[3]])], T0)
+        await index.publish("w2", 1, 1, [BlockStored(h[:3])], T0, Load(num_running=2))
+        found = {m.worker_id: (m.matched_blocks, m.load.num_running) for m in await index.lookup("m", h, T0)}
+        assert found == {"w1": (1, 0), "w2": (3, 2)}
+        assert await matches(index, chain(3, start=500)) == {"w1": 0, "w2": 0}
+    finally:
+        await index.close()
 
 
 async def test_refcount_transitions_and_entry_deleted_at_zero(index):

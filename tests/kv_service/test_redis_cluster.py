@@ -137,8 +137,9 @@ async def test_a_lookup_is_one_parallel_round_to_the_shards(redis_cluster, redis
         monkeypatch.setattr(Connection, "read_response", logged_read)
         assert await matches(idx, chains[wids[2]]) == {wids[0]: 3, wids[1]: 3, wids[2]: 8}
         monkeypatch.undo()
-        # every shard's request is out before the first reply is read: one round trip, not three
-        assert [op for op, _ in log] == ["send"] * 3 + ["read"] * 3
+        # every shard's request (one transaction of 4 commands: MULTI, 4 x QUEUED and EXEC's list come
+        # back) is out before the first reply is read: one round trip, not three
+        assert [op for op, _ in log] == ["send"] * 3 + ["read"] * 3 * 6
         assert {p for _, p in log} == set(redis_cluster.master_ports())
     finally:
         await idx.close()
