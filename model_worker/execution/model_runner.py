@@ -16,9 +16,12 @@ import torch
 
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.execution.host_allocator import keep_freed_buffers
+from kvmesh.model_worker.execution.kv_offload import HostKVCache, check_host_memory
 from kvmesh.model_worker.execution.model_loader import load_model
 from kvmesh.model_worker.execution.models.attention import AttentionMetadata
 from kvmesh.model_worker.execution.sampler import Sampler
+from kvmesh.model_worker.scheduling.host_block_pool import KVTransfers, host_blocks_for
+from kvmesh.model_worker.scheduling.kv_cache_manager import check_host_tier
 from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.scheduling.request import Request
 from kvmesh.model_worker.scheduling.scheduler import SchedulerOutput
@@ -120,8 +123,27 @@ class ModelRunner:
         self.kv_cache_config = KVCacheConfig.from_sliding_windows(model_config.sliding_windows, self.block_size)
         self.num_blocks = self._decide_num_blocks()
         self._allocate_kv_cache()
+        self.host_kv = self._allocate_host_tier()
+        self.num_host_blocks = self.host_kv.blocks.shape[0] if self.host_kv is not None else 0
         self.sampler = Sampler(config.seed)
         self._copy_stream: torch.cuda.Stream | None = None
+
+    def _allocate_host_tier(self) -> HostKVCache | None:
+        """The host KV tier's memory (kv_offload.py), or None when none is asked for."""
+        cfg = self.config
+        if not cfg.host_tier:
+            return None
+        check_host_tier(self.kv_cache_config, cfg.enable_prefix_caching)
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        n = host_blocks_for(cfg.host_kv_blocks, cfg.kv_offloading_size, per_block)
+        check_host_memory(n, per_block)
+        attns = self.model.kv_caches()
+        return HostKVCache([(a.k_cache, a.v_cache) for a in attns], n)
+
+    def copy_kv_blocks(self, transfers: KVTransfers) -> None:
+        """Runs a step's copies between the device KV cache and the host tier, before its forward pass."""
+        assert self.host_kv is not None, "KV transfers without a host tier"
+        self.host_kv.copy(transfers)
 
     def _decide_num_blocks(self) -> int:
         cfg = self.config
