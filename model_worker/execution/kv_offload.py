@@ -58,14 +58,9 @@ class HostKVCache:
         self.block_shape = (len(caches), 2, *k0.shape[1:])
         cuda = self.device.type == "cuda"
         # NOTE: pinned only where a DMA engine reads it; a CPU worker's tier is plain memory. Zeroed,
-        # as the device cache is: every page is touched at start, not by the first offloads (on a
-        # CPU worker first-touch faults made the first pass over a 130 MiB tier ~4x slower).
+        # as the device cache is: every page is faulted in at start, not by the first offloads.
         self.blocks = torch.zeros((num_blocks, *self.block_shape), dtype=k0.dtype, pin_memory=cuda)
         self._stream = torch.cuda.Stream(self.device) if cuda else None
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.blocks[0].numel() * self.blocks.element_size()
 
     @torch.inference_mode()
     def copy(self, transfers: KVTransfers) -> None:
