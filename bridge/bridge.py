@@ -41,6 +41,7 @@ from kvmesh.contract.types import (
     BlockStored,
     KVCacheEvent,
     Load,
+    Tier,
 )
 from kvmesh.kv_client.publisher import KVPublisher, registration
 
@@ -198,7 +199,6 @@ class Bridge:
             # NOTE: blocks cached before the bridge attached: one snapshot after registration.
             self.publisher.request_snapshot()
         self.metrics.degraded.set(1 if self.mirror.degraded else 0)
-        self.metrics.mirror_blocks.set(len(self.mirror))
         log.info("attached to %s engine at %s as worker %s (model %s, epoch %d): %d blocks replayed",
                  self.cfg.engine, self.cfg.base_url, self.worker_id, self.model_id, self.publisher.epoch,
                  len(self.mirror))
@@ -276,12 +276,13 @@ class Bridge:
                 self.metrics.degraded.set(0)
             for e in out:
                 if isinstance(e, BlockStored):
-                    self.metrics.forwarded.labels("stored").inc(len(e.block_hashes))
+                    self.metrics.forwarded.labels("stored", e.tier.name.lower()).inc(len(e.block_hashes))
                 elif isinstance(e, BlockRemoved):
-                    self.metrics.forwarded.labels("removed").inc(len(e.block_hashes))
+                    self.metrics.forwarded.labels("removed", e.tier.name.lower()).inc(len(e.block_hashes))
             if publish and out and self.publisher is not None:
                 self.publisher.publish(out)
-        self.metrics.mirror_blocks.set(len(m))
+        for tier in Tier:
+            self.metrics.mirror_blocks.labels(tier.name.lower()).set(m.held(tier))
 
     def _engine_down(self) -> None:
         if not self._up:

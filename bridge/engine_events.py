@@ -54,10 +54,12 @@ class EngineStored:
     block_hashes: tuple[EngineHash, ...]
     parent_block_hash: EngineHash | None
     token_ids: tuple[int, ...]
-    """All the blocks' tokens, block after block: len = len(block_hashes) * block_size."""
+    """All the blocks' tokens, block after block: len = len(block_hashes) * block_size; empty for a
+    store that names its blocks only (vLLM's offloading connector by default)."""
     block_size: int
     medium: str | None = None
-    """"GPU" (vLLM; also on its CPU build), "CPU", "CPU_PINNED", "DISK", ...; None = not said."""
+    """"GPU" (vLLM; also on its CPU build), "CPU", "STORAGE" (vLLM's offloading), "CPU_PINNED", "DISK"
+    (SGLang), ...; None = not said (the device)."""
     lora_name: str | None = None
     extra_keys: tuple[Any, ...] | None = None
     """Per block: the engine's extra hash inputs (LoRA name, multimodal ids, cache salt), or None."""
@@ -151,7 +153,9 @@ def _stored(f: dict[str, Any]) -> EngineStored:
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in tokens):
         raise BadPayload("bad_event", "BlockStored.token_ids holds something that is not a token id")
     block_size = _int(f.get("block_size"), "BlockStored.block_size")
-    if block_size < 1 or len(tokens) != block_size * len(hashes):
+    # NOTE: no token ids at all is a store that names its blocks only (vLLM's offloading connector
+    # without self-describing events: block_size 0, its hash); the mirror resolves it by hash.
+    if tokens and (block_size < 1 or len(tokens) != block_size * len(hashes)):
         raise BadPayload("bad_event", f"{len(tokens)} token ids for {len(hashes)} blocks of {block_size}")
     parent = f.get("parent_block_hash")
     extra = f.get("extra_keys")

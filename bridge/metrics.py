@@ -26,9 +26,11 @@ class BridgeMetrics:
                                 registry=r)
         self.degraded = Gauge("kvmesh_bridge_degraded",
                               "1 while the mirror may differ from the engine's cache (events were lost)", registry=r)
-        self.mirror_blocks = Gauge("kvmesh_bridge_mirror_blocks", "kvmesh blocks the engine holds, as mirrored",
-                                   registry=r)
-        self.forwarded = Counter("kvmesh_bridge_forwarded_blocks", "kvmesh block events sent to the index, by kind",
-                                 ["kind"], registry=r)
+        self.mirror_blocks = Gauge("kvmesh_bridge_mirror_blocks",
+                                   "kvmesh blocks the engine holds, as mirrored, by tier (device, host, disk)",
+                                   ["tier"], registry=r)
+        self.forwarded = Counter("kvmesh_bridge_forwarded_blocks",
+                                 "kvmesh block events sent to the index, by kind and tier", ["kind", "tier"],
+                                 registry=r)
         self.scrape_failures = Counter("kvmesh_bridge_scrape_failures", "Failed reads of the engine's /metrics",
                                        registry=r)

@@ -12,10 +12,20 @@ Block sizes: one must divide the other. An engine block of 32 tokens over kvmesh
 completes two kvmesh blocks; SGLang's pages of 1 token complete a kvmesh block every 16th page
 (the partial tail rides along the chain until then).
 
-Skipped, and counted by reason: blocks that are not full-attention blocks in GPU memory (other
-media, sliding-window groups), chains kvmesh cannot hash (multimodal inputs, prompt embeddings),
-blocks whose parent the mirror never saw (lost or older than the bridge) and removals of blocks it
-does not hold. This module imports neither zmq nor grpc.
+Tiers: an engine's ``medium`` says where a block is (vLLM: "GPU", and "CPU" / "STORAGE" for its
+offloading connectors; SGLang: "CPU_PINNED", "DISK"); it becomes the kvmesh tier of the forwarded
+events (:data:`MEDIUM_TIERS`). An engine block is one entry whatever the tiers holding it, with a
+refcount per tier, and a kvmesh block is forwarded per tier on its 0 -> 1 and 1 -> 0 in that tier: a
+block vLLM offloads to CPU is ``BlockStored(HOST)``, its removal from CPU ``BlockRemoved(HOST)``, and
+its GPU copy's events stay the device's. A store without token ids (vLLM's OffloadingConnector
+without ``self_describing_kv_events`` names only the block's hash) is resolved through the entry of
+that hash, which the engine's GPU store created.
+
+Skipped, and counted by reason: blocks in a medium with no kvmesh tier (``medium``), blocks that are
+not full-attention blocks (sliding-window groups), chains kvmesh cannot hash (multimodal inputs,
+prompt embeddings), blocks whose parent the mirror never saw (lost or older than the bridge),
+token-less stores of blocks it does not hold (``unknown_block``) and removals of blocks it does not
+hold in that tier. This module imports neither zmq nor grpc.
 """
 
 from __future__ import annotations
@@ -26,11 +36,19 @@ from dataclasses import dataclass
 
 from kvmesh.bridge.engine_events import EngineCleared, EngineEvent, EngineHash, EngineRemoved, EngineStored
 from kvmesh.contract.block_hash import BlockHasher
-from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Tier
 
 FULL_ATTENTION = "full_attention"
-DEVICE_MEDIA = frozenset({None, "GPU", "gpu", "cuda"})
-"""Media that mean "in the engine's accelerator memory" (vLLM says "GPU" on its CPU build too)."""
+MEDIUM_TIERS: dict[str | None, Tier] = {
+    None: Tier.DEVICE, "GPU": Tier.DEVICE, "gpu": Tier.DEVICE, "cuda": Tier.DEVICE,
+    "CPU": Tier.HOST, "cpu": Tier.HOST, "CPU_PINNED": Tier.HOST,
+    "DISK": Tier.DISK, "STORAGE": Tier.DISK,
+}
+"""An engine's ``medium`` -> kvmesh's tier. vLLM 0.32 (vllm/distributed/kv_events.py: MEDIUM_GPU "GPU",
+MEDIUM_CPU "CPU", MEDIUM_STORAGE "STORAGE") says "GPU" on its CPU build too; SGLang 0.5 says
+"CPU_PINNED" and "DISK" for its HiCache tiers. Anything else (SGLang's "EXTERNAL": another machine's
+memory) is skipped as ``medium``."""
+_TIERS = len(Tier)
 
 
 def check_block_sizes(engine_block_size: int, block_size: int) -> None:
@@ -52,7 +70,10 @@ class _Entry:
     """Tokens after ``tail`` that do not fill a kvmesh block yet."""
     owned: tuple[bytes, ...]
     """kvmesh blocks this engine block completed."""
-    refs: int = 1
+    before: bytes | None
+    """The kvmesh block the first of ``owned`` continues; None at a chain's root."""
+    refs: list[int]
+    """Per tier (``Tier`` value), the engine's stores of this block there not yet removed."""
 
 
 class EngineMirror:
@@ -70,20 +91,25 @@ class EngineMirror:
         self._hashers: dict[str | None, BlockHasher] = {None: BlockHasher(model_id, block_size, algorithm)}
         self._model_id, self._algorithm = model_id, algorithm
         self._entries: dict[tuple[EngineHash, int], _Entry] = {}
-        self._kv_refs: dict[bytes, int] = {}
+        self._kv_refs: list[dict[bytes, int]] = [{} for _ in range(_TIERS)]
+        """Per tier, kvmesh hash -> engine blocks in that tier that completed it."""
         self._roots: set[bytes] = set()
         """Root hashes of the chains seen (a block right after one has no parent block)."""
         self.skipped: Counter[str] = Counter()
         """Blocks (or events) not mirrored, by reason."""
         self.duplicates = 0
-        """Stores of an engine block already held (counted up, forwarded once)."""
+        """Stores of an engine block already held in that tier (counted up, forwarded once)."""
         self.degraded = False
         """Events were lost and could not be replayed: the mirror may miss or keep blocks wrongly
         until the engine clears its cache or restarts."""
 
     def __len__(self) -> int:
-        """kvmesh blocks held."""
-        return len(self._kv_refs)
+        """kvmesh blocks held on the device."""
+        return len(self._kv_refs[Tier.DEVICE])
+
+    def held(self, tier: Tier) -> int:
+        """kvmesh blocks held in ``tier``."""
+        return len(self._kv_refs[tier])
 
     @property
     def engine_blocks(self) -> int:
@@ -92,14 +118,16 @@ class EngineMirror:
     def clear(self) -> None:
         """Forgets everything (the engine restarted); no event is forwarded."""
         self._entries.clear()
-        self._kv_refs.clear()
+        for refs in self._kv_refs:
+            refs.clear()
         self.degraded = False
 
-    def snapshot(self) -> list[bytes]:
-        """Every kvmesh hash held, oldest first."""
-        return list(self._kv_refs)
+    def snapshot(self, tier: Tier = Tier.DEVICE) -> list[bytes]:
+        """Every kvmesh hash held in ``tier``, oldest first (the device's: a resync's snapshot)."""
+        return list(self._kv_refs[tier])
 
     def holds(self, engine_hash: EngineHash, group: int = 0) -> bool:
+        """Whether the engine holds this block in any tier."""
         return (engine_hash, group) in self._entries
 
     # -- events -------------------------------------------------------------------------------
@@ -145,14 +173,45 @@ class EngineMirror:
                 return None
         return salt
 
+    def _take(self, entry: _Entry, tier: Tier, new: list[bytes], parent: list[bytes | None]) -> None:
+        """Counts one store of ``entry`` in ``tier``; its kvmesh blocks new to the tier join ``new``
+        (``parent[0]``: the block the first of them continues)."""
+        entry.refs[tier] += 1
+        if entry.refs[tier] > 1:
+            self.duplicates += 1
+            return
+        refs = self._kv_refs[tier]
+        prev = entry.before
+        for k in entry.owned:
+            c = refs.get(k, 0)
+            refs[k] = c + 1
+            if not c:
+                if not new:
+                    parent[0] = prev
+                new.append(k)
+            prev = k
+
     def _stored(self, ev: EngineStored) -> list[KVCacheEvent]:
         n = len(ev.block_hashes)
-        if ev.medium not in DEVICE_MEDIA:
+        tier = MEDIUM_TIERS.get(ev.medium)
+        if tier is None:
             self.skipped["medium"] += n
             return []
         if (ev.spec_kind not in (None, FULL_ATTENTION)) or ev.sliding_window:
             self.skipped["not_full_attention"] += n
             return []
+        new: list[bytes] = []
+        parent: list[bytes | None] = [None]
+        if not ev.token_ids:
+            # NOTE: a store that names its blocks only (vLLM's offloading connector by default):
+            # the blocks' chains are those of the engine's earlier stores of the same hashes.
+            for h in ev.block_hashes:
+                entry = self._entries.get((h, ev.group_idx))
+                if entry is None:
+                    self.skipped["unknown_block"] += 1
+                else:
+                    self._take(entry, tier, new, parent)
+            return self._stored_out(new, parent[0], tier)
         bs = self.block_size
         if ev.block_size % bs and bs % ev.block_size:
             self.skipped["block_size"] += n
@@ -168,74 +227,75 @@ class EngineMirror:
                 self._roots.clear()
             self._roots.add(state[0])
         else:
-            parent = self._entries.get((ev.parent_block_hash, ev.group_idx))
+            held = self._entries.get((ev.parent_block_hash, ev.group_idx))
             # NOTE: an unknown parent matters only to a block not held yet (a duplicate is counted
             # up without it), and then to every block after it in the event.
-            state = (parent.tail, parent.pending) if parent is not None else None
-        new: list[bytes] = []
-        first_parent: bytes | None = None
+            state = (held.tail, held.pending) if held is not None else None
         ebs = ev.block_size
         for i, h in enumerate(ev.block_hashes):
             key = (h, ev.group_idx)
             entry = self._entries.get(key)
-            if entry is not None:
-                entry.refs += 1
-                self.duplicates += 1
-            elif state is None:
-                self.skipped["orphan"] += n - i
-                break
-            else:
+            if entry is None:
+                if state is None:
+                    self.skipped["orphan"] += n - i
+                    break
                 tail, pending = state
                 tokens = pending + ev.token_ids[i * ebs:(i + 1) * ebs]
                 full = len(tokens) // bs * bs
                 owned = tuple(hasher.hash_prompt(tokens[:full], parent=tail)) if full else ()
-                entry = _Entry(owned[-1] if owned else tail, tokens[full:], owned)
+                before = None if tail in self._roots else tail
+                entry = _Entry(owned[-1] if owned else tail, tokens[full:], owned, before, [0] * _TIERS)
                 self._entries[key] = entry
-                prev = tail
-                for k in owned:
-                    c = self._kv_refs.get(k, 0)
-                    self._kv_refs[k] = c + 1
-                    if not c:
-                        if not new:
-                            first_parent = None if prev in self._roots else prev
-                        new.append(k)
-                    prev = k
+            self._take(entry, tier, new, parent)
             state = (entry.tail, entry.pending)
-        out: list[KVCacheEvent] = [BlockStored(new, first_parent)] if new else []
+        out = self._stored_out(new, parent[0], tier)
         if len(self._entries) > self.max_entries:
             out += self._overflow()
         return out
 
-    def _drop(self, entry: _Entry, gone: list[bytes]) -> None:
+    @staticmethod
+    def _stored_out(new: list[bytes], parent: bytes | None, tier: Tier) -> list[KVCacheEvent]:
+        if not new:
+            return []
+        # NOTE: off the device a store carries no parent (the contract: blocks reach those tiers one by one)
+        return [BlockStored(new, parent if tier == Tier.DEVICE else None, tier=tier)]
+
+    def _drop(self, entry: _Entry, tier: Tier, gone: list[bytes]) -> None:
+        refs = self._kv_refs[tier]
         for k in entry.owned:
-            c = self._kv_refs.get(k, 0)
+            c = refs.get(k, 0)
             if c <= 1:
-                self._kv_refs.pop(k, None)
+                refs.pop(k, None)
                 gone.append(k)
             else:
-                self._kv_refs[k] = c - 1
+                refs[k] = c - 1
 
     def _removed(self, ev: EngineRemoved) -> list[KVCacheEvent]:
-        if ev.medium not in DEVICE_MEDIA:
+        tier = MEDIUM_TIERS.get(ev.medium)
+        if tier is None:
             self.skipped["medium"] += len(ev.block_hashes)
             return []
         gone: list[bytes] = []
         for h in ev.block_hashes:
             key = (h, ev.group_idx)
             entry = self._entries.get(key)
-            if entry is None:
+            if entry is None or entry.refs[tier] <= 0:
                 self.skipped["unknown_removed"] += 1
                 continue
-            entry.refs -= 1
-            if entry.refs <= 0:
-                del self._entries[key]
-                self._drop(entry, gone)
-        return [BlockRemoved(gone)] if gone else []
+            entry.refs[tier] -= 1
+            if entry.refs[tier] == 0:
+                self._drop(entry, tier, gone)
+                if not any(entry.refs):
+                    del self._entries[key]
+        return [BlockRemoved(gone, tier=tier)] if gone else []
 
     def _overflow(self) -> list[KVCacheEvent]:
-        gone: list[bytes] = []
+        gone: list[list[bytes]] = [[] for _ in range(_TIERS)]
         while len(self._entries) > self.max_entries:
             key = next(iter(self._entries))
-            self._drop(self._entries.pop(key), gone)
+            entry = self._entries.pop(key)
+            for tier in Tier:
+                if entry.refs[tier]:
+                    self._drop(entry, tier, gone[tier])
             self.skipped["overflow"] += 1
-        return [BlockRemoved(gone)] if gone else []
+        return [BlockRemoved(g, tier=t) for t, g in zip(Tier, gone, strict=True) if g]

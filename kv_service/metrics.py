@@ -25,6 +25,9 @@ class KVMetrics:
         )
         self.events_applied = Counter("kvmesh_kv_events_applied_total", "Block events applied", ["kind"],
                                       registry=r)
+        self.events_ignored = Counter("kvmesh_kv_events_ignored_total",
+                                      "Block hashes of events the index does not apply yet: host and disk "
+                                      "tiers (it keeps the device tier only)", ["kind", "tier"], registry=r)
         self.resyncs = Counter("kvmesh_kv_resyncs_total", "Event batches answered with RESYNC", registry=r)
         self.rejected = Counter("kvmesh_kv_rejected_total", "Requests refused", ["reason"], registry=r)
         self.reservations = Counter("kvmesh_kv_reservations_total",

@@ -29,7 +29,7 @@ from kvmesh.contract.limits import (
     check_length,
     excerpt,
 )
-from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Load, Tier
 from kvmesh.kv_service.config import ServiceConfig
 from kvmesh.kv_service.index import Action, BlockIndex, PublishResult
 from kvmesh.kv_service.metrics import KVMetrics
@@ -179,9 +179,29 @@ class KVService:
                     _check_hash(f"events[{i}].stored.parent_hash", ev.parent_block_hash)
             elif isinstance(ev, BlockRemoved):
                 _check_hashes(f"events[{i}].removed.block_hashes", ev.block_hashes)
+        events = self._device_tier(events)
         result = await self.index.publish(worker_id, epoch, seq, events, self._now(), load)
         self._count(result, events)
         return result
+
+    def _device_tier(self, events: list[KVCacheEvent]) -> list[KVCacheEvent]:
+        """The events the index applies: the device tier's (and clears).
+
+        NOTE: until the index keeps tiers per (block, worker) (issue 36, phase 2), host- and
+        disk-tier stores and removals are validated and counted, never applied: a Lookup answers
+        the device-resident prefix exactly as before tiers existed. The batch's seq still counts
+        (the caller applies the rest), so a batch of host events alone is no gap.
+        """
+        if all(ev.tier == Tier.DEVICE for ev in events if not isinstance(ev, AllBlocksCleared)):
+            return events
+        kept: list[KVCacheEvent] = []
+        for ev in events:
+            if isinstance(ev, AllBlocksCleared) or ev.tier == Tier.DEVICE:
+                kept.append(ev)
+            else:
+                kind = "stored" if isinstance(ev, BlockStored) else "removed"
+                self.metrics.events_ignored.labels(kind, ev.tier.name.lower()).inc(len(ev.block_hashes))
+        return kept
 
     async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes],
                        load: Load | None = None) -> PublishResult:

@@ -182,11 +182,28 @@ class EngineConfig(SchedulerConfig):
     cuda_graph_sizes: list[int] = field(default_factory=list)
     """Decode batch sizes captured as CUDA graphs (a batch runs padded to the next one; larger batches
     run eagerly); none = 1, 2, 4, 8 and every multiple of 16 up to --max-num-seqs (at most 512)."""
+    host_kv_blocks: int | None = None
+    """Host KV tier, in blocks: blocks evicted from the device pool are kept in host memory (pinned on CUDA)
+    and loaded back instead of recomputed; none or 0 = off (docs/engine.md, Host KV tier)."""
+    kv_offloading_size: float | None = None
+    """Host KV tier, in GiB (vLLM's --kv-offloading-size with its native backend); none or 0 = off. Give this or
+    --host-kv-blocks, not both."""
 
     def check(self, model_config: ModelConfig) -> None:
         """Validates and fills derived fields; raises ValueError with what to change."""
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.host_kv_blocks is not None and self.host_kv_blocks < 0:
+            raise ValueError(f"--host-kv-blocks must be >= 0 (0 = no host tier), got {self.host_kv_blocks}")
+        if self.kv_offloading_size is not None and not (0 <= self.kv_offloading_size < float("inf")):
+            raise ValueError(f"--kv-offloading-size must be a size in GiB >= 0 (0 = no host tier), "
+                             f"got {self.kv_offloading_size}")
+        if self.host_kv_blocks and self.kv_offloading_size:
+            raise ValueError("give the host KV tier's size once: --host-kv-blocks N or --kv-offloading-size GIB, "
+                             "not both")
+        if self.host_tier and not self.enable_prefix_caching:
+            raise ValueError("a host KV tier needs prefix caching (it keeps and loads back cached blocks): drop "
+                             "--no-prefix-caching, or --host-kv-blocks / --kv-offloading-size")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
@@ -221,6 +238,11 @@ class EngineConfig(SchedulerConfig):
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    @property
+    def host_tier(self) -> bool:
+        """Whether a host KV tier is asked for (its size in blocks is the runner's to work out)."""
+        return bool(self.host_kv_blocks or self.kv_offloading_size)
 
 
 @dataclass(slots=True)

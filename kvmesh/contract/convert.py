@@ -26,6 +26,7 @@ from kvmesh.contract.types import (
     Load,
     Pending,
     SamplingParams,
+    Tier,
     Usage,
 )
 from kvmesh.v1 import common_pb2
@@ -173,25 +174,46 @@ def reservation_answer_from_pb(m: kv_pb.ReserveResponse) -> ReservationAnswer:
     return ReservationAnswer(m.reserved, {w.worker_id: pending_from_pb(w.pending) for w in m.workers})
 
 
+# NOTE: the device tier goes out unset (0), so a device event is byte for byte what a worker sent
+# before tiers existed, and an older kv_service reads it as it always did.
+_TIER_TO_PB = {Tier.DEVICE: kv_pb.KV_TIER_UNSPECIFIED, Tier.HOST: kv_pb.KV_TIER_HOST, Tier.DISK: kv_pb.KV_TIER_DISK}
+_TIER_FROM_PB = {kv_pb.KV_TIER_UNSPECIFIED: Tier.DEVICE, kv_pb.KV_TIER_DEVICE: Tier.DEVICE,
+                 kv_pb.KV_TIER_HOST: Tier.HOST, kv_pb.KV_TIER_DISK: Tier.DISK}
+
+
+def tier_from_pb(value: int, where: str) -> Tier:
+    """A KVTier on the wire (unset = device); InvalidArgument naming ``where`` for a value this
+    version does not know."""
+    tier = _TIER_FROM_PB.get(value)
+    if tier is None:
+        raise InvalidArgument(f"{where}.tier is {value}, not a KVTier this kv_service knows (device, host, disk)")
+    return tier
+
+
 def event_to_pb(ev: KVCacheEvent) -> kv_pb.KVEvent:
     if isinstance(ev, BlockStored):
         return kv_pb.KVEvent(stored=kv_pb.BlockStored(block_hashes=ev.block_hashes,
-                                                      parent_hash=ev.parent_block_hash or b"", group_id=ev.group_id))
+                                                      parent_hash=ev.parent_block_hash or b"", group_id=ev.group_id,
+                                                      tier=_TIER_TO_PB[ev.tier]))
     if isinstance(ev, BlockRemoved):
-        return kv_pb.KVEvent(removed=kv_pb.BlockRemoved(block_hashes=ev.block_hashes, group_id=ev.group_id))
+        return kv_pb.KVEvent(removed=kv_pb.BlockRemoved(block_hashes=ev.block_hashes, group_id=ev.group_id,
+                                                        tier=_TIER_TO_PB[ev.tier]))
     assert isinstance(ev, AllBlocksCleared)
     return kv_pb.KVEvent(all_cleared=kv_pb.AllBlocksCleared())
 
 
 def events_from_pb(events: Iterable[kv_pb.KVEvent]) -> list[KVCacheEvent]:
-    """Raises InvalidArgument naming the first event that sets no kind."""
+    """Raises InvalidArgument naming the first event that sets no kind or an unknown tier."""
     out: list[KVCacheEvent] = []
     for i, ev in enumerate(events):
         kind = ev.WhichOneof("event")
         if kind == "stored":
-            out.append(BlockStored(list(ev.stored.block_hashes), ev.stored.parent_hash or None, ev.stored.group_id))
+            s = ev.stored
+            out.append(BlockStored(list(s.block_hashes), s.parent_hash or None, s.group_id,
+                                   tier_from_pb(s.tier, f"events[{i}].stored")))
         elif kind == "removed":
-            out.append(BlockRemoved(list(ev.removed.block_hashes), ev.removed.group_id))
+            r = ev.removed
+            out.append(BlockRemoved(list(r.block_hashes), r.group_id, tier_from_pb(r.tier, f"events[{i}].removed")))
         elif kind == "all_cleared":
             out.append(AllBlocksCleared())
         else:

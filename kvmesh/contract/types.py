@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Literal
 
 from kvmesh.contract.errors import InvalidArgument
@@ -185,33 +186,51 @@ class ModelSpec:
     hash_algorithm: str
 
 
-# Block lifecycle events (1:1 with kvmesh.v1.KVEvent). Replayed in order into a set, a worker's
-# events give exactly the hashes it holds. Two blocks may hold the same hash (the pool does not
-# de-duplicate): each is announced by a BlockStored, and the hash is removed only when its last
-# block is evicted.
+# Block lifecycle events (1:1 with kvmesh.v1.KVEvent). Replayed in order into one set per tier, a
+# worker's events give exactly the hashes it holds in each tier. Two device blocks may hold the
+# same hash (the pool does not de-duplicate): each is announced by a BlockStored, and the hash is
+# removed only when its last block is evicted. A block moving between tiers is two events: evicted
+# from the device to host memory = BlockRemoved(DEVICE) + BlockStored(HOST); loaded back =
+# BlockStored(DEVICE) (the host copy stays until the host tier evicts it: BlockRemoved(HOST)).
+
+
+class Tier(IntEnum):
+    """Where a worker holds a block (kvmesh.v1.KVTier; unset on the wire = DEVICE)."""
+
+    DEVICE = 0
+    """Accelerator memory: the KV cache the model attends over (on a CPU worker, its KV pool)."""
+    HOST = 1
+    """Host memory: blocks evicted from the device, loaded back instead of recomputed."""
+    DISK = 2
+    """Local disk or storage (engines behind the bridge: vLLM's "STORAGE", SGLang's "DISK")."""
 
 
 @dataclass(slots=True)
 class BlockStored:
     block_hashes: list[bytes]
-    """Newly cached full blocks, in chain order."""
+    """Newly cached full blocks, in chain order (device); in eviction order (host, disk)."""
     parent_block_hash: bytes | None = None
-    """Hash of the block before the first one here; None when the chain starts at the root."""
+    """Hash of the block before the first one here; None when the chain starts at the root, and
+    always None off the device (blocks reach the host tier one by one, not as chains)."""
     group_id: int = 0
     """KV cache group (hybrid allocators); 0 for full attention."""
+    tier: Tier = Tier.DEVICE
+    """The tier that now holds them."""
 
 
 @dataclass(slots=True)
 class BlockRemoved:
     block_hashes: list[bytes]
-    """Hashes this worker no longer holds."""
+    """Hashes this worker no longer holds in ``tier``."""
     group_id: int = 0
     """KV cache group (hybrid allocators); 0 for full attention."""
+    tier: Tier = Tier.DEVICE
+    """The tier that no longer holds them."""
 
 
 @dataclass(slots=True)
 class AllBlocksCleared:
-    """The worker dropped its whole prefix cache."""
+    """The worker dropped its whole prefix cache, every tier."""
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -54,6 +54,9 @@ class SimConfig:
     num_blocks: int | None = None
     """KV blocks per worker; none = what each worker's GPU holds (an H100: 442,368 tokens, 27,648 blocks of 16)
     in blocks of --block-size."""
+    host_kv_blocks: int = 0
+    """Host KV tier per worker, in blocks of --block-size: blocks evicted from the device are kept there and
+    loaded back over the GPU's host link (docs/engine.md, Host KV tier); 0 = none."""
     window_steps: int = 64
     """Longest decode window simulated as one event with --num-scheduler-steps 1 (kvmesh/sim/engine.py)."""
     step_time: StepTimeConfig = field(default_factory=StepTimeConfig)
@@ -134,6 +137,8 @@ class SimConfig:
         """Raises ValueError with the flag to fix."""
         if self.routers < 1:
             raise ValueError("--routers must be >= 1")
+        if self.host_kv_blocks < 0:
+            raise ValueError(f"--host-kv-blocks must be >= 0 (0 = no host tier), got {self.host_kv_blocks}")
         self.step_time.check()
         for gpu in dict.fromkeys(self.worker_gpus()):
             self.cost_for(gpu)

@@ -175,7 +175,8 @@ class WindowRunner(SimRunner):
         step_time, jitter = self.cost.time, (self.jitter if self.noise_sigma else None)
         while step < last:
             t = step_time(0, 0.0, n, base + step * n)
-            elapsed += t * jitter() if jitter is not None else t
+            t = t * jitter() if jitter is not None else t
+            elapsed += self.copy_s(t) if step == 0 else t
             seqs += n
             at_step.append(elapsed)
             step += 1

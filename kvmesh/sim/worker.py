@@ -112,7 +112,8 @@ class SimWorker:
             model=str(self.mesh.model_dir), model_id=MODEL_ID, block_size=cfg.block_size,
             num_blocks=cfg.blocks_per_worker(self.gpu), max_num_batched_tokens=e.max_num_batched_tokens,
             max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len, enable_chunked_prefill=e.enable_chunked_prefill,
-            hash_algorithm=XXH3_128, num_scheduler_steps=steps), runner_factory=factory, scheduler_factory=WindowScheduler)
+            hash_algorithm=XXH3_128, num_scheduler_steps=steps, host_kv_blocks=cfg.host_kv_blocks or None),
+            runner_factory=factory, scheduler_factory=WindowScheduler)
         self.runner = runner_box[0]
         if e.num_scheduler_steps == 1:
             engine = self.engine

@@ -14,6 +14,13 @@ class HashAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HASH_ALGORITHM_SHA256_128: _ClassVar[HashAlgorithm]
     HASH_ALGORITHM_XXH3_128: _ClassVar[HashAlgorithm]
 
+class KVTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_UNSPECIFIED: _ClassVar[KVTier]
+    KV_TIER_DEVICE: _ClassVar[KVTier]
+    KV_TIER_HOST: _ClassVar[KVTier]
+    KV_TIER_DISK: _ClassVar[KVTier]
+
 class PublishAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PUBLISH_ACTION_UNSPECIFIED: _ClassVar[PublishAction]
@@ -22,6 +29,10 @@ class PublishAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 HASH_ALGORITHM_UNSPECIFIED: HashAlgorithm
 HASH_ALGORITHM_SHA256_128: HashAlgorithm
 HASH_ALGORITHM_XXH3_128: HashAlgorithm
+KV_TIER_UNSPECIFIED: KVTier
+KV_TIER_DEVICE: KVTier
+KV_TIER_HOST: KVTier
+KV_TIER_DISK: KVTier
 PUBLISH_ACTION_UNSPECIFIED: PublishAction
 PUBLISH_ACTION_ACK: PublishAction
 PUBLISH_ACTION_RESYNC: PublishAction
@@ -75,22 +86,26 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_ttl_ms: _Optional[int] = ..., resync: _Optional[bool] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("parent_hash", "block_hashes", "group_id")
+    __slots__ = ("parent_hash", "block_hashes", "group_id", "tier")
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     parent_hash: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     group_id: int
-    def __init__(self, parent_hash: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., group_id: _Optional[int] = ...) -> None: ...
+    tier: KVTier
+    def __init__(self, parent_hash: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., group_id: _Optional[int] = ..., tier: _Optional[_Union[KVTier, str]] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
-    __slots__ = ("block_hashes", "group_id")
+    __slots__ = ("block_hashes", "group_id", "tier")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     group_id: int
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., group_id: _Optional[int] = ...) -> None: ...
+    tier: KVTier
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., group_id: _Optional[int] = ..., tier: _Optional[_Union[KVTier, str]] = ...) -> None: ...
 
 class AllBlocksCleared(_message.Message):
     __slots__ = ()

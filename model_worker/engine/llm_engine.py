@@ -37,7 +37,13 @@ class EngineStats:
     prefix_cache_queries: int
     """Prompt tokens looked up in the prefix cache so far."""
     prefix_cache_hits: int
-    """Of those, tokens found cached."""
+    """Of those, tokens found cached (on the device or in the host tier)."""
+    host_cache_hits: int = 0
+    """Of those, tokens found in the host tier and loaded back."""
+    num_host_blocks: int = 0
+    """Blocks of the host KV tier (0: none)."""
+    num_host_cached_blocks: int = 0
+    """Of those, blocks holding a hash."""
     busy_s: float = 0.0
     """Seconds spent in steps since start (modelled seconds on a simulated worker)."""
     steps: int = 0
@@ -119,11 +125,18 @@ class LLMEngine:
         kv_cache_config = getattr(self.runner, "kv_cache_config", None) or KVCacheConfig.from_sliding_windows(
             self.model_config.sliding_windows, config.block_size
         )
+        # NOTE: the runner sizes the host tier too (it knows a block's bytes); one without a host
+        # tier, or without ``copy_kv_blocks``, gets none.
+        num_host_blocks = getattr(self.runner, "num_host_blocks", 0)
+        if config.host_tier and not (num_host_blocks and hasattr(self.runner, "copy_kv_blocks")):
+            raise ValueError(f"{type(self.runner).__name__} has no host KV tier: drop --host-kv-blocks / "
+                             "--kv-offloading-size")
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks,
             config.block_size,
             enable_caching=config.enable_prefix_caching,
             kv_cache_config=kv_cache_config,
+            num_host_blocks=num_host_blocks,
         )
         assert config.max_model_len is not None
         self.scheduler = scheduler_factory(
@@ -277,6 +290,9 @@ class LLMEngine:
 
         runner = self.runner
         t0 = time.perf_counter()
+        if out.kv_transfers is not None:
+            # NOTE: before the forward pass, which overwrites the evicted blocks and reads the loaded ones.
+            runner.copy_kv_blocks(out.kv_transfers)
         if out.num_steps == 1:
             commit(self.scheduler.update_from_output(out, runner.execute(out)))
             if not out.is_empty:
@@ -320,8 +336,15 @@ class LLMEngine:
         return self.kv_cache_manager.take_events()
 
     def cached_block_hashes(self) -> set[bytes]:
-        """Every block hash this worker holds: the snapshot for a kv_service resync."""
+        """Every block hash this worker holds on the device: the snapshot for a kv_service resync.
+
+        NOTE: the device tier only, which is all the index keeps for now (issue 36, phase 2).
+        """
         return self.kv_cache_manager.cached_block_hashes()
+
+    def host_block_hashes(self) -> set[bytes]:
+        """Every block hash the host tier holds (empty without one)."""
+        return self.kv_cache_manager.host_block_hashes()
 
     def queued_requests(self) -> list[Request]:
         """Requests submitted since the last step's snapshot and not in it (in the inbox, or taken into the
@@ -382,6 +405,9 @@ class LLMEngine:
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            host_cache_hits=kv.host_cache_hits,
+            num_host_blocks=kv.host_pool.num_blocks if kv.host_pool is not None else 0,
+            num_host_cached_blocks=len(kv.host_pool) if kv.host_pool is not None else 0,
             busy_s=self._busy_s,
             steps=self._steps,
             work=replace(self._work),

@@ -20,6 +20,7 @@ from kvmesh.model_worker.execution.compile import CompiledForward
 from kvmesh.model_worker.execution.forward_context import ForwardContext, forward_context
 from kvmesh.model_worker.execution.graph_runner import DecodeGraphs, capture_sizes
 from kvmesh.model_worker.execution.host_allocator import keep_freed_buffers
+from kvmesh.model_worker.execution.kv_offload import HostKVCache, check_host_memory
 from kvmesh.model_worker.execution.memory import (
     DeviceMemory,
     activation_reserve,
@@ -31,6 +32,8 @@ from kvmesh.model_worker.execution.model_loader import load_model
 from kvmesh.model_worker.execution.models.attention import AttentionMetadata
 from kvmesh.model_worker.execution.sampler import Sampler
 from kvmesh.model_worker.execution.warmup import WarmupReport, warm_up
+from kvmesh.model_worker.scheduling.host_block_pool import KVTransfers, host_blocks_for
+from kvmesh.model_worker.scheduling.kv_cache_manager import check_host_tier
 from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.scheduling.request import Request
 from kvmesh.model_worker.scheduling.scheduler import SchedulerOutput
@@ -147,6 +150,8 @@ class ModelRunner:
         """Decode steps replayed from CUDA graphs (CUDA without --enforce-eager); None = eager."""
         self.num_blocks = self._decide_num_blocks()
         self._allocate_kv_cache()
+        self.host_kv = self._allocate_host_tier()
+        self.num_host_blocks = self.host_kv.blocks.shape[0] if self.host_kv is not None else 0
         self.sampler = Sampler(config.seed)
         self._copy_stream: torch.cuda.Stream | None = None
         self.warmup_report: WarmupReport | None = None
@@ -181,6 +186,23 @@ class ModelRunner:
                         "graph cannot replay (unset KVMESH_ATTENTION_BACKEND, or pass --enforce-eager)")
             return None
         return self.decode_graphs(capture=True)
+
+    def _allocate_host_tier(self) -> HostKVCache | None:
+        """The host KV tier's memory (kv_offload.py), or None when none is asked for."""
+        cfg = self.config
+        if not cfg.host_tier:
+            return None
+        check_host_tier(self.kv_cache_config, cfg.enable_prefix_caching)
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        n = host_blocks_for(cfg.host_kv_blocks, cfg.kv_offloading_size, per_block)
+        check_host_memory(n, per_block)
+        attns = self.model.kv_caches()
+        return HostKVCache([(a.k_cache, a.v_cache) for a in attns], n)
+
+    def copy_kv_blocks(self, transfers: KVTransfers) -> None:
+        """Runs a step's copies between the device KV cache and the host tier, before its forward pass."""
+        assert self.host_kv is not None, "KV transfers without a host tier"
+        self.host_kv.copy(transfers)
 
     def _decide_num_blocks(self) -> int:
         cfg = self.config

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 if TYPE_CHECKING:
+    from kvmesh.model_worker.scheduling.host_block_pool import HostBlockPool
     from kvmesh.model_worker.scheduling.request import Request
 
 
@@ -144,6 +145,13 @@ class BlockPool:
             {} for _ in range(num_groups)
         ]
         self._events: list[KVCacheEvent] = []
+        self.host: HostBlockPool | None = None
+        """The host tier evicted blocks go to (host_block_pool.py); None = evicted blocks are gone.
+        Set by the KV cache manager, for a pool of one group."""
+
+    def emit(self, event: KVCacheEvent) -> None:
+        """Appends an event of another tier to this pool's stream (in order with its own)."""
+        self._events.append(event)
 
     @property
     def cached_block_hash_to_block(self) -> dict[bytes, dict[int, KVCacheBlock]]:
@@ -194,18 +202,25 @@ class BlockPool:
         new_blocks = self.free_block_queue.popleft_n(num_blocks)
         # group -> evicted hashes; one BlockRemoved per group, in the order groups first evict
         removed: dict[int, list[bytes]] = {}
+        offload: list[tuple[bytes, int]] | None = [] if self.host is not None else None
         for block in new_blocks:
             assert block.ref_cnt == 0
             # NOTE: eviction is lazy: a freed block keeps its hash (and stays reusable by a
             # cache hit) until it is handed out again here.
             if block.block_hash is not None and self._evict_cached_block(block):
                 removed.setdefault(block.group_id, []).append(block.block_hash)
+                if offload is not None:
+                    offload.append((block.block_hash, block.block_id))
             block.block_hash = None
             block.group_id = 0
             block.ref_cnt = 1
         if self.enable_events:
             for group_id, hashes in removed.items():
                 self._events.append(BlockRemoved(block_hashes=hashes, group_id=group_id))
+        if offload:
+            # NOTE: after the device's removal, so the stream says removed (device), stored (host).
+            assert self.host is not None
+            self.host.offload(offload)
         return new_blocks
 
     def _evict_cached_block(self, block: KVCacheBlock) -> bool:
@@ -246,6 +261,8 @@ class BlockPool:
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash; refused (False) while any block is in use."""
         if self.free_block_queue.num_free_blocks != self.num_blocks - 1:
+            return False
+        if self.host is not None and not self.host.reset():
             return False
         for cached in self.cached_blocks_by_group:
             cached.clear()

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from kvmesh.contract.types import AllBlocksCleared, KVCacheEvent
 from kvmesh.model_worker.scheduling.block_pool import BlockPool, KVCacheBlock
+from kvmesh.model_worker.scheduling.host_block_pool import HostBlockPool, KVTransfers
 from kvmesh.model_worker.scheduling.kv_cache_coordinator import KVCacheCoordinator
-from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig, cdiv
+from kvmesh.model_worker.scheduling.kv_cache_spec import FullAttentionSpec, KVCacheConfig, cdiv
 from kvmesh.model_worker.scheduling.request import Request
 
 __all__ = ["KVCacheManager", "cdiv"]
@@ -30,6 +31,8 @@ class KVCacheManager:
         log_stats: count prefix-cache queries and hits (in tokens).
         enable_events: record block lifecycle events for ``take_events``.
         kv_cache_config: the model's groups; None = one full-attention group.
+        num_host_blocks: blocks of the host tier (host_block_pool.py); 0 = none. Needs prefix
+            caching and one full-attention group.
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class KVCacheManager:
         log_stats: bool = True,
         enable_events: bool = True,
         kv_cache_config: KVCacheConfig | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -56,6 +60,14 @@ class KVCacheManager:
         self.num_groups = kv_cache_config.num_groups
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        """Tokens found cached, on the device or in the host tier."""
+        self.host_cache_hits = 0
+        """Of those, tokens found in the host tier (loaded back, not recomputed)."""
+        self.host_pool: HostBlockPool | None = None
+        if num_host_blocks:
+            check_host_tier(kv_cache_config, enable_caching)
+            pool = self.block_pool
+            self.host_pool = pool.host = HostBlockPool(num_host_blocks, pool.emit if enable_events else None)
 
     @property
     def num_blocks(self) -> int:
@@ -88,6 +100,20 @@ class KVCacheManager:
             self.prefix_cache_hits += num_hit_tokens
         return [b for hit in hits for b in hit], num_hit_tokens
 
+    def get_host_blocks(self, request: Request, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """The host-tier blocks that continue a device hit of ``num_computed_tokens`` tokens (none
+        without a host tier), up to the first block the tier lacks. Counted as cache hits."""
+        host = self.host_pool
+        if host is None or not request.block_hashes:
+            return []
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size  # the last token is computed
+        blocks = host.find_run(request.block_hashes, num_computed_tokens // self.block_size, max_hit_blocks)
+        if blocks and self.log_stats:
+            n = len(blocks) * self.block_size
+            self.prefix_cache_hits += n
+            self.host_cache_hits += n
+        return blocks
+
     def allocate_slots(
         self,
         request: Request,
@@ -95,15 +121,19 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        host_blocks: list[KVCacheBlock] | None = None,
     ) -> list[KVCacheBlock] | None:
         """Gives the request slots for ``num_new_tokens`` more tokens.
 
         Args:
             request: the request; ``request.num_computed_tokens`` tokens already have slots.
             num_new_tokens: tokens to compute this step.
-            num_new_computed_tokens: tokens covered by ``new_computed_blocks`` (a cache hit).
+            num_new_computed_tokens: tokens covered by ``new_computed_blocks`` and ``host_blocks``
+                (a cache hit).
             new_computed_blocks: hit blocks from ``get_computed_blocks``, on first admission only.
             num_lookahead_tokens: extra slots (speculative tokens); never cached.
+            host_blocks: host-tier blocks continuing the hit (``get_host_blocks``), on first
+                admission only: each gets a new device block and a load into it this step.
 
         Returns:
             The newly allocated blocks (group-major), or None when the pool has too few free
@@ -126,7 +156,16 @@ class KVCacheManager:
         if new_computed_blocks:
             assert self.enable_caching, "cache hits with caching disabled"
             coordinator.add_computed_blocks(req_id, hits)
-        new_blocks = coordinator.allocate_new_blocks(req_id, num_tokens)
+        if host_blocks:
+            # NOTE: the host blocks are held before the allocation evicts device blocks into the
+            # host tier, so no store of this step can take them. The request's table holds its
+            # device hit, so the first new blocks sit at the positions the host blocks continue.
+            assert self.host_pool is not None and request.num_computed_tokens == 0
+            self.host_pool.hold(host_blocks)
+            new_blocks = coordinator.allocate_new_blocks(req_id, num_tokens)
+            self.host_pool.load(host_blocks, [b.block_id for b in new_blocks[0][:len(host_blocks)]])
+        else:
+            new_blocks = coordinator.allocate_new_blocks(req_id, num_tokens)
 
         if self.enable_caching:
             # NOTE: blocks are cached when scheduled, before the model fills them: a request
@@ -140,6 +179,11 @@ class KVCacheManager:
         n, rest = divmod(len(blocks), self.num_groups)
         assert rest == 0, "a hit has the same number of entries in every group"
         return [blocks[g * n : (g + 1) * n] for g in range(self.num_groups)]
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The copies between the tiers the allocations since the last call need (None: none); the
+        scheduler hands them to the runner with the step (``SchedulerOutput.kv_transfers``)."""
+        return self.host_pool.take_transfers() if self.host_pool is not None else None
 
     def free(self, request: Request) -> None:
         """Releases every block of the request; unknown requests are ignored."""
@@ -173,6 +217,10 @@ class KVCacheManager:
             return events
         return [e for e in events if isinstance(e, AllBlocksCleared) or e.group_id == 0]
 
+    def host_block_hashes(self) -> set[bytes]:
+        """Every hash the host tier holds (empty without one)."""
+        return set(self.host_pool.cached) if self.host_pool is not None else set()
+
     def cached_block_hashes(self) -> set[bytes]:
         """Every hash in group 0's cached-block map: the worker's snapshot for a kv_service resync."""
         return set(self.block_pool.cached_block_hash_to_block)
@@ -184,3 +232,15 @@ class KVCacheManager:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def check_host_tier(kv_cache_config: KVCacheConfig, enable_caching: bool) -> None:
+    """Raises ValueError unless a host tier can serve this KV cache: it keeps and loads back
+    hashed blocks of one full-attention group."""
+    if not enable_caching:
+        raise ValueError("a host KV tier needs prefix caching: without it no block is kept to offload "
+                         "(drop --no-prefix-caching or the host tier)")
+    groups = kv_cache_config.groups
+    if len(groups) != 1 or not isinstance(groups[0].spec, FullAttentionSpec):
+        raise ValueError(f"a host KV tier needs a model with full attention in every layer; this one has "
+                         f"{len(groups)} KV cache group(s) with sliding windows (hybrid models: a later phase)")

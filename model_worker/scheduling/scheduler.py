@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.contract.settings import flag
+from kvmesh.model_worker.scheduling.host_block_pool import KVTransfers
 from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.scheduling.kv_cache_spec import FullAttentionSpec
 from kvmesh.model_worker.scheduling.request import Request, RequestStatus
@@ -129,6 +130,9 @@ class SchedulerOutput:
     num_steps: int = 1
     """Forward passes to run on this batch; > 1 only when every request in it decodes one token
     per pass and has KV slots for all of them (multi-step decode)."""
+    kv_transfers: KVTransfers | None = None
+    """Copies between the device and the host tier to run before the forward pass (host_block_pool.py):
+    blocks this step's allocations evicted to the host, prefixes loaded back; None = none."""
     _work: StepWork | None = field(default=None, repr=False)
 
     @property
@@ -285,12 +289,17 @@ class Scheduler:
                 break
             request = self.waiting[0]
             hit_blocks, num_hit = kv.get_computed_blocks(request)
+            # NOTE: a prefix that continues in the host tier is loaded back, not computed: its
+            # tokens count as cached and take no budget; the load runs before this step's forward
+            # pass (SchedulerOutput.kv_transfers), so the request computes from after it at once.
+            host_blocks = kv.get_host_blocks(request, num_hit)
+            num_hit += len(host_blocks) * kv.block_size
             num_new = request.num_tokens - num_hit
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
+            if kv.allocate_slots(request, num_new, num_hit, hit_blocks, host_blocks=host_blocks) is None:
                 break
             self.waiting.popleft()
             self.running.append(request)
@@ -305,6 +314,7 @@ class Scheduler:
         # now; an arrival waits at most the rest of one window.
         if self.config.num_scheduler_steps > 1 and not out.preempted_ids and num_admitted == 0:
             self._plan_window(out)
+        out.kv_transfers = kv.take_transfers()
         return out
 
     def _plan_window(self, out: SchedulerOutput) -> None:

@@ -23,6 +23,12 @@ class WorkerMetrics:
                                       m, registry=r)
         self.prefix_hits = Counter("kvmesh:prefix_cache_hits", "Prompt tokens found in the prefix cache", m,
                                    registry=r)
+        self.host_kv_usage = Gauge("kvmesh:host_kv_cache_usage_perc",
+                                   "Host KV tier: share of its blocks holding a block evicted from the device", m,
+                                   registry=r)
+        self.host_hits = Counter("kvmesh:host_kv_cache_hits",
+                                 "Prompt tokens found in the host KV tier and loaded back (of prefix_cache_hits)", m,
+                                 registry=r)
         self.ttft = Histogram("kvmesh:time_to_first_token_seconds", "Time to first token", m,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("kvmesh:inter_token_latency_seconds", "Time between consecutive tokens", m,

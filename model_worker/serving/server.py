@@ -121,7 +121,7 @@ class WorkerServer:
                                on_token=self._on_token, stream_interval=stream_interval)
         if self.publisher is not None:
             self.publisher.wake_engine = self.loop.wake
-        self._prefix = (0, 0)
+        self._prefix = (0, 0, 0)
 
     async def _build(self, host: str, port: int) -> AioServer:
         server = AioServer(host, port)
@@ -157,12 +157,16 @@ class WorkerServer:
         wm.num_running.labels(**m).set(s.num_running)
         wm.num_waiting.labels(**m).set(s.num_waiting)
         wm.kv_usage.labels(**m).set(1 - s.num_free_blocks / max(1, s.num_total_blocks))
-        q0, h0 = self._prefix
+        q0, h0, host0 = self._prefix
         if s.prefix_cache_queries > q0:
             wm.prefix_queries.labels(**m).inc(s.prefix_cache_queries - q0)
         if s.prefix_cache_hits > h0:
             wm.prefix_hits.labels(**m).inc(s.prefix_cache_hits - h0)
-        self._prefix = (s.prefix_cache_queries, s.prefix_cache_hits)
+        if s.num_host_blocks:
+            wm.host_kv_usage.labels(**m).set(s.num_host_cached_blocks / s.num_host_blocks)
+            if s.host_cache_hits > host0:
+                wm.host_hits.labels(**m).inc(s.host_cache_hits - host0)
+        self._prefix = (s.prefix_cache_queries, s.prefix_cache_hits, s.host_cache_hits)
 
     def _on_token(self, stream: Stream, now: float) -> None:
         self._tokens.inc()

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from kvmesh.contract.types import H100_8B_KV_BLOCKS
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
+from kvmesh.model_worker.scheduling.host_block_pool import KVTransfers, host_blocks_for
 from kvmesh.model_worker.scheduling.request import Request
 from kvmesh.model_worker.scheduling.scheduler import SchedulerOutput
 from kvmesh.model_worker.simulated.step_time import Roofline, StepTimeModel
@@ -112,6 +113,12 @@ class SimRunner:
         self._noise = random.Random(noise_seed)
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks if config.num_blocks is not None else DEFAULT_SIM_NUM_BLOCKS
+        # NOTE: the host tier has no tensors here: a block's bytes are the modelled model's, its
+        # copies a time over the host link (step_time.py).
+        self.num_host_blocks = host_blocks_for(config.host_kv_blocks, config.kv_offloading_size,
+                                               self.cost.kv_bytes_per_token * config.block_size)
+        self._copy_tokens = (0, 0)
+        """Tokens the next step loads from and offloads to the host tier."""
         self.vocab_size = model_config.vocab_size
         self._eos = frozenset(model_config.eos_token_ids)
         self.stats = SimStats()
@@ -126,6 +133,20 @@ class SimRunner:
         # the next step's scheduling with this one); a host slower than that slows the simulation.
         self._deadline = 0.0
 
+    def copy_kv_blocks(self, transfers: KVTransfers) -> None:
+        """A step's copies between the device and the host tier: timed with the step that follows."""
+        bs = self.block_size
+        self._copy_tokens = (len(transfers.loads) * bs, len(transfers.offloads) * bs)
+
+    def copy_s(self, forward_s: float) -> float:
+        """The step's time with its host-tier copies: its loads before the forward pass (the step
+        waits for them), its offloads beside it (they cost only what the forward pass does not hide)."""
+        load, offload = self._copy_tokens
+        if not load and not offload:
+            return forward_s
+        self._copy_tokens = (0, 0)
+        return self.cost.host_copy_s(load) + max(forward_s, self.cost.host_copy_s(offload))
+
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         """Sleeps for the batch's modelled time; returns request id -> one token for the rows that sample."""
         self.step_elapsed_s = 0.0
@@ -133,7 +154,7 @@ class SimRunner:
             self.last_step_s = 0.0
             return {}
         w = out.work()
-        self._run(self.cost.work_time(w) * self.jitter(), w.prefill_tokens, w.decode_seqs)
+        self._run(self.copy_s(self.cost.work_time(w) * self.jitter()), w.prefill_tokens, w.decode_seqs)
         self.last_step_s = self.step_elapsed_s
         return {s.request.request_id: [self._token(s.request)] for s in out.scheduled if s.sample}
 
@@ -151,7 +172,7 @@ class SimRunner:
         try:
             for step in range(out.num_steps):
                 n = len(rows)
-                self._run(self.cost.time(0, 0.0, n, base + step * n) * self.jitter(), 0, n)
+                self._run(self.copy_s(self.cost.time(0, 0.0, n, base + step * n) * self.jitter()), 0, n)
                 active = on_step({rid: [self._token(s.request)] for rid, s in rows.items()})
                 if len(active) != n:
                     keep = set(active)

@@ -17,6 +17,12 @@ A decode step at small batch reads the weights and the KV it attends to (memory 
 prefill chunk is bound by its FLOPs, and the decodes that share its step ride along at no memory
 cost. A least-squares fit of the linear form below cannot represent that max exactly.
 
+A host KV tier's copies (:meth:`StepTimeModel.host_copy_s`) cross the host link (PCIe, or NVLink-C2C
+on a GH200): ``t = tokens * kv_bytes_per_token / host_link_bandwidth`` one way. The simulated runner
+(sim_runner.py) adds a step's loads (the step waits for them) and the part of its offloads the step
+does not hide: ``t_step = t_load + max(t_forward, t_offload)``, as the CUDA runner overlaps them
+(model_worker/execution/kv_offload.py).
+
 The linear model (:class:`LinearCost`) is the simulator's step time until 2026-11-23, kept
 selectable (``--sim-cost-model linear``) because older results used it.
 
@@ -88,6 +94,9 @@ class GpuSpec:
     """Share of ``bandwidth`` a step reaches."""
     launch_s: float = 0.001
     """Per step: kernel launches, sampling, scheduling not hidden behind the GPU."""
+    host_link_bandwidth: float = 50e9
+    """Host <-> device copy bandwidth, one direction, bytes/s (the host KV tier's link): PCIe Gen5 x16
+    ~50 GB/s effective, NVLink-C2C (GH200) ~360 GB/s."""
 
     def kv_tokens(self, model: ModelShape = LLAMA_31_8B, memory_utilization: float = 0.9,
                   activation_gib: float = 3.0) -> int:
@@ -99,11 +108,17 @@ class GpuSpec:
 
 
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
-    GpuSpec("H100", peak_flops=989.4e12, bandwidth=3.35e12, memory_gib=80, mfu=0.35, mbu=0.75),
-    GpuSpec("H200", peak_flops=989.4e12, bandwidth=4.8e12, memory_gib=141, mfu=0.35, mbu=0.75),
-    GpuSpec("A100", peak_flops=312e12, bandwidth=2.039e12, memory_gib=80, mfu=0.50, mbu=0.80),
+    GpuSpec("H100", peak_flops=989.4e12, bandwidth=3.35e12, memory_gib=80, mfu=0.35, mbu=0.75,
+            host_link_bandwidth=50e9),
+    GpuSpec("H200", peak_flops=989.4e12, bandwidth=4.8e12, memory_gib=141, mfu=0.35, mbu=0.75,
+            host_link_bandwidth=50e9),
+    GpuSpec("A100", peak_flops=312e12, bandwidth=2.039e12, memory_gib=80, mfu=0.50, mbu=0.80,
+            host_link_bandwidth=25e9),
+    GpuSpec("GH200", peak_flops=989.4e12, bandwidth=4.0e12, memory_gib=96, mfu=0.35, mbu=0.75,
+            host_link_bandwidth=360e9),
 )}
-"""The simulator's GPU types (SXM parts; A100 = the 80 GB one)."""
+"""The simulator's GPU types (SXM parts; A100 = the 80 GB one; GH200 = the Hopper of a Grace Hopper
+superchip, 96 GB HBM3, its host memory behind NVLink-C2C)."""
 
 DEFAULT_GPU = "H100"
 
@@ -143,6 +158,15 @@ class StepTimeModel:
         """:meth:`time` of a scheduled batch: a request computing tokens past its prompt decodes."""
         return self.work_time(out.work())
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token (K and V, every layer): what the host KV tier moves per token."""
+        raise NotImplementedError
+
+    def host_copy_s(self, tokens: int) -> float:
+        """Seconds to move ``tokens`` tokens of KV one way between device and host memory."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True, slots=True)
 class Roofline(StepTimeModel):
@@ -155,6 +179,7 @@ class Roofline(StepTimeModel):
     _pair_s: float = field(init=False, repr=False, compare=False)
     _weights_s: float = field(init=False, repr=False, compare=False)
     _kv_token_s: float = field(init=False, repr=False, compare=False)
+    _host_token_s: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         flops = self.gpu.peak_flops * self.gpu.mfu
@@ -163,6 +188,14 @@ class Roofline(StepTimeModel):
         object.__setattr__(self, "_pair_s", self.model.attn_flops_per_pair / flops)
         object.__setattr__(self, "_weights_s", self.model.weight_bytes / bandwidth)
         object.__setattr__(self, "_kv_token_s", self.model.kv_bytes_per_token / bandwidth)
+        object.__setattr__(self, "_host_token_s", self.model.kv_bytes_per_token / self.gpu.host_link_bandwidth)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token
+
+    def host_copy_s(self, tokens: int) -> float:
+        return self._host_token_s * tokens
 
     def time(self, prefill_tokens: int, prefill_pairs: float, decode_seqs: int, decode_context_tokens: int) -> float:
         if not prefill_tokens and not decode_seqs:
@@ -212,6 +245,13 @@ class LinearCost(StepTimeModel):
         return (self.step_overhead_s + self.prefill_token_s * prefill_tokens + self.attn_pair_s * prefill_pairs
                 + self.decode_seq_s * decode_seqs + self.decode_kv_token_s * decode_context_tokens)
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return LLAMA_31_8B.kv_bytes_per_token  # NOTE: the model its coefficients were set for
+
+    def host_copy_s(self, tokens: int) -> float:
+        return tokens * LLAMA_31_8B.kv_bytes_per_token / GPUS[DEFAULT_GPU].host_link_bandwidth
+
 
 COST_MODELS = ("roofline", "linear")
 
@@ -225,7 +265,7 @@ class StepTimeConfig:
     """roofline: the GPU's roofline (docs/benchmarks.md, cost model); linear: the linear model of the --sim-*
     coefficients (an H100 only; the simulator's until 2026-11-23)."""
     gpu: str = flag(DEFAULT_GPU, name="sim-gpu")
-    """The GPU type (H100, H200, A100): its roofline and, unless --num-blocks says otherwise, its KV capacity;
+    """The GPU type (H100, H200, A100, GH200): its roofline and, unless --num-blocks says otherwise, its KV capacity;
     `kvmesh simulate`: the GPU of a plain --workers N."""
     step_noise: float = flag(0.0, name="sim-step-noise")
     """Every step's time times exp(sigma x N(0, 1)) with this sigma, seeded per worker; 0 = no noise."""

@@ -96,6 +96,29 @@ def test_gap_resync_then_snapshot_over_the_stream(kv):
     assert stub.GetStats(pb.GetStatsRequest(), timeout=5).resyncs_total == 1
 
 
+def test_host_tier_events_are_accepted_and_the_index_keeps_the_device_tier(kv):
+    """Until the index keeps tiers (issue 36, phase 2) it applies device events only: host-tier
+    stores and removals are acknowledged, counted and ignored; their batches still count in seq."""
+    stub, _ = kv
+    register(stub)
+    host = pb.KV_TIER_HOST
+
+    def on(tier, hashes, removed=False):
+        if removed:
+            return pb.KVEvent(removed=pb.BlockRemoved(block_hashes=hashes, tier=tier))
+        return pb.KVEvent(stored=pb.BlockStored(block_hashes=hashes, tier=tier))
+
+    acks = publish(stub,
+                   batch("w1", 1, stored(CHAIN[:4]), on(host, CHAIN[4:])),
+                   # a device -> host move of the last two device blocks, and a host eviction
+                   batch("w1", 2, on(pb.KV_TIER_DEVICE, CHAIN[2:4], removed=True), on(host, CHAIN[2:4])),
+                   batch("w1", 3, on(host, CHAIN[:2], removed=True)),  # host events alone: no gap after them
+                   batch("w1", 4, on(host, CHAIN[4:], removed=True), stored(CHAIN[2:3], CHAIN[1])))
+    assert [a[1] for a in acks] == [pb.PUBLISH_ACTION_ACK] * 4
+    assert lookup(stub, CHAIN) == [("w1", 3)]  # device: 0, 1 stored; 2, 3 removed; 2 loaded back
+    assert stub.GetStats(pb.GetStatsRequest(), timeout=5).indexed_blocks == 3
+
+
 def test_lease_expiry_removes_worker_from_lookup(kv):
     stub, _ = kv
     # w2 registers first: on its registration lease alone it would leave before w1, so a Lookup
@@ -138,6 +161,8 @@ def test_bad_input_gets_clear_status_and_leaves_index_unchanged(kv):
         (lambda: publish(stub, batch("w1", 2, stored([CHAIN[3], b"x" * 15]))), INV,
          "events[0].stored.block_hashes[1] is 15 bytes"),
         (lambda: publish(stub, batch("w1", 2, pb.KVEvent())), INV, "events[0] sets no event"),
+        (lambda: publish(stub, batch("w1", 2, stored(CHAIN[3:]), pb.KVEvent(removed=pb.BlockRemoved(
+            block_hashes=CHAIN[:1], tier=9)))), INV, "events[1].removed.tier is 9, not a KVTier"),
         (lambda: publish(stub, batch("ghost", 1, stored(CHAIN))), NF, "worker 'ghost' is not registered"),
         (lambda: publish(stub, batch("w1", 1, stored(CHAIN))), FP, "seq regression for worker 'w1': got 1, last applied 1"),
         (lambda: publish(stub, batch("w1", 0, stored(CHAIN))), INV, "seq must be in [1, 2**53)"),

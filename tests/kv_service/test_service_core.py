@@ -9,7 +9,7 @@ from prometheus_client import generate_latest
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.index_protocol import Registration
-from kvmesh.contract.types import BlockStored
+from kvmesh.contract.types import BlockRemoved, BlockStored, Tier
 from kvmesh.kv_service.service import KVService, run_now
 from kvmesh.kv_service.store_memory import MemoryIndex
 
@@ -56,3 +56,33 @@ def test_lookup_replies_from_cached_wire_bytes_equal_the_field_by_field_message(
             block_size=16, num_blocks_queried=300 + round_)
         assert replies.response(matches, 16, 300 + round_) == want
     assert replies.response([], 0, 0) == pb.LookupResponse()
+
+
+def test_host_tier_events_are_counted_not_applied():
+    svc = KVService(MemoryIndex())
+    run_now(svc.register(Registration("w1", "127.0.0.1:1", "m", 4, "sha256_128", 100, 1)))
+    run_now(svc.publish("w1", 1, 1, [BlockStored(CHAIN[:2]), BlockStored(CHAIN[2:], tier=Tier.HOST),
+                                     BlockRemoved(CHAIN[:1], tier=Tier.HOST)]))
+    run_now(svc.publish("w1", 1, 2, [BlockStored(CHAIN[:1], tier=Tier.DISK)]))
+    assert [(m.worker_id, m.matched_blocks) for m in run_now(svc.lookup("m", CHAIN))] == [("w1", 2)]
+    ignored = svc.metrics.events_ignored
+    assert [ignored.labels(k, t)._value.get() for k, t in (("stored", "host"), ("removed", "host"),
+                                                           ("stored", "disk"))] == [2, 1, 1]
+    assert svc.metrics.events_applied.labels("stored")._value.get() == 2
+
+
+def test_tiers_cross_the_wire_and_the_device_tier_is_sent_as_before():
+    from kvmesh.contract.convert import event_to_pb, events_from_pb
+    from kvmesh.v1 import kv_service_pb2 as pb
+
+    events = [BlockStored(CHAIN[:2], None), BlockStored(CHAIN[2:], CHAIN[1], tier=Tier.DEVICE),
+              BlockStored(CHAIN[:1], tier=Tier.HOST), BlockRemoved(CHAIN[:1], tier=Tier.HOST),
+              BlockRemoved(CHAIN[1:2], tier=Tier.DISK), BlockRemoved(CHAIN[2:])]
+    wire = [event_to_pb(e) for e in events]
+    assert events_from_pb(wire) == events
+    # A device event is byte for byte what a worker sent before tiers; an explicit DEVICE reads as one.
+    old = pb.KVEvent(stored=pb.BlockStored(block_hashes=CHAIN[:2]))
+    assert wire[0].SerializeToString() == old.SerializeToString()
+    explicit = pb.KVEvent(removed=pb.BlockRemoved(block_hashes=CHAIN[2:], tier=pb.KV_TIER_DEVICE))
+    assert events_from_pb([explicit]) == [BlockRemoved(CHAIN[2:])]
+    assert wire[2].stored.tier == pb.KV_TIER_HOST and wire[4].removed.tier == pb.KV_TIER_DISK

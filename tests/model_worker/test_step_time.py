@@ -9,6 +9,7 @@ import pytest
 from kvmesh.contract.types import H100_8B_KV_BLOCKS, SamplingParams
 from kvmesh.make_model import ensure_default_model
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.scheduling.host_block_pool import KVTransfers
 from kvmesh.model_worker.simulated.sim_runner import SimRunner
 from kvmesh.model_worker.simulated.step_time import (
     GPUS,
@@ -138,3 +139,58 @@ def test_step_noise_is_seeded_and_off_by_default():
     ratios = [n / p for n, p in zip(noisy, plain, strict=True)]
     assert all(0.6 < r < 1.6 for r in ratios) and len(set(ratios)) == len(ratios)
     assert StepTimeConfig().step_noise == 0.0
+
+
+def test_host_copies_cross_the_host_link():
+    # PCIe Gen5 x16 ~50 GB/s one way (H100, H200), Gen4 half that (A100), NVLink-C2C (GH200) ~7x
+    assert H100.host_copy_s(2048) == pytest.approx(2048 * KV / 50e9)  # 5.4 ms for 2k tokens of Llama-8B
+    assert A100.host_copy_s(2048) == pytest.approx(2 * H100.host_copy_s(2048))
+    assert Roofline(GPUS["GH200"]).host_copy_s(2048) == pytest.approx(2048 * KV / 360e9)
+    # loading a prefix back is far cheaper than computing it again: the host tier's reason to be
+    assert H100.host_copy_s(8192) < 0.15 * H100.step_time([(0, 8192)], [])
+    assert LinearCost().host_copy_s(2048) == H100.host_copy_s(2048) and LinearCost().kv_bytes_per_token == KV
+
+
+def test_a_simulated_worker_times_its_host_tier_copies():
+    """The simulated runner runs the real host tier (blocks, events, loads) and times its copies:
+    a step's loads before its forward pass, its offloads beside it."""
+    made: list[SimRunner] = []
+
+    def factory(cfg, mc):
+        made.append(SimRunner(cfg, mc, H100, time_scale=0.0))
+        return made[0]
+
+    # 9 usable blocks of 16; a 1/64 GiB tier = 8 blocks of 16 tokens of Llama-8B's KV (2 MiB each)
+    engine = LLMEngine(model=str(ensure_default_model()), num_blocks=10, max_model_len=128,
+                       kv_offloading_size=1 / 64, runner_factory=factory)
+    runner = made[0]
+    assert runner.num_host_blocks == 8 == engine.stats().num_host_blocks
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def step_of(rid: str, prompt: list[int]) -> float:
+        engine.add_request(rid, prompt, params)
+        engine.step()
+        assert not engine.has_unfinished_requests()
+        return runner.last_step_s
+
+    copies: list[KVTransfers] = []
+    real = runner.copy_kv_blocks
+    runner.copy_kv_blocks = lambda t: copies.append(t) or real(t)
+    shared = list(range(2, 66))  # 4 blocks
+    assert step_of("a", shared) == H100.step_time([(0, 64)], [])
+    # 80 tokens (5 blocks) take the 5 blocks never used; c's 4 blocks evict a's to the host tier
+    assert step_of("b", list(range(100, 180))) == H100.step_time([(0, 80)], [])
+    t = step_of("c", list(range(200, 264)))
+    assert [len(c.offloads) for c in copies] == [4]
+    # the evicted blocks' copies ran beside this prefill and hid behind it
+    assert t == H100.step_time([(0, 64)], []) > H100.host_copy_s(4 * 16)
+    assert not set(engine.block_hasher.hash_prompt(shared)) & engine.cached_block_hashes()
+    # a again: three blocks loaded back (its last token is computed), the rest of its last block computed
+    t = step_of("a2", shared)
+    assert engine.stats().host_cache_hits == 48 and len(copies[1].loads) == 3
+    offload_s = H100.host_copy_s(16 * len(copies[1].offloads))
+    assert t == pytest.approx(H100.host_copy_s(48) + max(H100.step_time([(48, 16)], []), offload_s))
+    # offloads longer than the step are what it cannot hide
+    runner.copy_kv_blocks(KVTransfers(offloads=[(i, i) for i in range(256)]))
+    assert runner.copy_s(0.001) == H100.host_copy_s(256 * 16) > 0.001
+    assert runner.copy_s(0.001) == 0.001  # once: the copies belong to one step

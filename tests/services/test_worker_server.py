@@ -60,6 +60,31 @@ def test_stream_matches_offline_engine_and_index_matches_cache(kv_server, start_
     assert (load.worker_id, load.block_size, load.max_model_len, load.load.num_total_blocks) == ("w1", 16, 512, 128)
 
 
+def test_a_worker_with_a_host_tier_serves_host_hits_and_the_index_keeps_its_device_blocks(kv_server, start_worker,
+                                                                                          model_dir):
+    """A prompt evicted to the host tier is served from it over gRPC (cached_tokens counts it, the
+    tokens equal an engine without the tier); the worker's host moves reach the kv_service as
+    host-tier events, which it counts and leaves out of the index: the index holds exactly the
+    worker's device blocks."""
+    kv_addr = f"127.0.0.1:{kv_server.port}"
+    worker = start_worker("w1", kv_addr, num_blocks=12, max_model_len=128, host_kv_blocks=64)
+    stub = pb_grpc.WorkerStub(dial(worker.address))
+    prompts = [[(11 * i + 5 * k) % 300 + 5 for i in range(90)] for k in range(3)]
+    first = generate(stub, prompts[0], ignore_eos=True)
+    for p in prompts[1:]:  # two more 90-token prompts push the first out of the 11 device blocks
+        generate(stub, p, ignore_eos=True)
+    again = generate(stub, prompts[0], ignore_eos=True)
+    assert again.pop().usage.cached_tokens == 80 and worker.engine.stats().host_cache_hits == 80
+    assert [t for m in again for t in m.token_ids] == [t for m in first[:-1] for t in m.token_ids]
+    kv_stub = kpb_grpc.KVServiceStub(dial(kv_addr))
+    cached, host = worker.engine.cached_block_hashes(), worker.engine.host_block_hashes()
+    assert host - cached  # some blocks are in the host tier only
+    # NOTE: equal sets, not equal counts: a batch in flight can remove as many blocks as it stores.
+    wait_until(lambda: index_hashes(kv_stub, "w1", cached | host) == cached, what="index to catch up")
+    ignored = kv_server.service.metrics.events_ignored
+    assert ignored.labels("stored", "host")._value.get() >= len(host)
+
+
 def test_client_cancel_frees_blocks(start_worker):
     worker = start_worker("w1", None)
     stub = pb_grpc.WorkerStub(dial(worker.address))

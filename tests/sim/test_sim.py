@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from kvmesh.kv_service.service import run_now
+from kvmesh.model_worker.scheduling.scheduler import SchedulerConfig
 from kvmesh.model_worker.simulated.step_time import LinearCost
 from kvmesh.sim.config import SimConfig
 from kvmesh.sim.mesh import Mesh
@@ -216,3 +217,19 @@ def test_a_run_that_raises_is_reported_and_the_sweep_keeps_the_rest(monkeypatch,
                                 "error": "KeyError: 'worker-002'"}]
     err = capsys.readouterr().err
     assert "policy least-loaded at rate 2 (seed 7) failed" in err and "raise KeyError" in err
+
+
+def test_a_host_tier_keeps_prefixes_the_device_cannot_and_the_simulator_runs_it():
+    """The simulator's engines run the worker's host tier: 8 prefixes of 2,048 tokens over two
+    workers whose devices hold about two each; with a host tier of the rest, a prefix that fell out
+    of the device is loaded back (a hit) instead of recomputed."""
+    w = shared_prefix(num_requests=64, groups=8, prefix_len=2048, question_len=64, output_len=4, base_rate=2.0)
+    engine = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=4096)
+    # 79 usable blocks of 64 tokens per worker: about two prefixes and their questions
+    base = SimConfig(workers=2, num_blocks=80, engine=engine)
+    off = Sim(w, base).run("kv-aware", 1.0)
+    on = Sim(w, replace(base, host_kv_blocks=512)).run("kv-aware", 1.0)
+    assert (on["completed"], off["completed"]) == (64, 64)
+    assert on["hit_rate"] > 1.5 * off["hit_rate"]
+    with pytest.raises(ValueError, match="--host-kv-blocks must be >= 0"):
+        replace(base, host_kv_blocks=-1).check()

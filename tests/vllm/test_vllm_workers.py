@@ -64,7 +64,7 @@ def test_the_index_holds_exactly_the_blocks_vllm_holds_after_evictions(mesh):
         share, held, extra = agreement(mesh.view, b.worker_id, server)
         assert (share, extra) == (1.0, 0) and held > 100 and not b.mirror.degraded
     # the caches filled up: vLLM evicted, and the removals reached the index
-    assert sum(b.metrics.forwarded.labels("removed")._value.get() for b in mesh.bridges) > 0
+    assert sum(b.metrics.forwarded.labels("removed", "device")._value.get() for b in mesh.bridges) > 0
 
 
 def test_batches_lost_on_the_way_come_back_by_replay(mesh, redis_server):
