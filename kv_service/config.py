@@ -73,6 +73,21 @@ class RedisStoreConfig:
             raise ValueError(f"--shards must be in [1, {MAX_SHARDS}], got {self.shards}")
 
 
+@dataclass(slots=True, frozen=True)
+class FaultConfig:
+    """Faults this replica injects into its own answers: a stress setting for tests and benchmarks
+    (docs/kv-service.md, "Injected latency"), never for production."""
+
+    lookup_delay_ms: float = 0.0
+    """Every Lookup is answered this much later: half before the index reads, half after (a slow round trip)."""
+    reserve_delay_ms: float = 0.0
+    """Every Reserve is answered this much later: half before the pick lands, half after."""
+
+    def check(self) -> None:
+        if not (0 <= self.lookup_delay_ms <= 60_000 and 0 <= self.reserve_delay_ms <= 60_000):
+            raise ValueError("--lookup-delay-ms and --reserve-delay-ms must be in [0, 60000]")
+
+
 @dataclass(slots=True)
 class KVServiceConfig:
     host: str = "0.0.0.0"
@@ -89,6 +104,8 @@ class KVServiceConfig:
     """Leases and the routers' picks (a group: its fields are the flags)."""
     max_publishers: int = 1024
     """Workers that may stream block events to this replica at once; one more is refused with RESOURCE_EXHAUSTED."""
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    """Injected latency (a group: its fields are the flags)."""
 
     def check(self) -> None:
         """Raises ValueError with the flag to fix."""
@@ -100,5 +117,6 @@ class KVServiceConfig:
             raise ValueError(f"--max-publishers must be >= 1, got {self.max_publishers}")
         self.service.check()
         self.redis.check()
+        self.faults.check()
         if self.store == "memory" and self.redis.shards != 1:
             raise ValueError("--shards applies to the Redis store, not --store memory")
