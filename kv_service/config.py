@@ -23,10 +23,14 @@ class PendingConfig:
     between the pick and the forward; a lost report)."""
     max_per_worker: int = flag(65_536, name="pending-max-per-worker")
     """Picks kept per worker; past it the oldest go (a router that never forwards cannot grow the store)."""
+    prefix_ttl_ms: int = flag(2_000, name="pending-prefix-ttl-ms")
+    """A reserved pick's prompt counts as held by its worker this long in every router's Lookup (the routers'
+    --speculative-ttl, shared; by then the worker's own events say what it holds); 0 = off."""
 
     def check(self) -> None:
-        if self.grace_ms < 0 or self.ttl_ms < 1 or self.max_per_worker < 1:
-            raise ValueError("--pending-grace-ms must be >= 0, --pending-ttl-ms and --pending-max-per-worker >= 1")
+        if self.grace_ms < 0 or self.ttl_ms < 1 or self.max_per_worker < 1 or self.prefix_ttl_ms < 0:
+            raise ValueError("--pending-grace-ms and --pending-prefix-ttl-ms must be >= 0, --pending-ttl-ms and "
+                             "--pending-max-per-worker >= 1")
 
 
 @dataclass(slots=True)

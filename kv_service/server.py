@@ -91,6 +91,8 @@ class LookupReplies:
                              b"\x10" + varint(p.prefill_tokens) if p.prefill_tokens else b"",
                              b"\x18" + varint(p.blocks) if p.blocks else b"", b"\x20" + varint(p.version)))
             entry += b"\x32" + varint(len(body)) + body
+        if m.pending_blocks:
+            entry += b"\x38" + varint(m.pending_blocks)  # field 7 (pending_blocks, varint)
         return entry
 
     def response(self, matches: list[WorkerMatch], block_size: int, n: int) -> pb.LookupResponse:

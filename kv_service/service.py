@@ -8,6 +8,7 @@ ever suspends, so a caller without an event loop (the simulator) can drive them 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -33,11 +34,14 @@ from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, K
 from kvmesh.kv_service.config import ServiceConfig
 from kvmesh.kv_service.index import Action, BlockIndex, PublishResult
 from kvmesh.kv_service.metrics import KVMetrics
+from kvmesh.kv_service.pending_prefixes import PendingPrefixes
 
 __all__ = ["MAX_CHAIN_BLOCKS", "MAX_TOKEN_ID", "HeartbeatAnswer", "KVService", "run_now"]
 
 MAX_EPOCH = 2**53 - 1  # exact in a Lua double
 MAX_PICK_TOKENS = 2**40
+MAX_ANCHORS = 64
+"""Anchors one Reserve carries at most (a chain of 65,536 blocks has 18)."""
 _ID_RE = re.compile(rf"^[A-Za-z0-9._:@/-]{{1,{MAX_WORKER_ID_CHARS}}}$")
 _ENGINE_RE = re.compile(r"^[A-Za-z0-9._-]{1,32}$")
 HASH_IN_THREAD_TOKENS = 16_384
@@ -130,6 +134,7 @@ class KVService:
         index.pending_config = self.config.pending
         self.metrics = metrics or KVMetrics()
         self._now = clock
+        self.prefixes = PendingPrefixes(self.config.pending.prefix_ttl_ms)
         self.lookups_total = 0
         self.events_applied_total = 0
         self.resyncs_total = 0
@@ -217,8 +222,21 @@ class KVService:
                                   f"{r.prefill_tokens} and {r.blocks}")
         if r.seen_version is not None and not 0 <= r.seen_version <= MAX_EPOCH:
             raise InvalidArgument(f"seen_version must be in [0, 2**53), got {r.seen_version}")
-        result = await self.index.reserve(r, self._now())
+        if len(r.anchors) > MAX_ANCHORS:
+            raise InvalidArgument(f"anchors has {len(r.anchors)} hashes; at most {MAX_ANCHORS} (blocks 1, 2, 4, ... "
+                                  "and the last of a chain)")
+        _check_hashes("anchors", r.anchors)
+        now = self._now()
+        result = await self.index.reserve(r, now)
         self.metrics.reservations.labels("reserved" if result.reserved else "conflict").inc()
+        if result.reserved:
+            self.prefixes.add(r.worker_id, r.anchors, now)
+        elif r.anchors:
+            # NOTE: a burst's Lookups are all answered before any of its picks lands: the refusal is
+            # where a router first learns of the other routers' copies of its prefix.
+            anchored = self.prefixes.match_anchors(r.anchors, now)
+            if anchored:
+                result = dataclasses.replace(result, anchored=anchored)
         return result
 
     # -- lookups -------------------------------------------------------------------------
@@ -226,7 +244,11 @@ class KVService:
         _check_model_id(model_id)
         chain = _check_hashes("block_hashes", hashes, allow_empty=False)
         t0 = time.perf_counter()
-        found = await self.index.lookup(model_id, chain, self._now())
+        now = self._now()
+        found = await self.index.lookup(model_id, chain, now)
+        held = self.prefixes.match(chain, now)
+        if held:
+            found = [w._replace(pending_blocks=held[w.worker_id]) if w.worker_id in held else w for w in found]
         m = self.metrics
         m.lookup_latency.observe(time.perf_counter() - t0)
         m.lookups.inc()

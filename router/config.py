@@ -21,8 +21,9 @@ class RoutingConfig:
     """Routing policy (docs/router.md)."""
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     """The policies' knobs (a group: its fields are the flags)."""
-    lookup_timeout_ms: float = 50.0
-    """Deadline of one kv_service Lookup; past it the request routes by rendezvous hash."""
+    lookup_timeout_ms: float = 250.0
+    """Deadline of one kv_service Lookup or Reserve; past it the request routes without the index (a kv_service
+    that answered nothing meanwhile is skipped for --index-retry)."""
     index_retry_s: float = flag(1.0, name="index-retry")
     """Seconds to skip the index after a failed Lookup (no Lookup deadline per request while it is down)."""
     speculative_ttl_s: float = flag(2.0, name="speculative-ttl")

@@ -150,27 +150,29 @@ def worker_info_from_pb(m: kv_pb.WorkerInfo, now_ms: int) -> WorkerInfo:
 
 def match_from_pb(m: kv_pb.WorkerMatch) -> WorkerMatch:
     return WorkerMatch(m.worker_id, m.address, m.matched_blocks, load_from_pb(m.load), m.block_size,
-                       pending_from_pb(m.pending) if m.HasField("pending") else NO_PENDING)
+                       pending_from_pb(m.pending) if m.HasField("pending") else NO_PENDING, m.pending_blocks)
 
 
 def reservation_to_pb(r: Reservation) -> kv_pb.ReserveRequest:
     return kv_pb.ReserveRequest(model_id=r.model_id, worker_id=r.worker_id, router_id=r.router_id,
                                 request_id=r.request_id, prefill_tokens=r.prefill_tokens, blocks=r.blocks,
-                                seen_version=r.seen_version)
+                                seen_version=r.seen_version, anchors=r.anchors)
 
 
 def reservation_from_pb(m: kv_pb.ReserveRequest) -> Reservation:
     return Reservation(m.model_id, m.worker_id, m.router_id, m.request_id, m.prefill_tokens, m.blocks,
-                       m.seen_version if m.HasField("seen_version") else None)
+                       m.seen_version if m.HasField("seen_version") else None, tuple(m.anchors))
 
 
 def reservation_answer_to_pb(a: ReservationAnswer) -> kv_pb.ReserveResponse:
     return kv_pb.ReserveResponse(reserved=a.reserved, workers=[
-        kv_pb.WorkerPending(worker_id=w, pending=pending_to_pb(p)) for w, p in a.pending.items()])
+        kv_pb.WorkerPending(worker_id=w, pending=pending_to_pb(p), anchored=a.anchored.get(w, 0))
+        for w, p in a.pending.items()])
 
 
 def reservation_answer_from_pb(m: kv_pb.ReserveResponse) -> ReservationAnswer:
-    return ReservationAnswer(m.reserved, {w.worker_id: pending_from_pb(w.pending) for w in m.workers})
+    return ReservationAnswer(m.reserved, {w.worker_id: pending_from_pb(w.pending) for w in m.workers},
+                             {w.worker_id: w.anchored for w in m.workers if w.anchored})
 
 
 def event_to_pb(ev: KVCacheEvent) -> kv_pb.KVEvent:

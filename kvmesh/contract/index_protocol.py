@@ -19,6 +19,7 @@ No grpc, no redis.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -68,6 +69,9 @@ class WorkerMatch(NamedTuple):
     block_size: int = 0
     pending: Pending = NO_PENDING
     """Routers' picks of the worker its reports do not cover yet (the shared router view)."""
+    pending_blocks: int = 0
+    """Leading blocks of the asked chain that a pick reserved on the worker will hold once prefilled
+    (the routers' speculative maps, shared: kv_service/pending_prefixes.py)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,6 +91,9 @@ class Reservation:
     seen_version: int | None = None
     """The worker's ``Pending.version`` in the router's Lookup: refused when another router
     reserved the worker since; None = unconditional."""
+    anchors: tuple[bytes, ...] = ()
+    """Hashes of the prompt's blocks 1, 2, 4, 8, ... and its last: the prefixes the worker will hold
+    (kv_service/pending_prefixes.py); every router's next Lookup sees them."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,6 +101,29 @@ class ReservationAnswer:
     reserved: bool
     pending: dict[str, Pending] = field(default_factory=dict)
     """When refused: every live worker of the model and its pending picks now, by worker id."""
+    anchored: dict[str, int] = field(default_factory=dict)
+    """When refused: per worker, how many of the reservation's leading anchors a pick reserved there
+    holds (the prefix of this prompt that worker will hold: anchor ``n - 1``'s position + 1); 0s omitted."""
+
+
+def anchor_positions(n: int) -> list[int]:
+    """The 0-based indices of a chain of ``n`` blocks that a Reserve anchors: 2**k - 1, and n - 1.
+
+    NOTE: block hashes are chained, so two chains equal at index i share their first i + 1 blocks:
+    a Lookup reads its own chain at these positions only (O(log n)), and finds the longest shared
+    power-of-two prefix (or the whole prompt) of every reserved prompt."""
+    out, p = [], 1
+    while p <= n:
+        out.append(p - 1)
+        p <<= 1
+    if n and out[-1] != n - 1:
+        out.append(n - 1)
+    return out
+
+
+def anchors_of(chain: Sequence[bytes]) -> tuple[bytes, ...]:
+    """The anchors a Reserve carries for a prompt's chain (:func:`anchor_positions`)."""
+    return tuple(chain[i] for i in anchor_positions(len(chain)))
 
 
 class IndexUnavailable(Exception):
