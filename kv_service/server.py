@@ -9,6 +9,8 @@ from typing import Any, TypeVar
 
 from kvmesh.contract.convert import (
     algorithm_to_pb,
+    audit_from_pb,
+    audit_to_pb,
     events_from_pb,
     load_from_pb,
     load_to_pb,
@@ -181,6 +183,16 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
     async def Reserve(self, request, context):
         answer = await self._late(self._reserve_delay_s, self.svc.reserve(reservation_from_pb(request)))
         return reservation_answer_to_pb(answer)
+
+    async def ReportAudit(self, request, context):
+        audits = dict(audit_from_pb(w) for w in request.workers)
+        if len(audits) != len(request.workers):
+            raise InvalidArgument("workers names a worker twice")
+        self.svc.report_audit(request.router_id, audits)
+        return pb.ReportAuditResponse()
+
+    async def GetAudit(self, request, context):
+        return pb.GetAuditResponse(workers=[audit_to_pb(w, a) for w, a in (await self.svc.audit()).items()])
 
     async def LookupTokens(self, request, context):
         bs, matches = await self.svc.lookup_tokens(request.model_id, request.token_ids, request.cache_salt)

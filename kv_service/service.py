@@ -16,7 +16,13 @@ from typing import Any, NamedTuple, TypeVar
 
 from kvmesh.contract.block_hash import ALGORITHMS, HASH_LEN, BlockHasher
 from kvmesh.contract.errors import InvalidArgument
-from kvmesh.contract.index_protocol import Registration, Reservation, ReservationAnswer, WorkerMatch
+from kvmesh.contract.index_protocol import (
+    Registration,
+    Reservation,
+    ReservationAnswer,
+    WorkerAudit,
+    WorkerMatch,
+)
 from kvmesh.contract.limits import (
     MAX_ADDRESS_CHARS,
     MAX_ADMITTED_IDS,
@@ -40,6 +46,10 @@ __all__ = ["MAX_CHAIN_BLOCKS", "MAX_TOKEN_ID", "HeartbeatAnswer", "KVService", "
 
 MAX_EPOCH = 2**53 - 1  # exact in a Lua double
 MAX_PICK_TOKENS = 2**40
+MAX_AUDIT_WORKERS = 4096
+"""Workers one ReportAudit names at most."""
+MAX_AUDITED_WORKERS = 65_536
+"""Workers this replica keeps audit sums of; past it the longest-known go."""
 MAX_ANCHORS = 64
 """Anchors one Reserve carries at most (a chain of 65,536 blocks has 18)."""
 _ID_RE = re.compile(rf"^[A-Za-z0-9._:@/-]{{1,{MAX_WORKER_ID_CHARS}}}$")
@@ -135,6 +145,8 @@ class KVService:
         self.metrics = metrics or KVMetrics()
         self._now = clock
         self.prefixes = PendingPrefixes(self.config.pending.prefix_ttl_ms)
+        self.audits: dict[str, WorkerAudit] = {}
+        """The routers' miss audits reported to this replica, summed per worker (kept in the process)."""
         self.lookups_total = 0
         self.events_applied_total = 0
         self.resyncs_total = 0
@@ -285,6 +297,32 @@ class KVService:
                 f"{len(token_ids)} tokens make no full block of {spec.block_size}; send at least {spec.block_size}"
             )
         return spec.block_size, await self.lookup(model_id, hashes)
+
+    # -- the routers' miss audit ---------------------------------------------------------
+    def report_audit(self, router_id: str, audits: dict[str, WorkerAudit]) -> None:
+        """A router's audit counts since its last report, added to this replica's sums."""
+        _check_id("router_id", router_id)
+        if len(audits) > MAX_AUDIT_WORKERS:
+            raise InvalidArgument(f"workers has {len(audits)} entries; at most {MAX_AUDIT_WORKERS} per report")
+        for worker_id, a in audits.items():
+            _check_id("workers[].worker_id", worker_id)
+            if not all(0 <= v <= MAX_EPOCH for v in (a.requests, a.predicted_blocks, a.cached_blocks,
+                                                    a.predicted_hits, a.cached_hits, a.silent_misses, a.unseen_hits)):
+                raise InvalidArgument(f"workers[{worker_id!r}]: every count must be in [0, 2**53)")
+        for worker_id, a in audits.items():
+            if worker_id not in self.audits and len(self.audits) >= MAX_AUDITED_WORKERS:
+                self.audits.pop(next(iter(self.audits)))  # NOTE: the longest-known first: workers that left
+            self.audits.setdefault(worker_id, WorkerAudit()).add(a)
+
+    async def audit(self) -> dict[str, WorkerAudit]:
+        """Every audited worker's sums, each with its engine (its registration's; "" once it left)."""
+        engines = {w.registration.worker_id: w.registration.engine
+                   for w in await self.index.workers(self._now(), include_expired=True)}
+        out = {}
+        for worker_id in sorted(self.audits):
+            a = dataclasses.replace(self.audits[worker_id], engine=engines.get(worker_id, ""))
+            out[worker_id] = a
+        return out
 
     async def get_block(self, block_hash: bytes) -> list[str]:
         _check_hash("block_hash", block_hash)

@@ -115,6 +115,11 @@ class RouterConfig:
     http_max_unfinished: int = 256
     """HTTP connections one client address may hold whose request has been arriving for over a second; a new
     connection past it gets 429 and is closed (slow clients cannot hold every socket)."""
+    audit_window: int = 64
+    """Miss audit: requests per worker a mismatch rate is taken over (docs/router.md, "Miss audit")."""
+    audit_miss_rate: float = 0.25
+    """Miss audit: a warning when this share of a worker's last --audit-window requests found at least one block
+    fewer (silent misses) or more (unseen hits) cached than the index said; 0 = no warning."""
     http_keep_alive_s: float = flag(30.0, name="http-keep-alive")
     """Seconds an idle HTTP keep-alive connection stays open between requests."""
 
@@ -138,5 +143,8 @@ class RouterConfig:
                 or not self.http_keep_alive_s > 0):
             raise ValueError("--http-header-timeout and --http-body-timeout must be >= 0 (0 = none), "
                              "--http-max-unfinished >= 1 and --http-keep-alive > 0")
+        if self.audit_window < 1 or not 0 <= self.audit_miss_rate <= 1:
+            raise ValueError(f"--audit-window must be >= 1 and --audit-miss-rate in [0, 1], got {self.audit_window}, "
+                             f"{self.audit_miss_rate}")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")

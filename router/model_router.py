@@ -40,6 +40,7 @@ from kvmesh.contract.index_protocol import IndexUnavailable, WorkerMatch
 from kvmesh.contract.types import DEFAULT_MAX_TOKENS, SamplingParams, Usage
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core.attempts import Attempts
+from kvmesh.router.core.audit import MissAudit, predicted_blocks
 from kvmesh.router.core.inflight import InFlight
 from kvmesh.router.core.policies import make_policy
 from kvmesh.router.core.policies.base import Decision, RouterPolicy
@@ -152,6 +153,7 @@ class ModelRouter:
                                 router_id=f"router-{uuid.uuid4().hex[:12]}", claim_attempts=routing.claim_attempts)
         if speculative is not None:
             self.core.speculative = speculative
+        self.audit = MissAudit(config.audit_window, config.audit_miss_rate)
 
     @property
     def policy(self) -> RouterPolicy:
@@ -441,6 +443,7 @@ class ModelRouter:
                 completion += len(ids)
                 if stops is not None and stops.matched is not None:
                     usage = await self._end_at_stop(endpoint, request, chunks, completion)
+                    self._audit(plan, endpoint.worker_id, usage)
                     yield GenerateOutput(ids, text, "stop", usage, endpoint.worker_id)
                     return
                 if chunk.finish_reason is not None:
@@ -452,6 +455,7 @@ class ModelRouter:
                             finish = "stop" if stops.matched is not None else finish
                             tail += stops.flush()
                         text += tail
+                    self._audit(plan, endpoint.worker_id, chunk.usage)
                     yield GenerateOutput(ids, text, finish, chunk.usage, chunk.worker_id or endpoint.worker_id)
                     return
                 yield GenerateOutput(ids, text)
@@ -470,6 +474,19 @@ class ModelRouter:
             self.core.finish(ticket, completion)
             if call is not None:
                 call.cancel()  # a no-op once the call has ended; frees it when the client left
+
+    def _audit(self, plan: RoutePlan, worker_id: str, usage: Usage | None) -> None:
+        """The miss audit of a finished request (router/core/audit.py): the index's prediction for the
+        worker that served it against the engine's cached tokens."""
+        if not plan.answered or usage is None or not usage.prompt_tokens:
+            return
+        bs = plan.query.block_size
+        predicted = predicted_blocks(plan.candidate(worker_id).indexed_blocks, len(plan.token_ids), bs)
+        cached = usage.cached_tokens // bs
+        self.metrics.audited(worker_id, predicted, cached)
+        alarm = self.audit.observe(worker_id, predicted, cached)
+        if alarm is not None:
+            log.warning("miss audit: %s", alarm.message())
 
     async def _end_at_stop(self, endpoint: WorkerEndpoint, request: WorkerRequest,
                            chunks: AsyncIterator[WorkerChunk], completion: int) -> Usage:

@@ -18,7 +18,7 @@ import numpy as np
 from kvmesh.bench.datasets import BenchRequest
 from kvmesh.bench.report import RequestRecord
 from kvmesh.client import make_request
-from kvmesh.transport.channels import CHANNEL_OPTIONS, resolve_target
+from kvmesh.transport.channels import CHANNEL_OPTIONS, replicas, resolve_target
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
 
 
@@ -108,21 +108,6 @@ async def run_requests(target: str, requests: Sequence[BenchRequest], *, max_con
             await c.close()
     return list(records), duration
 
-
-def replicas(target: str) -> list[str]:
-    """The routers a load is dealt to in turn: each address of a list (``h:p1,h:p2`` or
-    ``ipv4:h:p1,h:p2``), else the one target (a ``dns:///`` name keeps gRPC's round_robin).
-
-    NOTE: not one round_robin channel over the list: it sends only to subchannels already connected,
-    so a burst sent as it opens went to the first router up (22 or 24 of 24 on one of three, issue 35).
-    """
-    body = target.strip()
-    scheme = body.split(":", 1)[0] if ":" in body else ""
-    if scheme in ("ipv4", "ipv6"):
-        body = body.split(":", 1)[1]
-    elif scheme in ("dns", "unix", "unix-abstract", "vsock") or "," not in body:
-        return [target]
-    return [p.strip() for p in body.split(",") if p.strip()]
 
 
 def run(target: str, requests: Sequence[BenchRequest], **kwargs) -> tuple[list[RequestRecord], float]:

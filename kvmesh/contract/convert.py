@@ -13,6 +13,7 @@ from kvmesh.contract.index_protocol import (
     Registration,
     Reservation,
     ReservationAnswer,
+    WorkerAudit,
     WorkerInfo,
     WorkerMatch,
 )
@@ -199,3 +200,15 @@ def events_from_pb(events: Iterable[kv_pb.KVEvent]) -> list[KVCacheEvent]:
         else:
             raise InvalidArgument(f"events[{i}] sets no event: use stored, removed or all_cleared")
     return out
+
+
+_AUDIT_FIELDS = ("requests", "predicted_blocks", "cached_blocks", "predicted_hits", "cached_hits", "silent_misses",
+                 "unseen_hits")
+
+
+def audit_to_pb(worker_id: str, a: WorkerAudit) -> kv_pb.WorkerAudit:
+    return kv_pb.WorkerAudit(worker_id=worker_id, engine=a.engine, **{f: getattr(a, f) for f in _AUDIT_FIELDS})
+
+
+def audit_from_pb(m: kv_pb.WorkerAudit) -> tuple[str, WorkerAudit]:
+    return m.worker_id, WorkerAudit(**{f: getattr(m, f) for f in _AUDIT_FIELDS}, engine=m.engine)

@@ -13,6 +13,7 @@ thing (a reservation was the router's ``Claim``, the wire's ``ReserveRequest`` a
 | one worker's answer to a Lookup | :class:`WorkerMatch` | WorkerMatch |
 | a router's pick reserved before forwarding | :class:`Reservation` | ReserveRequest |
 | the index's answer to it | :class:`ReservationAnswer` | ReserveResponse |
+| a worker's miss audit (router reports, admin reads) | :class:`WorkerAudit` | WorkerAudit |
 
 No grpc, no redis.
 """
@@ -104,6 +105,45 @@ class ReservationAnswer:
     anchored: dict[str, int] = field(default_factory=dict)
     """When refused: per worker, how many of the reservation's leading anchors a pick reserved there
     holds (the prefix of this prompt that worker will hold: anchor ``n - 1``'s position + 1); 0s omitted."""
+
+
+@dataclass(slots=True)
+class WorkerAudit:
+    """One worker's miss audit (docs/router.md, "Miss audit"): requests routed to it with a Lookup
+    answer, the blocks the index predicted they would find cached there, and the engine's count."""
+
+    requests: int = 0
+    predicted_blocks: int = 0
+    cached_blocks: int = 0
+    predicted_hits: int = 0
+    """Requests with a predicted hit (at least one block)."""
+    cached_hits: int = 0
+    """Requests the engine served at least one cached block to."""
+    silent_misses: int = 0
+    """Requests predicted at least one block more than the engine used."""
+    unseen_hits: int = 0
+    """Requests predicted at least one block less than the engine used."""
+    engine: str = ""
+    """kvmesh, vllm or sglang (filled by the kv_service from the worker's registration)."""
+
+    def add(self, other: WorkerAudit) -> None:
+        self.requests += other.requests
+        self.predicted_blocks += other.predicted_blocks
+        self.cached_blocks += other.cached_blocks
+        self.predicted_hits += other.predicted_hits
+        self.cached_hits += other.cached_hits
+        self.silent_misses += other.silent_misses
+        self.unseen_hits += other.unseen_hits
+
+    def observe(self, predicted: int, cached: int) -> None:
+        """One request: ``predicted`` blocks expected cached, ``cached`` used by the engine."""
+        self.requests += 1
+        self.predicted_blocks += predicted
+        self.cached_blocks += cached
+        self.predicted_hits += predicted > 0
+        self.cached_hits += cached > 0
+        self.silent_misses += predicted >= cached + 1
+        self.unseen_hits += cached >= predicted + 1
 
 
 def anchor_positions(n: int) -> list[int]:

@@ -337,3 +337,47 @@ class FlushWorkerResponse(_message.Message):
     BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     blocks_removed: int
     def __init__(self, blocks_removed: _Optional[int] = ...) -> None: ...
+
+class WorkerAudit(_message.Message):
+    __slots__ = ("worker_id", "requests", "predicted_blocks", "cached_blocks", "predicted_hits", "cached_hits", "silent_misses", "unseen_hits", "engine")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_HITS_FIELD_NUMBER: _ClassVar[int]
+    SILENT_MISSES_FIELD_NUMBER: _ClassVar[int]
+    UNSEEN_HITS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    requests: int
+    predicted_blocks: int
+    cached_blocks: int
+    predicted_hits: int
+    cached_hits: int
+    silent_misses: int
+    unseen_hits: int
+    engine: str
+    def __init__(self, worker_id: _Optional[str] = ..., requests: _Optional[int] = ..., predicted_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., predicted_hits: _Optional[int] = ..., cached_hits: _Optional[int] = ..., silent_misses: _Optional[int] = ..., unseen_hits: _Optional[int] = ..., engine: _Optional[str] = ...) -> None: ...
+
+class ReportAuditRequest(_message.Message):
+    __slots__ = ("router_id", "workers")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerAudit]
+    def __init__(self, router_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerAudit, _Mapping]]] = ...) -> None: ...
+
+class ReportAuditResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetAuditRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetAuditResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerAudit]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerAudit, _Mapping]]] = ...) -> None: ...

@@ -157,6 +157,9 @@ class RoutePlan:
     """The request's in-flight share on the worker it goes to (:meth:`RoutingCore.start`)."""
     claimed_at: float = 0.0
     """When its last claim was sent (the refusal's answer may miss this router's picks claimed since)."""
+    answered: bool = False
+    """The index answered this plan's Lookup: its candidates' ``indexed_blocks`` are the index's word (the
+    miss audit's prediction, router/core/audit.py)."""
 
     def candidate(self, worker_id: str) -> Candidate:
         return next(c for c in self.candidates if c.worker_id == worker_id)
@@ -300,7 +303,8 @@ class RoutingCore:
         versions = ({w: m.pending.version for w, m in pending.items()} if shared
                     else {} if self.shared_view and claim_blind and self.wants_index(chain) else None)
         return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok, max_tokens),
-                         usable or candidates, eps, spec.model_id, versions, conditional=shared)
+                         usable or candidates, eps, spec.model_id, versions, conditional=shared,
+                         answered=answer is not None)
 
     def prepare(self, spec: ModelSpec, token_ids: Sequence[int], have_index: bool, *, cache_salt: str = "",
               chain: list[bytes] | None = None, max_tokens: int = 0) -> PendingPlan:
