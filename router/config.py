@@ -122,6 +122,13 @@ class RouterConfig:
     fewer (silent misses) or more (unseen hits) cached than the index said; 0 = no warning."""
     http_keep_alive_s: float = flag(30.0, name="http-keep-alive")
     """Seconds an idle HTTP keep-alive connection stays open between requests."""
+    http_linger_bytes: int = 64 * 1024 * 1024
+    """After an HTTP answer given before the request's body was read (401, 413, 415, a 400 of the streaming
+    parser), the rest of the body is read and dropped up to this many bytes, then the connection closes: clients
+    that send their whole body before reading (urllib, requests, many SDKs) get the answer, not a reset."""
+    http_linger_time_s: float = flag(10.0, name="http-linger-time")
+    """Seconds the rest of an early-answered request's body is read and dropped at most (--http-linger-bytes);
+    0 = close at once."""
 
     def check(self) -> None:
         """Raises ValueError with the flag to fix."""
@@ -139,6 +146,8 @@ class RouterConfig:
                              "--max-tokens-limit >= 0")
         if self.max_messages < 1 or self.max_content_parts < 1 or self.max_body_bytes < 1:
             raise ValueError("--max-messages, --max-content-parts and --max-body-bytes must be >= 1")
+        if self.http_linger_bytes < 0 or not self.http_linger_time_s >= 0:
+            raise ValueError("--http-linger-bytes and --http-linger-time must be >= 0")
         if (not self.http_header_timeout_s >= 0 or not self.http_body_timeout_s >= 0 or self.http_max_unfinished < 1
                 or not self.http_keep_alive_s > 0):
             raise ValueError("--http-header-timeout and --http-body-timeout must be >= 0 (0 = none), "
