@@ -66,6 +66,7 @@ from kvmesh.router.text.prompt import (
     check_input,
     check_message_count,
     check_token_id_range,
+    check_vocabulary,
 )
 from kvmesh.router.text.stop_strings import StopStrings, check_stop_strings
 
@@ -130,18 +131,21 @@ class ModelRouter:
         metrics: where to count (the server's, served on /metrics); default: a private registry.
         chat_template: the model's chat template, or None (chat requests are refused).
         context_len: the model's context length (from its config.json), the default prompt bound.
+        vocab_size: token ids at or past it are refused before routing (None: the workers judge).
     """
 
     def __init__(self, config: RouterConfig, pool: WorkerPool, index: AsyncPrefixIndex | None,
                  tokenizer: Tokenizer | None = None, policy: RouterPolicy | None = None,
                  speculative: SpeculativeIndex | None = None, metrics: RouterMetrics | None = None,
-                 chat_template: ChatTemplate | None = None, context_len: int | None = None) -> None:
+                 chat_template: ChatTemplate | None = None, context_len: int | None = None,
+                 vocab_size: int | None = None) -> None:
         self.config = config
         self.pool = pool
         self.index = index
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.context_len = context_len
+        self.vocab_size = vocab_size
         self.metrics = metrics or RouterMetrics()
         self.prompts = (PromptTokenizer(tokenizer, self.metrics.tokenized_chars.inc, self.metrics.tokenizing.inc)
                         if tokenizer is not None else None)
@@ -209,6 +213,8 @@ class ModelRouter:
                 self._refused("tokens")
                 raise
             check_token_id_range(inp.token_ids, "token_ids")
+            if self.vocab_size:
+                check_vocabulary(inp.token_ids, self.vocab_size, self.pool.model_spec().model_id)
             return list(inp.token_ids)
         if inp.chat is not None:
             return await self._encode(await self._render(inp.chat), limits, add_special_tokens=False)
@@ -481,7 +487,8 @@ class ModelRouter:
         if not plan.answered or usage is None or not usage.prompt_tokens:
             return
         bs = plan.query.block_size
-        predicted = predicted_blocks(plan.candidate(worker_id).indexed_blocks, len(plan.token_ids), bs)
+        c = plan.candidate(worker_id)
+        predicted = predicted_blocks(c.indexed_blocks, len(plan.token_ids), bs, c.load.cache_block_tokens)
         cached = usage.cached_tokens // bs
         self.metrics.audited(worker_id, predicted, cached)
         alarm = self.audit.observe(worker_id, predicted, cached)

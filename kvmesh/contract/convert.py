@@ -83,6 +83,7 @@ def load_to_pb(load: Load) -> common_pb2.WorkerLoad:
         prefill_attention_pairs_total=load.prefill_pairs, decode_tokens_total=load.decode_tokens,
         decode_context_tokens_total=load.decode_context_tokens, max_num_batched_tokens=load.max_num_batched_tokens,
         admitted_request_ids=load.admitted, reports_admissions=load.reports_admissions,
+        cache_block_tokens=load.cache_block_tokens,
     )
 
 
@@ -90,7 +91,7 @@ def load_from_pb(m: common_pb2.WorkerLoad) -> Load:
     return Load(m.num_running, m.num_waiting, m.num_free_blocks, m.num_total_blocks, m.queued_prefill_tokens,
                 m.busy_seconds, m.steps_total, m.prefill_tokens_total, m.prefill_attention_pairs_total,
                 m.decode_tokens_total, m.decode_context_tokens_total, m.max_num_batched_tokens,
-                tuple(m.admitted_request_ids), m.reports_admissions)
+                tuple(m.admitted_request_ids), m.reports_admissions, m.cache_block_tokens)
 
 
 def pending_to_pb(p: Pending) -> kv_pb.PendingPicks:

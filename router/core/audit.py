@@ -46,9 +46,14 @@ class AuditAlarm:
                 "(model id, hash algorithm, block size)? (kvmesh admin audit; --audit-miss-rate)")
 
 
-def predicted_blocks(indexed_blocks: int, prompt_len: int, block_size: int) -> int:
-    """The index's prediction of a request's cached blocks, capped at what an engine can reuse."""
-    return min(indexed_blocks, max(0, prompt_len - 1) // block_size) if block_size else 0
+def predicted_blocks(indexed_blocks: int, prompt_len: int, block_size: int, engine_block_tokens: int = 0) -> int:
+    """The index's prediction of a request's cached blocks, capped at what the engine can reuse: the
+    prompt less its last token, in whole blocks of the engine's own (``engine_block_tokens``, when
+    coarser than the index's: a vLLM of block 32 behind a bridge reuses 64 of a 96-token prompt)."""
+    if not block_size:
+        return 0
+    step = max(block_size, engine_block_tokens)
+    return min(indexed_blocks, max(0, prompt_len - 1) // step * step // block_size)
 
 
 class MissAudit:

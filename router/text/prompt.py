@@ -71,6 +71,17 @@ def check_token_id_range(token_ids: Sequence[int], what: str) -> None:
             raise InvalidArgument(f"{what}[{i}] is {excerpt(t)}: token ids are integers in [0, 2**31)", param=what)
 
 
+def check_vocabulary(token_ids: Sequence[int], vocab_size: int, model: str, what: str = "token_ids") -> None:
+    """Raises InvalidArgument (``param`` = ``what``) naming the first id at or past ``vocab_size``: the
+    engine would refuse it (vLLM: "Token id N is out of vocabulary"), and it is the client's to fix,
+    not a worker fault to retry elsewhere (issue 35)."""
+    if not token_ids or max(token_ids) < vocab_size:
+        return
+    i, t = next((i, t) for i, t in enumerate(token_ids) if t >= vocab_size)
+    raise InvalidArgument(f"{what}[{i}] is {t}: outside the vocabulary of model {excerpt(model)} (ids 0 to "
+                          f"{vocab_size - 1})", param=what)
+
+
 def check_message_count(n: int, max_messages: int) -> None:
     """Raises RequestTooLarge (400 over HTTP, RESOURCE_EXHAUSTED over gRPC) past ``--max-messages``."""
     if n > max_messages:

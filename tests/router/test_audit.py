@@ -10,6 +10,8 @@ def test_a_prediction_is_capped_at_what_an_engine_can_reuse():
     # A prompt of exactly 4 blocks of 16: every engine recomputes its last token, so 3 blocks at most.
     assert predicted_blocks(4, 64, 16) == 3
     assert predicted_blocks(4, 65, 16) == 4 and predicted_blocks(2, 65, 16) == 2 and predicted_blocks(9, 1, 16) == 0
+    # A bridged vLLM of block 32 (the index in blocks of 16): of 96 tokens it reuses 64, not 80.
+    assert predicted_blocks(6, 96, 16, 32) == 4 and predicted_blocks(20, 340, 16, 32) == 20
 
 
 def test_counts_and_the_alarm_sound_once_per_full_window_per_kind():
