@@ -86,7 +86,9 @@ def test_a_burst_through_three_routers_spreads_as_one_router_spreads_it_and_no_p
         # workers, 2026-11-24): three routers must not pile onto the warm holder beyond that + 3, in
         # any burst.
         assert max(on_holder["three"]) <= max(one, BURST / 4) + 3, on_holder
-        assert sum(w.pending.version for w in workers(kv).values()) >= 8 * BURST  # every pick was reserved
+        reserved = sum(w.pending.version for w in workers(kv).values())
+        print(f"holder's share {on_holder}, {reserved} reservations")  # noqa: T201 - the figures, with -s
+        assert reserved >= 8 * BURST, reserved  # every pick was reserved
 
         # A router dies in the middle of a burst: what it picked and forwarded is admitted, what it
         # reserved and never forwarded expires; no pick is left behind either way.
