@@ -11,7 +11,10 @@ prompts and for prompts sent as token ids (no tokenization: the router's own sha
 Then TTFT: a simulated worker process (`kvmesh worker --simulate`, registered with the same
 kv_service) and a `kvmesh router` process; one grpc.aio client alternates a 4k-token-id request
 straight to the worker and one through the router (fresh prompts, max_tokens 1), and the
-difference of the two TTFT p50s is the router's share.
+difference of the two TTFT p50s is the router's share. In the same loop the client times a bare
+grpc.aio hop (a health Check of the worker): the router's share divided by that hop's p50 says
+how many hops long the router's path is (issue 35: its Lookup, its Reserve and the forward are
+three).
 
     python benchmarks/router_overhead.py [--workers 16] [--iters 400] [--algorithm sha256_128]
 """
@@ -45,6 +48,8 @@ from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 
 GOAL_P99_MS = 2.0
 GOAL_TTFT_GAP_MS = 2.0
+GOAL_HOPS = 4.0
+"""Issue 35: the router's share of TTFT in bare grpc.aio hops (Lookup, Reserve, forward: three)."""
 ALGOS = {"sha256_128": pb.HASH_ALGORITHM_SHA256_128, "xxh3_128": pb.HASH_ALGORITHM_XXH3_128}
 
 
@@ -196,9 +201,10 @@ async def ttft_pairs(worker: str, router: str, n: int, tokens: int, model_id: st
 
     wch, rch = dial_aio(worker), dial_aio(router)
     wstub, rstub = worker_pb2_grpc.WorkerStub(wch), router_pb2_grpc.RouterStub(rch)
+    health = health_pb2_grpc.HealthStub(wch)
     sampling = common_pb2.SamplingParams(max_tokens=1, ignore_eos=True)
     rng = random.Random(7)
-    direct, routed = [], []
+    direct, routed, hops = [], [], []
     for k in range(n + 10):  # the first 10 pairs warm up
         a = [rng.randrange(3, 500) for _ in range(tokens)]
         b = [rng.randrange(3, 500) for _ in range(tokens)]
@@ -206,12 +212,16 @@ async def ttft_pairs(worker: str, router: str, n: int, tokens: int, model_id: st
             request_id=f"d{k}", prompt_token_ids=a, sampling=sampling), timeout=30))
         r = await first_token_ms(rstub.Generate(router_pb2.GenerateRequest(
             token_ids=router_pb2.TokenIds(ids=b), sampling=sampling), timeout=30))
+        t0 = time.perf_counter()
+        await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        h = (time.perf_counter() - t0) * 1e3
         if k >= 10:
             direct.append(d)
             routed.append(r)
+            hops.append(h)
     await wch.close()
     await rch.close()
-    return direct, routed
+    return direct, routed, hops
 
 
 def ttft(kv_address: str, model_dir: Path, args: argparse.Namespace) -> None:
@@ -229,8 +239,8 @@ def ttft(kv_address: str, model_dir: Path, args: argparse.Namespace) -> None:
         router = spawn(["router", "--host", "127.0.0.1", "--port", str(rport), "--kv-service", kv_address,
                         "--model-id", model_id_of(model), "--metrics-port", "0"])
         wait_serving(f"127.0.0.1:{rport}", router)
-        direct, routed = asyncio.run(ttft_pairs(f"127.0.0.1:{wport}", f"127.0.0.1:{rport}", args.ttft_pairs,
-                                                args.ttft_tokens, model_id_of(model)))
+        direct, routed, hops = asyncio.run(ttft_pairs(f"127.0.0.1:{wport}", f"127.0.0.1:{rport}", args.ttft_pairs,
+                                                      args.ttft_tokens, model_id_of(model)))
     finally:
         for p in (router, worker):
             if p is not None:
@@ -241,8 +251,12 @@ def ttft(kv_address: str, model_dir: Path, args: argparse.Namespace) -> None:
           f"{args.ttft_pairs} alternating pairs:")
     print(f"  direct to the worker   p50 {statistics.median(direct):8.3f} ms   p99 {pct(direct, 99):8.3f} ms")
     print(f"  through the router     p50 {statistics.median(routed):8.3f} ms   p99 {pct(routed, 99):8.3f} ms")
+    print(f"  bare grpc.aio hop      p50 {statistics.median(hops):8.3f} ms   p99 {pct(hops, 99):8.3f} ms")
     verdict = "met" if gap <= GOAL_TTFT_GAP_MS else "NOT met"
     print(f"goal TTFT via router - direct, p50 <= {GOAL_TTFT_GAP_MS} ms: {verdict} ({gap:.3f} ms)")
+    hops_long = gap / statistics.median(hops)
+    verdict = "met" if hops_long <= GOAL_HOPS else "NOT met"
+    print(f"goal (TTFT via router - direct) / bare hop p50 <= {GOAL_HOPS}: {verdict} ({hops_long:.2f} hops)")
 
 
 def model_id_of(model: str) -> str:

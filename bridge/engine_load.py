@@ -120,5 +120,6 @@ def parse_status(text: str, engine: str, block_size: int) -> EngineStatus:
     queued = waiting * (computed // requests) if requests else 0
     load = Load(num_running=running, num_waiting=waiting, num_free_blocks=round(total * (1.0 - usage)),
                 num_total_blocks=total, queued_prefill_tokens=queued, steps=int(v.get(n["steps"], 0)),
-                prefill_tokens=computed, decode_tokens=int(v.get(n["generated"], 0)))
+                prefill_tokens=computed, decode_tokens=int(v.get(n["generated"], 0)),
+                cache_block_tokens=engine_bs if engine_bs > block_size else 0)
     return EngineStatus(load, capacity, engine_bs, int(v.get(n["queries"], 0)), hits)

@@ -25,10 +25,14 @@ class PendingConfig:
     between the pick and the forward; a lost report)."""
     max_per_worker: int = flag(65_536, name="pending-max-per-worker")
     """Picks kept per worker; past it the oldest go (a router that never forwards cannot grow the store)."""
+    prefix_ttl_ms: int = flag(2_000, name="pending-prefix-ttl-ms")
+    """A reserved pick's prompt counts as held by its worker this long in every router's Lookup (the routers'
+    --speculative-ttl, shared; by then the worker's own events say what it holds); 0 = off."""
 
     def check(self) -> None:
-        if self.grace_ms < 0 or self.ttl_ms < 1 or self.max_per_worker < 1:
-            raise ValueError("--pending-grace-ms must be >= 0, --pending-ttl-ms and --pending-max-per-worker >= 1")
+        if self.grace_ms < 0 or self.ttl_ms < 1 or self.max_per_worker < 1 or self.prefix_ttl_ms < 0:
+            raise ValueError("--pending-grace-ms and --pending-prefix-ttl-ms must be >= 0, --pending-ttl-ms and "
+                             "--pending-max-per-worker >= 1")
 
 
 @dataclass(slots=True)
@@ -79,6 +83,21 @@ class RedisStoreConfig:
             raise ValueError(f"--shards must be in [1, {MAX_SHARDS}], got {self.shards}")
 
 
+@dataclass(slots=True, frozen=True)
+class FaultConfig:
+    """Faults this replica injects into its own answers: a stress setting for tests and benchmarks
+    (docs/kv-service.md, "Injected latency"), never for production."""
+
+    lookup_delay_ms: float = 0.0
+    """Every Lookup is answered this much later: half before the index reads, half after (a slow round trip)."""
+    reserve_delay_ms: float = 0.0
+    """Every Reserve is answered this much later: half before the pick lands, half after."""
+
+    def check(self) -> None:
+        if not (0 <= self.lookup_delay_ms <= 60_000 and 0 <= self.reserve_delay_ms <= 60_000):
+            raise ValueError("--lookup-delay-ms and --reserve-delay-ms must be in [0, 60000]")
+
+
 @dataclass(slots=True)
 class KVServiceConfig:
     host: str = "0.0.0.0"
@@ -99,6 +118,8 @@ class KVServiceConfig:
     """How a Lookup finds each worker's match: search (a binary search per worker, O(log n) probes of the chain;
     exact while every worker's blocks are prefix-closed, docs/kv-service.md "Lookup") or linear (the walk down the
     chain to the first miss that it replaced; a baseline for benchmarks)."""
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    """Injected latency (a group: its fields are the flags)."""
 
     def check(self) -> None:
         """Raises ValueError with the flag to fix."""
@@ -110,6 +131,7 @@ class KVServiceConfig:
             raise ValueError(f"--max-publishers must be >= 1, got {self.max_publishers}")
         self.service.check()
         self.redis.check()
+        self.faults.check()
         if self.store == "memory" and self.redis.shards != 1:
             raise ValueError("--shards applies to the Redis store, not --store memory")
         if self.store == "memory" and self.redis.read_replicas:

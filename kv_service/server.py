@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 from kvmesh.contract.convert import (
     algorithm_to_pb,
+    audit_from_pb,
+    audit_to_pb,
     events_from_pb,
     load_from_pb,
     load_to_pb,
@@ -20,7 +23,7 @@ from kvmesh.contract.errors import InvalidArgument, ResourceExhausted
 from kvmesh.contract.index_protocol import WorkerMatch
 from kvmesh.contract.limits import MAX_EXTRA_KEYS_CHARS, check_length
 from kvmesh.contract.types import Load
-from kvmesh.kv_service.config import KVServiceConfig, ServiceConfig
+from kvmesh.kv_service.config import FaultConfig, KVServiceConfig, ServiceConfig
 from kvmesh.kv_service.index import BlockIndex
 from kvmesh.kv_service.metrics import KVMetrics
 from kvmesh.kv_service.service import KVService, now_ms
@@ -30,6 +33,8 @@ from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvmesh.kv_service")
+
+T = TypeVar("T")
 
 DEFAULT_MAX_PUBLISHERS = KVServiceConfig().max_publishers
 """Workers that may hold a PublishEvents stream on one replica at once (a stream is a coroutine)."""
@@ -88,6 +93,8 @@ class LookupReplies:
                              b"\x10" + varint(p.prefill_tokens) if p.prefill_tokens else b"",
                              b"\x18" + varint(p.blocks) if p.blocks else b"", b"\x20" + varint(p.version)))
             entry += b"\x32" + varint(len(body)) + body
+        if m.pending_blocks:
+            entry += b"\x38" + varint(m.pending_blocks)  # field 7 (pending_blocks, varint)
         return entry
 
     def response(self, matches: list[WorkerMatch], block_size: int, n: int) -> pb.LookupResponse:
@@ -100,11 +107,18 @@ class LookupReplies:
 
 
 class KVServiceServicer(pb_grpc.KVServiceServicer):
-    def __init__(self, service: KVService, max_publishers: int = DEFAULT_MAX_PUBLISHERS) -> None:
+    def __init__(self, service: KVService, max_publishers: int = DEFAULT_MAX_PUBLISHERS,
+                 faults: FaultConfig | None = None) -> None:
         self.svc = service
         self.max_publishers = max_publishers
         self._publishers = 0
         self._replies = LookupReplies()
+        faults = faults or FaultConfig()
+        # NOTE: half of an injected delay before the index is read or written, half after: a slow
+        # round trip, so a pick lands late and its answer comes back late.
+        self._lookup_delay_s = faults.lookup_delay_ms / 2000
+        self._reserve_delay_s = faults.reserve_delay_ms / 2000
+        self._landing: set[asyncio.Future] = set()
 
     async def RegisterWorker(self, request, context):
         check_length("extra_keys", request.extra_keys, MAX_EXTRA_KEYS_CHARS)
@@ -142,13 +156,43 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         finally:
             self._publishers -= 1
 
+    async def _late(self, half_s: float, call: Coroutine[Any, Any, T]) -> T:
+        """``call``, ``half_s`` late, answered ``half_s`` after it ran (an injected slow round trip).
+
+        NOTE: the first half and the call are shielded: a caller that gives up (its deadline) does not
+        recall a request already on the wire; a Reserve lands although its router forwarded unreserved."""
+        if not half_s:
+            return await call
+
+        async def arrive() -> T:
+            await asyncio.sleep(half_s)
+            return await call
+
+        task = asyncio.ensure_future(arrive())
+        self._landing.add(task)
+        task.add_done_callback(self._landing.discard)
+        result = await asyncio.shield(task)
+        await asyncio.sleep(half_s)
+        return result
+
     async def Lookup(self, request, context):
-        matches = await self.svc.lookup(request.model_id, request.block_hashes)
+        matches = await self._late(self._lookup_delay_s, self.svc.lookup(request.model_id, request.block_hashes))
         bs = matches[0].block_size if matches else 0
         return self._replies.response(matches, bs, len(request.block_hashes))
 
     async def Reserve(self, request, context):
-        return reservation_answer_to_pb(await self.svc.reserve(reservation_from_pb(request)))
+        answer = await self._late(self._reserve_delay_s, self.svc.reserve(reservation_from_pb(request)))
+        return reservation_answer_to_pb(answer)
+
+    async def ReportAudit(self, request, context):
+        audits = dict(audit_from_pb(w) for w in request.workers)
+        if len(audits) != len(request.workers):
+            raise InvalidArgument("workers names a worker twice")
+        self.svc.report_audit(request.router_id, audits)
+        return pb.ReportAuditResponse()
+
+    async def GetAudit(self, request, context):
+        return pb.GetAuditResponse(workers=[audit_to_pb(w, a) for w, a in (await self.svc.audit()).items()])
 
     async def LookupTokens(self, request, context):
         bs, matches = await self.svc.lookup_tokens(request.model_id, request.token_ids, request.cache_salt)
@@ -191,19 +235,20 @@ class KVServiceServer:
     """
 
     def __init__(self, index: BlockIndex, host: str = "0.0.0.0", port: int = 50052,
-                 config: ServiceConfig | None = None, max_publishers: int = DEFAULT_MAX_PUBLISHERS) -> None:
+                 config: ServiceConfig | None = None, max_publishers: int = DEFAULT_MAX_PUBLISHERS,
+                 faults: FaultConfig | None = None) -> None:
         if max_publishers < 1:
             raise ValueError(f"max_publishers must be >= 1, got {max_publishers}")
         self.metrics = KVMetrics()
         self.service = KVService(index, config, self.metrics)
         self._loop = LoopThread("kv-service")
-        self.grpc: AioServer = self._loop.run(self._build(host, port, max_publishers))
+        self.grpc: AioServer = self._loop.run(self._build(host, port, max_publishers, faults))
         self.port = self.grpc.port
         self._reaper: asyncio.Task | None = None
 
-    async def _build(self, host: str, port: int, max_publishers: int) -> AioServer:
+    async def _build(self, host: str, port: int, max_publishers: int, faults: FaultConfig | None) -> AioServer:
         server = AioServer(host, port)
-        pb_grpc.add_KVServiceServicer_to_server(KVServiceServicer(self.service, max_publishers), server.server)
+        pb_grpc.add_KVServiceServicer_to_server(KVServiceServicer(self.service, max_publishers, faults), server.server)
         server.add_service(pb.DESCRIPTOR.services_by_name["KVService"].full_name)
         return server
 

@@ -8,6 +8,7 @@ ever suspends, so a caller without an event loop (the simulator) can drive them 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -15,7 +16,13 @@ from typing import Any, NamedTuple, TypeVar
 
 from kvmesh.contract.block_hash import ALGORITHMS, HASH_LEN, BlockHasher
 from kvmesh.contract.errors import InvalidArgument
-from kvmesh.contract.index_protocol import Registration, Reservation, ReservationAnswer, WorkerMatch
+from kvmesh.contract.index_protocol import (
+    Registration,
+    Reservation,
+    ReservationAnswer,
+    WorkerAudit,
+    WorkerMatch,
+)
 from kvmesh.contract.limits import (
     MAX_ADDRESS_CHARS,
     MAX_ADMITTED_IDS,
@@ -33,11 +40,18 @@ from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, K
 from kvmesh.kv_service.config import ServiceConfig
 from kvmesh.kv_service.index import Action, BlockIndex, PublishResult
 from kvmesh.kv_service.metrics import KVMetrics
+from kvmesh.kv_service.pending_prefixes import PendingPrefixes
 
 __all__ = ["MAX_CHAIN_BLOCKS", "MAX_TOKEN_ID", "HeartbeatAnswer", "KVService", "run_now"]
 
 MAX_EPOCH = 2**53 - 1  # exact in a Lua double
 MAX_PICK_TOKENS = 2**40
+MAX_AUDIT_WORKERS = 4096
+"""Workers one ReportAudit names at most."""
+MAX_AUDITED_WORKERS = 65_536
+"""Workers this replica keeps audit sums of; past it the longest-known go."""
+MAX_ANCHORS = 64
+"""Anchors one Reserve carries at most (a chain of 65,536 blocks has 18)."""
 _ID_RE = re.compile(rf"^[A-Za-z0-9._:@/-]{{1,{MAX_WORKER_ID_CHARS}}}$")
 _ENGINE_RE = re.compile(r"^[A-Za-z0-9._-]{1,32}$")
 HASH_IN_THREAD_TOKENS = 16_384
@@ -133,6 +147,9 @@ class KVService:
         index.pending_config = self.config.pending
         self.metrics = metrics or KVMetrics()
         self._now = clock
+        self.prefixes = PendingPrefixes(self.config.pending.prefix_ttl_ms)
+        self.audits: dict[str, WorkerAudit] = {}
+        """The routers' miss audits reported to this replica, summed per worker (kept in the process)."""
         self.lookups_total = 0
         self.events_applied_total = 0
         self.resyncs_total = 0
@@ -240,8 +257,21 @@ class KVService:
                                   f"{r.prefill_tokens} and {r.blocks}")
         if r.seen_version is not None and not 0 <= r.seen_version <= MAX_EPOCH:
             raise InvalidArgument(f"seen_version must be in [0, 2**53), got {r.seen_version}")
-        result = await self.index.reserve(r, self._now())
+        if len(r.anchors) > MAX_ANCHORS:
+            raise InvalidArgument(f"anchors has {len(r.anchors)} hashes; at most {MAX_ANCHORS} (blocks 1, 2, 4, ... "
+                                  "and the last of a chain)")
+        _check_hashes("anchors", r.anchors)
+        now = self._now()
+        result = await self.index.reserve(r, now)
         self.metrics.reservations.labels("reserved" if result.reserved else "conflict").inc()
+        if result.reserved:
+            self.prefixes.add(r.worker_id, r.anchors, now)
+        elif r.anchors:
+            # NOTE: a burst's Lookups are all answered before any of its picks lands: the refusal is
+            # where a router first learns of the other routers' copies of its prefix.
+            anchored = self.prefixes.match_anchors(r.anchors, now)
+            if anchored:
+                result = dataclasses.replace(result, anchored=anchored)
         return result
 
     # -- lookups -------------------------------------------------------------------------
@@ -249,7 +279,11 @@ class KVService:
         _check_model_id(model_id)
         chain = _check_hashes("block_hashes", hashes, allow_empty=False)
         t0 = time.perf_counter()
-        found = await self.index.lookup(model_id, chain, self._now())
+        now = self._now()
+        found = await self.index.lookup(model_id, chain, now)
+        held = self.prefixes.match(chain, now)
+        if held:
+            found = [w._replace(pending_blocks=held[w.worker_id]) if w.worker_id in held else w for w in found]
         m = self.metrics
         m.lookup_latency.observe(time.perf_counter() - t0)
         m.lookups.inc()
@@ -286,6 +320,32 @@ class KVService:
                 f"{len(token_ids)} tokens make no full block of {spec.block_size}; send at least {spec.block_size}"
             )
         return spec.block_size, await self.lookup(model_id, hashes)
+
+    # -- the routers' miss audit ---------------------------------------------------------
+    def report_audit(self, router_id: str, audits: dict[str, WorkerAudit]) -> None:
+        """A router's audit counts since its last report, added to this replica's sums."""
+        _check_id("router_id", router_id)
+        if len(audits) > MAX_AUDIT_WORKERS:
+            raise InvalidArgument(f"workers has {len(audits)} entries; at most {MAX_AUDIT_WORKERS} per report")
+        for worker_id, a in audits.items():
+            _check_id("workers[].worker_id", worker_id)
+            if not all(0 <= v <= MAX_EPOCH for v in (a.requests, a.predicted_blocks, a.cached_blocks,
+                                                    a.predicted_hits, a.cached_hits, a.silent_misses, a.unseen_hits)):
+                raise InvalidArgument(f"workers[{worker_id!r}]: every count must be in [0, 2**53)")
+        for worker_id, a in audits.items():
+            if worker_id not in self.audits and len(self.audits) >= MAX_AUDITED_WORKERS:
+                self.audits.pop(next(iter(self.audits)))  # NOTE: the longest-known first: workers that left
+            self.audits.setdefault(worker_id, WorkerAudit()).add(a)
+
+    async def audit(self) -> dict[str, WorkerAudit]:
+        """Every audited worker's sums, each with its engine (its registration's; "" once it left)."""
+        engines = {w.registration.worker_id: w.registration.engine
+                   for w in await self.index.workers(self._now(), include_expired=True)}
+        out = {}
+        for worker_id in sorted(self.audits):
+            a = dataclasses.replace(self.audits[worker_id], engine=engines.get(worker_id, ""))
+            out[worker_id] = a
+        return out
 
     async def get_block(self, block_hash: bytes) -> list[str]:
         _check_hash("block_hash", block_hash)

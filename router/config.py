@@ -21,8 +21,9 @@ class RoutingConfig:
     """Routing policy (docs/router.md)."""
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     """The policies' knobs (a group: its fields are the flags)."""
-    lookup_timeout_ms: float = 50.0
-    """Deadline of one kv_service Lookup; past it the request routes by rendezvous hash."""
+    lookup_timeout_ms: float = 250.0
+    """Deadline of one kv_service Lookup or Reserve; past it the request routes without the index (a kv_service
+    that answered nothing meanwhile is skipped for --index-retry)."""
     index_retry_s: float = flag(1.0, name="index-retry")
     """Seconds to skip the index after a failed Lookup (no Lookup deadline per request while it is down)."""
     speculative_ttl_s: float = flag(2.0, name="speculative-ttl")
@@ -114,8 +115,20 @@ class RouterConfig:
     http_max_unfinished: int = 256
     """HTTP connections one client address may hold whose request has been arriving for over a second; a new
     connection past it gets 429 and is closed (slow clients cannot hold every socket)."""
+    audit_window: int = 64
+    """Miss audit: requests per worker a mismatch rate is taken over (docs/router.md, "Miss audit")."""
+    audit_miss_rate: float = 0.25
+    """Miss audit: a warning when this share of a worker's last --audit-window requests found at least one block
+    fewer (silent misses) or more (unseen hits) cached than the index said; 0 = no warning."""
     http_keep_alive_s: float = flag(30.0, name="http-keep-alive")
     """Seconds an idle HTTP keep-alive connection stays open between requests."""
+    http_linger_bytes: int = 64 * 1024 * 1024
+    """After an HTTP answer given before the request's body was read (401, 413, 415, a 400 of the streaming
+    parser), the rest of the body is read and dropped up to this many bytes, then the connection closes: clients
+    that send their whole body before reading (urllib, requests, many SDKs) get the answer, not a reset."""
+    http_linger_time_s: float = flag(10.0, name="http-linger-time")
+    """Seconds the rest of an early-answered request's body is read and dropped at most (--http-linger-bytes);
+    0 = close at once."""
 
     def check(self) -> None:
         """Raises ValueError with the flag to fix."""
@@ -133,9 +146,14 @@ class RouterConfig:
                              "--max-tokens-limit >= 0")
         if self.max_messages < 1 or self.max_content_parts < 1 or self.max_body_bytes < 1:
             raise ValueError("--max-messages, --max-content-parts and --max-body-bytes must be >= 1")
+        if self.http_linger_bytes < 0 or not self.http_linger_time_s >= 0:
+            raise ValueError("--http-linger-bytes and --http-linger-time must be >= 0")
         if (not self.http_header_timeout_s >= 0 or not self.http_body_timeout_s >= 0 or self.http_max_unfinished < 1
                 or not self.http_keep_alive_s > 0):
             raise ValueError("--http-header-timeout and --http-body-timeout must be >= 0 (0 = none), "
                              "--http-max-unfinished >= 1 and --http-keep-alive > 0")
+        if self.audit_window < 1 or not 0 <= self.audit_miss_rate <= 1:
+            raise ValueError(f"--audit-window must be >= 1 and --audit-miss-rate in [0, 1], got {self.audit_window}, "
+                             f"{self.audit_miss_rate}")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")

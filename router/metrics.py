@@ -10,6 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
+_AUDIT_BUCKETS = (-256, -64, -16, -4, -1, 0, 1, 4, 16, 64, 256)
+"""Predicted minus cached blocks: le=-1 counts the unseen hits, the count above le=0 the silent misses."""
 
 
 class RouterMetrics:
@@ -44,6 +46,36 @@ class RouterMetrics:
             "kvmesh_router_tokenized_chars_total", "Characters of text prompts handed to the tokenizer", registry=r)
         self.tokenizing = Gauge("kvmesh_router_tokenizing_texts", "Long texts being tokenized off the event loop",
                                 registry=r)
+
+        self.audit_requests = Counter(
+            "kvmesh_router_audit_requests_total", "Requests audited per worker: routed with a Lookup answer, and "
+            "the engine reported the prompt's cached tokens (docs/router.md, \"Miss audit\")", ["worker"], registry=r)
+        self.audit_predicted = Counter(
+            "kvmesh_router_audit_predicted_blocks_total", "Blocks the index said the worker holds of audited "
+            "prompts (capped at the prompt less its last token)", ["worker"], registry=r)
+        self.audit_cached = Counter(
+            "kvmesh_router_audit_cached_blocks_total", "Blocks the engine reported cached of audited prompts",
+            ["worker"], registry=r)
+        self.audit_silent = Counter(
+            "kvmesh_router_audit_silent_misses_total", "Audited requests predicted at least one block more than "
+            "the engine used", ["worker"], registry=r)
+        self.audit_unseen = Counter(
+            "kvmesh_router_audit_unseen_hits_total", "Audited requests predicted at least one block less than "
+            "the engine used", ["worker"], registry=r)
+        self.audit_error = Histogram(
+            "kvmesh_router_audit_error_blocks", "Predicted minus cached blocks per audited request (> 0: silent "
+            "miss; < 0: unseen hit)", ["worker"], buckets=_AUDIT_BUCKETS, registry=r)
+
+    def audited(self, worker: str, predicted: int, cached: int) -> None:
+        """One audited request (router/core/audit.py)."""
+        self.audit_requests.labels(worker).inc()
+        self.audit_predicted.labels(worker).inc(predicted)
+        self.audit_cached.labels(worker).inc(cached)
+        if predicted >= cached + 1:
+            self.audit_silent.labels(worker).inc()
+        elif cached >= predicted + 1:
+            self.audit_unseen.labels(worker).inc()
+        self.audit_error.labels(worker).observe(predicted - cached)
 
     # -- router/core/routing.py's DecisionObserver ----------------------------------------------------
     def decision(self, policy: str, reason: str) -> None:

@@ -40,6 +40,7 @@ from kvmesh.contract.index_protocol import IndexUnavailable, WorkerMatch
 from kvmesh.contract.types import DEFAULT_MAX_TOKENS, SamplingParams, Usage
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core.attempts import Attempts
+from kvmesh.router.core.audit import MissAudit, predicted_blocks
 from kvmesh.router.core.inflight import InFlight
 from kvmesh.router.core.policies import make_policy
 from kvmesh.router.core.policies.base import Decision, RouterPolicy
@@ -64,7 +65,7 @@ from kvmesh.router.text.prompt import (
     PromptTokenizer,
     check_input,
     check_message_count,
-    check_token_id_range,
+    check_prompt_ids,
 )
 from kvmesh.router.text.stop_strings import StopStrings, check_stop_strings
 
@@ -129,18 +130,21 @@ class ModelRouter:
         metrics: where to count (the server's, served on /metrics); default: a private registry.
         chat_template: the model's chat template, or None (chat requests are refused).
         context_len: the model's context length (from its config.json), the default prompt bound.
+        vocab_size: token ids at or past it are refused before routing (None: the workers judge).
     """
 
     def __init__(self, config: RouterConfig, pool: WorkerPool, index: AsyncPrefixIndex | None,
                  tokenizer: Tokenizer | None = None, policy: RouterPolicy | None = None,
                  speculative: SpeculativeIndex | None = None, metrics: RouterMetrics | None = None,
-                 chat_template: ChatTemplate | None = None, context_len: int | None = None) -> None:
+                 chat_template: ChatTemplate | None = None, context_len: int | None = None,
+                 vocab_size: int | None = None) -> None:
         self.config = config
         self.pool = pool
         self.index = index
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.context_len = context_len
+        self.vocab_size = vocab_size
         self.metrics = metrics or RouterMetrics()
         self.prompts = (PromptTokenizer(tokenizer, self.metrics.tokenized_chars.inc, self.metrics.tokenizing.inc)
                         if tokenizer is not None else None)
@@ -152,6 +156,7 @@ class ModelRouter:
                                 router_id=f"router-{uuid.uuid4().hex[:12]}", claim_attempts=routing.claim_attempts)
         if speculative is not None:
             self.core.speculative = speculative
+        self.audit = MissAudit(config.audit_window, config.audit_miss_rate)
 
     @property
     def policy(self) -> RouterPolicy:
@@ -194,7 +199,7 @@ class ModelRouter:
         self.metrics.prompts_refused.labels(limit).inc()
 
     # -- decision path (tokenize + hash + lookup + pick) ------------------------------------
-    async def tokenize(self, inp: GenerateInput, limits: PromptLimits | None = None) -> list[int]:
+    async def tokenize(self, inp: GenerateInput, limits: PromptLimits | None = None) -> Sequence[int]:
         """The prompt's token ids within the prompt bounds; raises InvalidArgument on an empty or
         missing prompt, InvalidArgument / ResourceExhausted past a bound (router/text/prompt.py)."""
         limits = limits or self.limits()
@@ -206,8 +211,11 @@ class ModelRouter:
             except KVMeshError:
                 self._refused("tokens")
                 raise
-            check_token_id_range(inp.token_ids, "token_ids")
-            return list(inp.token_ids)
+            check_prompt_ids(inp.token_ids, "token_ids", self.vocab_size or 0,
+                            self.pool.model_spec().model_id if self.vocab_size else "")
+            # NOTE: as it came (a protobuf repeated field, a JSON list): the chain hashes it through
+            # numpy and the worker request copies it in C; a list() of 4,096 ids cost ~0.25 ms.
+            return inp.token_ids
         if inp.chat is not None:
             return await self._encode(await self._render(inp.chat), limits, add_special_tokens=False)
         if inp.text is None:
@@ -257,7 +265,7 @@ class ModelRouter:
             self._refused("tokens")
             raise
 
-    async def plan(self, token_ids: list[int], cache_salt: str = "", max_tokens: int = 0) -> RoutePlan:
+    async def plan(self, token_ids: Sequence[int], cache_salt: str = "", max_tokens: int = 0) -> RoutePlan:
         """Hashes the prompt, asks the index at most once and builds the candidates: router/core/routing.py's
         ``prepare`` / ``complete`` around the awaited Lookup."""
         core, spec = self.core, self.pool.model_spec()
@@ -441,6 +449,7 @@ class ModelRouter:
                 completion += len(ids)
                 if stops is not None and stops.matched is not None:
                     usage = await self._end_at_stop(endpoint, request, chunks, completion)
+                    self._audit(plan, endpoint.worker_id, usage)
                     yield GenerateOutput(ids, text, "stop", usage, endpoint.worker_id)
                     return
                 if chunk.finish_reason is not None:
@@ -452,6 +461,7 @@ class ModelRouter:
                             finish = "stop" if stops.matched is not None else finish
                             tail += stops.flush()
                         text += tail
+                    self._audit(plan, endpoint.worker_id, chunk.usage)
                     yield GenerateOutput(ids, text, finish, chunk.usage, chunk.worker_id or endpoint.worker_id)
                     return
                 yield GenerateOutput(ids, text)
@@ -470,6 +480,20 @@ class ModelRouter:
             self.core.finish(ticket, completion)
             if call is not None:
                 call.cancel()  # a no-op once the call has ended; frees it when the client left
+
+    def _audit(self, plan: RoutePlan, worker_id: str, usage: Usage | None) -> None:
+        """The miss audit of a finished request (router/core/audit.py): the index's prediction for the
+        worker that served it against the engine's cached tokens."""
+        if not plan.answered or usage is None or not usage.prompt_tokens:
+            return
+        bs = plan.query.block_size
+        c = plan.candidate(worker_id)
+        predicted = predicted_blocks(c.indexed_blocks, len(plan.token_ids), bs, c.load.cache_block_tokens)
+        cached = usage.cached_tokens // bs
+        self.metrics.audited(worker_id, predicted, cached)
+        alarm = self.audit.observe(worker_id, predicted, cached)
+        if alarm is not None:
+            log.warning("miss audit: %s", alarm.message())
 
     async def _end_at_stop(self, endpoint: WorkerEndpoint, request: WorkerRequest,
                            chunks: AsyncIterator[WorkerChunk], completion: int) -> Usage:

@@ -20,7 +20,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from kvmesh.contract.errors import InvalidArgument, NotFound
-from kvmesh.contract.modelinfo import context_length, load_tokenizer, model_id_for
+from kvmesh.contract.modelinfo import context_length, load_tokenizer, model_id_for, vocab_size
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core.upstream import AsyncPrefixIndex, WorkerPool
 from kvmesh.router.metrics import RouterMetrics
@@ -43,12 +43,17 @@ class ModelFiles:
     chat_template: ChatTemplate | None
     context_len: int | None = None
     """The model's context length (config.json): the default bound on a prompt's tokens."""
+    vocab_size: int | None = None
+    """Token ids at or past this are refused: the larger of config.json's vocab_size and the tokenizer's
+    ids (added tokens included), as vLLM takes it."""
 
     @classmethod
     def load(cls, model_dir: str, model_id: str | None = None) -> ModelFiles:
         """Raises FileNotFoundError / ValueError naming the directory's problem."""
-        return cls(model_id_for(model_dir, model_id), model_dir, load_tokenizer(model_dir),
-                   ChatTemplate.from_dir(model_dir), context_length(model_dir))
+        tokenizer = load_tokenizer(model_dir)
+        vocab = max(vocab_size(model_dir) or 0, tokenizer.get_vocab_size(with_added_tokens=True)) or None
+        return cls(model_id_for(model_dir, model_id), model_dir, tokenizer, ChatTemplate.from_dir(model_dir),
+                   context_length(model_dir), vocab)
 
 
 @dataclass(slots=True)
@@ -98,7 +103,8 @@ class ModelSet:
         pool = self._make_pool(model_id)
         router = ModelRouter(self.config, pool, self._index, files.tokenizer if files else None, metrics=self._metrics,
                         chat_template=files.chat_template if files else None,
-                        context_len=files.context_len if files else None)
+                        context_len=files.context_len if files else None,
+                        vocab_size=files.vocab_size if files else None)
         served = self._models[model_id] = ServedModel(model_id, router, files)
         if files is not None or self.config.model_id == model_id:
             self.configured.append(model_id)

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import grpc
+
+from kvmesh.contract.index_protocol import WorkerAudit
 from kvmesh.kv_client.router_client import KVServiceClient
 from kvmesh.router.api.frontend import Frontend
 from kvmesh.router.api.grpc_api import RouterServicer
@@ -27,6 +31,9 @@ from kvmesh.v1 import router_pb2_grpc as pb_grpc
 log = logging.getLogger("kvmesh.router")
 
 T = TypeVar("T")
+
+MAX_HELD_AUDITS = 4096
+"""Workers whose audit counts a router keeps while the kv_service does not take its reports; past it they go."""
 
 
 class RouterServer:
@@ -52,6 +59,8 @@ class RouterServer:
         self.port = self.grpc.port
         self.http_port = self.http.port if self.http is not None else None
         self._started = False
+        self._audits: asyncio.Task | None = None
+        self.router_id = f"router-{uuid.uuid4().hex[:12]}"
 
     async def _build(self) -> None:
         config = self.config
@@ -99,6 +108,30 @@ class RouterServer:
             await self.http.start()
         self._started = True
         await self.discovery.start()  # first poll sets health
+        if self.kv is not None:
+            self._audits = asyncio.get_running_loop().create_task(self._report_audits())
+
+    async def _report_audits(self) -> None:
+        """Every discovery interval, each model's miss-audit counts since the last report go to the
+        kv_service (``kvmesh admin audit`` reads them there); counts a failed report held go with the next."""
+        assert self.kv is not None
+        held: dict[str, WorkerAudit] = {}
+        while True:
+            await asyncio.sleep(self.config.routing.discovery_interval_s)
+            for served in self.models.all():
+                audit = served.router.audit
+                for worker_id, a in audit.take().items():
+                    held.setdefault(worker_id, WorkerAudit()).add(a)
+                audit.forget({e.worker_id for e in served.pool.endpoints()})
+            if not held:
+                continue
+            try:
+                await self.kv.report_audit(self.router_id, held)
+                held = {}
+            except grpc.aio.AioRpcError as exc:
+                log.debug("miss audit report to the kv_service failed (%s); kept for the next", exc.code().name)
+                if len(held) > MAX_HELD_AUDITS:
+                    held = {}
 
     def start(self) -> RouterServer:
         self._loop.run(self._start())
@@ -110,6 +143,8 @@ class RouterServer:
 
     async def _stop(self, grace: float) -> None:
         self._started = False
+        if self._audits is not None:
+            self._audits.cancel()
         # NOTE: both servers drain at once, so a stop takes `grace`, not twice it.
         await asyncio.gather(self.grpc.stop(grace), *([self.http.stop(grace)] if self.http is not None else []))
         await self.discovery.stop()

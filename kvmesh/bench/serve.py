@@ -18,7 +18,7 @@ import numpy as np
 from kvmesh.bench.datasets import BenchRequest
 from kvmesh.bench.report import RequestRecord
 from kvmesh.client import make_request
-from kvmesh.transport.channels import CHANNEL_OPTIONS, resolve_target
+from kvmesh.transport.channels import CHANNEL_OPTIONS, replicas, resolve_target
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
 
 
@@ -82,16 +82,17 @@ async def run_requests(target: str, requests: Sequence[BenchRequest], *, max_con
     """Sends every request at its ``arrival_s`` (0 when None); returns the records and the wall duration."""
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = Progress(len(requests), progress)
-    # NOTE: a replica list (``ipv4:h:p1,h:p2`` or ``h:p1,h:p2``) spreads with gRPC's round_robin.
-    address, lb = resolve_target(target)
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + lb) as channel:
-        stub = pb_grpc.RouterStub(channel)
+    channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + lb)
+                for address, lb in (resolve_target(t) for t in replicas(target))]
+    try:
+        stubs = [pb_grpc.RouterStub(c) for c in channels]
         t0 = time.perf_counter()
 
         async def send(i: int, req: BenchRequest) -> RequestRecord:
             delay = (req.arrival_s or 0.0) - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
+            stub = stubs[i % len(stubs)]
             if sem is None:
                 rec = await _one(stub, req, ignore_eos, t0, timeout, i)
             else:
@@ -102,7 +103,11 @@ async def run_requests(target: str, requests: Sequence[BenchRequest], *, max_con
 
         records = await asyncio.gather(*(send(i, r) for i, r in enumerate(requests)))
         duration = time.perf_counter() - t0
+    finally:
+        for c in channels:
+            await c.close()
     return list(records), duration
+
 
 
 def run(target: str, requests: Sequence[BenchRequest], **kwargs) -> tuple[list[RequestRecord], float]:

@@ -49,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--hash-algorithm", default=None, choices=["sha256_128", "xxh3_128"],
                    help="block hash (default: the model's, from the kv_service)")
     h.set_defaults(func=hash_prompt)
+    cmds.add_parser("audit", parents=[common],
+                    help="per worker: how the index's predicted cache hits compared with the engine's (the routers' "
+                         "miss audit)").set_defaults(func=audit)
     f = cmds.add_parser("flush", parents=[common],
                         help="drop one worker's blocks from the index; the worker then resyncs (sends its cache)")
     f.add_argument("worker_id")
@@ -126,6 +129,22 @@ def workers(args: argparse.Namespace) -> int:
                 for d in data]
         return data, _table(rows, ["worker", "engine", "address", "model", "blocks", "capacity", "running", "waiting",
                                    "picked", "lease_ms", "live"])
+
+    return _call(args, go)
+
+
+def audit(args: argparse.Namespace) -> int:
+    def go():
+        audits = _client(args).audit()
+        data = [{"worker_id": w, **{f: getattr(a, f) for f in a.__dataclass_fields__},
+                 "silent_miss_rate": round(a.silent_misses / a.requests, 4) if a.requests else 0.0,
+                 "unseen_hit_rate": round(a.unseen_hits / a.requests, 4) if a.requests else 0.0}
+                for w, a in audits.items()]
+        rows = [[d["worker_id"], d["engine"] or "-", d["requests"], d["predicted_hits"], d["cached_hits"],
+                 f"{d['silent_miss_rate']:.3f}", f"{d['unseen_hit_rate']:.3f}", d["predicted_blocks"],
+                 d["cached_blocks"]] for d in data]
+        return data, _table(rows, ["worker", "engine", "requests", "predicted_hits", "actual_hits", "silent_miss_rate",
+                                   "unseen_hit_rate", "predicted_blocks", "cached_blocks"])
 
     return _call(args, go)
 

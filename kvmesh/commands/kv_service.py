@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     index = make_store(config.store, config.redis_url, config.redis, config.lookup_walk)
     try:
         server = KVServiceServer(index, config.host, config.port, config.service,
-                                 max_publishers=config.max_publishers).start()
+                                 max_publishers=config.max_publishers, faults=config.faults).start()
     except Unavailable as exc:  # the server pings the store at start: one actionable line, no traceback
         log.error("cannot reach Redis at %s (%s); start one or pass --store memory",
                   config.redis_url or DEFAULT_REDIS_URL, exc)
@@ -64,5 +64,8 @@ def run(args: argparse.Namespace) -> int:
     log.info("kv_service listening on %s:%d (store=%s%s%s)", config.host, server.port, index.name,
              f", {config.redis.shards} shards" if config.redis.shards > 1 else "",
              ", Lookups from replicas" if config.redis.read_replicas else "")
+    if config.faults.lookup_delay_ms or config.faults.reserve_delay_ms:
+        log.warning("injecting latency: Lookup +%g ms, Reserve +%g ms (--lookup-delay-ms / --reserve-delay-ms; a "
+                    "stress setting, not for production)", config.faults.lookup_delay_ms, config.faults.reserve_delay_ms)
     wait_for_termination_signal(server.stop, args.grace)
     return 0

@@ -20,6 +20,7 @@ import hashlib
 import struct
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import xxhash
 
 HASH_LEN = 16
@@ -53,7 +54,18 @@ def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
         ValueError: a token id is negative or not an integer.
     """
     # NOTE: packing as unsigned gives the int32 bytes for every id in [0, 2**31) and rejects
-    # negatives for free; vocabularies are far below 2**31. struct.pack is ~2x faster than array.
+    # negatives for free; vocabularies are far below 2**31. struct.pack is ~2x faster than array
+    # for a list; anything else (a protobuf repeated field: unpacking it costs 40 ns an id) goes
+    # through one numpy copy, at memory speed.
+    if not isinstance(token_ids, (list, tuple)):
+        try:
+            ids = np.asarray(token_ids, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError):
+            ids = None
+        if ids is not None and ids.ndim == 1:
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) > _MAX_TOKEN_ID):
+                raise ValueError(f"token ids must be integers in [0, {_MAX_TOKEN_ID}]")
+            return ids.astype("<u4").tobytes()
     try:
         return struct.pack(f"<{len(token_ids)}I", *token_ids)
     except struct.error as exc:
@@ -125,7 +137,8 @@ class BlockHasher:
         n_full = len(token_ids) // bs
         if n_full == 0:
             return []
-        raw = tokens_to_bytes(token_ids[: n_full * bs])
+        raw = (tokens_to_bytes(token_ids[: n_full * bs]) if isinstance(token_ids, (list, tuple))
+               else tokens_to_bytes(token_ids)[: n_full * 4 * bs])
         step = 4 * bs
         extra = self._extra
         prev = self.root(cache_salt) if parent is None else parent

@@ -13,6 +13,7 @@ from kvmesh.contract.index_protocol import (
     Registration,
     Reservation,
     ReservationAnswer,
+    WorkerAudit,
     WorkerInfo,
     WorkerMatch,
 )
@@ -83,6 +84,7 @@ def load_to_pb(load: Load) -> common_pb2.WorkerLoad:
         prefill_attention_pairs_total=load.prefill_pairs, decode_tokens_total=load.decode_tokens,
         decode_context_tokens_total=load.decode_context_tokens, max_num_batched_tokens=load.max_num_batched_tokens,
         admitted_request_ids=load.admitted, reports_admissions=load.reports_admissions,
+        cache_block_tokens=load.cache_block_tokens,
     )
 
 
@@ -90,7 +92,7 @@ def load_from_pb(m: common_pb2.WorkerLoad) -> Load:
     return Load(m.num_running, m.num_waiting, m.num_free_blocks, m.num_total_blocks, m.queued_prefill_tokens,
                 m.busy_seconds, m.steps_total, m.prefill_tokens_total, m.prefill_attention_pairs_total,
                 m.decode_tokens_total, m.decode_context_tokens_total, m.max_num_batched_tokens,
-                tuple(m.admitted_request_ids), m.reports_admissions)
+                tuple(m.admitted_request_ids), m.reports_admissions, m.cache_block_tokens)
 
 
 def pending_to_pb(p: Pending) -> kv_pb.PendingPicks:
@@ -151,27 +153,29 @@ def worker_info_from_pb(m: kv_pb.WorkerInfo, now_ms: int) -> WorkerInfo:
 
 def match_from_pb(m: kv_pb.WorkerMatch) -> WorkerMatch:
     return WorkerMatch(m.worker_id, m.address, m.matched_blocks, load_from_pb(m.load), m.block_size,
-                       pending_from_pb(m.pending) if m.HasField("pending") else NO_PENDING)
+                       pending_from_pb(m.pending) if m.HasField("pending") else NO_PENDING, m.pending_blocks)
 
 
 def reservation_to_pb(r: Reservation) -> kv_pb.ReserveRequest:
     return kv_pb.ReserveRequest(model_id=r.model_id, worker_id=r.worker_id, router_id=r.router_id,
                                 request_id=r.request_id, prefill_tokens=r.prefill_tokens, blocks=r.blocks,
-                                seen_version=r.seen_version)
+                                seen_version=r.seen_version, anchors=r.anchors)
 
 
 def reservation_from_pb(m: kv_pb.ReserveRequest) -> Reservation:
     return Reservation(m.model_id, m.worker_id, m.router_id, m.request_id, m.prefill_tokens, m.blocks,
-                       m.seen_version if m.HasField("seen_version") else None)
+                       m.seen_version if m.HasField("seen_version") else None, tuple(m.anchors))
 
 
 def reservation_answer_to_pb(a: ReservationAnswer) -> kv_pb.ReserveResponse:
     return kv_pb.ReserveResponse(reserved=a.reserved, workers=[
-        kv_pb.WorkerPending(worker_id=w, pending=pending_to_pb(p)) for w, p in a.pending.items()])
+        kv_pb.WorkerPending(worker_id=w, pending=pending_to_pb(p), anchored=a.anchored.get(w, 0))
+        for w, p in a.pending.items()])
 
 
 def reservation_answer_from_pb(m: kv_pb.ReserveResponse) -> ReservationAnswer:
-    return ReservationAnswer(m.reserved, {w.worker_id: pending_from_pb(w.pending) for w in m.workers})
+    return ReservationAnswer(m.reserved, {w.worker_id: pending_from_pb(w.pending) for w in m.workers},
+                             {w.worker_id: w.anchored for w in m.workers if w.anchored})
 
 
 # NOTE: the device tier goes out unset (0), so a device event is byte for byte what a worker sent
@@ -219,3 +223,15 @@ def events_from_pb(events: Iterable[kv_pb.KVEvent]) -> list[KVCacheEvent]:
         else:
             raise InvalidArgument(f"events[{i}] sets no event: use stored, removed or all_cleared")
     return out
+
+
+_AUDIT_FIELDS = ("requests", "predicted_blocks", "cached_blocks", "predicted_hits", "cached_hits", "silent_misses",
+                 "unseen_hits")
+
+
+def audit_to_pb(worker_id: str, a: WorkerAudit) -> kv_pb.WorkerAudit:
+    return kv_pb.WorkerAudit(worker_id=worker_id, engine=a.engine, **{f: getattr(a, f) for f in _AUDIT_FIELDS})
+
+
+def audit_from_pb(m: kv_pb.WorkerAudit) -> tuple[str, WorkerAudit]:
+    return m.worker_id, WorkerAudit(**{f: getattr(m, f) for f in _AUDIT_FIELDS}, engine=m.engine)

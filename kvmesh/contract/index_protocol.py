@@ -13,12 +13,14 @@ thing (a reservation was the router's ``Claim``, the wire's ``ReserveRequest`` a
 | one worker's answer to a Lookup | :class:`WorkerMatch` | WorkerMatch |
 | a router's pick reserved before forwarding | :class:`Reservation` | ReserveRequest |
 | the index's answer to it | :class:`ReservationAnswer` | ReserveResponse |
+| a worker's miss audit (router reports, admin reads) | :class:`WorkerAudit` | WorkerAudit |
 
 No grpc, no redis.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -68,6 +70,9 @@ class WorkerMatch(NamedTuple):
     block_size: int = 0
     pending: Pending = NO_PENDING
     """Routers' picks of the worker its reports do not cover yet (the shared router view)."""
+    pending_blocks: int = 0
+    """Leading blocks of the asked chain that a pick reserved on the worker will hold once prefilled
+    (the routers' speculative maps, shared: kv_service/pending_prefixes.py)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,6 +92,9 @@ class Reservation:
     seen_version: int | None = None
     """The worker's ``Pending.version`` in the router's Lookup: refused when another router
     reserved the worker since; None = unconditional."""
+    anchors: tuple[bytes, ...] = ()
+    """Hashes of the prompt's blocks 1, 2, 4, 8, ... and its last: the prefixes the worker will hold
+    (kv_service/pending_prefixes.py); every router's next Lookup sees them."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,6 +102,68 @@ class ReservationAnswer:
     reserved: bool
     pending: dict[str, Pending] = field(default_factory=dict)
     """When refused: every live worker of the model and its pending picks now, by worker id."""
+    anchored: dict[str, int] = field(default_factory=dict)
+    """When refused: per worker, how many of the reservation's leading anchors a pick reserved there
+    holds (the prefix of this prompt that worker will hold: anchor ``n - 1``'s position + 1); 0s omitted."""
+
+
+@dataclass(slots=True)
+class WorkerAudit:
+    """One worker's miss audit (docs/router.md, "Miss audit"): requests routed to it with a Lookup
+    answer, the blocks the index predicted they would find cached there, and the engine's count."""
+
+    requests: int = 0
+    predicted_blocks: int = 0
+    cached_blocks: int = 0
+    predicted_hits: int = 0
+    """Requests with a predicted hit (at least one block)."""
+    cached_hits: int = 0
+    """Requests the engine served at least one cached block to."""
+    silent_misses: int = 0
+    """Requests predicted at least one block more than the engine used."""
+    unseen_hits: int = 0
+    """Requests predicted at least one block less than the engine used."""
+    engine: str = ""
+    """kvmesh, vllm or sglang (filled by the kv_service from the worker's registration)."""
+
+    def add(self, other: WorkerAudit) -> None:
+        self.requests += other.requests
+        self.predicted_blocks += other.predicted_blocks
+        self.cached_blocks += other.cached_blocks
+        self.predicted_hits += other.predicted_hits
+        self.cached_hits += other.cached_hits
+        self.silent_misses += other.silent_misses
+        self.unseen_hits += other.unseen_hits
+
+    def observe(self, predicted: int, cached: int) -> None:
+        """One request: ``predicted`` blocks expected cached, ``cached`` used by the engine."""
+        self.requests += 1
+        self.predicted_blocks += predicted
+        self.cached_blocks += cached
+        self.predicted_hits += predicted > 0
+        self.cached_hits += cached > 0
+        self.silent_misses += predicted >= cached + 1
+        self.unseen_hits += cached >= predicted + 1
+
+
+def anchor_positions(n: int) -> list[int]:
+    """The 0-based indices of a chain of ``n`` blocks that a Reserve anchors: 2**k - 1, and n - 1.
+
+    NOTE: block hashes are chained, so two chains equal at index i share their first i + 1 blocks:
+    a Lookup reads its own chain at these positions only (O(log n)), and finds the longest shared
+    power-of-two prefix (or the whole prompt) of every reserved prompt."""
+    out, p = [], 1
+    while p <= n:
+        out.append(p - 1)
+        p <<= 1
+    if n and out[-1] != n - 1:
+        out.append(n - 1)
+    return out
+
+
+def anchors_of(chain: Sequence[bytes]) -> tuple[bytes, ...]:
+    """The anchors a Reserve carries for a prompt's chain (:func:`anchor_positions`)."""
+    return tuple(chain[i] for i in anchor_positions(len(chain)))
 
 
 class IndexUnavailable(Exception):

@@ -26,6 +26,19 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(path))
 
 
+def vocab_size(model_dir: str | Path) -> int | None:
+    """``vocab_size`` of the model's config.json (``text_config``'s of a multimodal one), or None."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    for cfg in (config, config.get("text_config") or {}):
+        value = cfg.get("vocab_size")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 """Where a transformers config.json states the model's context length (first found wins)."""
 

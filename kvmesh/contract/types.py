@@ -7,7 +7,7 @@ protobuf messages and back.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Literal
 
@@ -123,6 +123,10 @@ class Load:
     reports_admissions: bool = False
     """The worker lists its admissions (a kvmesh worker). Without it (a bridged engine) a report
     covers the picks made ``--pending-grace-ms`` or more before it arrived."""
+    cache_block_tokens: int = 0
+    """Tokens in one of the engine's own KV blocks when it reuses a prefix in coarser steps than the
+    index's blocks (a bridged vLLM's 32 over kvmesh's 16); 0 = the index's block size. The miss audit
+    (router/core/audit.py) caps a prediction at what such an engine can reuse."""
 
     def queue_state(self) -> tuple[int, int, int]:
         """What routing reads of the worker's state: (running, waiting, queued prefill tokens); a
@@ -136,7 +140,7 @@ class Load:
             f"{self.num_running},{self.num_waiting},{self.num_free_blocks},"
             f"{self.num_total_blocks},{self.queued_prefill_tokens},{self.busy_s!r},{self.steps},"
             f"{self.prefill_tokens},{self.prefill_pairs},{self.decode_tokens},{self.decode_context_tokens},"
-            f"{self.max_num_batched_tokens}"
+            f"{self.max_num_batched_tokens}" + (f",{self.cache_block_tokens}" if self.cache_block_tokens else "")
         )
 
     @classmethod
@@ -146,7 +150,8 @@ class Load:
         if isinstance(raw, bytes):
             raw = raw.decode()
         parts = raw.split(",")
-        return cls(*(float(x) if i == 5 else int(x) for i, x in enumerate(parts)))
+        load = cls(*(float(x) if i == 5 else int(x) for i, x in enumerate(parts[:12])))
+        return replace(load, cache_block_tokens=int(parts[12])) if len(parts) > 12 else load
 
 
 @dataclass(slots=True, frozen=True)

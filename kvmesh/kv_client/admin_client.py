@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvmesh.transport.channels import dial
+from kvmesh.contract.convert import audit_from_pb
+from kvmesh.contract.index_protocol import WorkerAudit
+from kvmesh.transport.channels import dial, replicas
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 
@@ -34,6 +36,20 @@ class AdminClient:
     def lookup_tokens(self, model_id: str, token_ids: Sequence[int], cache_salt: str = "") -> pb.LookupResponse:
         return self._stub.LookupTokens(pb.LookupTokensRequest(model_id=model_id, token_ids=token_ids,
                                                               cache_salt=cache_salt), timeout=self.timeout_s)
+
+    def audit(self) -> dict[str, WorkerAudit]:
+        """The routers' miss audits, per worker, summed over every replica of ``target``: each replica
+        holds the reports that reached it (kv_service/service.py), so a list ``a:1,b:2`` is asked
+        address by address."""
+        out: dict[str, WorkerAudit] = {}
+        for address in replicas(self.target):
+            stub = self._stub if address == self.target else pb_grpc.KVServiceStub(dial(address))
+            for m in stub.GetAudit(pb.GetAuditRequest(), timeout=self.timeout_s).workers:
+                worker_id, a = audit_from_pb(m)
+                got = out.setdefault(worker_id, WorkerAudit(engine=a.engine))
+                got.add(a)
+                got.engine = got.engine or a.engine
+        return dict(sorted(out.items()))
 
     def flush(self, worker_id: str) -> pb.FlushWorkerResponse:
         return self._stub.FlushWorker(pb.FlushWorkerRequest(worker_id=worker_id), timeout=self.timeout_s)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import grpc
 
 from kvmesh.contract.convert import (
+    audit_to_pb,
     match_from_pb,
     reservation_answer_from_pb,
     reservation_to_pb,
@@ -23,6 +24,7 @@ from kvmesh.contract.index_protocol import (
     IndexUnavailable,
     Reservation,
     ReservationAnswer,
+    WorkerAudit,
     WorkerInfo,
     WorkerMatch,
 )
@@ -87,6 +89,12 @@ class KVServiceClient:
             raise IndexUnavailable(f"kv_service at {self.target}: Reserve: {exc.code().name}: {exc.details()}",
                                    "reserve_failed") from None
         return reservation_answer_from_pb(answer)
+
+    async def report_audit(self, router_id: str, audits: dict[str, WorkerAudit]) -> None:
+        """The miss audit's counts since the last report (router/core/audit.py); raises grpc.aio.AioRpcError."""
+        await self._stub.ReportAudit(kv_pb.ReportAuditRequest(
+            router_id=router_id, workers=[audit_to_pb(w, a) for w, a in audits.items()]),
+            timeout=self.rpc_timeout_s, metadata=self._md)
 
     async def list_workers(self) -> list[WorkerInfo]:
         """Registered workers of every model (live ones unless ``include_expired``); raises grpc.aio.AioRpcError."""

@@ -4,6 +4,7 @@ round trips, the hops to and from the workers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
@@ -34,6 +35,10 @@ class RouterHost(Protocol):
     workers_by_id: dict[str, SimWorker]
 
     def request_done(self, rec: RequestRecord) -> None: ...
+
+    def expect(self, dt: float) -> None: ...
+
+    def forward(self, dt: float, submit: Callable, *args) -> None: ...
 
 
 class SimRouter:
@@ -78,7 +83,8 @@ class SimRouter:
             # pick is in flight from now, as live, where it is made when the answer arrives.
             self.core.start(plan, decision.worker_id)
             claims = self.core.claims(plan, decision, f"r{rec.index}.{rec.attempts + 1}")
-            self.mesh.q.after(delay, self._claim, rec, claims)
+            mesh.expect(delay + mesh.cfg.reserve_latency_s + mesh.cfg.network_s)
+            mesh.q.after(delay, self._claim, rec, claims)
 
     def _claim(self, rec: RequestRecord, claims: Claims) -> None:
         """The shared view: the core's reservation loop, each Reserve landing in the index halfway
@@ -87,7 +93,9 @@ class SimRouter:
         if reservation is None:
             self._decided(rec, claims.plan, claims.decision, 0.0)
             return
-        self.mesh.q.after(self.mesh.cfg.reserve_latency_s / 2, self._reserve, rec, claims, reservation)
+        cfg = self.mesh.cfg
+        self.mesh.expect(cfg.reserve_latency_s + cfg.network_s)
+        self.mesh.q.after(cfg.reserve_latency_s / 2, self._reserve, rec, claims, reservation)
 
     def _reserve(self, rec: RequestRecord, claims: Claims, reservation: Reservation) -> None:
         mesh = self.mesh
@@ -125,7 +133,7 @@ class SimRouter:
         rec.worker = decision.worker_id
         a = Attempt(rec, self, attempts, ticket, f"r{rec.index}.{rec.attempts}")
         worker = self.mesh.workers_by_id[decision.worker_id]
-        self.mesh.q.after(delay + self.mesh.cfg.network_s, worker.submit, a)
+        self.mesh.forward(delay + self.mesh.cfg.network_s, worker.submit, a)
 
     def first_token(self, a: Attempt) -> None:
         self.core.prefilled(a.ticket)

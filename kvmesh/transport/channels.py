@@ -36,6 +36,23 @@ def resolve_target(target: str) -> tuple[str, list[tuple[str, object]]]:
     return "ipv4:" + ",".join(parts), [("grpc.lb_policy_name", "round_robin")]
 
 
+def replicas(target: str) -> list[str]:
+    """Each address of a replica list (``h:p1,h:p2`` or ``ipv4:h:p1,h:p2``), else the one target (a
+    ``dns:///`` name stays one target: gRPC resolves it).
+
+    For a caller that must reach every replica (``kvmesh admin audit`` sums what each holds) or deal
+    calls to them in turn (``kvmesh bench``: one round_robin channel sends only to subchannels already
+    connected, so a burst sent as it opens went to the first router up, 22-24 of 24 on one of three).
+    """
+    body = target.strip()
+    scheme = body.split(":", 1)[0] if ":" in body else ""
+    if scheme in ("ipv4", "ipv6"):
+        body = body.split(":", 1)[1]
+    elif scheme in ("dns", "unix", "unix-abstract", "vsock") or "," not in body:
+        return [target]
+    return [p.strip() for p in body.split(",") if p.strip()]
+
+
 def dial(target: str) -> grpc.Channel:
     """A blocking channel to ``target`` (``host:port`` or a comma-separated replica list) with this
     process's client TLS and token (kvmesh/transport/security.py)."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvmesh/v1/kv_service.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xda\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x30\n\x0ehash_algorithm\x18\x05 \x01(\x0e\x32\x18.kvmesh.v1.HashAlgorithm\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x12\n\nextra_keys\x18\x08 \x01(\t\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\"@\n\x16RegisterWorkerResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\"Y\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"9\n\x11HeartbeatResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12\x0e\n\x06resync\x18\x02 \x01(\x08\"k\n\x0b\x42lockStored\x12\x13\n\x0bparent_hash\x18\x01 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x10\n\x08group_id\x18\x03 \x01(\r\x12\x1f\n\x04tier\x18\x04 \x01(\x0e\x32\x11.kvmesh.v1.KVTier\"W\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x10\n\x08group_id\x18\x02 \x01(\r\x12\x1f\n\x04tier\x18\x03 \x01(\x0e\x32\x11.kvmesh.v1.KVTier\"\x12\n\x10\x41llBlocksCleared\"\x9c\x01\n\x07KVEvent\x12(\n\x06stored\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x02 \x01(\x0b\x32\x17.kvmesh.v1.BlockRemovedH\x00\x12\x32\n\x0b\x61ll_cleared\x18\x03 \x01(\x0b\x32\x1b.kvmesh.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\xb9\x01\n\x14PublishEventsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\"\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x12.kvmesh.v1.KVEvent\x12\x10\n\x08snapshot\x18\x05 \x01(\x08\x12\x17\n\x0fsnapshot_hashes\x18\x06 \x03(\x0c\x12#\n\x04load\x18\x07 \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\"^\n\x15PublishEventsResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x18.kvmesh.v1.PublishAction\x12\x0e\n\x06reason\x18\x03 \x01(\t\"7\n\rLookupRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"\xac\x01\n\x0bWorkerMatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12#\n\x04load\x18\x04 \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12(\n\x07pending\x18\x06 \x01(\x0b\x32\x17.kvmesh.v1.PendingPicks\"Y\n\x0cPendingPicks\x12\x10\n\x08requests\x18\x01 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x02 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x12\x0f\n\x07version\x18\x04 \x01(\x04\"\xb0\x01\n\x0eReserveRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x11\n\trouter_id\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x16\n\x0eprefill_tokens\x18\x05 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x06 \x01(\r\x12\x19\n\x0cseen_version\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\x0f\n\r_seen_version\"L\n\rWorkerPending\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12(\n\x07pending\x18\x02 \x01(\x0b\x32\x17.kvmesh.v1.PendingPicks\"N\n\x0fReserveResponse\x12\x10\n\x08reserved\x18\x01 \x01(\x08\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.kvmesh.v1.WorkerPending\"i\n\x0eLookupResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerMatch\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x1a\n\x12num_blocks_queried\x18\x03 \x01(\r\"\x11\n\x0fGetStatsRequest\"z\n\nModelStats\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x30\n\x0ehash_algorithm\x18\x03 \x01(\x0e\x32\x18.kvmesh.v1.HashAlgorithm\x12\x14\n\x0clive_workers\x18\x04 \x01(\r\"\xda\x01\n\x10GetStatsResponse\x12\x14\n\x0clive_workers\x18\x01 \x01(\r\x12\x16\n\x0eindexed_blocks\x18\x02 \x01(\x04\x12\x16\n\x0e\x62lock_replicas\x18\x03 \x01(\x04\x12\r\n\x05store\x18\x04 \x01(\t\x12%\n\x06models\x18\x05 \x03(\x0b\x32\x15.kvmesh.v1.ModelStats\x12\x15\n\rlookups_total\x18\x06 \x01(\x04\x12\x1c\n\x14\x65vents_applied_total\x18\x07 \x01(\x04\x12\x15\n\rresyncs_total\x18\x08 \x01(\x04\"-\n\x12ListWorkersRequest\x12\x17\n\x0finclude_expired\x18\x01 \x01(\x08\"\xde\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x30\n\x0ehash_algorithm\x18\x05 \x01(\x0e\x32\x18.kvmesh.v1.HashAlgorithm\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x10\n\x08last_seq\x18\x08 \x01(\x04\x12\x16\n\x0e\x62locks_indexed\x18\t \x01(\x04\x12#\n\x04load\x18\n \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\x12\x1a\n\x12lease_remaining_ms\x18\x0b \x01(\x03\x12\x0c\n\x04live\x18\x0c \x01(\x08\x12\x0e\n\x06\x65ngine\x18\r \x01(\t\x12(\n\x07pending\x18\x0e \x01(\x0b\x32\x17.kvmesh.v1.PendingPicks\"=\n\x13ListWorkersResponse\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.WorkerInfo\"%\n\x0fGetBlockRequest\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\"I\n\x10GetBlockResponse\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x0f\n\x07holders\x18\x02 \x03(\t\x12\x10\n\x08refcount\x18\x03 \x01(\r\"N\n\x13LookupTokensRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\t\"\'\n\x12\x46lushWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"-\n\x13\x46lushWorkerResponse\x12\x16\n\x0e\x62locks_removed\x18\x01 \x01(\x04*k\n\rHashAlgorithm\x12\x1e\n\x1aHASH_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1d\n\x19HASH_ALGORITHM_SHA256_128\x10\x01\x12\x1b\n\x17HASH_ALGORITHM_XXH3_128\x10\x02*Y\n\x06KVTier\x12\x17\n\x13KV_TIER_UNSPECIFIED\x10\x00\x12\x12\n\x0eKV_TIER_DEVICE\x10\x01\x12\x10\n\x0cKV_TIER_HOST\x10\x02\x12\x10\n\x0cKV_TIER_DISK\x10\x03*b\n\rPublishAction\x12\x1e\n\x1aPUBLISH_ACTION_UNSPECIFIED\x10\x00\x12\x16\n\x12PUBLISH_ACTION_ACK\x10\x01\x12\x19\n\x15PUBLISH_ACTION_RESYNC\x10\x02\x32\xf4\x05\n\tKVService\x12U\n\x0eRegisterWorker\x12 .kvmesh.v1.RegisterWorkerRequest\x1a!.kvmesh.v1.RegisterWorkerResponse\x12\x46\n\tHeartbeat\x12\x1b.kvmesh.v1.HeartbeatRequest\x1a\x1c.kvmesh.v1.HeartbeatResponse\x12V\n\rPublishEvents\x12\x1f.kvmesh.v1.PublishEventsRequest\x1a .kvmesh.v1.PublishEventsResponse(\x01\x30\x01\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12@\n\x07Reserve\x12\x19.kvmesh.v1.ReserveRequest\x1a\x1a.kvmesh.v1.ReserveResponse\x12\x43\n\x08GetStats\x12\x1a.kvmesh.v1.GetStatsRequest\x1a\x1b.kvmesh.v1.GetStatsResponse\x12L\n\x0bListWorkers\x12\x1d.kvmesh.v1.ListWorkersRequest\x1a\x1e.kvmesh.v1.ListWorkersResponse\x12\x43\n\x08GetBlock\x12\x1a.kvmesh.v1.GetBlockRequest\x1a\x1b.kvmesh.v1.GetBlockResponse\x12I\n\x0cLookupTokens\x12\x1e.kvmesh.v1.LookupTokensRequest\x1a\x19.kvmesh.v1.LookupResponse\x12L\n\x0b\x46lushWorker\x12\x1d.kvmesh.v1.FlushWorkerRequest\x1a\x1e.kvmesh.v1.FlushWorkerResponseBQ\n\rdev.kvmesh.v1P\x01Z2github.com/kvmesh/kvmesh/gen/go/kvmesh/v1;kvmeshv1\xaa\x02\tKvmesh.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvmesh/v1/kv_service.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xda\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x30\n\x0ehash_algorithm\x18\x05 \x01(\x0e\x32\x18.kvmesh.v1.HashAlgorithm\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x12\n\nextra_keys\x18\x08 \x01(\t\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\"@\n\x16RegisterWorkerResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\"Y\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"9\n\x11HeartbeatResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12\x0e\n\x06resync\x18\x02 \x01(\x08\"k\n\x0b\x42lockStored\x12\x13\n\x0bparent_hash\x18\x01 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x10\n\x08group_id\x18\x03 \x01(\r\x12\x1f\n\x04tier\x18\x04 \x01(\x0e\x32\x11.kvmesh.v1.KVTier\"W\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x10\n\x08group_id\x18\x02 \x01(\r\x12\x1f\n\x04tier\x18\x03 \x01(\x0e\x32\x11.kvmesh.v1.KVTier\"\x12\n\x10\x41llBlocksCleared\"\x9c\x01\n\x07KVEvent\x12(\n\x06stored\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x02 \x01(\x0b\x32\x17.kvmesh.v1.BlockRemovedH\x00\x12\x32\n\x0b\x61ll_cleared\x18\x03 \x01(\x0b\x32\x1b.kvmesh.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\xb9\x01\n\x14PublishEventsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\"\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x12.kvmesh.v1.KVEvent\x12\x10\n\x08snapshot\x18\x05 \x01(\x08\x12\x17\n\x0fsnapshot_hashes\x18\x06 \x03(\x0c\x12#\n\x04load\x18\x07 \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\"^\n\x15PublishEventsResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x18.kvmesh.v1.PublishAction\x12\x0e\n\x06reason\x18\x03 \x01(\t\"7\n\rLookupRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"\xc4\x01\n\x0bWorkerMatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12#\n\x04load\x18\x04 \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12(\n\x07pending\x18\x06 \x01(\x0b\x32\x17.kvmesh.v1.PendingPicks\x12\x16\n\x0epending_blocks\x18\x07 \x01(\r\"Y\n\x0cPendingPicks\x12\x10\n\x08requests\x18\x01 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x02 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x12\x0f\n\x07version\x18\x04 \x01(\x04\"\xc1\x01\n\x0eReserveRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x11\n\trouter_id\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x16\n\x0eprefill_tokens\x18\x05 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x06 \x01(\r\x12\x19\n\x0cseen_version\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x0f\n\x07\x61nchors\x18\x08 \x03(\x0c\x42\x0f\n\r_seen_version\"^\n\rWorkerPending\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12(\n\x07pending\x18\x02 \x01(\x0b\x32\x17.kvmesh.v1.PendingPicks\x12\x10\n\x08\x61nchored\x18\x03 \x01(\r\"N\n\x0fReserveResponse\x12\x10\n\x08reserved\x18\x01 \x01(\x08\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.kvmesh.v1.WorkerPending\"i\n\x0eLookupResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerMatch\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x1a\n\x12num_blocks_queried\x18\x03 \x01(\r\"\x11\n\x0fGetStatsRequest\"z\n\nModelStats\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x30\n\x0ehash_algorithm\x18\x03 \x01(\x0e\x32\x18.kvmesh.v1.HashAlgorithm\x12\x14\n\x0clive_workers\x18\x04 \x01(\r\"\xda\x01\n\x10GetStatsResponse\x12\x14\n\x0clive_workers\x18\x01 \x01(\r\x12\x16\n\x0eindexed_blocks\x18\x02 \x01(\x04\x12\x16\n\x0e\x62lock_replicas\x18\x03 \x01(\x04\x12\r\n\x05store\x18\x04 \x01(\t\x12%\n\x06models\x18\x05 \x03(\x0b\x32\x15.kvmesh.v1.ModelStats\x12\x15\n\rlookups_total\x18\x06 \x01(\x04\x12\x1c\n\x14\x65vents_applied_total\x18\x07 \x01(\x04\x12\x15\n\rresyncs_total\x18\x08 \x01(\x04\"-\n\x12ListWorkersRequest\x12\x17\n\x0finclude_expired\x18\x01 \x01(\x08\"\xde\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x30\n\x0ehash_algorithm\x18\x05 \x01(\x0e\x32\x18.kvmesh.v1.HashAlgorithm\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x10\n\x08last_seq\x18\x08 \x01(\x04\x12\x16\n\x0e\x62locks_indexed\x18\t \x01(\x04\x12#\n\x04load\x18\n \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\x12\x1a\n\x12lease_remaining_ms\x18\x0b \x01(\x03\x12\x0c\n\x04live\x18\x0c \x01(\x08\x12\x0e\n\x06\x65ngine\x18\r \x01(\t\x12(\n\x07pending\x18\x0e \x01(\x0b\x32\x17.kvmesh.v1.PendingPicks\"=\n\x13ListWorkersResponse\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.WorkerInfo\"%\n\x0fGetBlockRequest\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\"I\n\x10GetBlockResponse\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x0f\n\x07holders\x18\x02 \x03(\t\x12\x10\n\x08refcount\x18\x03 \x01(\r\"N\n\x13LookupTokensRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\t\"\'\n\x12\x46lushWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"-\n\x13\x46lushWorkerResponse\x12\x16\n\x0e\x62locks_removed\x18\x01 \x01(\x04\"\xcc\x01\n\x0bWorkerAudit\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x18\n\x10predicted_blocks\x18\x03 \x01(\x04\x12\x15\n\rcached_blocks\x18\x04 \x01(\x04\x12\x16\n\x0epredicted_hits\x18\x05 \x01(\x04\x12\x13\n\x0b\x63\x61\x63hed_hits\x18\x06 \x01(\x04\x12\x15\n\rsilent_misses\x18\x07 \x01(\x04\x12\x13\n\x0bunseen_hits\x18\x08 \x01(\x04\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\"P\n\x12ReportAuditRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\'\n\x07workers\x18\x02 \x03(\x0b\x32\x16.kvmesh.v1.WorkerAudit\"\x15\n\x13ReportAuditResponse\"\x11\n\x0fGetAuditRequest\";\n\x10GetAuditResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerAudit*k\n\rHashAlgorithm\x12\x1e\n\x1aHASH_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1d\n\x19HASH_ALGORITHM_SHA256_128\x10\x01\x12\x1b\n\x17HASH_ALGORITHM_XXH3_128\x10\x02*Y\n\x06KVTier\x12\x17\n\x13KV_TIER_UNSPECIFIED\x10\x00\x12\x12\n\x0eKV_TIER_DEVICE\x10\x01\x12\x10\n\x0cKV_TIER_HOST\x10\x02\x12\x10\n\x0cKV_TIER_DISK\x10\x03*b\n\rPublishAction\x12\x1e\n\x1aPUBLISH_ACTION_UNSPECIFIED\x10\x00\x12\x16\n\x12PUBLISH_ACTION_ACK\x10\x01\x12\x19\n\x15PUBLISH_ACTION_RESYNC\x10\x02\x32\x87\x07\n\tKVService\x12U\n\x0eRegisterWorker\x12 .kvmesh.v1.RegisterWorkerRequest\x1a!.kvmesh.v1.RegisterWorkerResponse\x12\x46\n\tHeartbeat\x12\x1b.kvmesh.v1.HeartbeatRequest\x1a\x1c.kvmesh.v1.HeartbeatResponse\x12V\n\rPublishEvents\x12\x1f.kvmesh.v1.PublishEventsRequest\x1a .kvmesh.v1.PublishEventsResponse(\x01\x30\x01\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12@\n\x07Reserve\x12\x19.kvmesh.v1.ReserveRequest\x1a\x1a.kvmesh.v1.ReserveResponse\x12L\n\x0bReportAudit\x12\x1d.kvmesh.v1.ReportAuditRequest\x1a\x1e.kvmesh.v1.ReportAuditResponse\x12\x43\n\x08GetAudit\x12\x1a.kvmesh.v1.GetAuditRequest\x1a\x1b.kvmesh.v1.GetAuditResponse\x12\x43\n\x08GetStats\x12\x1a.kvmesh.v1.GetStatsRequest\x1a\x1b.kvmesh.v1.GetStatsResponse\x12L\n\x0bListWorkers\x12\x1d.kvmesh.v1.ListWorkersRequest\x1a\x1e.kvmesh.v1.ListWorkersResponse\x12\x43\n\x08GetBlock\x12\x1a.kvmesh.v1.GetBlockRequest\x1a\x1b.kvmesh.v1.GetBlockResponse\x12I\n\x0cLookupTokens\x12\x1e.kvmesh.v1.LookupTokensRequest\x1a\x19.kvmesh.v1.LookupResponse\x12L\n\x0b\x46lushWorker\x12\x1d.kvmesh.v1.FlushWorkerRequest\x1a\x1e.kvmesh.v1.FlushWorkerResponseBQ\n\rdev.kvmesh.v1P\x01Z2github.com/kvmesh/kvmesh/gen/go/kvmesh/v1;kvmeshv1\xaa\x02\tKvmesh.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.kv_service_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rdev.kvmesh.v1P\001Z2github.com/kvmesh/kvmesh/gen/go/kvmesh/v1;kvmeshv1\252\002\tKvmesh.V1'
-  _globals['_HASHALGORITHM']._serialized_start=3039
-  _globals['_HASHALGORITHM']._serialized_end=3146
-  _globals['_KVTIER']._serialized_start=3148
-  _globals['_KVTIER']._serialized_end=3237
-  _globals['_PUBLISHACTION']._serialized_start=3239
-  _globals['_PUBLISHACTION']._serialized_end=3337
+  _globals['_HASHALGORITHM']._serialized_start=3490
+  _globals['_HASHALGORITHM']._serialized_end=3597
+  _globals['_KVTIER']._serialized_start=3599
+  _globals['_KVTIER']._serialized_end=3688
+  _globals['_PUBLISHACTION']._serialized_start=3690
+  _globals['_PUBLISHACTION']._serialized_end=3788
   _globals['_REGISTERWORKERREQUEST']._serialized_start=66
   _globals['_REGISTERWORKERREQUEST']._serialized_end=284
   _globals['_REGISTERWORKERRESPONSE']._serialized_start=286
@@ -62,39 +62,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPREQUEST']._serialized_start=1163
   _globals['_LOOKUPREQUEST']._serialized_end=1218
   _globals['_WORKERMATCH']._serialized_start=1221
-  _globals['_WORKERMATCH']._serialized_end=1393
-  _globals['_PENDINGPICKS']._serialized_start=1395
-  _globals['_PENDINGPICKS']._serialized_end=1484
-  _globals['_RESERVEREQUEST']._serialized_start=1487
-  _globals['_RESERVEREQUEST']._serialized_end=1663
-  _globals['_WORKERPENDING']._serialized_start=1665
-  _globals['_WORKERPENDING']._serialized_end=1741
-  _globals['_RESERVERESPONSE']._serialized_start=1743
-  _globals['_RESERVERESPONSE']._serialized_end=1821
-  _globals['_LOOKUPRESPONSE']._serialized_start=1823
-  _globals['_LOOKUPRESPONSE']._serialized_end=1928
-  _globals['_GETSTATSREQUEST']._serialized_start=1930
-  _globals['_GETSTATSREQUEST']._serialized_end=1947
-  _globals['_MODELSTATS']._serialized_start=1949
-  _globals['_MODELSTATS']._serialized_end=2071
-  _globals['_GETSTATSRESPONSE']._serialized_start=2074
-  _globals['_GETSTATSRESPONSE']._serialized_end=2292
-  _globals['_LISTWORKERSREQUEST']._serialized_start=2294
-  _globals['_LISTWORKERSREQUEST']._serialized_end=2339
-  _globals['_WORKERINFO']._serialized_start=2342
-  _globals['_WORKERINFO']._serialized_end=2692
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=2694
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=2755
-  _globals['_GETBLOCKREQUEST']._serialized_start=2757
-  _globals['_GETBLOCKREQUEST']._serialized_end=2794
-  _globals['_GETBLOCKRESPONSE']._serialized_start=2796
-  _globals['_GETBLOCKRESPONSE']._serialized_end=2869
-  _globals['_LOOKUPTOKENSREQUEST']._serialized_start=2871
-  _globals['_LOOKUPTOKENSREQUEST']._serialized_end=2949
-  _globals['_FLUSHWORKERREQUEST']._serialized_start=2951
-  _globals['_FLUSHWORKERREQUEST']._serialized_end=2990
-  _globals['_FLUSHWORKERRESPONSE']._serialized_start=2992
-  _globals['_FLUSHWORKERRESPONSE']._serialized_end=3037
-  _globals['_KVSERVICE']._serialized_start=3340
-  _globals['_KVSERVICE']._serialized_end=4096
+  _globals['_WORKERMATCH']._serialized_end=1417
+  _globals['_PENDINGPICKS']._serialized_start=1419
+  _globals['_PENDINGPICKS']._serialized_end=1508
+  _globals['_RESERVEREQUEST']._serialized_start=1511
+  _globals['_RESERVEREQUEST']._serialized_end=1704
+  _globals['_WORKERPENDING']._serialized_start=1706
+  _globals['_WORKERPENDING']._serialized_end=1800
+  _globals['_RESERVERESPONSE']._serialized_start=1802
+  _globals['_RESERVERESPONSE']._serialized_end=1880
+  _globals['_LOOKUPRESPONSE']._serialized_start=1882
+  _globals['_LOOKUPRESPONSE']._serialized_end=1987
+  _globals['_GETSTATSREQUEST']._serialized_start=1989
+  _globals['_GETSTATSREQUEST']._serialized_end=2006
+  _globals['_MODELSTATS']._serialized_start=2008
+  _globals['_MODELSTATS']._serialized_end=2130
+  _globals['_GETSTATSRESPONSE']._serialized_start=2133
+  _globals['_GETSTATSRESPONSE']._serialized_end=2351
+  _globals['_LISTWORKERSREQUEST']._serialized_start=2353
+  _globals['_LISTWORKERSREQUEST']._serialized_end=2398
+  _globals['_WORKERINFO']._serialized_start=2401
+  _globals['_WORKERINFO']._serialized_end=2751
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=2753
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=2814
+  _globals['_GETBLOCKREQUEST']._serialized_start=2816
+  _globals['_GETBLOCKREQUEST']._serialized_end=2853
+  _globals['_GETBLOCKRESPONSE']._serialized_start=2855
+  _globals['_GETBLOCKRESPONSE']._serialized_end=2928
+  _globals['_LOOKUPTOKENSREQUEST']._serialized_start=2930
+  _globals['_LOOKUPTOKENSREQUEST']._serialized_end=3008
+  _globals['_FLUSHWORKERREQUEST']._serialized_start=3010
+  _globals['_FLUSHWORKERREQUEST']._serialized_end=3049
+  _globals['_FLUSHWORKERRESPONSE']._serialized_start=3051
+  _globals['_FLUSHWORKERRESPONSE']._serialized_end=3096
+  _globals['_WORKERAUDIT']._serialized_start=3099
+  _globals['_WORKERAUDIT']._serialized_end=3303
+  _globals['_REPORTAUDITREQUEST']._serialized_start=3305
+  _globals['_REPORTAUDITREQUEST']._serialized_end=3385
+  _globals['_REPORTAUDITRESPONSE']._serialized_start=3387
+  _globals['_REPORTAUDITRESPONSE']._serialized_end=3408
+  _globals['_GETAUDITREQUEST']._serialized_start=3410
+  _globals['_GETAUDITREQUEST']._serialized_end=3427
+  _globals['_GETAUDITRESPONSE']._serialized_start=3429
+  _globals['_GETAUDITRESPONSE']._serialized_end=3488
+  _globals['_KVSERVICE']._serialized_start=3791
+  _globals['_KVSERVICE']._serialized_end=4694
 # @@protoc_insertion_point(module_scope)

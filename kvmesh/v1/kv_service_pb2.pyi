@@ -158,20 +158,22 @@ class LookupRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerMatch(_message.Message):
-    __slots__ = ("worker_id", "address", "matched_blocks", "load", "block_size", "pending")
+    __slots__ = ("worker_id", "address", "matched_blocks", "load", "block_size", "pending", "pending_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
+    PENDING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     matched_blocks: int
     load: _common_pb2.WorkerLoad
     block_size: int
     pending: PendingPicks
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., block_size: _Optional[int] = ..., pending: _Optional[_Union[PendingPicks, _Mapping]] = ...) -> None: ...
+    pending_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., block_size: _Optional[int] = ..., pending: _Optional[_Union[PendingPicks, _Mapping]] = ..., pending_blocks: _Optional[int] = ...) -> None: ...
 
 class PendingPicks(_message.Message):
     __slots__ = ("requests", "prefill_tokens", "blocks", "version")
@@ -186,7 +188,7 @@ class PendingPicks(_message.Message):
     def __init__(self, requests: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("model_id", "worker_id", "router_id", "request_id", "prefill_tokens", "blocks", "seen_version")
+    __slots__ = ("model_id", "worker_id", "router_id", "request_id", "prefill_tokens", "blocks", "seen_version", "anchors")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +196,7 @@ class ReserveRequest(_message.Message):
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SEEN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ANCHORS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     worker_id: str
     router_id: str
@@ -201,15 +204,18 @@ class ReserveRequest(_message.Message):
     prefill_tokens: int
     blocks: int
     seen_version: int
-    def __init__(self, model_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., router_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., seen_version: _Optional[int] = ...) -> None: ...
+    anchors: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, model_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., router_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., seen_version: _Optional[int] = ..., anchors: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerPending(_message.Message):
-    __slots__ = ("worker_id", "pending")
+    __slots__ = ("worker_id", "pending", "anchored")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
+    ANCHORED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pending: PendingPicks
-    def __init__(self, worker_id: _Optional[str] = ..., pending: _Optional[_Union[PendingPicks, _Mapping]] = ...) -> None: ...
+    anchored: int
+    def __init__(self, worker_id: _Optional[str] = ..., pending: _Optional[_Union[PendingPicks, _Mapping]] = ..., anchored: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reserved", "workers")
@@ -346,3 +352,47 @@ class FlushWorkerResponse(_message.Message):
     BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     blocks_removed: int
     def __init__(self, blocks_removed: _Optional[int] = ...) -> None: ...
+
+class WorkerAudit(_message.Message):
+    __slots__ = ("worker_id", "requests", "predicted_blocks", "cached_blocks", "predicted_hits", "cached_hits", "silent_misses", "unseen_hits", "engine")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_HITS_FIELD_NUMBER: _ClassVar[int]
+    SILENT_MISSES_FIELD_NUMBER: _ClassVar[int]
+    UNSEEN_HITS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    requests: int
+    predicted_blocks: int
+    cached_blocks: int
+    predicted_hits: int
+    cached_hits: int
+    silent_misses: int
+    unseen_hits: int
+    engine: str
+    def __init__(self, worker_id: _Optional[str] = ..., requests: _Optional[int] = ..., predicted_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., predicted_hits: _Optional[int] = ..., cached_hits: _Optional[int] = ..., silent_misses: _Optional[int] = ..., unseen_hits: _Optional[int] = ..., engine: _Optional[str] = ...) -> None: ...
+
+class ReportAuditRequest(_message.Message):
+    __slots__ = ("router_id", "workers")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerAudit]
+    def __init__(self, router_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerAudit, _Mapping]]] = ...) -> None: ...
+
+class ReportAuditResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetAuditRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetAuditResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerAudit]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerAudit, _Mapping]]] = ...) -> None: ...

@@ -61,6 +61,16 @@ class KVServiceStub:
                 request_serializer=kvmesh_dot_v1_dot_kv__service__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_kv__service__pb2.ReserveResponse.FromString,
                 _registered_method=True)
+        self.ReportAudit = channel.unary_unary(
+                '/kvmesh.v1.KVService/ReportAudit',
+                request_serializer=kvmesh_dot_v1_dot_kv__service__pb2.ReportAuditRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kv__service__pb2.ReportAuditResponse.FromString,
+                _registered_method=True)
+        self.GetAudit = channel.unary_unary(
+                '/kvmesh.v1.KVService/GetAudit',
+                request_serializer=kvmesh_dot_v1_dot_kv__service__pb2.GetAuditRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kv__service__pb2.GetAuditResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/kvmesh.v1.KVService/GetStats',
                 request_serializer=kvmesh_dot_v1_dot_kv__service__pb2.GetStatsRequest.SerializeToString,
@@ -132,9 +142,25 @@ class KVServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetStats(self, request, context):
-        """Admin.
+    def ReportAudit(self, request, context):
+        """A router's miss audit since its last report, per worker: what the index predicted each request
+        would find cached there and what the engine reported (docs/router.md, "Miss audit"). Added up
+        per worker in this kv_service replica; GetAudit reads the sums.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetAudit(self, request, context):
+        """Admin.
+        The routers' miss audits as reported to this replica, summed per worker, with its engine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -194,6 +220,16 @@ def add_KVServiceServicer_to_server(servicer, server):
                     servicer.Reserve,
                     request_deserializer=kvmesh_dot_v1_dot_kv__service__pb2.ReserveRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_kv__service__pb2.ReserveResponse.SerializeToString,
+            ),
+            'ReportAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportAudit,
+                    request_deserializer=kvmesh_dot_v1_dot_kv__service__pb2.ReportAuditRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kv__service__pb2.ReportAuditResponse.SerializeToString,
+            ),
+            'GetAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAudit,
+                    request_deserializer=kvmesh_dot_v1_dot_kv__service__pb2.GetAuditRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kv__service__pb2.GetAuditResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -358,6 +394,60 @@ class KVService:
             '/kvmesh.v1.KVService/Reserve',
             kvmesh_dot_v1_dot_kv__service__pb2.ReserveRequest.SerializeToString,
             kvmesh_dot_v1_dot_kv__service__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KVService/ReportAudit',
+            kvmesh_dot_v1_dot_kv__service__pb2.ReportAuditRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kv__service__pb2.ReportAuditResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KVService/GetAudit',
+            kvmesh_dot_v1_dot_kv__service__pb2.GetAuditRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kv__service__pb2.GetAuditResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -63,6 +63,8 @@ from kvmesh.transport.http_guard import ReadGuard
 log = logging.getLogger("kvmesh.router.http")
 
 MAX_REQUEST_ID_CHARS = 128
+BODY_READ = "kvmesh.body_read"
+"""ASGI scope key: the request's body was read to its end (an answer after it keeps the connection alive)."""
 
 
 def usage_json(u: Usage | None) -> dict[str, Any]:
@@ -225,7 +227,15 @@ class OpenAIApi:
 
     async def _post(self, request: Request, chat: bool) -> Response:
         """Authenticate (headers only), check the declared size and type, read the body within its bounds,
-        then generate. Nothing reads the body before the token is checked."""
+        then generate. Nothing reads the body before the token is checked. An answer given before the body
+        was read whole says ``connection: close``: kvmesh/transport/http_guard.py then reads and drops the
+        rest (a lingering close), so a client that sends its whole body first reads the answer."""
+        response = await self._answer(request, chat)
+        if not request.scope.get(BODY_READ):
+            response.headers["connection"] = "close"
+        return response
+
+    async def _answer(self, request: Request, chat: bool) -> Response:
         try:
             self._authorize(request)
             length = request.headers.get("content-length")
@@ -240,18 +250,16 @@ class OpenAIApi:
                     status_code=415)
             try:
                 raw = await read_json_body(request.stream(), self.bounds())
+                request.scope[BODY_READ] = True
                 body = (ChatCompletionRequest if chat else CompletionRequest).model_validate(raw)
             except pydantic.ValidationError as exc:
                 raise _validation_error(exc) from None
             return await self._generate(request, body, chat)
         except BodyTooLarge as exc:
-            # NOTE: the rest of an oversized body is not worth reading: the connection closes after the 413.
-            return JSONResponse(http.error_body(413, str(exc)), status_code=413, headers={"connection": "close"})
+            return JSONResponse(http.error_body(413, str(exc)), status_code=413)
         except ClientDisconnect:
             return Response(status_code=400)  # NOTE: nobody is listening: uvicorn drops it
         except (KVMeshError, ValueError) as exc:
-            # NOTE: an early refusal leaves the rest of the body unread; uvicorn drains it (within
-            # --http-body-timeout) so the client reads this answer instead of a reset.
             return error_response(exc, chat)
 
     async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest,
@@ -373,7 +381,8 @@ class HttpServer:
             kwargs = dict(ssl_certfile=tls.cert, ssl_keyfile=tls.key, ssl_ca_certs=tls.ca,
                           ssl_cert_reqs=ssl.CERT_REQUIRED if tls.ca else ssl.CERT_NONE)
         self.tls = tls.enabled
-        self.guard = ReadGuard(config.http_header_timeout_s, config.http_body_timeout_s, config.http_max_unfinished)
+        self.guard = ReadGuard(config.http_header_timeout_s, config.http_body_timeout_s, config.http_max_unfinished,
+                               config.http_linger_bytes, config.http_linger_time_s)
         uv = uvicorn.Config(self.api.app, http=self.guard.protocol(), lifespan="off", log_config=None,
                             access_log=False, server_header=False, timeout_keep_alive=config.http_keep_alive_s,
                             **kwargs)

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.types import SamplingParams
 from kvmesh.router.model_router import ChatInput, GenerateInput
-from kvmesh.router.text.prompt import check_token_id_range
+from kvmesh.router.text.prompt import check_prompt_ids
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 """OpenAI's default: an HTTP request that sets no temperature samples (gRPC's default is greedy)."""
@@ -215,7 +215,7 @@ class CompletionRequest(_Sampling):
             prompt = prompt[0]
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
         if ids is not None:
-            check_token_id_range(ids, "prompt")
+            check_prompt_ids(ids, "prompt")
         return GenerateInput(
             text=text, token_ids=ids, sampling=self._sampling(self.max_tokens), cache_salt=self.cache_salt or "",
             request_id=request_id, stop=self._stops(), include_stop_str_in_output=self.include_stop_str_in_output)

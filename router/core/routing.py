@@ -16,7 +16,8 @@ that routes in production. Everything here is decision logic:
   pick becomes a :class:`Reservation` the caller makes in the kv_service before forwarding; a
   refused one (another router reserved the worker since this router's Lookup) updates the
   candidates' pending picks and the policy picks again, ``claim_attempts`` times at most, the last
-  one unconditional. :class:`Claims` is that loop without its I/O: the live router awaits each
+  one unconditional. A pick made without the Lookup because it came back late (the index answered
+  other calls meanwhile: slow, not down) is reserved unconditionally. :class:`Claims` is that loop without its I/O: the live router awaits each
   Reserve (router/model_router.py), the simulator schedules it on its clock (kvmesh/sim/router.py).
 
 No grpc, no redis, no threads, no wall clock: time is the injected ``clock`` (monotonic seconds),
@@ -38,7 +39,14 @@ from typing import Protocol
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import InvalidArgument
-from kvmesh.contract.index_protocol import IndexUnavailable, Reservation, ReservationAnswer, WorkerMatch
+from kvmesh.contract.index_protocol import (
+    IndexUnavailable,
+    Reservation,
+    ReservationAnswer,
+    WorkerMatch,
+    anchor_positions,
+    anchors_of,
+)
 from kvmesh.contract.limits import MAX_CHAIN_BLOCKS
 from kvmesh.contract.types import ModelSpec, Pending
 from kvmesh.router.core.inflight import InFlight, Ticket
@@ -80,24 +88,37 @@ class CountingObserver:
 
 
 class IndexBreaker:
-    """After a failed Lookup, the index is skipped for ``retry_s``.
+    """After a failed Lookup, the index is skipped for ``retry_s`` — unless it answered another call
+    while the failed one waited: then it is late, not down.
 
     NOTE: without it a blackholed kv_service would add the full Lookup deadline to every request;
     with it, one request per ``retry_s`` pays the deadline while the others route by rendezvous.
+    A kv_service that is only slow (a burst on a busy host: the router's own loop and the
+    kv_service's queue both count against the deadline) keeps answering the other calls; opening
+    the breaker on it switched the index off for every request of the next second, and three
+    routers then piled a burst onto the prefix's holder (issue 35).
     """
 
     def __init__(self, retry_s: float, clock: Callable[[], float]) -> None:
         self.retry_s = retry_s
         self._clock = clock
         self._down_until = 0.0
+        self._answered_at = float("-inf")
 
     def open(self) -> bool:
         return self._clock() < self._down_until
 
-    def failed(self) -> None:
+    def failed(self, sent_at: float | None = None) -> bool:
+        """A call sent at ``sent_at`` got no answer. Opens the breaker and answers True unless the
+        index answered another call since ``sent_at`` (None: opens it)."""
+        if sent_at is not None and self._answered_at > sent_at:
+            return False
         self._down_until = self._clock() + self.retry_s
+        return True
 
-    def succeeded(self) -> None:
+    def answered(self) -> None:
+        """A Lookup or a Reserve was answered."""
+        self._answered_at = self._clock()
         self._down_until = 0.0
 
 
@@ -128,11 +149,17 @@ class RoutePlan:
     model_id: str = ""
     versions: dict[str, int] | None = None
     """Per worker, its reservation count in the Lookup answer; None = no claims for this plan (the
-    policy does not read the shared view, it is off, or the index did not answer)."""
+    policy does not read the shared view, it is off, or the index is down)."""
+    conditional: bool = True
+    """Claims are conditional on ``versions`` (False: the Lookup was late, the pick blind: reserved
+    unconditionally, so the other routers still see it)."""
     ticket: Ticket | None = None
     """The request's in-flight share on the worker it goes to (:meth:`RoutingCore.start`)."""
     claimed_at: float = 0.0
     """When its last claim was sent (the refusal's answer may miss this router's picks claimed since)."""
+    answered: bool = False
+    """The index answered this plan's Lookup: its candidates' ``indexed_blocks`` are the index's word (the
+    miss audit's prediction, router/core/audit.py)."""
 
     def candidate(self, worker_id: str) -> Candidate:
         return next(c for c in self.candidates if c.worker_id == worker_id)
@@ -197,25 +224,31 @@ class RoutingCore:
         return True
 
     def lookup_succeeded(self, seconds: float) -> None:
-        self.breaker.succeeded()
+        self.breaker.answered()
         self.observer.lookup_latency(seconds)
 
-    def lookup_failed(self, exc: IndexUnavailable) -> None:
-        """A Lookup did not answer. Only ``lookup_failed`` (down, too slow) opens the breaker: a
-        Lookup the index refused as malformed (``lookup_invalid``) is that request's problem, and
-        every other client keeps the index."""
-        self.observer.fallback(exc.cause)
+    def lookup_failed(self, exc: IndexUnavailable, asked_at: float | None = None) -> bool:
+        """A Lookup (asked at ``asked_at``) did not answer; True when it was only late: the index
+        answered another call meanwhile (counted ``lookup_late``; the breaker stays closed). Only
+        ``lookup_failed`` (down, too slow) can open the breaker: a Lookup the index refused as
+        malformed (``lookup_invalid``) is that request's problem, and every other client keeps the index."""
         if exc.cause == "lookup_failed":
-            self.breaker.failed()
+            if not self.breaker.failed(asked_at):
+                self.observer.fallback("lookup_late")
+                log.debug("kv_service lookup late (it answers other calls), routing this request without it: %s",
+                          exc)
+                return True
             log.warning("kv_service lookup failed, routing by rendezvous hash: %s", exc)
         elif exc.cause == "lookup_invalid":
             log.warning("kv_service refused a Lookup, routing this request without it: %s", exc)
+        self.observer.fallback(exc.cause)
+        return False
 
     # -- 3. the candidates ----------------------------------------------------------------------
     def build(self, spec: ModelSpec, token_ids: Sequence[int], chain: list[bytes],
               endpoints: Iterable[WorkerEndpoint], answer: Sequence[WorkerMatch] | None, index_ok: bool, *,
               adopt: bool, healthy: Callable[[str], bool] = lambda _w: True, max_tokens: int = 0,
-              asked_at: float | None = None) -> RoutePlan:
+              asked_at: float | None = None, claim_blind: bool = False) -> RoutePlan:
         """The candidates of one request.
 
         Args:
@@ -226,6 +259,8 @@ class RoutingCore:
             healthy: whether a worker is free of a recent failure mark.
             max_tokens: the request's max_tokens, for policies that cost its decode.
             asked_at: when the Lookup was asked (the shared view adds this router's picks claimed since).
+            claim_blind: the Lookup was late but the index answers: the pick made without it is still
+                reserved (unconditionally), so the other routers see it.
         """
         eps = {e.worker_id: e for e in endpoints}
         matched: dict[str, int] = {}
@@ -245,6 +280,11 @@ class RoutingCore:
                 matched[m.worker_id] = indexed[m.worker_id] = m.matched_blocks
                 if shared:
                     pending[m.worker_id] = m
+                    # NOTE: the prefix another router's reserved pick will hold there: its speculative
+                    # map, shared (kv_service/pending_prefixes.py); without it three routers piled a
+                    # burst onto the prefix's holder where one router spread it (issue 35).
+                    if m.pending_blocks > m.matched_blocks:
+                        matched[m.worker_id] = m.pending_blocks
         if self.wants_index(chain):
             for worker_id, n in self.speculative.matches(chain).items():
                 if worker_id in eps and n > matched.get(worker_id, 0):
@@ -260,9 +300,11 @@ class RoutingCore:
             candidates.append(c)
         usable = [c for c in candidates if healthy(c.worker_id)]
         # NOTE: unhealthy marks are hints: when every worker carries one, try them all anyway.
+        versions = ({w: m.pending.version for w, m in pending.items()} if shared
+                    else {} if self.shared_view and claim_blind and self.wants_index(chain) else None)
         return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok, max_tokens),
-                         usable or candidates, eps, spec.model_id,
-                         {w: m.pending.version for w, m in pending.items()} if shared else None)
+                         usable or candidates, eps, spec.model_id, versions, conditional=shared,
+                         answered=answer is not None)
 
     def prepare(self, spec: ModelSpec, token_ids: Sequence[int], have_index: bool, *, cache_salt: str = "",
               chain: list[bytes] | None = None, max_tokens: int = 0) -> PendingPlan:
@@ -292,15 +334,17 @@ class RoutingCore:
         None when none was asked) taken in, the candidates built."""
         answer: Sequence[WorkerMatch] | None = None
         index_ok = pending.index_ok
+        late = False
         if pending.lookup is not None:
             if isinstance(outcome, IndexUnavailable):
-                self.lookup_failed(outcome)
+                late = self.lookup_failed(outcome, pending.asked_at)
                 index_ok = False
             else:
                 self.lookup_succeeded(seconds)
                 answer = outcome
         return self.build(pending.spec, pending.token_ids, pending.chain, endpoints, answer, index_ok, adopt=adopt,
-                          healthy=healthy, max_tokens=pending.max_tokens, asked_at=pending.asked_at)
+                          healthy=healthy, max_tokens=pending.max_tokens, asked_at=pending.asked_at,
+                          claim_blind=late)
 
     def plan(self, spec: ModelSpec, token_ids: Sequence[int], endpoints: Iterable[WorkerEndpoint],
              index: PrefixIndex | None, *, cache_salt: str = "", adopt: bool = True,
@@ -350,10 +394,11 @@ class RoutingCore:
         plan.claimed_at = self.clock()
         q = plan.query
         c = plan.candidate(decision.worker_id)
-        seen = plan.versions.get(decision.worker_id, 0) if tries < self.claim_attempts - 1 else None
+        seen = (plan.versions.get(decision.worker_id, 0)
+                if plan.conditional and tries < self.claim_attempts - 1 else None)
         blocks = -(-q.prompt_len // q.block_size) if q.block_size else 0
         return Reservation(plan.model_id, decision.worker_id, self.router_id, request_id, uncached_tokens(c, q), blocks,
-                           seen)
+                           seen, anchors_of(q.block_hashes[:MAX_CHAIN_BLOCKS]))
 
     def _with_own(self, p: Pending, worker_id: str, since: float) -> Pending:
         """The kv_service's pending picks of a worker plus this router's own that it may not hold yet
@@ -364,6 +409,7 @@ class RoutingCore:
     def claimed(self, plan: RoutePlan, answer: ReservationAnswer) -> Decision | None:
         """The kv_service's answer to a claim: None when reserved (forward the pick), else the
         policy's new pick with every candidate's pending picks as they are now (claim it next)."""
+        self.breaker.answered()
         if answer.reserved:
             self.claim_settled(plan)
             return None
@@ -371,11 +417,15 @@ class RoutingCore:
         if plan.ticket is not None:
             self.finish(plan.ticket)  # NOTE: the pick moves: its own share must not weigh on the re-pick
             self.speculative.forget(plan.query.block_hashes, plan.ticket.worker_id)
+        positions = anchor_positions(min(len(plan.query.block_hashes), MAX_CHAIN_BLOCKS)) if answer.anchored else ()
         for c in plan.candidates:
             p = answer.pending.get(c.worker_id)
             if p is not None:
                 c.pending = self._with_own(p, c.worker_id, plan.claimed_at)
                 plan.versions[c.worker_id] = p.version
+            n = answer.anchored.get(c.worker_id, 0)
+            if 0 < n <= len(positions) and positions[n - 1] + 1 > c.matched_blocks:
+                c.matched_blocks = positions[n - 1] + 1  # another router's copy of the prefix
         # NOTE: the first pick's speculative record stays (its TTL ends it): removing one record's
         # entries would also remove those of every same-instant record of that worker.
         return self.pick(plan, count=False)

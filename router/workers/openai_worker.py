@@ -8,10 +8,11 @@ usage chunk the prompt's cached tokens (vLLM needs ``--enable-prompt-tokens-deta
 without it they read 0). Closing the response is the abort: the engine drops a request whose client
 went away.
 
-HTTP answers map to the request path's failure kinds (router/core/upstream.py): 400/422 = the request is
-bad (not retried); 429 = busy and 503 = unavailable (retried elsewhere before the first token);
-connection errors = unavailable; the deadline = timeout; any other status, an error event in the
-stream or a stream that ends without a finish reason = other.
+HTTP answers map to the request path's failure kinds (router/core/upstream.py): 400/413/422 = the request is
+bad (not retried), and so is an error event in the stream about the request (its code 400/413/422, or
+a bad-request type: vLLM reports an out-of-vocabulary token id that way); 429 = busy and 503 =
+unavailable (retried elsewhere before the first token); connection errors = unavailable; the
+deadline = timeout; any other status or error event, or a stream that ends without a finish reason = other.
 
 This module imports neither grpc nor redis.
 """
@@ -75,6 +76,24 @@ def _error_text(raw: bytes) -> str:
         return str(msg)[:300]
     except ValueError:
         return raw[:300].decode("utf-8", "replace")
+
+
+_INVALID_TYPES = frozenset({"BadRequestError", "BadRequest", "invalid_request_error", "ValidationError",
+                            "VLLMValidationError", "NotFoundError"})
+
+
+def _event_failure(error: Any) -> Failure:
+    """What an error event in the stream means: its ``code`` read as an HTTP status (400 / 413 / 422 =
+    INVALID: about the request, never retried; 429, 503 ... as the statuses), else a bad-request
+    ``type`` = INVALID (vLLM's "Token id N is out of vocabulary"), else OTHER."""
+    if not isinstance(error, dict):
+        return Failure.OTHER
+    code = error.get("code")
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    if isinstance(code, int) and code in _STATUS_FAILURE:
+        return _STATUS_FAILURE[code]
+    return Failure.INVALID if error.get("type") in _INVALID_TYPES else Failure.OTHER
 
 
 class OpenAIWorkerCall:
@@ -141,7 +160,7 @@ class OpenAIWorkerCall:
                 raise WorkerError(Failure.OTHER, "a stream event that is not JSON") from None
             if "error" in msg:
                 text = _error_text(data)
-                raise WorkerError(Failure.OTHER, f"error event: {text}", text)
+                raise WorkerError(_event_failure(msg["error"]), f"error event: {text}", text)
             usage = msg.get("usage")
             for choice in msg.get("choices") or ():
                 ids = choice.get("token_ids") or []

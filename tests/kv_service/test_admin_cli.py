@@ -166,3 +166,39 @@ def test_kv_service_refuses_to_start_without_redis():
                           f"redis://127.0.0.1:{free_port()}/0", "--metrics-port", "0"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "cannot reach Redis" in out.stderr and "--store memory" in out.stderr
+
+
+def test_admin_audit_sums_the_routers_reports_over_every_replica(kv_process, redis_url, redis_namespace):
+    """Each replica keeps the miss-audit reports that reached it; `admin audit` asks every address of the
+    list and adds them up, with each worker's engine from its registration."""
+    from kvmesh.kv_service.server import KVServiceServer
+    from kvmesh.kv_service.store_redis import RedisIndex
+
+    _, address, _ = kv_process
+    other = KVServiceServer(RedisIndex(redis_url, redis_namespace), "127.0.0.1", free_port()).start()
+    try:
+        stub = pb_grpc.KVServiceStub(dial(address))
+        stub.RegisterWorker(pb.RegisterWorkerRequest(
+            worker_id="b1", address="http://10.0.0.2:8000", model_id="tiny", block_size=16,
+            hash_algorithm=pb.HASH_ALGORITHM_SHA256_128, num_blocks=64, epoch=3, engine="vllm"), timeout=5)
+        stub.ReportAudit(pb.ReportAuditRequest(router_id="ra", workers=[
+            pb.WorkerAudit(worker_id="b1", requests=10, predicted_blocks=40, cached_blocks=8, predicted_hits=10,
+                           cached_hits=2, silent_misses=8)]), timeout=5)
+        pb_grpc.KVServiceStub(dial(f"127.0.0.1:{other.port}")).ReportAudit(pb.ReportAuditRequest(
+            router_id="rb", workers=[pb.WorkerAudit(worker_id="b1", requests=10, predicted_blocks=40, cached_blocks=40,
+                                                    predicted_hits=10, cached_hits=10)]), timeout=5)
+        both = f"{address},127.0.0.1:{other.port}"
+        [row] = json.loads(admin(both, "audit", "--json").stdout)
+        assert row == {"worker_id": "b1", "engine": "vllm", "requests": 20, "predicted_blocks": 80, "cached_blocks": 48,
+                       "predicted_hits": 20, "cached_hits": 12, "silent_misses": 8, "unseen_hits": 0,
+                       "silent_miss_rate": 0.4, "unseen_hit_rate": 0.0}
+        table = admin(both, "audit").stdout.splitlines()
+        assert table[0].split()[:6] == ["worker", "engine", "requests", "predicted_hits", "actual_hits",
+                                       "silent_miss_rate"]
+        assert table[1].split()[:6] == ["b1", "vllm", "20", "20", "12", "0.400"]
+        bad = stub.ReportAudit
+        with pytest.raises(grpc.RpcError) as err:
+            bad(pb.ReportAuditRequest(router_id="ra", workers=[pb.WorkerAudit(worker_id="bad id!")]), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        other.stop(0.5)

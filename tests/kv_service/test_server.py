@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.contract.block_hash import BlockHasher
-from kvmesh.kv_service.config import ServiceConfig
+from kvmesh.kv_service.config import FaultConfig, ServiceConfig
 from kvmesh.kv_service.server import KVServiceServer
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
@@ -276,6 +276,33 @@ def test_publishers_past_max_publishers_get_resource_exhausted_until_one_leaves(
                 time.sleep(0.05)
         assert dict(lookup(stub, CHAIN)) == {"a": 0, "b": 0, "c": 2}
         b.close()
+    finally:
+        channel.close()
+        server.stop(0.5)
+
+
+def test_injected_latency_answers_late_and_lands_the_pick_halfway(redis_url, redis_namespace):
+    """--lookup-delay-ms / --reserve-delay-ms (the shared view's stress setting): a caller whose deadline is
+    shorter than the delay gets DEADLINE_EXCEEDED; the Reserve it gave up on still lands, half the delay in."""
+    server = KVServiceServer(RedisIndex(redis_url, redis_namespace), "127.0.0.1", free_port(),
+                             ServiceConfig(lease_ttl_ms=10_000),
+                             faults=FaultConfig(lookup_delay_ms=2000, reserve_delay_ms=2000)).start()
+    channel = dial(f"127.0.0.1:{server.port}")
+    stub = pb_grpc.KVServiceStub(channel)
+    try:
+        register(stub)
+        for call in (lambda: stub.Lookup(pb.LookupRequest(model_id="m", block_hashes=CHAIN), timeout=0.5),
+                     lambda: stub.Reserve(pb.ReserveRequest(model_id="m", worker_id="w1", router_id="ra",
+                                                            request_id="r1", prefill_tokens=10, blocks=1),
+                                          timeout=0.5)):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_until(lambda: stub.ListWorkers(pb.ListWorkersRequest(), timeout=5).workers[0].pending.version == 1,
+                   timeout=5)
+        # A caller that waits out the delay gets its answer, with the pick in it.
+        answer = stub.Lookup(pb.LookupRequest(model_id="m", block_hashes=CHAIN), timeout=10)
+        assert [(w.worker_id, w.pending.requests, w.pending.version) for w in answer.workers] == [("w1", 1, 1)]
     finally:
         channel.close()
         server.stop(0.5)

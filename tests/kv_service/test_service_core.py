@@ -48,11 +48,12 @@ def test_lookup_replies_from_cached_wire_bytes_equal_the_field_by_field_message(
     for round_ in range(5):
         if round_ != 3:
             loads = [Load(i, min(round_, 1), 90, 2**20, 2**40 + i) for i in range(40)]
-        matches = [WorkerMatch(f"w{i}", f"10.0.0.{i + (round_ == 4)}:50061", (i * 37 + round_) % 300, loads[i], 16)
-                   for i in range(40)]
+        matches = [WorkerMatch(f"w{i}", f"10.0.0.{i + (round_ == 4)}:50061", (i * 37 + round_) % 300, loads[i], 16,
+                               pending_blocks=(i % 3) * 64 * round_) for i in range(40)]
         want = pb.LookupResponse(
             workers=[pb.WorkerMatch(worker_id=m.worker_id, address=m.address, matched_blocks=m.matched_blocks,
-                                    load=load_to_pb(m.load), block_size=m.block_size) for m in matches],
+                                    load=load_to_pb(m.load), block_size=m.block_size, pending_blocks=m.pending_blocks)
+                     for m in matches],
             block_size=16, num_blocks_queried=300 + round_)
         assert replies.response(matches, 16, 300 + round_) == want
     assert replies.response([], 0, 0) == pb.LookupResponse()
@@ -86,3 +87,31 @@ def test_tiers_cross_the_wire_and_the_device_tier_is_sent_as_before():
     explicit = pb.KVEvent(removed=pb.BlockRemoved(block_hashes=CHAIN[2:], tier=pb.KV_TIER_DEVICE))
     assert events_from_pb([explicit]) == [BlockRemoved(CHAIN[2:])]
     assert wire[2].stored.tier == pb.KV_TIER_HOST and wire[4].removed.tier == pb.KV_TIER_DISK
+
+
+def test_a_reserved_pick_tells_every_lookup_and_refusal_which_prefix_its_worker_will_hold():
+    """The routers' speculative maps, shared (kv_service/pending_prefixes.py, issue 35): a Reserve carries
+    its prompt's anchors (blocks 1, 2, 4, ... and the last); a Lookup of a chain sharing a prefix with it
+    answers that prefix's length for the worker (rounded down to a power of two), until the anchors' TTL;
+    a refused Reserve answers it for the refused prompt."""
+    from kvmesh.contract.index_protocol import Reservation, anchor_positions, anchors_of
+    from kvmesh.kv_service.config import PendingConfig, ServiceConfig
+
+    assert anchor_positions(0) == [] and anchor_positions(1) == [0] and anchor_positions(12) == [0, 1, 3, 7, 11]
+    clock = [1000]
+    svc = KVService(MemoryIndex(), ServiceConfig(pending=PendingConfig(prefix_ttl_ms=2000)), clock=lambda: clock[0])
+    for w in ("w1", "w2"):
+        run_now(svc.register(Registration(w, "127.0.0.1:1", "m", 4, "sha256_128", 100, 1)))
+    hasher = BlockHasher("m", 4)
+    shared = list(range(40))  # 10 blocks
+    mine = hasher.hash_prompt(shared + [900 + i for i in range(8)])  # 12 blocks
+    yours = hasher.hash_prompt(shared + [700 + i for i in range(24)])  # 16 blocks, 10 of them shared
+    assert run_now(svc.reserve(Reservation("m", "w1", "ra", "r1", 48, 12, 0, anchors_of(mine)))).reserved
+    pending = {m.worker_id: m.pending_blocks for m in run_now(svc.lookup("m", yours))}
+    assert pending == {"w1": 8, "w2": 0}  # 10 shared blocks, anchored at 8
+    assert {m.worker_id: m.pending_blocks for m in run_now(svc.lookup("m", mine))} == {"w1": 12, "w2": 0}
+    # Another router's conditional claim on w1 that saw none of it is refused, with the news.
+    refused = run_now(svc.reserve(Reservation("m", "w1", "rb", "r2", 64, 16, 0, anchors_of(yours))))
+    assert not refused.reserved and refused.anchored == {"w1": 4}  # anchors 1, 2, 4, 8 of yours
+    clock[0] += 2000
+    assert {m.worker_id: m.pending_blocks for m in run_now(svc.lookup("m", yours))} == {"w1": 0, "w2": 0}

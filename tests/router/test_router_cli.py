@@ -11,7 +11,7 @@ def test_defaults_and_static_workers():
     r = cfg.routing
     assert (cfg.port, cfg.kv_service, r.policy, cfg.block_size, cfg.hash_algorithm, r.lookup_timeout_ms,
             r.request_timeout_s, r.speculative_ttl_s, cfg.workers) == (
-        50051, "127.0.0.1:50052", "kv-aware", 16, "sha256_128", 50.0, 600.0, 2.0, [])
+        50051, "127.0.0.1:50052", "kv-aware", 16, "sha256_128", 250.0, 600.0, 2.0, [])
     args = build_parser("router").parse_args(
         ["router", "--kv-service", "", "--workers", "a:1, b:2", "--policy", "prefix-hash"])
     cfg = config_from_args(args)

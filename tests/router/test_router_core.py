@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from kvmesh.contract.block_hash import BlockHasher
-from kvmesh.contract.index_protocol import IndexUnavailable, Reservation, ReservationAnswer, WorkerMatch
+from kvmesh.contract.index_protocol import (
+    IndexUnavailable,
+    Reservation,
+    ReservationAnswer,
+    WorkerMatch,
+    anchors_of,
+)
 from kvmesh.contract.types import Load, ModelSpec, Pending
 from kvmesh.router.core.policies import make_policy
 from kvmesh.router.core.policies.base import PolicyConfig
@@ -171,7 +177,7 @@ def test_a_claim_is_in_flight_at_once_and_a_refusal_moves_it_with_the_fresh_view
     first = c.pick(plan, count=False)
     assert first.worker_id == "w1"
     claim = c.claim(plan, first, "req-1", 0)
-    assert claim == Reservation("m", "w1", "ra", "req-1", 0, 8, 0)
+    assert claim == Reservation("m", "w1", "ra", "req-1", 0, 8, 0, anchors_of(CHAIN))
     assert c.inflight.of("w1").requests == 1  # this router's next pick sees it while it is claimed
     # Another router got there first: w1 is now swamped by others' picks.
     again = c.claimed(plan, ReservationAnswer(False, {"w1": Pending(40, 100_000, 400, 3), "w2": Pending(0, 0, 0, 1)}))
@@ -179,7 +185,7 @@ def test_a_claim_is_in_flight_at_once_and_a_refusal_moves_it_with_the_fresh_view
     assert plan.versions == {"w1": 3, "w2": 1}
     assert (c.inflight.of("w1").requests, c.inflight.of("w2").requests) == (0, 0)
     claim2 = c.claim(plan, again, "req-1", 1)
-    assert claim2 == Reservation("m", "w2", "ra", "req-1", 32, 8, 1)
+    assert claim2 == Reservation("m", "w2", "ra", "req-1", 32, 8, 1, anchors_of(CHAIN))
     assert (c.inflight.of("w1").requests, c.inflight.of("w2").requests) == (0, 1)
     assert c.claimed(plan, ReservationAnswer(True)) is None
     # The forwarded attempt takes over the claimed ticket (one request in flight, not two).
@@ -206,3 +212,49 @@ def test_other_routers_picks_weigh_on_kv_aware_like_its_own():
     plan = c.plan(SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 0, Load()),
                                             WorkerMatch("w2", "a:2", 0, Load(), pending=busy)]))
     assert c.pick(plan).worker_id == "w1"
+
+
+def test_a_late_lookup_keeps_the_breaker_closed_and_its_blind_pick_is_reserved_unconditionally():
+    """Issue 35: on a busy host a burst's Lookups pass their deadline while the kv_service answers the
+    others. Such a Lookup is late, not failed: the breaker stays closed (the next request asks the
+    index) and the pick made without it is reserved unconditionally, so the other routers see it.
+    A Lookup that fails while nothing is answered opens the breaker, as before."""
+    clock, obs = Clock(), CountingObserver()
+    c = RoutingCore(make_policy("kv-aware", PolicyConfig(seed=0)), speculative_ttl_s=2.0, index_retry_s=1.0,
+                    clock=clock, observer=obs, shared_view=True, router_id="ra", claim_attempts=3)
+    answer = [WorkerMatch("w1", "a:1", 0, Load()), WorkerMatch("w2", "a:2", 0, Load())]
+    late = c.prepare(SPEC, PROMPT, True)  # asked; its answer will not come in time
+    clock.t += 0.01
+    c.plan(SPEC, PROMPT, EPS, Index(answer))  # another request's Lookup is answered meanwhile
+    clock.t += 0.05
+    plan = c.complete(late, EPS, IndexUnavailable("deadline exceeded"), adopt=True)
+    assert not plan.query.index_ok and (plan.versions, plan.conditional) == ({}, False)
+    pick = c.pick(plan, count=False)
+    assert c.claim(plan, pick, "req-late", 0).seen_version is None
+    assert obs.fallbacks == {"lookup_late": 1} and not c.breaker.open()
+    # Down: nothing was answered since it was asked.
+    down = c.prepare(SPEC, PROMPT, True)
+    clock.t += 0.05
+    plan = c.complete(down, EPS, IndexUnavailable("deadline exceeded"), adopt=True)
+    assert plan.versions is None and c.breaker.open()
+    assert obs.fallbacks == {"lookup_late": 1, "lookup_failed": 1}
+
+
+
+def test_another_routers_copy_of_the_prefix_counts_as_held_in_the_lookup_and_in_a_refusal():
+    """The shared speculative view (issue 35): a worker another router reserved this prompt's prefix on is
+    scored as holding it (as this router's own speculative map would say of its own picks) — from the
+    Lookup's pending_blocks, and from a refused claim's anchored count."""
+    c = shared_core()
+    plan = c.plan(SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 0, Load(), pending_blocks=4),
+                                            WorkerMatch("w2", "a:2", 0, Load())]))
+    assert [(x.worker_id, x.matched_blocks, x.indexed_blocks) for x in plan.candidates] == [("w1", 4, 0), ("w2", 0, 0)]
+    c = shared_core()
+    plan = c.plan(SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 2, Load()), WorkerMatch("w2", "a:2", 0, Load())]))
+    first = c.pick(plan, count=False)
+    assert first.worker_id == "w1"
+    c.claim(plan, first, "r", 0)
+    # Refused: others swamped w1 meanwhile, and one of them reserved all 8 blocks of this prompt on w2.
+    again = c.claimed(plan, ReservationAnswer(False, {"w1": Pending(9, 9 * 32, 72, 4), "w2": Pending(1, 32, 8, 1)},
+                                              {"w2": 4}))
+    assert again is not None and again.worker_id == "w2" and plan.candidate("w2").matched_blocks == 8

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -343,6 +344,14 @@ def test_completion_prompts_out_of_range_name_the_prompt(door, prompt, param):
     assert "Value out of range" not in r.error["message"]
 
 
+def test_ids_outside_the_vocabulary_are_refused_by_the_router_naming_the_first(door):
+    """Issue 35: the router checks prompt ids against the model's vocabulary before routing (660 ids
+    here): 400 naming the first bad one, in the router's words (the worker's would say "prompt token 2")."""
+    r = post(door.port, "/v1/completions", {"model": door.model, "prompt": [5, 6, 700, 9000], "max_tokens": 2})
+    assert r.status == 400 and r.error["param"] == "prompt", r.error
+    assert "[2] is 700: outside the vocabulary of model 'tiny-llama' (ids 0 to 659)" in r.error["message"]
+
+
 def test_malformed_requests_get_messages_that_say_what_to_fix(door):
     r = post(door.port, "/v1/chat/completions", b'{"model": "x", "messages": [}')
     assert r.status == 400 and r.error["message"].startswith("the request body is not valid JSON")
@@ -433,3 +442,85 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event_then_done(door, tmp
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert error["type"] == "service_unavailable_error" and "failed mid-stream" in error["message"]
     assert all("error" not in json.loads(e.removeprefix("data: ")) for e in events[:-2])
+
+
+# -- lingering close: early answers reach clients that send the whole body first (issue 35) -------------
+def ten_mb_body(door: Door, messages: int) -> bytes:
+    """A chat body of ~10 MB: ``messages`` messages, padded to 10 MB with their content."""
+    content = "a" * max(1, 10_000_000 // messages)
+    body = json.dumps(chat(door, messages=[{"role": "user", "content": content}] * messages)).encode()
+    assert len(body) >= 10_000_000
+    return body
+
+
+def urllib_post(door: Door, body: bytes, token: str | None, content_type: str = "application/json",
+                port: int | None = None) -> tuple[int, dict]:
+    """urllib sends the whole body before it reads a byte of the answer."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": content_type} | ({"Authorization": f"Bearer {token}"} if token else {})
+    req = urllib.request.Request(f"http://127.0.0.1:{port or door.port}/v1/chat/completions", body, headers)
+    try:
+        with urllib.request.urlopen(req, timeout=SOCKET_TIMEOUT_S) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.mark.parametrize(("token", "messages", "status", "words"), [
+    (None, 10, 401, "API key"),  # no token: refused before the body is read
+    (TOKEN, 300_000, 400, "--max-messages"),  # refused by the streaming parser at the message past the limit
+], ids=["no token", "too many messages"])
+def test_urllib_and_httpx_sending_10_mb_read_the_early_answer(door, token, messages, status, words):
+    # NOTE: httpx as the openai SDK (3.x) ships it, under the distribution name httpx2.
+    import httpx2 as httpx
+
+    body = ten_mb_body(door, messages)
+    got, answer = urllib_post(door, body, token)
+    assert got == status and words in answer["error"]["message"], answer
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    with httpx.Client(timeout=SOCKET_TIMEOUT_S) as client:
+        r = client.post(f"http://127.0.0.1:{door.port}/v1/chat/completions", content=body, headers=headers)
+        assert r.status_code == status and words in r.json()["error"]["message"], r.text
+        assert r.headers["connection"] == "close"
+        # The client's next request, on a new connection, is served.
+        ok = client.post(f"http://127.0.0.1:{door.port}/v1/chat/completions", json=chat(door),
+                         headers={"Authorization": f"Bearer {TOKEN}"})
+        assert ok.status_code == 200
+    # Not JSON: 415 before the body, read all the same.
+    got, answer = urllib_post(door, body, TOKEN, content_type="text/plain")
+    assert got == 415 and "application/json" in answer["error"]["message"]
+    # On Linux the rest of each body was dropped in the kernel (MSG_TRUNC), never copied to the loop.
+    lingered = door.router.http.guard.lingered
+    assert lingered["kernel"] >= 3 if sys.platform == "linux" else lingered["read"] >= 3, lingered
+
+
+def test_a_413_reaches_urllib_and_the_linger_bounds_hold(door, model_dir):
+    """A declared body over --max-body-bytes: 413, read by urllib after it sent 10 MB. Past
+    --http-linger-bytes the connection is closed without reading on (the client then sees a reset)."""
+    security.configure(security.Security(server_token=TOKEN))
+    try:
+        small = RouterServer(RouterConfig(
+            host="127.0.0.1", port=0, http_port=0, kv_service=door.kv_addr, model_dirs=[str(model_dir)],
+            max_body_bytes=4_000_000, http_linger_bytes=12_000_000)).start()
+        tight = RouterServer(RouterConfig(
+            host="127.0.0.1", port=0, http_port=0, kv_service=door.kv_addr, model_dirs=[str(model_dir)],
+            http_linger_bytes=1_000_000)).start()
+    finally:
+        security.configure(security.Security())
+    try:
+        body = ten_mb_body(door, 10)
+        got, answer = urllib_post(door, body, TOKEN, port=small.http_port)
+        assert got == 413 and "--max-body-bytes" in answer["error"]["message"]
+        got, answer = urllib_post(door, body, None, port=small.http_port)
+        assert got == 401  # the token first, the size after
+        import urllib.error
+
+        with pytest.raises((ConnectionError, urllib.error.URLError)):
+            urllib_post(door, body, None, port=tight.http_port)  # 10 MB past a 1 MB linger: reset
+        # Lingering connections are not unfinished requests: nothing is left counted.
+        assert not small.http.guard.stale and not tight.http.guard.stale
+    finally:
+        small.stop(0.5)
+        tight.stop(0.5)

@@ -1,16 +1,21 @@
 """Several routers, one view: `kvmesh up --routers 3` on loopback (real redis-server, kv_service,
-simulated workers that sleep their modelled step times, three router processes), clients spread
-over the routers by gRPC's own round_robin.
+simulated workers that sleep their modelled step times, three router processes), a burst dealt to
+the routers in turn (kvmesh.bench.serve, one channel per router).
 
 A simultaneous burst of same-prefix requests spread over 3 routers lands the way one router lands
 it; every pick is retired by the worker's reports (nothing leaks), also when a router dies in the
-middle of a burst."""
+middle of a burst. It holds under stress too (issue 35): the kv_service answering every Lookup and
+Reserve 10 ms late (--lookup-delay-ms, --reserve-delay-ms) while a busy loop takes a core."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
+
+import pytest
 
 from kvmesh.bench.datasets import BenchRequest
 from kvmesh.bench.serve import run
@@ -43,17 +48,23 @@ def workers(kv) -> dict[str, kpb.WorkerInfo]:
     return {w.worker_id: w for w in kv.ListWorkers(kpb.ListWorkersRequest(), timeout=5).workers}
 
 
-def test_a_burst_through_three_routers_spreads_as_one_router_spreads_it_and_no_pick_leaks(model_dir, tmp_path):
-    """Measured (docs/router.md, "Several routers"): 24-request bursts, the prefix's holder got 9 of
-    them from one router (6 of 6 bursts), 8-13 (mean 10.3) from three routers sharing their view and
-    9-16 (mean 13.5) from three with private views (--no-shared-view), with the linear step time;
-    with the roofline (the default since): one router 4-6, three 7-10 (one clean-clone CI run)."""
+STRESS = ["--lookup-delay-ms", "10", "--reserve-delay-ms", "10"]
+
+
+@pytest.mark.parametrize("stress", [False, True], ids=["calm", "stressed"])
+def test_a_burst_through_three_routers_spreads_as_one_router_spreads_it_and_no_pick_leaks(model_dir, tmp_path, stress):
+    """Measured (docs/router.md, "Several routers"): the prefix's holder got 6-9 of a 24-request burst
+    from one router, 7-10 from three sharing their view, calm or stressed (2026-11-26, issue 35); before
+    the shared prefixes and the late-Lookup rule, three routers put 10-14 on it under stress."""
     base = free_port_run(6)
     stack = LocalStack(StackConfig(
         model=str(model_dir), workers=4, routers=3, router_port=base, kv_service_port=free_port(),
         worker_port=free_port_run(4), metrics_port=0, simulate=True, router_tokenizer=False,
-        kv_service_args=["--lease-ttl-ms", "3000", "--pending-ttl-ms", "2000"],
+        kv_service_args=["--lease-ttl-ms", "3000", "--pending-ttl-ms", "2000", *(STRESS if stress else [])],
         log_dir=str(tmp_path / "logs"))).start()
+    # NOTE: a busy loop beside the stack: on a 2-core host it takes a core from the routers, the
+    # kv_service and the workers (issue 35 found the calm test failing 2 of 2 with one running).
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if stress else None
     try:
         assert stack.endpoints["routers"] == f"ipv4:127.0.0.1:{base},127.0.0.1:{base + 2},127.0.0.1:{base + 4}"
         kv = kpb_grpc.KVServiceStub(dial(stack.endpoints["kv_service"]))
@@ -73,8 +84,12 @@ def test_a_burst_through_three_routers_spreads_as_one_router_spreads_it_and_no_p
         # NOTE: compared with what one router puts on the holder, or an even share when one router
         # spreads wider than even (with the roofline step time it put 4-6 of 24 on the holder of 4
         # workers, 2026-11-24): three routers must not pile onto the warm holder beyond that + 3.
+        # Over the four bursts: a single burst of three routers varies more than one router's (under
+        # stress 1 of 4 bursts reached 10-12 where one router's mean + 3 was 9.5-10.5, 2026-11-26).
         assert three <= max(one, BURST / 4) + 3, on_holder
-        assert sum(w.pending.version for w in workers(kv).values()) >= 8 * BURST  # every pick was reserved
+        reserved = sum(w.pending.version for w in workers(kv).values())
+        print(f"holder's share {on_holder}, {reserved} reservations")  # noqa: T201 - the figures, with -s
+        assert reserved >= 8 * BURST, reserved  # every pick was reserved
 
         # A router dies in the middle of a burst: what it picked and forwarded is admitted, what it
         # reserved and never forwarded expires; no pick is left behind either way.
@@ -88,4 +103,7 @@ def test_a_burst_through_three_routers_spreads_as_one_router_spreads_it_and_no_p
         wait_until(lambda: all(w.pending.requests == 0 for w in workers(kv).values()), timeout=15)
         send(stack.endpoints["router"], prompts(10, 2))  # the mesh still serves
     finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
         stack.stop()

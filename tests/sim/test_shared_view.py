@@ -54,3 +54,52 @@ def test_three_routers_with_the_shared_view_spread_a_burst_like_one_router():
     # admission reports retired every pick (the last burst is younger than the picks' TTL)
     assert mesh.index.traffic.reserves > len(mesh.records)
     assert all(not w.picks for w in mesh.index.svc.index._workers.values())
+
+
+
+def test_a_request_held_up_by_its_reserve_is_admitted_at_the_next_step_as_without_windows():
+    """Decode windows (the simulator's speed-up) end where one-step scheduling would admit a request; a
+    request whose Reserve round trip delays it past its arrival's estimate must end one too, not wait
+    out the next window (it did: 0.47 s here; a single router's TTFT p50 on the conversation trace went
+    0.55 -> 1.00 s with a 10 ms --reserve-latency, 0.48 s once fixed)."""
+    w = Workload("a long decode, then two arrivals", [
+        SimRequest(0, 0.0, 2048, 4000, ((-1, 2048),)), SimRequest(1, 1.0, 2048, 16, ((-2, 2048),)),
+        SimRequest(2, 1.5, 1024, 16, ((-3, 1024),))])
+    first_tokens = {}
+    for window in (1, 64):
+        cfg = SimConfig(workers=1, routers=2, seed=3, window_steps=window, reserve_latency_s=0.010)
+        mesh = Mesh(cfg, w, sim_model_dir(), chains_for(w, cfg.block_size))
+        records = mesh.run()
+        assert mesh.index.traffic.reserves == 3
+        first_tokens[window] = [round(r.first_token, 9) for r in records]
+    assert first_tokens[64] == first_tokens[1]
+    assert first_tokens[1][1] - 1.0 < 0.2  # admitted beside the long decode at once
+
+
+def warm_bursts(count: int = 4, size: int = 24) -> Workload:
+    """The live test's bursts (tests/services/test_routers_shared_view.py): one request warms a worker
+    with a 4,096-token prefix, then ``size`` requests with it and 2,048 tokens of their own come at once."""
+    reqs: list[SimRequest] = []
+    for b in range(count):
+        for k in range(size + 1):
+            n = len(reqs)
+            reqs.append(SimRequest(n, b * 6.0 + (1.0 if k else 0.0), 6144, 4, ((b + 1, 4096), (-(n + 1), 2048))))
+    return Workload("warm bursts", reqs)
+
+
+def holder_share(routers: int, latency_s: float) -> list[int]:
+    w = warm_bursts()
+    cfg = SimConfig(workers=4, routers=routers, seed=1, block_size=16, lookup_latency_s=latency_s + 0.002,
+                    reserve_latency_s=latency_s)
+    records = Mesh(cfg, w, sim_model_dir(), chains_for(w, cfg.block_size)).run()
+    return [sum(r.worker == records[b * 25].worker for r in records[b * 25 + 1:b * 25 + 25]) for b in range(4)]
+
+
+def test_three_routers_do_not_pile_onto_a_warm_prefix_holder_when_reserve_is_slow():
+    """Issue 35: each router's speculative map marks the workers it starts a copy of the prefix on;
+    before the shared prefixes (kv_service/pending_prefixes.py) the others saw those copies as cold
+    and three routers put 11-14 of a burst of 24 on the holder where one router put 9, at any Reserve
+    latency. With each pick's anchors in the Lookup and in a refusal they put 6-10 (deterministic)."""
+    for latency in (0.001, 0.010, 0.020):
+        one, three = holder_share(1, latency), holder_share(3, latency)
+        assert max(three) <= statistics.mean(one) + 2, (latency, one, three)

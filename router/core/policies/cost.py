@@ -143,6 +143,11 @@ class StepCostLearner:
         """Observations so far (every worker's)."""
         return self._pooled.reports
 
+    @property
+    def learned(self) -> bool:
+        """Whether :meth:`estimate` answers (the pooled fit has ``min_reports``), without solving a fit."""
+        return self._pooled.reports >= self.min_reports
+
     def observe(self, worker_id: str, load: Load) -> None:
         """Feeds one report of a worker (repeats of the last one are ignored)."""
         if not load.steps:

@@ -61,7 +61,9 @@ class KvAwarePolicy(RouterPolicy):
         # NOTE: until the workers' reports have taught the step cost, the same prediction in
         # token units: a prefill token costs 1, nothing else is known. Once they have, every worker
         # has a fit in seconds (its own, or the pooled one until its own has enough reports).
-        learned = self.cost.estimate() is not None
+        # NOTE: whether a fit answers, not the pooled fit itself: solving it per pick was a numpy
+        # solve wasted once every worker has its own fit (issue 35, the router's hop).
+        learned = self.cost.learned
         lam = self.config.decode_harm_weight
         # NOTE: work delays everyone who arrives while the mesh is backlogged: the more requests
         # wait at the workers, the more a recomputed prefix costs beyond this request's latency.
