@@ -77,6 +77,10 @@ class SimConfig:
     publisher does; the routers' picks, --pending-*)."""
     lookup_latency_s: float = flag(0.002, name="lookup-latency")
     """Seconds of one Lookup round trip (measured ~2 ms p50 on loopback, docs/benchmarks.md)."""
+    read_replica_lag_s: float = flag(0.0, name="read-replica-lag")
+    """Seconds a replica that answers the Lookups trails the primary (kv_service --read-replicas: a write
+    reaches a replica p50 0.1 ms, p99 3.5 ms after the master under churn, docs/kv-service.md); writes,
+    Reserve and discovery stay on the primary. 0 = Lookups from the primary."""
     reserve_latency_s: float = flag(0.001, name="reserve-latency")
     """Seconds of one Reserve round trip of the shared router view; the pick lands in the index halfway.
     Measured live 0.71 ms p50, 3.8 ms p99 (benchmarks/reserve_latency.py, docs/router.md "Several
@@ -142,6 +146,8 @@ class SimConfig:
         self.step_time.check()
         for gpu in dict.fromkeys(self.worker_gpus()):
             self.cost_for(gpu)
+        if self.read_replica_lag_s < 0:
+            raise ValueError(f"--read-replica-lag must be >= 0 seconds, got {self.read_replica_lag_s}")
         if not 0 <= self.event_loss < 1:
             raise ValueError(f"--event-loss must be in [0, 1), got {self.event_loss}")
         if not all(0 <= f <= 1 for f in self.restart_at):

@@ -1,10 +1,21 @@
-"""The index in the simulator: the kv_service core over its in-memory store, on the virtual clock."""
+"""The index in the simulator: the kv_service core over its in-memory store, on the virtual clock.
+
+With ``--read-replica-lag S`` the routers' Lookups are answered by a replica (the live
+``kv_service --read-replicas``): a second kv_service core that applies every write of the primary
+(registrations, heartbeats, event messages, snapshots, reservations) ``S`` seconds after the primary
+did, with the primary's timestamps, as a Redis replica replays its master's effects. Writes,
+Reserve and discovery (ListWorkers) stay on the primary, as they do live.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from kvmesh.contract.errors import KVMeshError
 from kvmesh.contract.index_protocol import IndexUnavailable, WorkerMatch
 from kvmesh.kv_service.service import KVService, run_now
 from kvmesh.kv_service.stores import make_store
@@ -52,13 +63,44 @@ class SimIndex:
         self.cfg = cfg
         self.svc = KVService(make_store("memory"), cfg.index, clock=lambda: int(q.now * 1000))
         self.traffic = IndexTraffic()
+        self.replica: KVService | None = None
+        """Answers the Lookups ``read_replica_lag_s`` behind the primary (None: the primary does)."""
+        self._lag_ms = round(cfg.read_replica_lag_s * 1000)
+        self._replayed_at = 0
+        self._log: deque[tuple[int, str, tuple[Any, ...]]] = deque()
+        """The primary's writes the replica has not applied yet: (when, KVService method, arguments)."""
+        if cfg.read_replica_lag_s > 0:
+            self.replica = KVService(make_store("memory"), cfg.index, clock=lambda: self._replayed_at)
+
+    def write(self, method: str, *args: Any) -> Any:
+        """A write to the index (a KVService call on the primary; raises what it raises), replayed on the
+        replica ``read_replica_lag_s`` later."""
+        result = run_now(getattr(self.svc, method)(*args))
+        if self.replica is not None:
+            self._log.append((int(self.q.now * 1000), method, args))
+        return result
+
+    def _catch_up(self, replica: KVService) -> None:
+        horizon = int(self.q.now * 1000) - self._lag_ms
+        log = self._log
+        while log and log[0][0] <= horizon:
+            self._replayed_at, method, args = log.popleft()
+            # NOTE: the primary applied it (a refused write is not logged); the replica, in the primary's
+            # state of that instant, applies it the same way
+            with contextlib.suppress(KVMeshError):
+                run_now(getattr(replica, method)(*args))
 
     def lookup(self, model_id: str, chain: Sequence[bytes]) -> list[WorkerMatch]:
         self.traffic.lookups += 1
         self.traffic.lookup_chain_blocks += len(chain)
         if self.cfg.lookup_latency_s * 1000 > self.cfg.routing.lookup_timeout_ms:
             raise IndexUnavailable("Lookup past its deadline (simulated)")
-        return run_now(self.svc.lookup(model_id, chain))
+        replica = self.replica
+        if replica is None:
+            return run_now(self.svc.lookup(model_id, chain))
+        self._catch_up(replica)
+        self._replayed_at = int(self.q.now * 1000)  # NOTE: the Lookup itself runs on the replica's clock: now
+        return run_now(replica.lookup(model_id, chain))
 
     def endpoints(self) -> list[WorkerEndpoint]:
         """ListWorkers: the live workers of the model, with their last reported load."""

@@ -11,7 +11,6 @@ from typing import Protocol
 from kvmesh.contract.errors import NotFound
 from kvmesh.contract.index_protocol import Reservation, ReservationAnswer
 from kvmesh.contract.types import ModelSpec
-from kvmesh.kv_service.service import run_now
 from kvmesh.router.core.attempts import Attempts
 from kvmesh.router.core.policies import make_policy
 from kvmesh.router.core.policies.base import Decision
@@ -100,7 +99,7 @@ class SimRouter:
     def _reserve(self, rec: RequestRecord, claims: Claims, reservation: Reservation) -> None:
         mesh = self.mesh
         try:
-            answer = run_now(mesh.index.svc.reserve(reservation))
+            answer = mesh.index.write("reserve", reservation)
         except NotFound:  # NOTE: the worker left since the Lookup: forwarded, as live, unreserved
             mesh.q.after(mesh.cfg.reserve_latency_s / 2, self._unreserved, rec, claims)
             return

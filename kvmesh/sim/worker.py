@@ -14,7 +14,6 @@ from kvmesh.contract.index_protocol import Registration
 from kvmesh.contract.types import AllBlocksCleared, BlockStored, KVCacheEvent, Load, SamplingParams
 from kvmesh.kv_client.event_batcher import EventBatcher, Message
 from kvmesh.kv_service.index import Action
-from kvmesh.kv_service.service import run_now
 from kvmesh.model_worker.config import EngineConfig
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
 from kvmesh.model_worker.scheduling.request import Request
@@ -122,9 +121,8 @@ class SimWorker:
         self.up = True
         # NOTE: a new process, a new publisher (kvmesh/kv_client/publisher.py).
         self.batcher = EventBatcher(cfg.event_batch_s, load_reports=cfg.load_on_events)
-        svc = self.mesh.index.svc
-        run_now(svc.register(Registration(self.worker_id, self.address, MODEL_ID, cfg.block_size, XXH3_128,
-                                          self.engine.kv_cache_manager.num_blocks, self.epoch)))
+        self.mesh.index.write("register", Registration(self.worker_id, self.address, MODEL_ID, cfg.block_size,
+                                                       XXH3_128, self.engine.kv_cache_manager.num_blocks, self.epoch))
         # NOTE: its first message: the index starts empty for this epoch.
         self.batcher.register()
         self._flush_by(self.batcher.next_due())
@@ -261,17 +259,17 @@ class SimWorker:
     def _deliver(self, epoch: int, msg: Message) -> None:
         if epoch != self.epoch:
             return  # NOTE: a killed incarnation's stream died with it
-        svc = self.mesh.index.svc
+        index = self.mesh.index
         if msg.snapshot is not None:
             t = self.mesh.index.traffic
             t.snapshots += 1
             t.snapshot_blocks += len(msg.snapshot)
-            run_now(svc.snapshot(self.worker_id, epoch, msg.seq, msg.snapshot, msg.load))
+            index.write("snapshot", self.worker_id, epoch, msg.seq, msg.snapshot, msg.load)
             if msg.load is not None and msg.load.admitted:
                 self.mesh.q.after(self.mesh.cfg.event_delay_s, self._ack_admitted, epoch, msg.load.admitted)
             return
         self._count(msg.events)
-        result = run_now(svc.publish(self.worker_id, epoch, msg.seq, msg.events, msg.load))
+        result = index.write("publish", self.worker_id, epoch, msg.seq, msg.events, msg.load)
         if result.action == Action.ACK and msg.load is not None and msg.load.admitted:
             self.mesh.q.after(self.mesh.cfg.event_delay_s, self._ack_admitted, epoch, msg.load.admitted)
         if result.action == Action.RESYNC and epoch == self.epoch and self.up:
@@ -332,6 +330,6 @@ class SimWorker:
         if self.up and self.engine is not None:
             self.mesh.index.traffic.heartbeats += 1
             load = self.load_now()
-            run_now(self.mesh.index.svc.heartbeat(self.worker_id, self.epoch, load))
+            self.mesh.index.write("heartbeat", self.worker_id, self.epoch, load)
             self.engine.ack_admitted(load.admitted)
         self.mesh.q.after(self.mesh.cfg.heartbeat_s, self.heartbeat)

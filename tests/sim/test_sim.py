@@ -233,3 +233,34 @@ def test_a_host_tier_keeps_prefixes_the_device_cannot_and_the_simulator_runs_it(
     assert on["hit_rate"] > 1.5 * off["hit_rate"]
     with pytest.raises(ValueError, match="--host-kv-blocks must be >= 0"):
         replace(base, host_kv_blocks=-1).check()
+
+
+def test_lookups_from_a_lagging_replica_see_the_primary_as_it_was():
+    # --read-replica-lag: the replica applies each write of the primary that much later, with its time
+    from kvmesh.contract.block_hash import XXH3_128
+    from kvmesh.contract.index_protocol import Registration
+    from kvmesh.contract.types import BlockStored
+    from kvmesh.sim.config import MODEL_ID
+    from kvmesh.sim.events import EventQueue
+    from kvmesh.sim.index import SimIndex
+
+    cfg = SimConfig(workers=1, read_replica_lag_s=0.005)
+    q = EventQueue()
+    index = SimIndex(q, cfg)
+    chain = [bytes([i]) * 16 for i in range(4)]
+
+    def seen() -> list[tuple[str, int]]:
+        return [(m.worker_id, m.matched_blocks) for m in index.lookup(MODEL_ID, chain)]
+
+    index.write("register", Registration("w", "sim:1", MODEL_ID, cfg.block_size, XXH3_128, 100, 1))
+    q.now = 0.001
+    index.write("publish", "w", 1, 1, [BlockStored(chain[:3])], None)
+    q.now = 0.004
+    assert seen() == []  # the registration has not reached the replica
+    assert [m.matched_blocks for m in run_now(index.svc.lookup(MODEL_ID, chain))] == [3]
+    q.now = 0.005
+    assert seen() == [("w", 0)]
+    q.now = 0.006
+    assert seen() == [("w", 3)]
+    # lag 0: the primary answers
+    assert SimIndex(EventQueue(), SimConfig(workers=1)).replica is None
