@@ -123,6 +123,12 @@ class Load:
     reports_admissions: bool = False
     """The worker lists its admissions (a kvmesh worker). Without it (a bridged engine) a report
     covers the picks made ``--pending-grace-ms`` or more before it arrived."""
+    host_loaded_blocks: int = 0
+    """Blocks loaded back from the host KV tier (host -> device), cumulative."""
+    host_load_s: float = 0.0
+    """Seconds those loads took (modelled seconds on a simulated worker), cumulative; part of
+    ``busy_s``. A router learns the worker's seconds per loaded block from the two
+    (router/core/policies/cost.py)."""
 
     def queue_state(self) -> tuple[int, int, int]:
         """What routing reads of the worker's state: (running, waiting, queued prefill tokens); a
@@ -130,14 +136,18 @@ class Load:
         return self.num_running, self.num_waiting, self.queued_prefill_tokens
 
     def encode(self) -> str:
-        # NOTE: comma-separated, in field order; decode() reads strings of older workers (the first
-        # five fields only) too.
-        return (
+        # NOTE: comma-separated, in the order of _ENCODED; decode() reads strings of older workers
+        # (the first five fields only, or without the host tier's two) too. The host tier's fields go
+        # out only when set, so a worker without one stores what it stored before tiers.
+        head = (
             f"{self.num_running},{self.num_waiting},{self.num_free_blocks},"
             f"{self.num_total_blocks},{self.queued_prefill_tokens},{self.busy_s!r},{self.steps},"
             f"{self.prefill_tokens},{self.prefill_pairs},{self.decode_tokens},{self.decode_context_tokens},"
             f"{self.max_num_batched_tokens}"
         )
+        if self.host_loaded_blocks or self.host_load_s:
+            return f"{head},{self.host_loaded_blocks},{self.host_load_s!r}"
+        return head
 
     @classmethod
     def decode(cls, raw: str | bytes | None) -> Load:
@@ -145,8 +155,15 @@ class Load:
             return cls()
         if isinstance(raw, bytes):
             raw = raw.decode()
-        parts = raw.split(",")
-        return cls(*(float(x) if i == 5 else int(x) for i, x in enumerate(parts)))
+        return cls(**{name: kind(x) for (name, kind), x in zip(_ENCODED, raw.split(","), strict=False)})
+
+
+_ENCODED: tuple[tuple[str, type], ...] = (
+    ("num_running", int), ("num_waiting", int), ("num_free_blocks", int), ("num_total_blocks", int),
+    ("queued_prefill_tokens", int), ("busy_s", float), ("steps", int), ("prefill_tokens", int),
+    ("prefill_pairs", int), ("decode_tokens", int), ("decode_context_tokens", int),
+    ("max_num_batched_tokens", int), ("host_loaded_blocks", int), ("host_load_s", float))
+"""The fields :meth:`Load.encode` writes, in order (the kv_service's stored form)."""
 
 
 @dataclass(slots=True, frozen=True)
