@@ -60,10 +60,12 @@ end
 -- tier misses (the baseline of lookup.lua's continuation search).
 local reach_out = {}
 if n > 0 and redis.call('EXISTS', HH) == 1 then
+  local hh0 = redis.call('HGET', HH, string.sub(chain, 1, L)) or ''
   for j, wid in ipairs(live) do
     local tag = tags[j]
     local k = matched[j] or 0
-    local go = tag ~= nil
+    -- NOTE: a worker without a device match walks only if its host tier holds block 0
+    local go = tag ~= nil and (k > 0 or string.find(hh0, tag, 1, true) ~= nil)
     while go and k < n do
       local e = math.min(n, k + WINDOW)
       local window = {}
