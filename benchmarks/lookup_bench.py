@@ -19,7 +19,9 @@ Scenarios (``--background`` more blocks per worker, held by nobody else, fill th
      holding its first 389..396 blocks (the traces' hit rate), as benchmarks/index_sizing.py costs it;
   C  B, and every worker holds the first 16 blocks (a shared system prompt);
   D  859 blocks, 128 workers each holding a different depth (3, 9, ... 765): the search's worst case;
-  E  B with 1,024 workers.
+  E  B with 1,024 workers;
+  F  B, and the 8 holders' host KV tiers continue their device prefixes to block 800 (issue 36: the
+     host tier's continuation search runs after the device's; compare with B).
 
     python benchmarks/lookup_bench.py [--lookups 2000] [--grpc-lookups 2000] [--background 1000] [--json OUT]
 """
@@ -40,7 +42,7 @@ import redis
 from kvmesh.bench.processes import start_kv_service
 from kvmesh.bench.report import percentile as pct
 from kvmesh.contract.index_protocol import Registration
-from kvmesh.contract.types import BlockStored, Load
+from kvmesh.contract.types import BlockStored, Load, Tier
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import RedisServer
 from kvmesh.transport.channels import dial_aio
@@ -52,20 +54,23 @@ TTL = 3_600_000
 WALKS = ("linear", "search")
 
 
-def scenarios() -> dict[str, tuple[int, int, dict[int, int], int]]:
-    """name -> (workers, chain blocks, {worker: blocks of the chain it holds}, system prompt blocks every worker holds)."""
+def scenarios() -> dict[str, tuple[int, int, dict[int, int], int, dict[int, tuple[int, int]]]]:
+    """name -> (workers, chain blocks, {worker: blocks of the chain it holds}, system prompt blocks every worker
+    holds, {worker: (first, end) blocks of the chain in its host tier})."""
     deep = {w: 396 - w for w in range(8)}
     return {
-        "A: 250 blocks, 1 of 4 workers holds them": (4, 250, {1: 250}, 0),
-        "B: 859 blocks, 128 workers, 8 hold 389-396": (128, 859, deep, 0),
-        "C: B + all 128 hold a 16-block system prompt": (128, 859, deep, 16),
-        "D: 859 blocks, 128 workers at 128 depths": (128, 859, {w: 3 + 6 * w for w in range(128)}, 0),
-        "E: B with 1,024 workers": (1024, 859, deep, 0),
+        "A: 250 blocks, 1 of 4 workers holds them": (4, 250, {1: 250}, 0, {}),
+        "B: 859 blocks, 128 workers, 8 hold 389-396": (128, 859, deep, 0, {}),
+        "C: B + all 128 hold a 16-block system prompt": (128, 859, deep, 16, {}),
+        "D: 859 blocks, 128 workers at 128 depths": (128, 859, {w: 3 + 6 * w for w in range(128)}, 0, {}),
+        "E: B with 1,024 workers": (1024, 859, deep, 0, {}),
+        "F: B + the 8 holders' host tiers continue to block 800": (128, 859, deep, 0,
+                                                                    {w: (d, 800) for w, d in deep.items()}),
     }
 
 
 async def populate(url: str, ns: str, workers: int, chain: list[bytes], holders: dict[int, int], system: int,
-                   background: int) -> None:
+                   background: int, host: dict[int, tuple[int, int]]) -> None:
     idx = RedisIndex(url, ns, max_connections=16)
     now = int(time.time() * 1000)
 
@@ -75,6 +80,8 @@ async def populate(url: str, ns: str, workers: int, chain: list[bytes], holders:
                                                10_000_000, 1), TTL, now)
         seq = 1
         events = [BlockStored(chain[:max(system, holders.get(w, 0))])] if max(system, holders.get(w, 0)) else []
+        if w in host:
+            events.append(BlockStored(chain[host[w][0]:host[w][1]], tier=Tier.HOST))
         await idx.publish(wid, 1, seq, events, now, Load(num_running=w % 5, num_free_blocks=1000,
                                                          num_total_blocks=27_648))
         own = [os.urandom(16) for _ in range(background)]
@@ -104,8 +111,8 @@ async def store_costs(url: str, ns: str, chain: list[bytes], n: int) -> dict[str
     r = redis.Redis.from_url(url)
     stores = {w: RedisIndex(url, ns, lookup_walk=w) for w in WALKS}
     now = int(time.time() * 1000)
-    answers = {w: sorted((m.worker_id, m.matched_blocks) for m in await stores[w].lookup("m", chain, now))
-               for w in WALKS}
+    answers = {w: sorted((m.worker_id, m.matched_blocks + m.host_blocks)
+                         for m in await stores[w].lookup("m", chain, now)) for w in WALKS}
     if answers["linear"] != answers["search"]:
         raise AssertionError(f"the walks disagree: {answers}")
     out: dict[str, dict] = {w: {"commands_us": [], "process_us": []} for w in WALKS}
@@ -165,13 +172,13 @@ def main() -> int:
         print(f"lookup benchmark {fig['when']}: one redis-server ({r.info('server')['redis_version']}), "
               f"{fig['cpus']} CPUs, Python {sys.version.split()[0]}; {a.background} background blocks per worker")
         print("1. Redis CPU per Lookup (us): commands (INFO commandstats) / whole process (INFO cpu)")
-        for k, (name, (workers, n, holders, system)) in enumerate(scenarios().items()):
+        for k, (name, (workers, n, holders, system, host)) in enumerate(scenarios().items()):
             key = name[0]
             if a.only and key not in a.only.split(","):
                 continue
             ns = f"lk{k}"
             chain = [os.urandom(16) for _ in range(n)]
-            loop.run_until_complete(populate(server.url, ns, workers, chain, holders, system, a.background))
+            loop.run_until_complete(populate(server.url, ns, workers, chain, holders, system, a.background, host))
             costs = loop.run_until_complete(store_costs(server.url, ns, chain, a.lookups))
             row = {"workers": workers, "chain_blocks": n, "best_match": max(costs["matched"].values()),
                    **{w: costs[w] for w in WALKS}}

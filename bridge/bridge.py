@@ -225,7 +225,7 @@ class Bridge:
                 self._handle(self.stream.poll(0.05), publish=True)
                 p, m = self.publisher, self.mirror
                 if p is not None and m is not None and p.wants_snapshot():
-                    p.publish_snapshot(m.snapshot())
+                    p.publish_snapshot(m.snapshot(), m.snapshot(Tier.HOST))
             except Exception:  # noqa: BLE001 - a bridge defect must not end the bridge
                 log.exception("bridge events loop failed; continuing")
                 self._stop.wait(0.1)

@@ -1,10 +1,12 @@
 """The KV-block index: types and the one interface both stores implement.
 
 Semantics (docs/kv-service.md):
-- per block hash: the set of workers holding it; refcount = number of live holders; the entry is
-  gone when the last holder drops it;
-- per worker: an LRU order of its blocks (by last stored), capped at its ``num_blocks``, its load,
-  lease, epoch and last applied seq;
+- per block hash and tier (device, host): the set of workers holding it there; refcount = number of
+  live holders; the entry is gone when the last holder drops it;
+- per worker and tier: an LRU order of its blocks (by last stored), capped at its ``num_blocks``
+  (device) and its host tier's size (host); its load, lease, epoch and last applied seq;
+- a Lookup answers, per worker, its device prefix of the chain and how far its host tier continues
+  it (kv_service/prefix_search.py);
 - a worker's events apply only in seq order within its epoch; a gap or a newer epoch answers
   RESYNC and changes nothing; a snapshot replaces the worker's set;
 - per worker: the routers' pending picks (the shared router view, docs/router.md "Several
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.contract.index_protocol import (
@@ -33,7 +36,7 @@ from kvmesh.contract.index_protocol import (
     WorkerInfo,
     WorkerMatch,
 )
-from kvmesh.contract.types import KVCacheEvent, Load, ModelSpec
+from kvmesh.contract.types import KVCacheEvent, Load, ModelSpec, Tier
 from kvmesh.kv_service.config import PendingConfig
 
 FLUSHED = "the index dropped this worker's blocks (FlushWorker)"
@@ -55,8 +58,14 @@ class PublishResult:
 class IndexStats:
     live_workers: int
     indexed_blocks: int
+    """Distinct hashes some worker holds on its device."""
     block_replicas: int
+    """Device blocks summed over the workers."""
     models: list[tuple[ModelSpec, int]] = field(default_factory=list)
+    host_indexed_blocks: int = 0
+    """Distinct hashes some worker holds in its host tier."""
+    host_block_replicas: int = 0
+    """Host-tier blocks summed over the workers."""
 
 
 class BlockIndex(abc.ABC):
@@ -96,13 +105,15 @@ class BlockIndex(abc.ABC):
 
     @abc.abstractmethod
     async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int,
-                       load: Load | None = None) -> PublishResult:
-        """Replaces the worker's blocks with ``hashes`` (oldest first) and adopts (epoch, seq);
-        settles a resync ``flush_worker`` asked for; records ``load`` as ``publish`` does."""
+                       load: Load | None = None, host_hashes: Sequence[bytes] = ()) -> PublishResult:
+        """Replaces the worker's device blocks with ``hashes`` and its host-tier blocks with
+        ``host_hashes`` (each oldest first) and adopts (epoch, seq); settles a resync
+        ``flush_worker`` asked for; records ``load`` as ``publish`` does."""
 
     @abc.abstractmethod
     async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
-        """Per live worker of the model, the leading blocks of ``hashes`` it holds."""
+        """Per live worker of the model, the leading blocks of ``hashes`` it holds on its device
+        (``matched_blocks``) and how far its host tier continues them (``host_blocks``)."""
 
     @abc.abstractmethod
     async def reserve(self, reservation: Reservation, now_ms: int) -> ReservationAnswer:
@@ -115,8 +126,8 @@ class BlockIndex(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def holders(self, block_hash: bytes, now_ms: int) -> list[str]:
-        """Live workers holding one block, sorted."""
+    async def holders(self, block_hash: bytes, now_ms: int, tier: Tier = Tier.DEVICE) -> list[str]:
+        """Live workers holding one block in ``tier``, sorted."""
 
     @abc.abstractmethod
     async def workers(self, now_ms: int, include_expired: bool = False) -> list[WorkerInfo]:
@@ -130,9 +141,10 @@ class BlockIndex(abc.ABC):
 
     @abc.abstractmethod
     async def flush_worker(self, worker_id: str) -> int:
-        """Drops every block of the worker and marks it as owing a snapshot: its heartbeats answer
-        ``True`` and its event batches RESYNC until one arrives, so index and worker agree again
-        within a heartbeat. Returns how many blocks were dropped. Raises NotFound."""
+        """Drops every block of the worker (both tiers) and marks it as owing a snapshot: its
+        heartbeats answer ``True`` and its event batches RESYNC until one arrives, so index and
+        worker agree again within a heartbeat. Returns how many (block, tier) entries were dropped.
+        Raises NotFound."""
 
     @abc.abstractmethod
     async def reap_expired(self, now_ms: int) -> int:

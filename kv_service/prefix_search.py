@@ -16,8 +16,22 @@ function of that worker's blocks only, whoever else holds what and however the w
   credited with blocks past a hole in its prefix; it never gets fewer than the walk gives it.
 
 Both stores run it: the memory store with :func:`search_prefixes`, the Redis store in Lua
-(kv_service/lua/lookup.lua) with the same probes in the same order. This module imports neither
-grpc nor redis.
+(kv_service/lua/lookup.lua) with the same probes in the same order.
+
+**The host tier's continuation** (:func:`continued_prefix`): the same search over the blocks a
+worker holds in its host tier, over [d, n] where its device answer ``d`` ended (from scratch when
+``d`` is 0). Its answer ``u >= d`` ends a run of host blocks (or is ``d``) at or past the walk
+from ``d`` (the first block from ``d`` on that the host tier misses); ``u - d`` is what a Lookup
+reports as the host continuation, the blocks the worker would load back instead of recompute (its
+own admission walks exactly that far, model_worker/scheduling/host_block_pool.py ``find_run``).
+
+It is the walk's answer, the longest prefix held in either tier less ``d``, while the worker's
+blocks are prefix-closed on its device and in the union of its tiers: then no device block of the
+chain lies past ``d``, so from ``d`` on the union is the host tier, held then not. The union is
+closed because the host tier fills at device eviction (leaf-first: a parent reaches it no earlier
+than its children), evicts least recently used first (children first), and a loaded block is on
+the device again; docs/kv-service.md says where it breaks. A worker with no host-tier block always
+gets 0. This module imports neither grpc nor redis.
 """
 
 from __future__ import annotations
@@ -42,7 +56,10 @@ def held_prefix(n: int, held: Callable[[int], bool]) -> int:
     """
     if n == 0 or not held(0):
         return 0
-    lo, hi = 1, n
+    return _search(1, n, held)
+
+
+def _search(lo: int, hi: int, held: Callable[[int], bool]) -> int:
     while lo < hi:
         mid = midpoint(lo, hi)
         if held(mid - 1):
@@ -50,6 +67,13 @@ def held_prefix(n: int, held: Callable[[int], bool]) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def continued_prefix(n: int, start: int, held: Callable[[int], bool]) -> int:
+    """The host tier's reach for a worker whose device answer was ``start``; ``held(i)``: its host
+    tier holds block i. :func:`held_prefix` when ``start`` is 0, else the same binary search over
+    [start, n] (block ``start - 1`` is the device's: the search assumes it held)."""
+    return held_prefix(n, held) if start == 0 else _search(start, n, held)
 
 
 def linear_prefix(n: int, held: Callable[[int], bool]) -> int:
@@ -75,10 +99,42 @@ def search_prefixes(n: int, holders_of_first: Iterable[T],
     ``holders_of_first`` (all >= 1).
     """
     first = list(holders_of_first)
-    done: dict[T, int] = {}
     if not first or n == 0:
-        return done
-    groups: list[tuple[int, int, list[T]]] = [(1, n, first)]
+        return {}
+    return search_runs([(1, n, first)], holders_at)
+
+
+def continue_prefixes(n: int, device: dict[T, int], holders_of_first: Iterable[T],
+                      holders_at: Callable[[Sequence[int]], Sequence[Collection[T]]]) -> dict[T, int]:
+    """:func:`continued_prefix` for many workers at once, sharing probes.
+
+    Args:
+        n: blocks in the chain.
+        device: each worker's device answer (:func:`search_prefixes`; workers without block 0 may be absent).
+        holders_of_first: the workers (of interest) holding block 0 in their host tier.
+        holders_at: the host tier's holders of each of several blocks (by position).
+
+    Returns the reach of every worker of ``device`` with an answer above 0 or of ``holders_of_first``
+    (each >= its device answer).
+    """
+    if n == 0:
+        return {}
+    starts: dict[int, list[T]] = {}
+    for w, d in device.items():
+        if d:
+            starts.setdefault(d, []).append(w)
+    for w in holders_of_first:
+        if not device.get(w):
+            starts.setdefault(1, []).append(w)
+    return search_runs([(lo, n, members) for lo, members in starts.items()], holders_at)
+
+
+def search_runs(groups: list[tuple[int, int, list[T]]],
+                holders_at: Callable[[Sequence[int]], Sequence[Collection[T]]]) -> dict[T, int]:
+    """The binary search of :func:`held_prefix` from several states at once: each group
+    ``(lo, hi, members)`` has every member holding block ``lo - 1`` and (``hi`` < n) not block
+    ``hi``; one round asks one block per open group. Returns each member's answer."""
+    done: dict[T, int] = {}
     while groups:
         open_ = [g for g in groups if g[0] < g[1]]
         for lo, hi, members in groups:

@@ -65,7 +65,8 @@ class LookupReplies:
     ~300 us a Lookup, more than the Redis round trip. A worker's address, block size and load
     change at most once per heartbeat: their encoding is cached per worker (checked by identity
     first: the store hands out the same Load object until its cache refresh), and a reply is the
-    cached bytes plus each worker's matched_blocks, parsed once into the message gRPC sends.
+    cached bytes plus each worker's matched_blocks (and host_blocks), parsed once into the message
+    gRPC sends.
     """
 
     MAX_CACHED = 8192
@@ -95,6 +96,8 @@ class LookupReplies:
             entry += b"\x32" + varint(len(body)) + body
         if m.pending_blocks:
             entry += b"\x38" + varint(m.pending_blocks)  # field 7 (pending_blocks, varint)
+        if m.host_blocks:
+            entry += b"\x40" + varint(m.host_blocks)  # field 8 (host_blocks, varint)
         return entry
 
     def response(self, matches: list[WorkerMatch], block_size: int, n: int) -> pb.LookupResponse:
@@ -147,10 +150,10 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
                     if req.events:
                         raise InvalidArgument("a snapshot batch carries snapshot_hashes only; events must be empty")
                     result = await self.svc.snapshot(req.worker_id, req.epoch, req.seq, list(req.snapshot_hashes),
-                                                     load)
+                                                     load, list(req.snapshot_host_hashes))
                 else:
-                    if req.snapshot_hashes:
-                        raise InvalidArgument("snapshot_hashes given without snapshot=true")
+                    if req.snapshot_hashes or req.snapshot_host_hashes:
+                        raise InvalidArgument("snapshot_hashes / snapshot_host_hashes given without snapshot=true")
                     result = await self.svc.publish(req.worker_id, req.epoch, req.seq, events_from_pb(req.events), load)
                 yield pb.PublishEventsResponse(seq=req.seq, action=int(result.action), reason=result.reason)
         finally:
@@ -209,7 +212,8 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
                 for spec, n in st.models
             ],
             lookups_total=self.svc.lookups_total, events_applied_total=self.svc.events_applied_total,
-            resyncs_total=self.svc.resyncs_total,
+            resyncs_total=self.svc.resyncs_total, host_indexed_blocks=st.host_indexed_blocks,
+            host_block_replicas=st.host_block_replicas,
         )
 
     async def ListWorkers(self, request, context):
@@ -218,8 +222,9 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         return pb.ListWorkersResponse(workers=[worker_info_to_pb(info, now) for info in infos])
 
     async def GetBlock(self, request, context):
-        holders = await self.svc.get_block(request.block_hash)
-        return pb.GetBlockResponse(block_hash=request.block_hash, holders=holders, refcount=len(holders))
+        holders, host = await self.svc.get_block(request.block_hash)
+        return pb.GetBlockResponse(block_hash=request.block_hash, holders=holders, refcount=len(holders),
+                                   host_holders=host)
 
     async def FlushWorker(self, request, context):
         removed = await self.svc.flush(request.worker_id)

@@ -29,6 +29,7 @@ from kvmesh.contract.limits import (
     MAX_CACHE_SALT_CHARS,
     MAX_CHAIN_BLOCKS,
     MAX_MODEL_ID_CHARS,
+    MAX_SNAPSHOT_HOST_BLOCKS,
     MAX_TOKEN_ID,
     MAX_WORKER_ID_CHARS,
     MAX_WORKER_REQUEST_ID_CHARS,
@@ -96,11 +97,12 @@ def _check_model_id(value: str, what: str = "model_id") -> None:
     check_length(what, value, MAX_MODEL_ID_CHARS)
 
 
-def _check_hashes(what: str, hashes: Sequence[bytes], *, allow_empty: bool = True) -> list[bytes]:
+def _check_hashes(what: str, hashes: Sequence[bytes], *, allow_empty: bool = True,
+                  limit: int = MAX_CHAIN_BLOCKS) -> list[bytes]:
     if not allow_empty and not hashes:
         raise InvalidArgument(f"{what} is empty: send at least one {HASH_LEN}-byte block hash")
-    if len(hashes) > MAX_CHAIN_BLOCKS:
-        raise InvalidArgument(f"{what} has {len(hashes)} hashes; at most {MAX_CHAIN_BLOCKS} per message")
+    if len(hashes) > limit:
+        raise InvalidArgument(f"{what} has {len(hashes)} hashes; at most {limit} per message")
     # NOTE: copied once (a protobuf repeated field makes a bytes object per read), checked at C level;
     # the loop below only names the bad one
     hashes = list(hashes)
@@ -168,6 +170,8 @@ class KVService:
             raise InvalidArgument(f"hash_algorithm must be one of {', '.join(ALGORITHMS)}")
         if reg.num_blocks < 1:
             raise InvalidArgument(f"num_blocks must be >= 1, got {reg.num_blocks}")
+        if not 0 <= reg.host_blocks < 2**32:
+            raise InvalidArgument(f"host_blocks must be in [0, 2**32) (0 = no host tier declared), got {reg.host_blocks}")
         _check_counter("epoch", reg.epoch)
         if not _ENGINE_RE.match(reg.engine):
             raise InvalidArgument(f"engine must be 1-32 characters of letters, digits, '.', '_' and '-' (kvmesh, vllm, "
@@ -196,24 +200,23 @@ class KVService:
                     _check_hash(f"events[{i}].stored.parent_hash", ev.parent_block_hash)
             elif isinstance(ev, BlockRemoved):
                 _check_hashes(f"events[{i}].removed.block_hashes", ev.block_hashes)
-        events = self._device_tier(events)
+        events = self._kept_tiers(events)
         result = await self.index.publish(worker_id, epoch, seq, events, self._now(), load)
         self._count(result, events)
         return result
 
-    def _device_tier(self, events: list[KVCacheEvent]) -> list[KVCacheEvent]:
-        """The events the index applies: the device tier's (and clears).
+    def _kept_tiers(self, events: list[KVCacheEvent]) -> list[KVCacheEvent]:
+        """The events the index applies: the device's and the host tier's (and clears).
 
-        NOTE: until the index keeps tiers per (block, worker) (issue 36, phase 2), host- and
-        disk-tier stores and removals are validated and counted, never applied: a Lookup answers
-        the device-resident prefix exactly as before tiers existed. The batch's seq still counts
-        (the caller applies the rest), so a batch of host events alone is no gap.
+        NOTE: the disk tier (a bridged engine's storage) is validated and counted, never applied:
+        routing has no price for it yet. The batch's seq still counts (the caller applies the rest),
+        so a batch of disk events alone is no gap.
         """
-        if all(ev.tier == Tier.DEVICE for ev in events if not isinstance(ev, AllBlocksCleared)):
+        if all(ev.tier != Tier.DISK for ev in events if not isinstance(ev, AllBlocksCleared)):
             return events
         kept: list[KVCacheEvent] = []
         for ev in events:
-            if isinstance(ev, AllBlocksCleared) or ev.tier == Tier.DEVICE:
+            if isinstance(ev, AllBlocksCleared) or ev.tier != Tier.DISK:
                 kept.append(ev)
             else:
                 kind = "stored" if isinstance(ev, BlockStored) else "removed"
@@ -221,15 +224,16 @@ class KVService:
         return kept
 
     async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes],
-                       load: Load | None = None) -> PublishResult:
+                       load: Load | None = None, host_hashes: Sequence[bytes] = ()) -> PublishResult:
         _check_id("worker_id", worker_id)
         _check_counter("epoch", epoch)
         _check_counter("seq", seq)
-        _check_hashes("snapshot_hashes", hashes)
+        hashes = _check_hashes("snapshot_hashes", hashes)
+        host = _check_hashes("snapshot_host_hashes", host_hashes, limit=MAX_SNAPSHOT_HOST_BLOCKS)
         if load is not None:
             _check_load(load)
-        result = await self.index.snapshot(worker_id, epoch, seq, hashes, self._now(), load)
-        self.metrics.events_applied.labels("snapshot").inc(len(hashes))
+        result = await self.index.snapshot(worker_id, epoch, seq, hashes, self._now(), load, host)
+        self.metrics.events_applied.labels("snapshot").inc(len(hashes) + len(host))
         return result
 
     def _count(self, result: PublishResult, events: list[KVCacheEvent]) -> None:
@@ -347,9 +351,11 @@ class KVService:
             out[worker_id] = a
         return out
 
-    async def get_block(self, block_hash: bytes) -> list[str]:
+    async def get_block(self, block_hash: bytes) -> tuple[list[str], list[str]]:
+        """(live workers holding the block on their device, those holding it in their host tier)."""
         _check_hash("block_hash", block_hash)
-        return await self.index.holders(block_hash, self._now())
+        now = self._now()
+        return await self.index.holders(block_hash, now), await self.index.holders(block_hash, now, Tier.HOST)
 
     async def flush(self, worker_id: str) -> int:
         """Drops the worker's blocks from the index and asks it to resync (docs/kv-service.md):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.contract.index_protocol import (
@@ -20,16 +21,16 @@ from kvmesh.contract.index_protocol import (
 )
 from kvmesh.contract.types import (
     AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
     KVCacheEvent,
     Load,
     ModelSpec,
     Pending,
+    Tier,
 )
 from kvmesh.kv_service.config import LOOKUP_WALKS
 from kvmesh.kv_service.index import FLUSHED, Action, BlockIndex, IndexStats, PublishResult
-from kvmesh.kv_service.prefix_search import search_prefixes
+from kvmesh.kv_service.prefix_search import continue_prefixes, linear_prefix, search_prefixes
 from kvmesh.kv_service.refusals import Refusal, refuse
 
 
@@ -41,6 +42,8 @@ class _Worker:
     load: Load = field(default_factory=Load)
     # NOTE: insertion order is LRU order (oldest first); a re-stored block moves to the end.
     lru: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    host: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    """The host tier's blocks, as ``lru`` is the device's."""
     resync: bool = False
     """Flushed: owes a snapshot (heartbeats say so, event batches are answered RESYNC)."""
     picks: dict[str, tuple[int, str, int, int, int]] = field(default_factory=dict)
@@ -65,6 +68,9 @@ class MemoryIndex(BlockIndex):
         self.lookup_walk = lookup_walk
         self._lock = threading.Lock()
         self._blocks: dict[bytes, set[str]] = {}
+        """Device tier: block hash -> the workers holding it there."""
+        self._host: dict[bytes, set[str]] = {}
+        """Host tier: block hash -> the workers holding it there."""
         self._workers: dict[str, _Worker] = {}
         self._specs: dict[str, ModelSpec] = {}
 
@@ -75,32 +81,48 @@ class MemoryIndex(BlockIndex):
             raise refuse(Refusal.NOT_REGISTERED, worker_id)
         return w
 
-    def _add(self, w: _Worker, h: bytes) -> None:
-        if h in w.lru:
-            w.lru.move_to_end(h)
-            return
-        w.lru[h] = None
-        self._blocks.setdefault(h, set()).add(w.reg.worker_id)
+    def _tier(self, w: _Worker, tier: Tier) -> tuple[OrderedDict[bytes, None], dict[bytes, set[str]]]:
+        """A worker's LRU order and the holders map of ``tier`` (device or host)."""
+        return (w.lru, self._blocks) if tier == Tier.DEVICE else (w.host, self._host)
 
-    def _drop(self, w: _Worker, h: bytes) -> None:
-        if h not in w.lru:
-            return
-        del w.lru[h]
-        holders = self._blocks.get(h)
-        if holders is not None:
-            holders.discard(w.reg.worker_id)
-            if not holders:
-                del self._blocks[h]
+    @staticmethod
+    def _store(lru: OrderedDict[bytes, None], blocks: dict[bytes, set[str]], wid: str, hashes: Sequence[bytes]) -> None:
+        for h in hashes:
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                holders = blocks.get(h)
+                if holders is None:
+                    blocks[h] = {wid}
+                else:
+                    holders.add(wid)
+
+    @staticmethod
+    def _remove(lru: OrderedDict[bytes, None], blocks: dict[bytes, set[str]], wid: str, hashes: Sequence[bytes]) -> None:
+        for h in hashes:
+            if h in lru:
+                del lru[h]
+                holders = blocks.get(h)
+                if holders is not None:
+                    holders.discard(wid)
+                    if not holders:
+                        del blocks[h]
 
     def _clear(self, w: _Worker) -> int:
-        n = len(w.lru)
-        for h in list(w.lru):
-            self._drop(w, h)
+        n = len(w.lru) + len(w.host)
+        wid = w.reg.worker_id
+        self._remove(w.lru, self._blocks, wid, list(w.lru))
+        self._remove(w.host, self._host, wid, list(w.host))
         return n
 
     def _cap(self, w: _Worker) -> None:
-        while len(w.lru) > w.reg.num_blocks:
-            self._drop(w, next(iter(w.lru)))
+        wid = w.reg.worker_id
+        for lru, blocks, cap in ((w.lru, self._blocks, w.reg.num_blocks), (w.host, self._host, w.reg.host_cap)):
+            excess = len(lru) - cap
+            if excess > 0:
+                it = iter(lru)
+                self._remove(lru, blocks, wid, [next(it) for _ in range(excess)])
 
     def _check_order(self, w: _Worker, epoch: int, seq: int) -> PublishResult | None:
         cur = w.reg.epoch
@@ -196,31 +218,13 @@ class MemoryIndex(BlockIndex):
                 return resync
             if w.resync:
                 return PublishResult(Action.RESYNC, FLUSHED + "; send a snapshot")
-            # NOTE: _add / _drop inlined: a busy worker sends thousands of hashes per second.
-            lru, blocks, wid = w.lru, self._blocks, w.reg.worker_id
+            wid = w.reg.worker_id
             for ev in events:
-                if isinstance(ev, BlockStored):
-                    for h in ev.block_hashes:
-                        if h in lru:
-                            lru.move_to_end(h)
-                        else:
-                            lru[h] = None
-                            holders = blocks.get(h)
-                            if holders is None:
-                                blocks[h] = {wid}
-                            else:
-                                holders.add(wid)
-                elif isinstance(ev, BlockRemoved):
-                    for h in ev.block_hashes:
-                        if h in lru:
-                            del lru[h]
-                            holders = blocks.get(h)
-                            if holders is not None:
-                                holders.discard(wid)
-                                if not holders:
-                                    del blocks[h]
-                elif isinstance(ev, AllBlocksCleared):
+                if isinstance(ev, AllBlocksCleared):
                     self._clear(w)
+                elif ev.tier in (Tier.DEVICE, Tier.HOST):  # NOTE: the disk tier is not kept (KVService counts it)
+                    lru, blocks = self._tier(w, ev.tier)
+                    (self._store if isinstance(ev, BlockStored) else self._remove)(lru, blocks, wid, ev.block_hashes)
             self._cap(w)
             w.last_seq = seq
             if load is not None:
@@ -228,7 +232,7 @@ class MemoryIndex(BlockIndex):
             return PublishResult(Action.ACK)
 
     async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int,
-                       load: Load | None = None) -> PublishResult:
+                       load: Load | None = None, host_hashes: Sequence[bytes] = ()) -> PublishResult:
         with self._lock:
             w = self._live(worker_id, now_ms)
             if epoch < w.reg.epoch:
@@ -237,20 +241,9 @@ class MemoryIndex(BlockIndex):
                 raise refuse(Refusal.SEQ_REGRESSION, worker_id, seq=seq, live=w.last_seq, snapshot=True)
             # NOTE: only the difference touches the holder sets (a resync re-sends a whole cache
             # of which most is unchanged); the new set's order is the snapshot's.
-            fresh: OrderedDict[bytes, None] = OrderedDict.fromkeys(hashes)
-            wid, blocks = w.reg.worker_id, self._blocks
-            for h in w.lru:
-                if h not in fresh:
-                    holders = blocks.get(h)
-                    if holders is not None:
-                        holders.discard(wid)
-                        if not holders:
-                            del blocks[h]
-            old = w.lru
-            for h in fresh:
-                if h not in old:
-                    blocks.setdefault(h, set()).add(wid)
-            w.lru = fresh
+            wid = w.reg.worker_id
+            w.lru = self._replace(w.lru, self._blocks, wid, hashes)
+            w.host = self._replace(w.host, self._host, wid, host_hashes)
             w.resync = False
             self._cap(w)
             if epoch != w.reg.epoch:
@@ -260,6 +253,22 @@ class MemoryIndex(BlockIndex):
                 self._set_load(w, load, now_ms)
             return PublishResult(Action.ACK)
 
+    @staticmethod
+    def _replace(old: OrderedDict[bytes, None], blocks: dict[bytes, set[str]], wid: str,
+                 hashes: Sequence[bytes]) -> OrderedDict[bytes, None]:
+        fresh: OrderedDict[bytes, None] = OrderedDict.fromkeys(hashes)
+        for h in old:
+            if h not in fresh:
+                holders = blocks.get(h)
+                if holders is not None:
+                    holders.discard(wid)
+                    if not holders:
+                        del blocks[h]
+        for h in fresh:
+            if h not in old:
+                blocks.setdefault(h, set()).add(wid)
+        return fresh
+
     async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
         with self._lock:
             live = {
@@ -267,10 +276,10 @@ class MemoryIndex(BlockIndex):
                 if w.reg.model_id == model_id and w.lease_expiry_ms > now_ms
             }
             matched = dict.fromkeys(live, 0)
-            blocks = self._blocks
+            blocks, host, n = self._blocks, self._host, len(hashes)
             if self.lookup_walk == "search":
                 first = blocks.get(hashes[0], _NOBODY) if hashes else _NOBODY
-                matched.update(search_prefixes(len(hashes), (wid for wid in first if wid in live),
+                matched.update(search_prefixes(n, (wid for wid in first if wid in live),
                                                lambda at: [blocks.get(hashes[i], _NOBODY) for i in at]))
             else:
                 candidates = set(live)
@@ -280,8 +289,24 @@ class MemoryIndex(BlockIndex):
                         break
                     for wid in candidates:
                         matched[wid] = i + 1
+            reach: dict[str, int] = {}
+            if host and hashes:
+                # NOTE: the host tier's continuation: its blocks searched from each worker's device
+                # answer on (prefix_search.continue_prefixes); nothing to search while no worker
+                # holds a host-tier block.
+                first_host = host.get(hashes[0], _NOBODY)
+                if self.lookup_walk == "search":
+                    reach = continue_prefixes(n, {w: k for w, k in matched.items() if k},
+                                              (wid for wid in first_host if wid in live),
+                                              lambda at: [host.get(hashes[i], _NOBODY) for i in at])
+                else:
+                    for wid in {w for w, k in matched.items() if k} | (first_host & live.keys()):
+                        k = matched[wid]
+                        reach[wid] = k + linear_prefix(n - k, lambda i, k=k, wid=wid: wid in host.get(
+                            hashes[k + i], _NOBODY))
             return [
-                WorkerMatch(wid, w.reg.address, matched[wid], w.load, w.reg.block_size, self._pending(w))
+                WorkerMatch(wid, w.reg.address, matched[wid], w.load, w.reg.block_size, self._pending(w),
+                            host_blocks=reach.get(wid, 0) and reach[wid] - matched[wid])
                 for wid, w in live.items()
             ]
 
@@ -303,16 +328,17 @@ class MemoryIndex(BlockIndex):
                 del w.picks[next(iter(w.picks))]
             return ReservationAnswer(True)
 
-    async def holders(self, block_hash: bytes, now_ms: int) -> list[str]:
+    async def holders(self, block_hash: bytes, now_ms: int, tier: Tier = Tier.DEVICE) -> list[str]:
         with self._lock:
+            blocks = self._blocks if tier == Tier.DEVICE else self._host
             return sorted(
-                wid for wid in self._blocks.get(block_hash, ()) if self._workers[wid].lease_expiry_ms > now_ms
+                wid for wid in blocks.get(block_hash, ()) if self._workers[wid].lease_expiry_ms > now_ms
             )
 
     async def workers(self, now_ms: int, include_expired: bool = False) -> list[WorkerInfo]:
         with self._lock:
             return [
-                WorkerInfo(w.reg, w.last_seq, len(w.lru), w.load, w.lease_expiry_ms, self._pending(w))
+                WorkerInfo(w.reg, w.last_seq, len(w.lru), w.load, w.lease_expiry_ms, self._pending(w), len(w.host))
                 for wid, w in sorted(self._workers.items())
                 if include_expired or w.lease_expiry_ms > now_ms
             ]
@@ -323,7 +349,8 @@ class MemoryIndex(BlockIndex):
             models = [
                 (spec, sum(1 for w in live if w.reg.model_id == m)) for m, spec in sorted(self._specs.items())
             ]
-            return IndexStats(len(live), len(self._blocks), sum(len(w.lru) for w in self._workers.values()), models)
+            return IndexStats(len(live), len(self._blocks), sum(len(w.lru) for w in self._workers.values()), models,
+                              len(self._host), sum(len(w.host) for w in self._workers.values()))
 
     async def model_spec(self, model_id: str) -> ModelSpec | None:
         with self._lock:

@@ -9,13 +9,16 @@ merges the answers (docs/kv-service.md "Shards").
 Key layout of one shard (all under the prefix ``kvm:{<tag>}:``; ``<tag>`` is the namespace with
 one shard, :func:`shard_tags` with more):
 
-    bh            HASH  block hash -> ",n1,n2," the holders' worker numbers (refcount = live
-                        holders; the field is deleted at 0, so HLEN = distinct blocks of the shard)
+    bh            HASH  block hash -> ",n1,n2," the worker numbers holding it on their device
+                        (refcount = live holders; the field is deleted at 0, so HLEN = distinct blocks)
+    hh            HASH  the same for the host KV tier (absent while no worker holds a host-tier block)
     wn / nw       HASH  worker id <-> its number (new at every registration)
     wseq          INT   the last worker number given out
-    l:<worker>    ZSET  the worker's blocks, score = access counter (LRU order)
-    w:<worker>    HASH  model, addr, bs, algo, nb, epoch, seq, ctr, load, lease, num, engine, pv
-                        (pv: the worker's reservation count, kept across its registrations)
+    l:<worker>    ZSET  the worker's device blocks, score = access counter (LRU order)
+    hl:<worker>   ZSET  its host-tier blocks, the same
+    w:<worker>    HASH  model, addr, bs, algo, nb, epoch, seq, ctr, load, lease, num, engine, pv, hb, hnb
+                        (pv: the worker's reservation count, kept across its registrations; hb: its host
+                        tier's blocks as registered, hnb: the index's cap on them)
     m:<model>     HASH  bs, algo (the model's registered spec)
     mw:<model>    ZSET  worker -> lease expiry (ms)
     ld:<model>    HASH  worker -> "num|block_size|load|addr" (read by every Lookup; parsed once per change;
@@ -80,6 +83,7 @@ from kvmesh.contract.types import (
     Load,
     ModelSpec,
     Pending,
+    Tier,
 )
 from kvmesh.kv_service.config import LOOKUP_WALKS, RedisStoreConfig
 from kvmesh.kv_service.index import Action, BlockIndex, IndexStats, PublishResult
@@ -101,10 +105,15 @@ def _s(raw: bytes | str | None) -> str:
     return raw.decode() if isinstance(raw, bytes) else (raw or "")
 
 
+_OPS = {(True, Tier.DEVICE): "S", (False, Tier.DEVICE): "R", (True, Tier.HOST): "HS", (False, Tier.HOST): "HR"}
+"""The publish script's op of a (stored?, tier) event."""
+
+
 def split_payload(events: list[KVCacheEvent], limit: int) -> list[list]:
-    """The publish script's payload ('S' hashes | 'R' hashes | 'C'; the hashes of one event as one
-    concatenated string) in parts of at most ``limit`` hashes each, in event order; a long event
-    is cut across parts."""
+    """The publish script's payload ('S' / 'R' hashes of the device tier, 'HS' / 'HR' of the host
+    tier, 'C'; the hashes of one event as one concatenated string) in parts of at most ``limit``
+    hashes each, in event order; a long event is cut across parts. Disk-tier events are not kept
+    (the caller counts them)."""
     parts: list[list] = []
     cur: list = []
     size = 0
@@ -112,7 +121,9 @@ def split_payload(events: list[KVCacheEvent], limit: int) -> list[list]:
         if isinstance(ev, AllBlocksCleared):
             cur.append("C")
             continue
-        op = "S" if isinstance(ev, BlockStored) else "R"
+        op = _OPS.get((isinstance(ev, BlockStored), ev.tier))
+        if op is None:
+            continue
         hashes = ev.block_hashes
         i = 0
         while i < len(hashes):
@@ -125,6 +136,11 @@ def split_payload(events: list[KVCacheEvent], limit: int) -> list[list]:
             i += len(chunk)
     parts.append(cur)
     return parts
+
+
+def _by_worker(groups: list) -> dict[bytes, Any]:
+    """lookup.lua's {k, "num,num,...", ...} as worker number -> k."""
+    return {num: k for i in range(0, len(groups), 2) for k in (groups[i],) for num in groups[i + 1].split(b",")}
 
 
 def _split_info(raw: bytes | None) -> tuple[bytes, str, str, str]:
@@ -647,7 +663,7 @@ class RedisIndex(BlockIndex):
             raise self._spec_error(reg, *other)
         res = await self._call(
             "register", reg.worker_id, reg.address, reg.model_id, reg.block_size, reg.hash_algorithm,
-            reg.num_blocks, reg.epoch, now_ms, lease_ttl_ms, reg.engine,
+            reg.num_blocks, reg.epoch, now_ms, lease_ttl_ms, reg.engine, reg.host_blocks, reg.host_cap,
         )
         code = _s(res[0])
         if code == "SPEC":
@@ -708,10 +724,12 @@ class RedisIndex(BlockIndex):
                                    split_payload(events, self.max_blocks_per_call), load)
 
     async def snapshot(self, worker_id: str, epoch: int, seq: int, hashes: list[bytes], now_ms: int,
-                       load: Load | None = None) -> PublishResult:
-        n = self.max_blocks_per_call
-        parts = [[b"".join(hashes[i:i + n])] for i in range(0, len(hashes), n)] or [[]]
-        return await self._publish(worker_id, epoch, seq, now_ms, True, parts, load)
+                       load: Load | None = None, host_hashes: Sequence[bytes] = ()) -> PublishResult:
+        events: list[KVCacheEvent] = [BlockStored(hashes)]
+        if host_hashes:
+            events.append(BlockStored(list(host_hashes), tier=Tier.HOST))
+        return await self._publish(worker_id, epoch, seq, now_ms, True,
+                                   split_payload(events, self.max_blocks_per_call), load)
 
     # -- lookup ----------------------------------------------------------------------------
     async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
@@ -723,8 +741,9 @@ class RedisIndex(BlockIndex):
         out: list[WorkerMatch] = []
         txs = [(k, self._lookup_tx(k, model_id, chain, now_ms)) for k in range(self.shards)]
         cache = self._matches
-        for pairs, live, infos, pending in await self._read(txs):
-            matched = {num: k for i in range(0, len(pairs), 2) for k in (pairs[i],) for num in pairs[i + 1].split(b",")}
+        for (pairs, upairs), live, infos, pending in await self._read(txs):
+            matched = _by_worker(pairs)
+            reach = _by_worker(upairs) if upairs else None
             info, picks = _as_map(infos), _as_map(pending)
             # NOTE: a worker's answer with 0 blocks is kept per (entry, picks) string pair: with 128
             # workers, rebuilding each answer was most of a Lookup's time in this process.
@@ -737,7 +756,11 @@ class RedisIndex(BlockIndex):
                         cache.clear()  # workers that left
                     c = cache[raw] = (entry, pick, WorkerMatch(wid, addr, 0, load, bs, _pending(pick)), num)
                 k = matched.get(c[3]) if matched and c[3] else None
-                out.append(c[2]._replace(matched_blocks=int(k)) if k else c[2])
+                u = reach.get(c[3]) if reach and c[3] else None
+                if u and int(u) > int(k or 0):
+                    out.append(c[2]._replace(matched_blocks=int(k or 0), host_blocks=int(u) - int(k or 0)))
+                else:
+                    out.append(c[2]._replace(matched_blocks=int(k)) if k else c[2])
         return out
 
     def _lookup_tx(self, shard: int, model_id: str, chain: bytes, now_ms: int) -> Tx:
@@ -751,17 +774,20 @@ class RedisIndex(BlockIndex):
 
     async def _lookup_linear(self, model_id: str, chain: bytes, now_ms: int) -> list[WorkerMatch]:
         """The walk and reply of before the search (lua/lookup_linear.lua): the benchmarks' baseline."""
-        live, pairs, pending, infos = [], [], [], []
+        live, pairs, pending, infos, upairs = [], [], [], [], []
         sha = self._scripts["lookup_linear"][0]
-        for shard_live, shard_pairs, shard_pending, shard_infos in await self._read(
+        for shard_live, shard_pairs, shard_pending, shard_infos, shard_upairs in await self._read(
                 [(k, (self._eval_lookup, sha, 1, self._keys[k], self.prefixes[k], model_id, now_ms, HASH_LEN, chain))
                  for k in range(self.shards)]):
             live += shard_live
             pairs += shard_pairs
             pending += shard_pending
             infos += shard_infos
+            upairs += shard_upairs
         matched = {pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
-        return [WorkerMatch(wid, addr, matched.get(raw, 0), load, bs, _pending(p))
+        reach = {upairs[i]: int(upairs[i + 1]) for i in range(0, len(upairs), 2)}
+        return [WorkerMatch(wid, addr, matched.get(raw, 0), load, bs, _pending(p),
+                            host_blocks=max(0, reach.get(raw, 0) - matched.get(raw, 0)))
                 for raw, p, info in zip(live, pending, infos, strict=True)
                 for wid, addr, bs, load, _ in (self._parse_info(raw, info),)]
 
@@ -877,33 +903,35 @@ class RedisIndex(BlockIndex):
         return parsed
 
     # -- admin -----------------------------------------------------------------------------
-    async def holders(self, block_hash: bytes, now_ms: int) -> list[str]:
-        found = await self._each("admin", "holders", block_hash, now_ms)
+    async def holders(self, block_hash: bytes, now_ms: int, tier: Tier = Tier.DEVICE) -> list[str]:
+        found = await self._each("admin", "holders", block_hash, now_ms, "h" if tier == Tier.HOST else "")
         return sorted(_s(w) for ws in found for w in ws)
 
     async def workers(self, now_ms: int, include_expired: bool = False) -> list[WorkerInfo]:
         out = []
         for flat in await self._each("admin", "workers"):
-            for k in range(0, len(flat), 13):
-                wid, model, addr, bs, algo, nb, epoch, seq, load, lease, engine, pending, blocks = flat[k:k + 13]
+            for k in range(0, len(flat), 15):
+                (wid, model, addr, bs, algo, nb, epoch, seq, load, lease, engine, hb, pending, blocks,
+                 host_blocks) = flat[k:k + 15]
                 reg = Registration(_s(wid), _s(addr), _s(model), int(bs), _s(algo), int(nb), int(epoch),
-                                   _s(engine) or "kvmesh")
+                                   _s(engine) or "kvmesh", int(hb or 0))
                 info = WorkerInfo(reg, int(seq), int(blocks), Load.decode(_s(load)), int(float(lease)),
-                                  _pending(pending))
+                                  _pending(pending), int(host_blocks))
                 if include_expired or info.live(now_ms):
                     out.append(info)
         return sorted(out, key=lambda i: i.registration.worker_id)
 
-    async def _distinct_blocks(self) -> int:
-        """Blocks held by any worker. A block held on two shards is one block: with shards, the
-        shards' block hashes are read (HSCAN, 4096 a call) and counted once; an admin call."""
+    async def _distinct_blocks(self, key: str = "bh") -> int:
+        """Blocks held by any worker (``key``: ``bh``, on a device; ``hh``, in a host tier). A block
+        held on two shards is one block: with shards, the shards' block hashes are read (HSCAN, 4096 a
+        call) and counted once; an admin call."""
         if self.shards == 1:
-            return int((await self._round([(0, ("HLEN", self.prefix + "bh"))]))[0] or 0)
+            return int((await self._round([(0, ("HLEN", self.prefix + key))]))[0] or 0)
         seen: set[bytes] = set()
         cursors: dict[int, bytes] = dict.fromkeys(range(self.shards), b"0")
         while cursors:
             shards = list(cursors)
-            pages = await self._round([(k, ("HSCAN", self.prefixes[k] + "bh", cursors[k], "COUNT", 4096))
+            pages = await self._round([(k, ("HSCAN", self.prefixes[k] + key, cursors[k], "COUNT", 4096))
                                        for k in shards])
             for k, (cursor, flat) in zip(shards, pages, strict=True):
                 seen.update(flat[0::2])
@@ -916,6 +944,7 @@ class RedisIndex(BlockIndex):
     async def stats(self, now_ms: int) -> IndexStats:
         infos = await self.workers(now_ms, include_expired=True)
         nblocks = await self._distinct_blocks()
+        nhost = await self._distinct_blocks("hh")
         live = [i for i in infos if i.live(now_ms)]
         models: dict[str, ModelSpec] = {}
         for i in infos:
@@ -926,6 +955,8 @@ class RedisIndex(BlockIndex):
             nblocks,
             sum(i.blocks_indexed for i in infos),
             [(spec, sum(1 for i in live if i.registration.model_id == m)) for m, spec in sorted(models.items())],
+            nhost,
+            sum(i.host_blocks_indexed for i in infos),
         )
 
     async def model_spec(self, model_id: str) -> ModelSpec | None:

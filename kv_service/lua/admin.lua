@@ -1,9 +1,10 @@
 -- ARGV: pre, op, ... (one shard of the index: store_redis.py asks every shard and merges)
---   holders h now         -> live holder ids on this shard
+--   holders h now tier    -> live holder ids on this shard, of the device tier ('') or the host tier ('h')
 --   flush wid             -> {'OK', n} | {'NOT_FOUND'}; the worker then owes a snapshot ('resync')
 --   reap now              -> number of workers removed
 --   workers               -> per registered worker: wid, model, addr, bs, algo, nb, epoch, seq, load,
---                            lease, engine, pending picks, blocks indexed (13 values each, flat)
+--                            lease, engine, host blocks declared, pending picks, device blocks indexed,
+--                            host blocks indexed (15 values each, flat)
 --   pending model         -> the model's workers' pending picks here: wid, "picks,prefill,blocks,version", ...
 --   spec model            -> {bs, algo, the latest lease of its workers here (0: none)} | {}
 --   livespec model now wid -> {bs, algo} if a worker of the model other than wid is live here | {}
@@ -12,7 +13,7 @@ local op = ARGV[2]
 if op == 'holders' then
   local now = tonumber(ARGV[4])
   local out = {}
-  local v = redis.call('HGET', BH, ARGV[3])
+  local v = redis.call('HGET', ARGV[5] == 'h' and HH or BH, ARGV[3])
   if v then
     for num in string.gmatch(v, '(%d+)') do
       local wid = redis.call('HGET', pre .. 'nw', num)
@@ -41,12 +42,13 @@ elseif op == 'workers' then
   local out = {}
   for _, wid in ipairs(redis.call('ZRANGE', pre .. 'workers', 0, -1)) do
     local h = redis.call('HMGET', pre .. 'w:' .. wid, 'model', 'addr', 'bs', 'algo', 'nb', 'epoch', 'seq', 'load', 'lease',
-      'engine')
+      'engine', 'hb')
     if h[1] then
       out[#out + 1] = wid
-      for i = 1, 10 do out[#out + 1] = h[i] or '' end
+      for i = 1, 11 do out[#out + 1] = h[i] or '' end
       out[#out + 1] = redis.call('HGET', pre .. 'pd:' .. h[1], wid) or ''
       out[#out + 1] = redis.call('ZCARD', pre .. 'l:' .. wid)
+      out[#out + 1] = redis.call('ZCARD', pre .. 'hl:' .. wid)
     end
   end
   return out

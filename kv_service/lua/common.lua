@@ -4,6 +4,8 @@
 -- one shard (its home): its events are one script there; Lookup runs on every shard.
 local pre = ARGV[1]
 local BH = pre .. 'bh'
+-- The host KV tier's holders, as BH holds the device's (a worker holding a block in both tiers is in both).
+local HH = pre .. 'hh'
 
 -- NOTE: the holders of every block live in ONE hash, field = block hash, value = ",n1,n2,"
 -- (the holders' worker numbers). A batch of blocks is then one HMGET + one HSET/HDEL instead
@@ -23,12 +25,18 @@ local function split_hashes(blob)
   return t
 end
 
--- Adds worker `num` to the holders of hashes[first..last].
-local function hold(num, hashes, first, last)
+-- A tier's keys: the holders hash and the worker's LRU order ('l:' device, 'hl:' host).
+local function tier_keys(wid, host)
+  if host then return HH, pre .. 'hl:' .. wid end
+  return BH, pre .. 'l:' .. wid
+end
+
+-- Adds worker `num` to the holders (in hash `bh`) of hashes[first..last].
+local function hold(bh, num, hashes, first, last)
   local tag = ',' .. num .. ','
   for c = first, last, CHUNK do
     local e = math.min(last, c + CHUNK - 1)
-    local cur = redis.call('HMGET', BH, unpack(hashes, c, e))
+    local cur = redis.call('HMGET', bh, unpack(hashes, c, e))
     local args = {}
     for i = c, e do
       local v = cur[i - c + 1]
@@ -40,16 +48,16 @@ local function hold(num, hashes, first, last)
         args[#args + 1] = v .. num .. ','
       end
     end
-    if #args > 0 then redis.call('HSET', BH, unpack(args)) end
+    if #args > 0 then redis.call('HSET', bh, unpack(args)) end
   end
 end
 
--- Removes worker `num` from the holders of hashes[first..last] (absent ones are ignored).
-local function unhold(num, hashes, first, last)
+-- Removes worker `num` from the holders (in hash `bh`) of hashes[first..last] (absent ones are ignored).
+local function unhold(bh, num, hashes, first, last)
   local tag = ',' .. num .. ','
   for c = first, last, CHUNK do
     local e = math.min(last, c + CHUNK - 1)
-    local cur = redis.call('HMGET', BH, unpack(hashes, c, e))
+    local cur = redis.call('HMGET', bh, unpack(hashes, c, e))
     local sets, dels = {}, {}
     for i = c, e do
       local v = cur[i - c + 1]
@@ -66,23 +74,29 @@ local function unhold(num, hashes, first, last)
         end
       end
     end
-    if #sets > 0 then redis.call('HSET', BH, unpack(sets)) end
-    if #dels > 0 then redis.call('HDEL', BH, unpack(dels)) end
+    if #sets > 0 then redis.call('HSET', bh, unpack(sets)) end
+    if #dels > 0 then redis.call('HDEL', bh, unpack(dels)) end
   end
 end
 
+-- Drops every block of the worker in both tiers; returns how many (block, tier) entries.
 local function clear_worker(wid, num)
-  local lkey = pre .. 'l:' .. wid
-  local members = redis.call('ZRANGE', lkey, 0, -1)
-  unhold(num, members, 1, #members)
-  redis.call('DEL', lkey)
-  return #members
+  local n = 0
+  for _, host in ipairs({false, true}) do
+    local bh, lkey = tier_keys(wid, host)
+    local members = redis.call('ZRANGE', lkey, 0, -1)
+    unhold(bh, num, members, 1, #members)
+    redis.call('DEL', lkey)
+    n = n + #members
+  end
+  return n
 end
 
--- Stores hashes[first..last] (oldest first) as the worker's most recently used blocks.
-local function add_blocks(wid, num, hashes, first, last)
+-- Stores hashes[first..last] (oldest first) as the worker's most recently used blocks of a tier
+-- (host: its host tier; else its device).
+local function add_blocks(wid, num, hashes, first, last, host)
   if last < first then return end
-  local lkey = pre .. 'l:' .. wid
+  local bh, lkey = tier_keys(wid, host)
   local base = redis.call('HINCRBY', pre .. 'w:' .. wid, 'ctr', last - first + 1) - (last - first)
   for c = first, last, CHUNK do
     local args = {}
@@ -92,27 +106,30 @@ local function add_blocks(wid, num, hashes, first, last)
     end
     redis.call('ZADD', lkey, unpack(args))
   end
-  hold(num, hashes, first, last)
+  hold(bh, num, hashes, first, last)
 end
 
--- Removes hashes[first..last] from the worker (those it does not hold are ignored).
-local function drop_blocks(wid, num, hashes, first, last)
+-- Removes hashes[first..last] from a tier of the worker (those it does not hold are ignored).
+local function drop_blocks(wid, num, hashes, first, last, host)
   if last < first then return end
-  local lkey = pre .. 'l:' .. wid
+  local bh, lkey = tier_keys(wid, host)
   for c = first, last, CHUNK do
     redis.call('ZREM', lkey, unpack(hashes, c, math.min(last, c + CHUNK - 1)))
   end
-  unhold(num, hashes, first, last)
+  unhold(bh, num, hashes, first, last)
 end
 
-local function cap_worker(wid, num, nb)
-  local lkey = pre .. 'l:' .. wid
-  local excess = redis.call('ZCARD', lkey) - nb
-  if excess > 0 then
-    local popped = redis.call('ZPOPMIN', lkey, excess)
-    local members = {}
-    for i = 1, #popped, 2 do members[#members + 1] = popped[i] end
-    unhold(num, members, 1, #members)
+-- Evicts the least recently stored blocks of each tier past its cap (nb: device, hnb: host).
+local function cap_worker(wid, num, nb, hnb)
+  for _, tier in ipairs({{false, nb}, {true, hnb}}) do
+    local bh, lkey = tier_keys(wid, tier[1])
+    local excess = redis.call('ZCARD', lkey) - tier[2]
+    if excess > 0 then
+      local popped = redis.call('ZPOPMIN', lkey, excess)
+      local members = {}
+      for i = 1, #popped, 2 do members[#members + 1] = popped[i] end
+      unhold(bh, num, members, 1, #members)
+    end
   end
 end
 
@@ -133,9 +150,11 @@ local function remove_worker(wid, model, num)
   end
 end
 
--- Returns {epoch, seq, lease, nb, model, addr, bs, num} if the worker is live, or an error reply.
+-- Returns {epoch, seq, lease, nb, model, addr, bs, num, hnb} if the worker is live, or an error reply
+-- (hnb: its host tier's cap; false for a worker registered before tiers).
 local function live_worker(wid, now)
-  local w = redis.call('HMGET', pre .. 'w:' .. wid, 'epoch', 'seq', 'lease', 'nb', 'model', 'addr', 'bs', 'num')
+  local w = redis.call('HMGET', pre .. 'w:' .. wid, 'epoch', 'seq', 'lease', 'nb', 'model', 'addr', 'bs', 'num',
+    'hnb')
   if not w[1] or tonumber(w[3]) <= now then
     return nil, {'NOT_FOUND', wid}
   end

@@ -1,7 +1,8 @@
 -- ARGV: pre, wid, epoch, seq, now, snapshot(0/1), part, last(0/1), load ('' = unchanged), cover
---   (the picks the load covers, common.lua cover_picks; '' = none), then
---   snapshot: one string of hashes (oldest first);
---   events:   a sequence of 'S' hashes | 'R' hashes | 'C' (hashes: one string, split_hashes).
+--   (the picks the load covers, common.lua cover_picks; '' = none), then a sequence of
+--   'S' hashes | 'R' hashes (the device tier) | 'HS' hashes | 'HR' hashes (the host tier) | 'C' (both)
+--   (hashes: one string, split_hashes). A snapshot clears the worker at part 0 and stores its blocks
+--   ('S', 'HS', each oldest first).
 -- NOTE: one batch may come in parts 0..k (store_redis.py bounds the hashes per call, so Redis is
 -- never busy with one batch for long while Lookups wait). Part 0 checks the order (a snapshot
 -- also clears the worker and adopts the epoch); a later part applies only if the worker's pending
@@ -36,28 +37,25 @@ else
     return {'RESYNC', 'part ' .. ARGV[7] .. ' of batch ' .. ARGV[4] .. ' arrived out of order'}
   end
 end
-if snapshot then
-  local hashes = split_hashes(ARGV[11] or '')
-  add_blocks(wid, num, hashes, 1, #hashes)
-else
-  local i = 11
-  while i <= #ARGV do
-    local op = ARGV[i]
-    if op == 'C' then
-      clear_worker(wid, num)
-      i = i + 1
+local i = 11
+while i <= #ARGV do
+  local op = ARGV[i]
+  if op == 'C' then
+    clear_worker(wid, num)
+    i = i + 1
+  else
+    local hashes = split_hashes(ARGV[i + 1])
+    local host = op == 'HS' or op == 'HR'
+    if op == 'S' or op == 'HS' then
+      add_blocks(wid, num, hashes, 1, #hashes, host)
     else
-      local hashes = split_hashes(ARGV[i + 1])
-      if op == 'S' then
-        add_blocks(wid, num, hashes, 1, #hashes)
-      else
-        drop_blocks(wid, num, hashes, 1, #hashes)
-      end
-      i = i + 2
+      drop_blocks(wid, num, hashes, 1, #hashes, host)
     end
+    i = i + 2
   end
 end
-cap_worker(wid, num, tonumber(w[4]))
+-- NOTE: a worker registered before tiers has no host cap: 8 x its device's (index_protocol.UNDECLARED_HOST_FACTOR).
+cap_worker(wid, num, tonumber(w[4]), tonumber(w[9]) or 8 * tonumber(w[4]))
 if last then
   redis.call('HSET', wkey, 'seq', ARGV[4])
   redis.call('HDEL', wkey, 'pseq', 'ppart')

@@ -123,12 +123,15 @@ def workers(args: argparse.Namespace) -> int:
     def go():
         r = _client(args).workers(include_expired=args.all)
         data = _as_dict(r)["workers"]
+        # NOTE: blocks per tier: on the device (capacity: num_blocks) and in the host tier (capacity as
+        # registered; - = none declared)
         rows = [[d["worker_id"], d.get("engine") or "kvmesh", d["address"], d["model_id"], d["blocks_indexed"],
-                 d["num_blocks"], d["load"]["num_running"], d["load"]["num_waiting"],
+                 d["num_blocks"], d.get("host_blocks_indexed", 0), d.get("host_blocks") or "-",
+                 d["load"]["num_running"], d["load"]["num_waiting"],
                  d.get("pending", {}).get("requests", 0), d["lease_remaining_ms"], "yes" if d["live"] else "no"]
                 for d in data]
-        return data, _table(rows, ["worker", "engine", "address", "model", "blocks", "capacity", "running", "waiting",
-                                   "picked", "lease_ms", "live"])
+        return data, _table(rows, ["worker", "engine", "address", "model", "blocks", "capacity", "host_blocks",
+                                   "host_capacity", "running", "waiting", "picked", "lease_ms", "live"])
 
     return _call(args, go)
 
@@ -156,8 +159,10 @@ def block(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"block hash must be hex, got {args.block_hash!r}") from None
         r = _client(args).block(raw)
-        data = {"block_hash": args.block_hash, "refcount": r.refcount, "holders": list(r.holders)}
-        return data, _table([[args.block_hash, r.refcount, ",".join(r.holders) or "-"]], ["block", "refcount", "holders"])
+        data = {"block_hash": args.block_hash, "refcount": r.refcount, "holders": list(r.holders),
+                "host_holders": list(r.host_holders)}
+        return data, _table([[args.block_hash, r.refcount, ",".join(r.holders) or "-", ",".join(r.host_holders) or "-"]],
+                            ["block", "refcount", "holders", "host_holders"])
 
     return _call(args, go)
 
@@ -230,12 +235,12 @@ def lookup(args: argparse.Namespace) -> int:
         data = {"model_id": model_id, "num_tokens": len(ids)} | _as_dict(r)
         for w in data["workers"]:
             w["matched_tokens"] = w["matched_blocks"] * r.block_size
-        rows = [[w["worker_id"], w["address"], w["matched_blocks"], w["matched_tokens"], w["load"]["num_running"],
-                 w["load"]["num_waiting"]] for w in data["workers"]]
+        rows = [[w["worker_id"], w["address"], w["matched_blocks"], w["matched_tokens"], w["host_blocks"],
+                 w["load"]["num_running"], w["load"]["num_waiting"]] for w in data["workers"]]
         if not r.block_size:
             return data, f"no live worker serves model {model_id!r}"
         text = f"{len(ids)} tokens, {r.num_blocks_queried} full blocks of {r.block_size}\n"
-        return data, text + _table(rows, ["worker", "address", "blocks", "tokens", "running", "waiting"])
+        return data, text + _table(rows, ["worker", "address", "blocks", "tokens", "host_blocks", "running", "waiting"])
 
     return _call(args, go)
 

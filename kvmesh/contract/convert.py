@@ -85,6 +85,7 @@ def load_to_pb(load: Load) -> common_pb2.WorkerLoad:
         decode_context_tokens_total=load.decode_context_tokens, max_num_batched_tokens=load.max_num_batched_tokens,
         admitted_request_ids=load.admitted, reports_admissions=load.reports_admissions,
         cache_block_tokens=load.cache_block_tokens,
+        host_loaded_blocks_total=load.host_loaded_blocks, host_load_seconds=load.host_load_s,
     )
 
 
@@ -92,7 +93,8 @@ def load_from_pb(m: common_pb2.WorkerLoad) -> Load:
     return Load(m.num_running, m.num_waiting, m.num_free_blocks, m.num_total_blocks, m.queued_prefill_tokens,
                 m.busy_seconds, m.steps_total, m.prefill_tokens_total, m.prefill_attention_pairs_total,
                 m.decode_tokens_total, m.decode_context_tokens_total, m.max_num_batched_tokens,
-                tuple(m.admitted_request_ids), m.reports_admissions, m.cache_block_tokens)
+                tuple(m.admitted_request_ids), m.reports_admissions, cache_block_tokens=m.cache_block_tokens,
+                host_loaded_blocks=m.host_loaded_blocks_total, host_load_s=m.host_load_seconds)
 
 
 def pending_to_pb(p: Pending) -> kv_pb.PendingPicks:
@@ -121,13 +123,14 @@ def algorithm_from_pb(value: int) -> str:
 def registration_to_pb(r: Registration) -> kv_pb.RegisterWorkerRequest:
     return kv_pb.RegisterWorkerRequest(worker_id=r.worker_id, address=r.address, model_id=r.model_id,
                                        block_size=r.block_size, hash_algorithm=algorithm_to_pb(r.hash_algorithm),
-                                       num_blocks=r.num_blocks, epoch=r.epoch, engine=r.engine)
+                                       num_blocks=r.num_blocks, epoch=r.epoch, engine=r.engine,
+                                       host_blocks=r.host_blocks)
 
 
 def registration_from_pb(m: kv_pb.RegisterWorkerRequest) -> Registration:
     """Raises InvalidArgument for an unset or unknown hash algorithm (the kv_service checks the rest)."""
     return Registration(m.worker_id, m.address, m.model_id, m.block_size, algorithm_from_pb(m.hash_algorithm),
-                        m.num_blocks, m.epoch, m.engine or "kvmesh")
+                        m.num_blocks, m.epoch, m.engine or "kvmesh", m.host_blocks)
 
 
 def worker_info_to_pb(info: WorkerInfo, now_ms: int) -> kv_pb.WorkerInfo:
@@ -138,7 +141,7 @@ def worker_info_to_pb(info: WorkerInfo, now_ms: int) -> kv_pb.WorkerInfo:
         hash_algorithm=algorithm_to_pb(r.hash_algorithm), num_blocks=r.num_blocks, epoch=r.epoch,
         last_seq=info.last_seq, blocks_indexed=info.blocks_indexed, load=load_to_pb(info.load),
         lease_remaining_ms=info.lease_expiry_ms - now_ms, live=info.live(now_ms), engine=r.engine,
-        pending=pending_to_pb(info.pending),
+        pending=pending_to_pb(info.pending), host_blocks=r.host_blocks, host_blocks_indexed=info.host_blocks_indexed,
     )
 
 
@@ -146,14 +149,14 @@ def worker_info_from_pb(m: kv_pb.WorkerInfo, now_ms: int) -> WorkerInfo:
     """The lease ends ``lease_remaining_ms`` after ``now_ms`` on the receiver's clock. A hash algorithm
     this side does not know reads as ""."""
     reg = Registration(m.worker_id, m.address, m.model_id, m.block_size, PB_TO_ALGO.get(m.hash_algorithm, ""),
-                       m.num_blocks, m.epoch, m.engine or "kvmesh")
+                       m.num_blocks, m.epoch, m.engine or "kvmesh", m.host_blocks)
     return WorkerInfo(reg, m.last_seq, m.blocks_indexed, load_from_pb(m.load), now_ms + m.lease_remaining_ms,
-                      pending_from_pb(m.pending) if m.HasField("pending") else NO_PENDING)
+                      pending_from_pb(m.pending) if m.HasField("pending") else NO_PENDING, m.host_blocks_indexed)
 
 
 def match_from_pb(m: kv_pb.WorkerMatch) -> WorkerMatch:
     return WorkerMatch(m.worker_id, m.address, m.matched_blocks, load_from_pb(m.load), m.block_size,
-                       pending_from_pb(m.pending) if m.HasField("pending") else NO_PENDING, m.pending_blocks)
+                       pending_from_pb(m.pending) if m.HasField("pending") else NO_PENDING, m.pending_blocks, m.host_blocks)
 
 
 def reservation_to_pb(r: Reservation) -> kv_pb.ReserveRequest:

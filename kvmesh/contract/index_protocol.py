@@ -40,6 +40,22 @@ class Registration:
     epoch: int
     engine: str = "kvmesh"
     """What serves the worker's requests: kvmesh, vllm or sglang (a bridge registers those)."""
+    host_blocks: int = 0
+    """Blocks of its host KV tier (docs/engine.md, Host KV tier): the index's cap on what it keeps of
+    that tier for the worker, as ``num_blocks`` caps the device's. 0 = not declared (no tier, or an
+    engine behind a bridge whose tier kvmesh cannot size): the index caps it at
+    ``UNDECLARED_HOST_FACTOR`` x ``num_blocks``."""
+
+    @property
+    def host_cap(self) -> int:
+        """The most host-tier blocks the index keeps for the worker."""
+        return self.host_blocks or UNDECLARED_HOST_FACTOR * self.num_blocks
+
+
+UNDECLARED_HOST_FACTOR = 8
+"""A worker that declares no host tier but reports host-tier blocks (a bridged vLLM with CPU
+offloading) has them capped at this many times its device blocks: the cap only bounds the index when
+removal events were lost, and vLLM's CPU tier is sized in GiB the bridge cannot read."""
 
 
 @dataclass(slots=True)
@@ -49,11 +65,14 @@ class WorkerInfo:
     registration: Registration
     last_seq: int
     blocks_indexed: int
+    """Blocks the index holds for the worker on its device tier."""
     load: Load
     lease_expiry_ms: int
     """When the lease ends, on the clock of whoever holds the record (the index's; a client's
     copy is its receipt time plus the lease remaining on the wire)."""
     pending: Pending = NO_PENDING
+    host_blocks_indexed: int = 0
+    """Blocks the index holds for the worker in its host tier."""
 
     def live(self, now_ms: int) -> bool:
         return self.lease_expiry_ms > now_ms
@@ -65,7 +84,7 @@ class WorkerMatch(NamedTuple):
     worker_id: str
     address: str
     matched_blocks: int
-    """Leading blocks of the asked chain the worker holds."""
+    """Leading blocks of the asked chain the worker holds on its device (docs/kv-service.md, "Lookup")."""
     load: Load
     block_size: int = 0
     pending: Pending = NO_PENDING
@@ -73,6 +92,9 @@ class WorkerMatch(NamedTuple):
     pending_blocks: int = 0
     """Leading blocks of the asked chain that a pick reserved on the worker will hold once prefilled
     (the routers' speculative maps, shared: kv_service/pending_prefixes.py)."""
+    host_blocks: int = 0
+    """How far the worker's host tier continues the device prefix: the longest prefix it holds in
+    device or host memory, less ``matched_blocks`` (blocks it would load back, not recompute)."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -30,6 +30,9 @@ MAX_CACHE_SALT_CHARS = 1024
 MAX_EXTRA_KEYS_CHARS = 1024
 MAX_CHAIN_BLOCKS = 65_536
 """Block hashes in one Lookup (and in one event or snapshot message)."""
+MAX_SNAPSHOT_HOST_BLOCKS = 1 << 20
+"""Host-tier block hashes in one snapshot message (a host tier is several times the device pool; 2**20
+hashes are ~18 MiB on the wire). A worker with a larger tier snapshots its most recent ones."""
 MAX_TOKEN_ID = 2**31
 """Token ids are hashed as int32 (docs/block-hashing.md): every id must be below this."""
 MAX_STOP_TOKEN_IDS = 1024

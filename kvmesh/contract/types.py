@@ -7,7 +7,7 @@ protobuf messages and back.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Literal
 
@@ -127,6 +127,12 @@ class Load:
     """Tokens in one of the engine's own KV blocks when it reuses a prefix in coarser steps than the
     index's blocks (a bridged vLLM's 32 over kvmesh's 16); 0 = the index's block size. The miss audit
     (router/core/audit.py) caps a prediction at what such an engine can reuse."""
+    host_loaded_blocks: int = 0
+    """Blocks loaded back from the host KV tier (host -> device), cumulative."""
+    host_load_s: float = 0.0
+    """Seconds those loads took (modelled seconds on a simulated worker), cumulative; part of
+    ``busy_s``. A router learns the worker's seconds per loaded block from the two
+    (router/core/policies/cost.py)."""
 
     def queue_state(self) -> tuple[int, int, int]:
         """What routing reads of the worker's state: (running, waiting, queued prefill tokens); a
@@ -134,14 +140,14 @@ class Load:
         return self.num_running, self.num_waiting, self.queued_prefill_tokens
 
     def encode(self) -> str:
-        # NOTE: comma-separated, in field order; decode() reads strings of older workers (the first
-        # five fields only) too.
-        return (
-            f"{self.num_running},{self.num_waiting},{self.num_free_blocks},"
-            f"{self.num_total_blocks},{self.queued_prefill_tokens},{self.busy_s!r},{self.steps},"
-            f"{self.prefill_tokens},{self.prefill_pairs},{self.decode_tokens},{self.decode_context_tokens},"
-            f"{self.max_num_batched_tokens}" + (f",{self.cache_block_tokens}" if self.cache_block_tokens else "")
-        )
+        # NOTE: comma-separated, in the order of _ENCODED, the trailing fields left out while they hold
+        # their defaults: a worker without the newer fields stores what it stored before them, and
+        # decode() reads the strings of older workers (the first five fields only) too.
+        values = [getattr(self, name) for name, _ in _ENCODED]
+        n = len(values)
+        while n > _ALWAYS_ENCODED and not values[n - 1]:
+            n -= 1
+        return ",".join(repr(v) if isinstance(v, float) else str(v) for v in values[:n])
 
     @classmethod
     def decode(cls, raw: str | bytes | None) -> Load:
@@ -149,9 +155,18 @@ class Load:
             return cls()
         if isinstance(raw, bytes):
             raw = raw.decode()
-        parts = raw.split(",")
-        load = cls(*(float(x) if i == 5 else int(x) for i, x in enumerate(parts[:12])))
-        return replace(load, cache_block_tokens=int(parts[12])) if len(parts) > 12 else load
+        return cls(**{name: kind(x) for (name, kind), x in zip(_ENCODED, raw.split(","), strict=False)})
+
+
+_ENCODED: tuple[tuple[str, type], ...] = (
+    ("num_running", int), ("num_waiting", int), ("num_free_blocks", int), ("num_total_blocks", int),
+    ("queued_prefill_tokens", int), ("busy_s", float), ("steps", int), ("prefill_tokens", int),
+    ("prefill_pairs", int), ("decode_tokens", int), ("decode_context_tokens", int),
+    ("max_num_batched_tokens", int), ("cache_block_tokens", int), ("host_loaded_blocks", int),
+    ("host_load_s", float))
+"""The fields :meth:`Load.encode` writes, in order (the kv_service's stored form)."""
+_ALWAYS_ENCODED = 12
+"""Fields every stored load has (those before the miss audit's and the host tier's)."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -39,6 +39,8 @@ class Message:
     snapshot: list[bytes] | None = None
     """The worker's cached blocks, oldest first: the message replaces the worker's set (no events)."""
     load: Load | None = None
+    host_snapshot: list[bytes] = field(default_factory=list)
+    """With ``snapshot``: the blocks of the worker's host KV tier, oldest first."""
 
 
 class EventBatcher:
@@ -113,11 +115,13 @@ class EventBatcher:
         self._queued.clear()
         return self._stamp(now, Message(0, events, None, load))
 
-    def take_snapshot(self, now: float, hashes: list[bytes], load: Load | None = None) -> Message:
-        """The snapshot owed (or wanted at once): it replaces every queued event."""
+    def take_snapshot(self, now: float, hashes: list[bytes], load: Load | None = None,
+                      host_hashes: list[bytes] | None = None) -> Message:
+        """The snapshot owed (or wanted at once): it replaces every queued event. ``hashes`` are the
+        device's blocks, ``host_hashes`` the host tier's (each oldest first)."""
         self.need_snapshot = False
         self._queued.clear()
-        return self._stamp(now, Message(0, [], hashes, load if self.load_reports else None))
+        return self._stamp(now, Message(0, [], hashes, load if self.load_reports else None, host_hashes or []))
 
     def _stamp(self, now: float, msg: Message) -> Message:
         self.seq += 1

@@ -66,8 +66,8 @@ class KVPublisher:
         self.epoch = time.time_ns() // 1000  # microseconds: < 2**53, new on every start
         self.lease_ttl_s = 10.0
         self.batcher = EventBatcher()
-        self._snapshot: list[bytes] | None = None
-        """The snapshot the event source took, to go out next."""
+        self._snapshot: tuple[list[bytes], list[bytes]] | None = None
+        """The snapshot the event source took (device, host tier), to go out next."""
         self._stream_gen = 0
         """The live stream's number: a dead stream's request iterator ends instead of taking a
         message meant for the next one."""
@@ -100,9 +100,10 @@ class KVPublisher:
             self._cond.notify_all()
         self.wake_engine()
 
-    def publish_snapshot(self, hashes: list[bytes]) -> None:
+    def publish_snapshot(self, hashes: list[bytes], host_hashes: list[bytes] | None = None) -> None:
+        """The event source's whole cache: its device blocks and its host tier's (each oldest first)."""
         with self._cond:
-            self._snapshot = hashes
+            self._snapshot = (hashes, host_hashes or [])
             self._cond.notify_all()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -157,8 +158,8 @@ class KVPublisher:
                     return None
                 now = time.monotonic()
                 if self._snapshot is not None:
-                    hashes, self._snapshot = self._snapshot, None
-                    return self.batcher.take_snapshot(now, hashes, self._load())
+                    (hashes, host), self._snapshot = self._snapshot, None
+                    return self.batcher.take_snapshot(now, hashes, self._load(), host)
                 due = self.batcher.next_due()
                 if now < due:
                     self._cond.wait(due - now)
@@ -176,6 +177,7 @@ class KVPublisher:
             if msg.snapshot is not None:
                 req.snapshot = True
                 req.snapshot_hashes.extend(msg.snapshot)
+                req.snapshot_host_hashes.extend(msg.host_snapshot)
             if msg.load is not None:
                 req.load.CopyFrom(load_to_pb(msg.load))
                 if msg.load.admitted:
@@ -250,8 +252,9 @@ class KVPublisher:
 
 
 def registration(worker_id: str, address: str, model_id: str, block_size: int, hash_algorithm: str,
-                 num_blocks: int, engine: str = "kvmesh") -> Registration:
+                 num_blocks: int, engine: str = "kvmesh", host_blocks: int = 0) -> Registration:
     """What a worker registers: ``address`` is host:port for kvmesh's gRPC Worker, or an
-    http(s):// base URL for an engine served over the OpenAI API (``engine`` "vllm", "sglang").
-    The epoch is the publisher's (0 until it registers)."""
-    return Registration(worker_id, address, model_id, block_size, hash_algorithm, num_blocks, 0, engine)
+    http(s):// base URL for an engine served over the OpenAI API (``engine`` "vllm", "sglang");
+    ``host_blocks`` its host KV tier's blocks (0: none, or not known). The epoch is the publisher's
+    (0 until it registers)."""
+    return Registration(worker_id, address, model_id, block_size, hash_algorithm, num_blocks, 0, engine, host_blocks)

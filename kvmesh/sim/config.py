@@ -164,8 +164,9 @@ class SimConfig:
 
 
 def fleet_capacity_blocks(cfg: SimConfig) -> int:
-    """Usable KV blocks of the whole fleet (each worker's pool less its null block)."""
-    return sum(cfg.blocks_per_worker(gpu) - 1 for gpu in cfg.worker_gpus())
+    """Usable KV blocks of the whole fleet: each worker's pool less its null block, and its host tier
+    (a block there is a hit too: it is loaded back, not recomputed)."""
+    return sum(cfg.blocks_per_worker(gpu) - 1 + cfg.host_kv_blocks for gpu in cfg.worker_gpus())
 
 
 def slo_cost(cfg: SimConfig) -> StepTimeModel:

@@ -74,14 +74,20 @@ class ExactView:
         if not w.up or engine is None or runner is None:
             return math.inf, math.inf, 0, 0
         pool = engine.kv_cache_manager.block_pool.cached_block_hash_to_block
+        host = engine.kv_cache_manager.host_pool
         bs = engine.config.block_size
+        loads = [0]  # NOTE: host-tier tokens the requests ahead and ours load back (their steps wait)
 
         def hit(chain: Sequence[bytes], prompt_len: int) -> int:
-            n = 0
-            for h in chain[: (prompt_len - 1) // bs]:
+            n, limit = 0, (prompt_len - 1) // bs
+            for h in chain[:limit]:
                 if not pool.get(h):
                     break
                 n += 1
+            if host is not None:
+                m = len(host.find_run(chain, n, limit))
+                loads[0] += m * bs
+                n += m
             return n * bs
 
         items: list[list[int]] = []  # [start, tokens left] of every prefill ahead, FCFS, ours last
@@ -99,9 +105,13 @@ class ExactView:
         for chain, prompt_len in self.transit[worker_id]:
             h = hit(chain, prompt_len)
             items.append([h, prompt_len - h])
+        ahead = loads[0]
         h = hit(query.block_hashes, query.prompt_len)
         items.append([h, query.prompt_len - h])
         ttft, own = self._walk(runner.cost, items, decoders, context, engine.config.max_num_batched_tokens)
+        if loads[0]:
+            own += runner.cost.host_copy_s(loads[0] - ahead)
+            ttft += runner.cost.host_copy_s(loads[0])
         if w.stepping:
             ttft += max(0.0, w.busy_until - self.mesh.q.now)
         return ttft, own, decoders, len(queued) + len(self.transit[worker_id])

@@ -121,8 +121,10 @@ class SimWorker:
         self.up = True
         # NOTE: a new process, a new publisher (kvmesh/kv_client/publisher.py).
         self.batcher = EventBatcher(cfg.event_batch_s, load_reports=cfg.load_on_events)
+        kv = self.engine.kv_cache_manager
         self.mesh.index.write("register", Registration(self.worker_id, self.address, MODEL_ID, cfg.block_size,
-                                                       XXH3_128, self.engine.kv_cache_manager.num_blocks, self.epoch))
+                                                       XXH3_128, kv.num_blocks, self.epoch,
+                                                       host_blocks=kv.num_host_blocks))
         # NOTE: its first message: the index starts empty for this epoch.
         self.batcher.register()
         self._flush_by(self.batcher.next_due())
@@ -263,8 +265,8 @@ class SimWorker:
         if msg.snapshot is not None:
             t = self.mesh.index.traffic
             t.snapshots += 1
-            t.snapshot_blocks += len(msg.snapshot)
-            index.write("snapshot", self.worker_id, epoch, msg.seq, msg.snapshot, msg.load)
+            t.snapshot_blocks += len(msg.snapshot) + len(msg.host_snapshot)
+            index.write("snapshot", self.worker_id, epoch, msg.seq, msg.snapshot, msg.load, msg.host_snapshot)
             if msg.load is not None and msg.load.admitted:
                 self.mesh.q.after(self.mesh.cfg.event_delay_s, self._ack_admitted, epoch, msg.load.admitted)
             return
@@ -310,7 +312,8 @@ class SimWorker:
         # NOTE: the pool's map in insertion order (oldest cached first): deterministic, unlike a set.
         hashes = list(self.engine.kv_cache_manager.block_pool.cached_block_hash_to_block)
         msg = self.batcher.take_snapshot(self.mesh.q.now, hashes,
-                                         self.load_now() if self.batcher.load_reports else None)
+                                         self.load_now() if self.batcher.load_reports else None,
+                                         self.engine.host_snapshot())
         self.mesh.q.after(self.mesh.cfg.event_delay_s, self._deliver, self.epoch, msg)
 
     def load_now(self) -> Load:

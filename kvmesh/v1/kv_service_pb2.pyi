@@ -38,7 +38,7 @@ PUBLISH_ACTION_ACK: PublishAction
 PUBLISH_ACTION_RESYNC: PublishAction
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "address", "model_id", "block_size", "hash_algorithm", "num_blocks", "epoch", "extra_keys", "engine")
+    __slots__ = ("worker_id", "address", "model_id", "block_size", "hash_algorithm", "num_blocks", "epoch", "extra_keys", "engine", "host_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class RegisterWorkerRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model_id: str
@@ -57,7 +58,8 @@ class RegisterWorkerRequest(_message.Message):
     epoch: int
     extra_keys: str
     engine: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[int] = ..., extra_keys: _Optional[str] = ..., engine: _Optional[str] = ...) -> None: ...
+    host_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[int] = ..., extra_keys: _Optional[str] = ..., engine: _Optional[str] = ..., host_blocks: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("lease_ttl_ms", "next_seq")
@@ -122,7 +124,7 @@ class KVEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class PublishEventsRequest(_message.Message):
-    __slots__ = ("worker_id", "epoch", "seq", "events", "snapshot", "snapshot_hashes", "load")
+    __slots__ = ("worker_id", "epoch", "seq", "events", "snapshot", "snapshot_hashes", "load", "snapshot_host_hashes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +132,7 @@ class PublishEventsRequest(_message.Message):
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_HASHES_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_HOST_HASHES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     seq: int
@@ -137,7 +140,8 @@ class PublishEventsRequest(_message.Message):
     snapshot: bool
     snapshot_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     load: _common_pb2.WorkerLoad
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., snapshot_hashes: _Optional[_Iterable[bytes]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
+    snapshot_host_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., snapshot_hashes: _Optional[_Iterable[bytes]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., snapshot_host_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PublishEventsResponse(_message.Message):
     __slots__ = ("seq", "action", "reason")
@@ -158,7 +162,7 @@ class LookupRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerMatch(_message.Message):
-    __slots__ = ("worker_id", "address", "matched_blocks", "load", "block_size", "pending", "pending_blocks")
+    __slots__ = ("worker_id", "address", "matched_blocks", "load", "block_size", "pending", "pending_blocks", "host_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +170,7 @@ class WorkerMatch(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     PENDING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     matched_blocks: int
@@ -173,7 +178,8 @@ class WorkerMatch(_message.Message):
     block_size: int
     pending: PendingPicks
     pending_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., block_size: _Optional[int] = ..., pending: _Optional[_Union[PendingPicks, _Mapping]] = ..., pending_blocks: _Optional[int] = ...) -> None: ...
+    host_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., block_size: _Optional[int] = ..., pending: _Optional[_Union[PendingPicks, _Mapping]] = ..., pending_blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ...) -> None: ...
 
 class PendingPicks(_message.Message):
     __slots__ = ("requests", "prefill_tokens", "blocks", "version")
@@ -252,7 +258,7 @@ class ModelStats(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., live_workers: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("live_workers", "indexed_blocks", "block_replicas", "store", "models", "lookups_total", "events_applied_total", "resyncs_total")
+    __slots__ = ("live_workers", "indexed_blocks", "block_replicas", "store", "models", "lookups_total", "events_applied_total", "resyncs_total", "host_indexed_blocks", "host_block_replicas")
     LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +267,8 @@ class GetStatsResponse(_message.Message):
     LOOKUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     EVENTS_APPLIED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RESYNCS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HOST_INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCK_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     live_workers: int
     indexed_blocks: int
     block_replicas: int
@@ -269,7 +277,9 @@ class GetStatsResponse(_message.Message):
     lookups_total: int
     events_applied_total: int
     resyncs_total: int
-    def __init__(self, live_workers: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., block_replicas: _Optional[int] = ..., store: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups_total: _Optional[int] = ..., events_applied_total: _Optional[int] = ..., resyncs_total: _Optional[int] = ...) -> None: ...
+    host_indexed_blocks: int
+    host_block_replicas: int
+    def __init__(self, live_workers: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., block_replicas: _Optional[int] = ..., store: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups_total: _Optional[int] = ..., events_applied_total: _Optional[int] = ..., resyncs_total: _Optional[int] = ..., host_indexed_blocks: _Optional[int] = ..., host_block_replicas: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("include_expired",)
@@ -278,7 +288,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, include_expired: _Optional[bool] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "model_id", "block_size", "hash_algorithm", "num_blocks", "epoch", "last_seq", "blocks_indexed", "load", "lease_remaining_ms", "live", "engine", "pending")
+    __slots__ = ("worker_id", "address", "model_id", "block_size", "hash_algorithm", "num_blocks", "epoch", "last_seq", "blocks_indexed", "load", "lease_remaining_ms", "live", "engine", "pending", "host_blocks", "host_blocks_indexed")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +303,8 @@ class WorkerInfo(_message.Message):
     LIVE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_INDEXED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model_id: str
@@ -307,7 +319,9 @@ class WorkerInfo(_message.Message):
     live: bool
     engine: str
     pending: PendingPicks
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., blocks_indexed: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., lease_remaining_ms: _Optional[int] = ..., live: _Optional[bool] = ..., engine: _Optional[str] = ..., pending: _Optional[_Union[PendingPicks, _Mapping]] = ...) -> None: ...
+    host_blocks: int
+    host_blocks_indexed: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., blocks_indexed: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., lease_remaining_ms: _Optional[int] = ..., live: _Optional[bool] = ..., engine: _Optional[str] = ..., pending: _Optional[_Union[PendingPicks, _Mapping]] = ..., host_blocks: _Optional[int] = ..., host_blocks_indexed: _Optional[int] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)
@@ -322,14 +336,16 @@ class GetBlockRequest(_message.Message):
     def __init__(self, block_hash: _Optional[bytes] = ...) -> None: ...
 
 class GetBlockResponse(_message.Message):
-    __slots__ = ("block_hash", "holders", "refcount")
+    __slots__ = ("block_hash", "holders", "refcount", "host_holders")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
     REFCOUNT_FIELD_NUMBER: _ClassVar[int]
+    HOST_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     block_hash: bytes
     holders: _containers.RepeatedScalarFieldContainer[str]
     refcount: int
-    def __init__(self, block_hash: _Optional[bytes] = ..., holders: _Optional[_Iterable[str]] = ..., refcount: _Optional[int] = ...) -> None: ...
+    host_holders: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, block_hash: _Optional[bytes] = ..., holders: _Optional[_Iterable[str]] = ..., refcount: _Optional[int] = ..., host_holders: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LookupTokensRequest(_message.Message):
     __slots__ = ("model_id", "token_ids", "cache_salt")

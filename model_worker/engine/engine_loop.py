@@ -100,7 +100,7 @@ class EventSink:
     def wants_snapshot(self) -> bool:
         return False
 
-    def publish_snapshot(self, hashes: list[bytes]) -> None: ...
+    def publish_snapshot(self, hashes: list[bytes], host_hashes: list[bytes] | None = None) -> None: ...
 
 
 class EngineLoop:
@@ -249,7 +249,7 @@ class EngineLoop:
         if events:
             self.sink.publish(events)
         if self.sink.wants_snapshot():
-            self.sink.publish_snapshot(sorted(self.engine.cached_block_hashes()))
+            self.sink.publish_snapshot(sorted(self.engine.cached_block_hashes()), self.engine.host_snapshot())
 
     def _deliver_now(self, outputs: list[RequestOutput]) -> None:
         self._deliver(outputs, time.monotonic())

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import AlreadyExists
-from kvmesh.contract.limits import MAX_ADMITTED_IDS, excerpt
+from kvmesh.contract.limits import MAX_ADMITTED_IDS, MAX_SNAPSHOT_HOST_BLOCKS, excerpt
 from kvmesh.contract.modelinfo import model_id_for
 from kvmesh.contract.types import DEFAULT_MAX_TOKENS, KVCacheEvent, Load, SamplingParams
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
@@ -51,6 +51,10 @@ class EngineStats:
     work: StepWork = field(default_factory=StepWork)
     """Work of those passes since start: what ``busy_s`` was spent on."""
     max_num_batched_tokens: int = 0
+    host_loaded_blocks: int = 0
+    """Blocks loaded back from the host tier since start."""
+    host_load_s: float = 0.0
+    """Seconds those loads took (part of ``busy_s``; modelled seconds on a simulated worker)."""
 
     @property
     def load(self) -> Load:
@@ -62,7 +66,7 @@ class EngineStats:
         return Load(self.num_running, self.num_waiting, self.num_free_blocks, self.num_total_blocks,
                     self.queued_prefill_tokens, self.busy_s, self.steps, w.prefill_tokens, w.prefill_pairs,
                     w.decode_seqs, w.decode_context_tokens, self.max_num_batched_tokens, admitted,
-                    reports_admissions)
+                    reports_admissions, host_loaded_blocks=self.host_loaded_blocks, host_load_s=self.host_load_s)
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:
@@ -158,6 +162,10 @@ class LLMEngine:
         self._work = StepWork()
         self._busy_s = 0.0
         self._steps = 0
+        # NOTE: the host tier's loads, reported with the counters above so that routers learn what a
+        # loaded block costs this worker (router/core/policies/cost.py, HostLinkLearner); the runner
+        # times them (``host_load_s``).
+        self._host_loaded = 0
         self.last_step_s = 0.0
         """Seconds the last ``step()`` took: the runner's ``last_step_s`` when it models its time
         (the simulated runner), else the wall time of its forward passes."""
@@ -293,6 +301,7 @@ class LLMEngine:
         if out.kv_transfers is not None:
             # NOTE: before the forward pass, which overwrites the evicted blocks and reads the loaded ones.
             runner.copy_kv_blocks(out.kv_transfers)
+            self._host_loaded += len(out.kv_transfers.loads)
         if out.num_steps == 1:
             commit(self.scheduler.update_from_output(out, runner.execute(out)))
             if not out.is_empty:
@@ -336,11 +345,17 @@ class LLMEngine:
         return self.kv_cache_manager.take_events()
 
     def cached_block_hashes(self) -> set[bytes]:
-        """Every block hash this worker holds on the device: the snapshot for a kv_service resync.
-
-        NOTE: the device tier only, which is all the index keeps for now (issue 36, phase 2).
-        """
+        """Every block hash this worker holds on the device: a kv_service resync's snapshot of that tier."""
         return self.kv_cache_manager.cached_block_hashes()
+
+    def host_snapshot(self) -> list[bytes]:
+        """The host tier's hashes for a resync's snapshot, in the order they were stored, the most recent
+        ``MAX_SNAPSHOT_HOST_BLOCKS`` of a larger tier (docs/kv-service.md, Tiers)."""
+        pool = self.kv_cache_manager.host_pool
+        if pool is None:
+            return []
+        hashes = list(pool.cached)
+        return hashes[-MAX_SNAPSHOT_HOST_BLOCKS:]
 
     def host_block_hashes(self) -> set[bytes]:
         """Every block hash the host tier holds (empty without one)."""
@@ -412,4 +427,6 @@ class LLMEngine:
             steps=self._steps,
             work=replace(self._work),
             max_num_batched_tokens=self.config.max_num_batched_tokens,
+            host_loaded_blocks=self._host_loaded,
+            host_load_s=getattr(self.runner, "host_load_s", 0.0),
         )

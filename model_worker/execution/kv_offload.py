@@ -24,6 +24,7 @@ cache keeps its per-layer ``[num_blocks, block_size, kv_heads, head_dim]`` tenso
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -61,6 +62,21 @@ class HostKVCache:
         # as the device cache is: every page is faulted in at start, not by the first offloads.
         self.blocks = torch.zeros((num_blocks, *self.block_shape), dtype=k0.dtype, pin_memory=cuda)
         self._stream = torch.cuda.Stream(self.device) if cuda else None
+        self._load_s = 0.0
+        self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        """CUDA: (start, end) events of loads whose time is not read yet."""
+
+    @property
+    def load_s(self) -> float:
+        """Seconds spent loading host blocks so far: what routers learn a loaded block's cost from
+        (the engine reports it). CPU: the wall time of the loads; CUDA: the copy stream's time of
+        every load whose events completed (the step waits for them)."""
+        if self._timing:
+            done = [pair for pair in self._timing if pair[1].query()]
+            for start, end in done:
+                self._load_s += start.elapsed_time(end) / 1000
+            self._timing = [pair for pair in self._timing if pair not in done]
+        return self._load_s
 
     @torch.inference_mode()
     def copy(self, transfers: KVTransfers) -> None:
@@ -69,7 +85,10 @@ class HostKVCache:
             self._offload(*zip(*transfers.offloads, strict=True))
         if transfers.loads:
             host, device = zip(*transfers.loads, strict=True)
+            t0 = time.perf_counter()
             self._load(host, device)
+            if self._stream is None:
+                self._load_s += time.perf_counter() - t0
 
     def _gather(self, device_ids: torch.Tensor) -> torch.Tensor:
         """The device blocks ``device_ids`` of every layer, as host-layout blocks (on the device)."""
@@ -117,8 +136,12 @@ class HostKVCache:
         compute = torch.cuda.current_stream(self.device)
         staged = torch.empty((len(host_ids), *self.block_shape), dtype=self.blocks.dtype, device=self.device)
         stream.wait_stream(compute)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
+            start.record(stream)
             for i, h in enumerate(host_ids):
                 staged[i].copy_(self.blocks[h], non_blocking=True)
+            end.record(stream)
+        self._timing.append((start, end))
         compute.wait_stream(stream)
         self._scatter(staged, ids)

@@ -204,6 +204,11 @@ class ModelRunner:
         assert self.host_kv is not None, "KV transfers without a host tier"
         self.host_kv.copy(transfers)
 
+    @property
+    def host_load_s(self) -> float:
+        """Seconds spent loading host-tier blocks so far (kv_offload.HostKVCache.load_s)."""
+        return self.host_kv.load_s if self.host_kv is not None else 0.0
+
     def _decide_num_blocks(self) -> int:
         cfg = self.config
         if cfg.num_blocks is not None:

@@ -221,6 +221,11 @@ class KVCacheManager:
         """Every hash the host tier holds (empty without one)."""
         return set(self.host_pool.cached) if self.host_pool is not None else set()
 
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the host tier (0: none)."""
+        return self.host_pool.num_blocks if self.host_pool is not None else 0
+
     def cached_block_hashes(self) -> set[bytes]:
         """Every hash in group 0's cached-block map: the worker's snapshot for a kv_service resync."""
         return set(self.block_pool.cached_block_hash_to_block)

@@ -115,7 +115,7 @@ class WorkerServer:
         self.publisher: KVPublisher | None = None
         if kv_service:
             reg = registration(worker_id, self.address, model, engine.config.block_size, engine.config.hash_algorithm,
-                               engine.kv_cache_manager.num_blocks)
+                               engine.kv_cache_manager.num_blocks, host_blocks=engine.kv_cache_manager.num_host_blocks)
             self.publisher = KVPublisher(kv_service, reg, engine.report_load, ack_admitted=engine.ack_admitted)
         self.loop = EngineLoop(engine, self.publisher, on_step=self._on_step, on_finish=self._on_finish,
                                on_token=self._on_token, stream_interval=stream_interval)

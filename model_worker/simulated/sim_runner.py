@@ -119,6 +119,8 @@ class SimRunner:
                                                self.cost.kv_bytes_per_token * config.block_size)
         self._copy_tokens = (0, 0)
         """Tokens the next step loads from and offloads to the host tier."""
+        self.host_load_s = 0.0
+        """Modelled seconds of host-tier loads so far (the engine reports them)."""
         self.vocab_size = model_config.vocab_size
         self._eos = frozenset(model_config.eos_token_ids)
         self.stats = SimStats()
@@ -145,7 +147,9 @@ class SimRunner:
         if not load and not offload:
             return forward_s
         self._copy_tokens = (0, 0)
-        return self.cost.host_copy_s(load) + max(forward_s, self.cost.host_copy_s(offload))
+        load_s = self.cost.host_copy_s(load)
+        self.host_load_s += load_s
+        return load_s + max(forward_s, self.cost.host_copy_s(offload))
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         """Sleeps for the batch's modelled time; returns request id -> one token for the rows that sample."""

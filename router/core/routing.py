@@ -265,6 +265,8 @@ class RoutingCore:
         eps = {e.worker_id: e for e in endpoints}
         matched: dict[str, int] = {}
         indexed: dict[str, int] = {}
+        reach: dict[str, int] = {}
+        """The index's device prefix plus its host continuation, per worker (host tiers only)."""
         shared = self.shared_view and answer is not None
         pending: dict[str, WorkerMatch] = {}
         if answer is not None:
@@ -278,6 +280,8 @@ class RoutingCore:
                 else:  # static --workers: a worker outside the list is not ours to use
                     continue
                 matched[m.worker_id] = indexed[m.worker_id] = m.matched_blocks
+                if m.host_blocks:
+                    reach[m.worker_id] = m.matched_blocks + m.host_blocks
                 if shared:
                     pending[m.worker_id] = m
                     # NOTE: the prefix another router's reserved pick will hold there: its speculative
@@ -292,8 +296,15 @@ class RoutingCore:
         candidates = []
         for e in eps.values():
             f = self.inflight.of(e.worker_id)
-            c = Candidate(e.worker_id, e.address, matched.get(e.worker_id, 0), e.load, f.requests,
+            n = matched.get(e.worker_id, 0)
+            c = Candidate(e.worker_id, e.address, n, e.load, f.requests,
                           f.prefill_tokens, f.waiting, f.blocks, indexed.get(e.worker_id, 0))
+            r = reach.get(e.worker_id)
+            if r is not None:
+                # NOTE: the host tier continues the index's device prefix; a longer speculative match
+                # (blocks routed there since) covers the first of those blocks.
+                c.host_blocks = max(0, r - n)
+                c.indexed_host_blocks = r - c.indexed_blocks
             m = pending.get(e.worker_id)
             if m is not None:
                 c.pending = self._with_own(m.pending, e.worker_id, self.clock() if asked_at is None else asked_at)

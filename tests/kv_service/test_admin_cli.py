@@ -65,22 +65,40 @@ def test_admin_commands_against_a_real_server(kv_process):
     stub = pb_grpc.KVServiceStub(dial(address))
     stub.RegisterWorker(pb.RegisterWorkerRequest(
         worker_id="w1", address="10.0.0.1:50061", model_id="tiny", block_size=4,
-        hash_algorithm=pb.HASH_ALGORITHM_SHA256_128, num_blocks=64, epoch=3), timeout=5)
+        hash_algorithm=pb.HASH_ALGORITHM_SHA256_128, num_blocks=64, epoch=3, host_blocks=32), timeout=5)
     chain = BlockHasher("tiny", 4).hash_prompt(list(range(1, 13)))
-    list(stub.PublishEvents(iter([pb.PublishEventsRequest(
-        worker_id="w1", epoch=3, seq=1, events=[pb.KVEvent(stored=pb.BlockStored(block_hashes=chain))])]), timeout=5))
+    host = pb.KV_TIER_HOST
+    list(stub.PublishEvents(iter([
+        pb.PublishEventsRequest(worker_id="w1", epoch=3, seq=1,
+                                events=[pb.KVEvent(stored=pb.BlockStored(block_hashes=chain))]),
+        # the last block evicted from the device into the host tier
+        pb.PublishEventsRequest(worker_id="w1", epoch=3, seq=2,
+                                events=[pb.KVEvent(removed=pb.BlockRemoved(block_hashes=chain[2:])),
+                                        pb.KVEvent(stored=pb.BlockStored(block_hashes=chain[2:], tier=host))])]),
+        timeout=5))
 
     stats = json.loads(admin(address, "stats", "--json").stdout)
-    assert {k: stats[k] for k in ("store", "live_workers", "indexed_blocks", "block_replicas")} == {
-        "store": "redis", "live_workers": 1, "indexed_blocks": 3, "block_replicas": 3}
+    assert {k: stats[k] for k in ("store", "live_workers", "indexed_blocks", "block_replicas", "host_indexed_blocks",
+                                  "host_block_replicas")} == {
+        "store": "redis", "live_workers": 1, "indexed_blocks": 2, "block_replicas": 2, "host_indexed_blocks": 1,
+        "host_block_replicas": 1}
     assert stats["models"] == [{"model_id": "tiny", "block_size": 4, "hash_algorithm": "sha256_128", "live_workers": 1}]
+    assert ["host_indexed_blocks", "1"] in [row.split() for row in admin(address, "stats").stdout.splitlines()]
 
     workers = json.loads(admin(address, "workers", "--json").stdout)
-    assert [(w["worker_id"], w["address"], w["blocks_indexed"], w["epoch"], w["last_seq"]) for w in workers] == [
-        ("w1", "10.0.0.1:50061", 3, 3, 1)]
+    assert [(w["worker_id"], w["address"], w["blocks_indexed"], w["host_blocks_indexed"], w["host_blocks"], w["epoch"],
+             w["last_seq"]) for w in workers] == [("w1", "10.0.0.1:50061", 2, 1, 32, 3, 2)]
+    table = [row.split() for row in admin(address, "workers").stdout.splitlines()]
+    assert dict(zip(table[0], table[1], strict=True)) | {"lease_ms": ""} == {
+        "worker": "w1", "engine": "kvmesh", "address": "10.0.0.1:50061", "model": "tiny", "blocks": "2",
+        "capacity": "64", "host_blocks": "1", "host_capacity": "32", "running": "0", "waiting": "0", "picked": "0",
+        "lease_ms": "", "live": "yes"}
 
     looked = json.loads(admin(address, "lookup", "--tokens", "1,2,3,4,5,6,7,8,0,0,0,0", "--model-id", "tiny", "--json").stdout)
-    assert [(w["worker_id"], w["matched_blocks"], w["matched_tokens"]) for w in looked["workers"]] == [("w1", 2, 8)]
+    assert [(w["worker_id"], w["matched_blocks"], w["matched_tokens"], w["host_blocks"]) for w in looked["workers"]] == [
+        ("w1", 2, 8, 0)]
+    looked = json.loads(admin(address, "lookup", "--tokens", ",".join(map(str, range(1, 13))), "--json").stdout)
+    assert [(w["worker_id"], w["matched_blocks"], w["host_blocks"]) for w in looked["workers"]] == [("w1", 2, 1)]
 
     # Without --model / --model-id: the only model the kv_service knows.
     looked = json.loads(admin(address, "lookup", "--tokens", "1,2,3,4,5,6,7,8,0,0,0,0", "--json").stdout)
@@ -97,9 +115,11 @@ def test_admin_commands_against_a_real_server(kv_process):
     assert offline["block_hashes"] == [chain[0].hex()]
     table = admin(address, "block", hashed["block_hashes"][0])
     assert table.returncode == 0 and "w1" in table.stdout and "refcount" in table.stdout
+    in_host = json.loads(admin(address, "block", hashed["block_hashes"][2], "--json").stdout)
+    assert (in_host["holders"], in_host["refcount"], in_host["host_holders"]) == ([], 0, ["w1"])
 
     flushed = json.loads(admin(address, "flush", "w1", "--json").stdout)
-    assert flushed == {"worker_id": "w1", "blocks_removed": 3}
+    assert flushed == {"worker_id": "w1", "blocks_removed": 3}  # 2 device + 1 host
     table = admin(address, "stats").stdout.splitlines()
     assert table[0].split() == ["stat", "value"] and ["indexed_blocks", "0"] in [row.split() for row in table]
 
@@ -109,8 +129,8 @@ def test_admin_commands_against_a_real_server(kv_process):
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
 
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    assert "kvmesh_kv_lookups_total 2.0" in metrics  # the two lookups of model tiny
-    assert 'kvmesh_kv_events_applied_total{kind="stored"} 3.0' in metrics
+    assert "kvmesh_kv_lookups_total 3.0" in metrics  # the three lookups of model tiny
+    assert 'kvmesh_kv_events_applied_total{kind="stored"} 4.0' in metrics  # 3 device + 1 host
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 0

@@ -5,13 +5,14 @@ Redis store in one shard and sharded (4 shards on one redis-server; 3 and 4 shar
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import FailedPrecondition, NotFound
 from kvmesh.contract.index_protocol import Registration, Reservation
-from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, Load, Pending
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, Load, Pending, Tier
 from kvmesh.kv_service.index import Action, PendingConfig
 from kvmesh.kv_service.store_memory import MemoryIndex
 from kvmesh.kv_service.store_redis import RedisIndex
@@ -394,6 +395,13 @@ def test_load_encoding_round_trips_and_reads_the_older_five_field_form():
     from kvmesh.contract.convert import load_from_pb, load_to_pb
 
     assert load_from_pb(load_to_pb(load)) == load
+    # the newer fields (a bridged engine's block, the host tier's loads) travel in any combination, and a
+    # load without them is stored as before them
+    assert load.encode().count(",") == 11
+    for extra in ({"cache_block_tokens": 32}, {"host_loaded_blocks": 5, "host_load_s": 0.25},
+                  {"cache_block_tokens": 32, "host_loaded_blocks": 5, "host_load_s": 0.25}, {"host_load_s": 0.5}):
+        newer = replace(load, **extra)
+        assert Load.decode(newer.encode()) == newer and load_from_pb(load_to_pb(newer)) == newer
 
 
 async def test_a_batch_in_parts_lets_a_lookup_in_between_and_a_stray_part_resyncs(redis_url, redis_namespace):
@@ -596,3 +604,129 @@ async def test_picks_per_worker_are_bounded_oldest_first(index):
         await index.reserve(pick("w0", f"r{i}", prefill=10 ** i), T0 + i)
     p = (await pending(index, T0 + 10))["w0"]
     assert (p.requests, p.prefill_tokens, p.version) == (3, 100 + 1000 + 10_000, 5)
+
+
+# -- tiers: the device and the host tier per (block, worker) ------------------------------------
+HOST = Tier.HOST
+
+
+def reg_host(wid: str, host_blocks: int, nb: int = 100) -> Registration:
+    return Registration(wid, f"127.0.0.1:{abs(hash(wid)) % 1000 + 50000}", "m", 4, "sha256_128", nb, 1,
+                        host_blocks=host_blocks)
+
+
+async def tiers(index, hashes, model="m", now=T0) -> dict[str, tuple[int, int]]:
+    """Per live worker: (device prefix, host continuation)."""
+    return {m.worker_id: (m.matched_blocks, m.host_blocks) for m in await index.lookup(model, hashes, now)}
+
+
+def offload(hashes: list[bytes]) -> list:
+    """A device pool evicting ``hashes`` (in eviction order) into its host tier: removed (device)
+    then stored (host), as a worker reports it."""
+    return [BlockRemoved(hashes), BlockStored(hashes, tier=HOST)]
+
+
+async def test_a_lookup_answers_the_device_prefix_and_how_far_the_host_tier_continues_it(index):
+    """docs/kv-service.md "Tiers": the device prefix d as before; the host continuation u - d, u the
+    longest prefix held in device or host memory. Evictions are leaf-first, so the host tier gets
+    a chain's tail first."""
+    h = chain(10)
+    for w in ("w0", "w1", "w2", "w3"):
+        await index.register_worker(reg_host(w, 50), TTL, T0)
+    await index.publish("w0", 1, 1, [BlockStored(h), *offload(h[9:3:-1])], T0)  # device 0-3, host 4-9
+    await index.publish("w1", 1, 1, [BlockStored(h[:2])], T0)  # device only
+    await index.publish("w2", 1, 1, [BlockStored(h[:3]), *offload(h[2::-1])], T0)  # host only
+    await index.publish("w3", 1, 1, [BlockStored(chain(4, start=500))], T0)
+    assert await tiers(index, h) == {"w0": (4, 6), "w1": (2, 0), "w2": (0, 3), "w3": (0, 0)}
+    assert await tiers(index, h[:1]) == {"w0": (1, 0), "w1": (1, 0), "w2": (0, 1), "w3": (0, 0)}
+    fork = BlockHasher("m", 4).hash_prompt(list(range(20)) + [7] * 40)  # h's first 5 blocks, then its own
+    assert await tiers(index, fork) == {"w0": (4, 1), "w1": (2, 0), "w2": (0, 3), "w3": (0, 0)}
+    # loaded back: stored on the device again, the host copy stays
+    await index.publish("w0", 1, 2, [BlockStored(h[4:6], h[3])], T0)
+    assert (await tiers(index, h))["w0"] == (6, 4)
+    # the host tier evicts its least recently used: the chain's tail
+    await index.publish("w0", 1, 3, [BlockRemoved(h[8:], tier=HOST)], T0)
+    assert (await tiers(index, h))["w0"] == (6, 2)
+    # a host removal never drops a device entry, nor a device removal a host one
+    await index.publish("w0", 1, 4, [BlockRemoved(h[:6], tier=HOST)], T0)
+    assert (await tiers(index, h))["w0"] == (6, 2)
+    await index.publish("w0", 1, 5, [BlockRemoved(h[7:8])], T0)
+    assert (await tiers(index, h))["w0"] == (6, 2)
+    assert await index.holders(h[4], T0) == ["w0"] and await index.holders(h[4], T0, HOST) == []
+    assert await index.holders(h[7], T0) == [] and await index.holders(h[7], T0, HOST) == ["w0"]
+    assert await index.holders(h[0], T0, HOST) == ["w2"]
+
+
+async def test_tiers_are_counted_apart_in_stats_and_workers(index):
+    h = chain(6)
+    await index.register_worker(reg_host("w1", 40), TTL, T0)
+    await index.register_worker(reg_host("w2", 0), TTL, T0)
+    await index.publish("w1", 1, 1, [BlockStored(h), *offload(h[5:1:-1])], T0)
+    await index.publish("w2", 1, 1, [BlockStored(h[:3]), *offload(h[2:1:-1])], T0)
+    st = await index.stats(T0)
+    assert (st.indexed_blocks, st.block_replicas, st.host_indexed_blocks, st.host_block_replicas) == (2, 4, 4, 5)
+    info = {i.registration.worker_id: i for i in await index.workers(T0)}
+    assert (info["w1"].blocks_indexed, info["w1"].host_blocks_indexed, info["w1"].registration.host_blocks) == (2, 4, 40)
+    assert (info["w2"].blocks_indexed, info["w2"].host_blocks_indexed, info["w2"].registration.host_blocks) == (2, 1, 0)
+
+
+async def test_all_cleared_a_flush_and_a_reregistration_drop_both_tiers(index):
+    h = chain(4)
+    for w in ("w1", "w2"):
+        await index.register_worker(reg_host(w, 10), TTL, T0)
+        await index.publish(w, 1, 1, [BlockStored(h), *offload(h[3:1:-1])], T0)
+    await index.publish("w1", 1, 2, [AllBlocksCleared(), BlockStored(h[:1])], T0)
+    assert await tiers(index, h) == {"w1": (1, 0), "w2": (2, 2)}
+    assert await index.flush_worker("w2") == 4  # 2 device + 2 host entries
+    assert (await tiers(index, h))["w2"] == (0, 0)
+    assert (await index.snapshot("w2", 1, 3, h[:1], T0, host_hashes=h[3:0:-1])).action == Action.ACK
+    assert (await tiers(index, h))["w2"] == (1, 3)
+    await index.register_worker(replace(reg_host("w2", 10), epoch=2), TTL, T0)
+    assert (await tiers(index, h))["w2"] == (0, 0)
+    st = await index.stats(T0)
+    assert (st.host_indexed_blocks, st.host_block_replicas) == (0, 0)
+
+
+async def test_a_snapshot_replaces_both_tiers(index):
+    h = chain(8)
+    await index.register_worker(reg_host("w1", 10), TTL, T0)
+    await index.publish("w1", 1, 1, [BlockStored(h[:6]), *offload(h[5:3:-1])], T0)
+    assert await tiers(index, h) == {"w1": (4, 2)}
+    # a gap: RESYNC; the snapshot the worker sends holds its whole cache, both tiers
+    assert (await index.publish("w1", 1, 3, [BlockStored(h[6:], h[5])], T0)).action == Action.RESYNC
+    assert (await index.snapshot("w1", 1, 4, h[:2], T0, host_hashes=[h[7], h[6], h[5], h[4], h[3], h[2]])).action \
+        == Action.ACK
+    assert await tiers(index, h) == {"w1": (2, 6)}
+    assert [await index.holders(x, T0, HOST) for x in h] == [[], [], ["w1"], ["w1"], ["w1"], ["w1"], ["w1"], ["w1"]]
+    # a snapshot without host hashes empties the host tier
+    assert (await index.snapshot("w1", 1, 5, h[:3], T0)).action == Action.ACK
+    assert await tiers(index, h) == {"w1": (3, 0)}
+    assert (await index.stats(T0)).host_indexed_blocks == 0
+
+
+async def test_each_tier_is_capped_at_its_own_size_least_recently_stored_first(index):
+    h = chain(10)
+    await index.register_worker(reg_host("w1", 3, nb=10), TTL, T0)
+    # device holds 0-3; 9..4 offloaded leaf-first: the host tier keeps the 3 most recent, 6, 5, 4
+    await index.publish("w1", 1, 1, [BlockStored(h), *offload(h[9:3:-1])], T0)
+    assert await tiers(index, h) == {"w1": (4, 3)}
+    assert [bool(await index.holders(x, T0, HOST)) for x in h] == [False] * 4 + [True] * 3 + [False] * 3
+    info = (await index.workers(T0))[0]
+    assert (info.blocks_indexed, info.host_blocks_indexed) == (4, 3)
+    # a worker that declares no host tier is capped at 8 x its device blocks (UNDECLARED_HOST_FACTOR)
+    await index.register_worker(reg_host("w2", 0, nb=1), TTL, T0)
+    await index.publish("w2", 1, 1, [BlockStored(h[i:i + 1], tier=HOST) for i in range(10)], T0)
+    assert (await index.workers(T0))[1].host_blocks_indexed == 8
+
+
+async def test_a_hole_in_the_union_is_answered_by_the_end_of_a_run_it_holds(index):
+    """Where a worker's blocks break the prefix invariant in the union of its tiers, its host
+    answer is the search's (kv_service/prefix_search.continued_prefix), the same in every store:
+    device 0-1, host 3-5 and 7 of 8 blocks: the device answer 2, the host search from it ends at 6
+    (the walk: 2, block 2 is held nowhere). A worker without host blocks continues nothing, holes or not."""
+    h = chain(8)
+    await index.register_worker(reg_host("w1", 50), TTL, T0)
+    await index.register_worker(reg_host("w2", 50), TTL, T0)
+    await index.publish("w1", 1, 1, [BlockStored(h[:2]), BlockStored([h[3], h[4], h[5], h[7]], tier=HOST)], T0)
+    await index.publish("w2", 1, 1, [BlockStored([*h[:4], h[5]])], T0)  # device answer 4, a block past it
+    assert await tiers(index, h) == {"w1": (2, 4), "w2": (4, 0)}

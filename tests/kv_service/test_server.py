@@ -33,10 +33,10 @@ def kv(redis_url, redis_namespace):
     server.stop(0.5)
 
 
-def register(stub, wid="w1", *, bs=4, algo=SHA, epoch=7, nb=1000, model="m", engine=""):
+def register(stub, wid="w1", *, bs=4, algo=SHA, epoch=7, nb=1000, model="m", engine="", host_blocks=0):
     return stub.RegisterWorker(pb.RegisterWorkerRequest(
         worker_id=wid, address="127.0.0.1:50061", model_id=model, block_size=bs, hash_algorithm=algo,
-        num_blocks=nb, epoch=epoch, engine=engine), timeout=5)
+        num_blocks=nb, epoch=epoch, engine=engine, host_blocks=host_blocks), timeout=5)
 
 
 def reserve(stub, **kw):
@@ -96,27 +96,47 @@ def test_gap_resync_then_snapshot_over_the_stream(kv):
     assert stub.GetStats(pb.GetStatsRequest(), timeout=5).resyncs_total == 1
 
 
-def test_host_tier_events_are_accepted_and_the_index_keeps_the_device_tier(kv):
-    """Until the index keeps tiers (issue 36, phase 2) it applies device events only: host-tier
-    stores and removals are acknowledged, counted and ignored; their batches still count in seq."""
+def test_the_index_keeps_both_tiers_over_the_wire(kv):
+    """Host-tier stores and removals are applied per (block, worker) beside the device's: a Lookup
+    answers the host continuation (WorkerMatch.host_blocks, through the reply's cached wire bytes),
+    GetBlock the holders per tier, GetStats and ListWorkers the blocks per tier, a snapshot both tiers;
+    disk-tier events are counted and not kept, and a batch of them alone is no gap."""
     stub, _ = kv
-    register(stub)
-    host = pb.KV_TIER_HOST
+    register(stub, host_blocks=64)
+    host, disk = pb.KV_TIER_HOST, pb.KV_TIER_DISK
 
     def on(tier, hashes, removed=False):
         if removed:
             return pb.KVEvent(removed=pb.BlockRemoved(block_hashes=hashes, tier=tier))
         return pb.KVEvent(stored=pb.BlockStored(block_hashes=hashes, tier=tier))
 
+    def tiers():
+        r = stub.Lookup(pb.LookupRequest(model_id="m", block_hashes=CHAIN), timeout=5)
+        return [(w.worker_id, w.matched_blocks, w.host_blocks) for w in r.workers]
+
     acks = publish(stub,
-                   batch("w1", 1, stored(CHAIN[:4]), on(host, CHAIN[4:])),
-                   # a device -> host move of the last two device blocks, and a host eviction
-                   batch("w1", 2, on(pb.KV_TIER_DEVICE, CHAIN[2:4], removed=True), on(host, CHAIN[2:4])),
-                   batch("w1", 3, on(host, CHAIN[:2], removed=True)),  # host events alone: no gap after them
-                   batch("w1", 4, on(host, CHAIN[4:], removed=True), stored(CHAIN[2:3], CHAIN[1])))
-    assert [a[1] for a in acks] == [pb.PUBLISH_ACTION_ACK] * 4
-    assert lookup(stub, CHAIN) == [("w1", 3)]  # device: 0, 1 stored; 2, 3 removed; 2 loaded back
-    assert stub.GetStats(pb.GetStatsRequest(), timeout=5).indexed_blocks == 3
+                   batch("w1", 1, stored(CHAIN[:4])),
+                   # a device -> host move of the last two device blocks
+                   batch("w1", 2, on(pb.KV_TIER_DEVICE, CHAIN[3:1:-1], removed=True), on(host, CHAIN[3:1:-1])),
+                   batch("w1", 3, on(disk, CHAIN[4:])))  # disk events alone: no gap after them
+    assert [a[1] for a in acks] == [pb.PUBLISH_ACTION_ACK] * 3
+    assert tiers() == [("w1", 2, 2)]
+    b = stub.GetBlock(pb.GetBlockRequest(block_hash=CHAIN[2]), timeout=5)
+    assert (list(b.holders), b.refcount, list(b.host_holders)) == ([], 0, ["w1"])
+    st = stub.GetStats(pb.GetStatsRequest(), timeout=5)
+    assert (st.indexed_blocks, st.block_replicas, st.host_indexed_blocks, st.host_block_replicas) == (2, 2, 2, 2)
+    (w,) = stub.ListWorkers(pb.ListWorkersRequest(), timeout=5).workers
+    assert (w.blocks_indexed, w.host_blocks_indexed, w.host_blocks) == (2, 2, 64)
+    # loaded back (the host copy stays), then evicted from the host tier
+    publish(stub, batch("w1", 4, stored(CHAIN[2:3], CHAIN[1])), batch("w1", 5, on(host, CHAIN[3:4], removed=True)))
+    assert tiers() == [("w1", 3, 0)]
+    # a snapshot replaces both tiers
+    snap = batch("w1", 9, snapshot=True, snapshot_hashes=CHAIN[:1], snapshot_host_hashes=CHAIN[5:0:-1])
+    assert publish(stub, snap) == [(9, pb.PUBLISH_ACTION_ACK, "")]
+    assert tiers() == [("w1", 1, 5)]
+    with pytest.raises(grpc.RpcError) as err:
+        publish(stub, batch("w1", 10, snapshot_host_hashes=CHAIN[:1]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "without snapshot=true" in err.value.details()
 
 
 def test_lease_expiry_removes_worker_from_lookup(kv):

@@ -48,28 +48,50 @@ def test_lookup_replies_from_cached_wire_bytes_equal_the_field_by_field_message(
     for round_ in range(5):
         if round_ != 3:
             loads = [Load(i, min(round_, 1), 90, 2**20, 2**40 + i) for i in range(40)]
+        # NOTE: a host continuation on every third worker, past 127 on some (a two-byte varint)
         matches = [WorkerMatch(f"w{i}", f"10.0.0.{i + (round_ == 4)}:50061", (i * 37 + round_) % 300, loads[i], 16,
-                               pending_blocks=(i % 3) * 64 * round_) for i in range(40)]
+                               pending_blocks=(i % 3) * 64 * round_,
+                               host_blocks=(i * 61 + round_) % 400 if i % 3 == 0 else 0)
+                   for i in range(40)]
         want = pb.LookupResponse(
             workers=[pb.WorkerMatch(worker_id=m.worker_id, address=m.address, matched_blocks=m.matched_blocks,
-                                    load=load_to_pb(m.load), block_size=m.block_size, pending_blocks=m.pending_blocks)
+                                    load=load_to_pb(m.load), block_size=m.block_size, pending_blocks=m.pending_blocks,
+                                    host_blocks=m.host_blocks)
                      for m in matches],
             block_size=16, num_blocks_queried=300 + round_)
         assert replies.response(matches, 16, 300 + round_) == want
     assert replies.response([], 0, 0) == pb.LookupResponse()
 
 
-def test_host_tier_events_are_counted_not_applied():
+def test_host_tier_events_are_applied_and_disk_tier_events_counted_not_applied():
     svc = KVService(MemoryIndex())
-    run_now(svc.register(Registration("w1", "127.0.0.1:1", "m", 4, "sha256_128", 100, 1)))
+    run_now(svc.register(Registration("w1", "127.0.0.1:1", "m", 4, "sha256_128", 100, 1, host_blocks=8)))
     run_now(svc.publish("w1", 1, 1, [BlockStored(CHAIN[:2]), BlockStored(CHAIN[2:], tier=Tier.HOST),
                                      BlockRemoved(CHAIN[:1], tier=Tier.HOST)]))
-    run_now(svc.publish("w1", 1, 2, [BlockStored(CHAIN[:1], tier=Tier.DISK)]))
-    assert [(m.worker_id, m.matched_blocks) for m in run_now(svc.lookup("m", CHAIN))] == [("w1", 2)]
+    run_now(svc.publish("w1", 1, 2, [BlockStored(CHAIN[:1], tier=Tier.DISK), BlockRemoved(CHAIN[3:], tier=Tier.DISK)]))
+    assert [(m.worker_id, m.matched_blocks, m.host_blocks) for m in run_now(svc.lookup("m", CHAIN))] == [("w1", 2, 2)]
     ignored = svc.metrics.events_ignored
-    assert [ignored.labels(k, t)._value.get() for k, t in (("stored", "host"), ("removed", "host"),
-                                                           ("stored", "disk"))] == [2, 1, 1]
-    assert svc.metrics.events_applied.labels("stored")._value.get() == 2
+    assert [ignored.labels(k, t)._value.get() for k, t in (("stored", "host"), ("stored", "disk"),
+                                                           ("removed", "disk"))] == [0, 1, 1]
+    assert svc.metrics.events_applied.labels("stored")._value.get() == 4
+    assert run_now(svc.get_block(CHAIN[2])) == ([], ["w1"])
+
+
+def test_a_snapshot_past_its_bounds_is_refused_naming_the_field():
+    from kvmesh.contract.errors import InvalidArgument
+    from kvmesh.contract.limits import MAX_SNAPSHOT_HOST_BLOCKS
+
+    svc = KVService(MemoryIndex())
+    run_now(svc.register(Registration("w1", "127.0.0.1:1", "m", 4, "sha256_128", 100, 1)))
+    with pytest.raises(InvalidArgument, match=r"snapshot_host_hashes\[1\] is 3 bytes"):
+        run_now(svc.snapshot("w1", 1, 1, CHAIN, host_hashes=[CHAIN[0], b"abc"]))
+    with pytest.raises(InvalidArgument, match=f"snapshot_host_hashes has {MAX_SNAPSHOT_HOST_BLOCKS + 1} hashes"):
+        run_now(svc.snapshot("w1", 1, 1, [], host_hashes=[CHAIN[0]] * (MAX_SNAPSHOT_HOST_BLOCKS + 1)))
+    with pytest.raises(InvalidArgument, match="host_blocks must be in"):
+        run_now(svc.register(Registration("w2", "127.0.0.1:1", "m", 4, "sha256_128", 100, 1, host_blocks=-1)))
+    # within them, a snapshot of both tiers replaces what the index held
+    run_now(svc.snapshot("w1", 1, 1, CHAIN[:1], host_hashes=CHAIN[1:]))
+    assert [(m.matched_blocks, m.host_blocks) for m in run_now(svc.lookup("m", CHAIN))] == [(1, 3)]
 
 
 def test_tiers_cross_the_wire_and_the_device_tier_is_sent_as_before():

@@ -63,9 +63,14 @@ def test_prefixes_from_device_host_and_recompute_are_token_exact(tiny_model_dir,
     for p in fill:  # evict every block of the shared prefix from the device
         generate(llm, p)
     assert not set(chain) & engine.cached_block_hashes() and set(chain) <= engine.host_block_hashes()
+    assert engine.stats().host_loaded_blocks == 0
     tokens, cached, host = generate(llm, shared + suffixes[2])
     assert (cached, host) == (64, 64)
     seen["host"] = (shared + suffixes[2], tokens)
+    # the loads are counted and timed for the load reports (routers learn the link from them)
+    s = engine.stats()
+    assert s.host_loaded_blocks == 4 and s.host_load_s > 0
+    assert engine.report_load().host_loaded_blocks == 4
 
     # Evict the shared prefix's tail blocks only (freed chains go tail first): one-block prompts
     # until its last block leaves the device while its first stays.

@@ -190,6 +190,11 @@ def test_a_simulated_worker_times_its_host_tier_copies():
     assert engine.stats().host_cache_hits == 48 and len(copies[1].loads) == 3
     offload_s = H100.host_copy_s(16 * len(copies[1].offloads))
     assert t == pytest.approx(H100.host_copy_s(48) + max(H100.step_time([(48, 16)], []), offload_s))
+    # the loads are reported with the load: blocks and modelled seconds, for routers to learn the link
+    s = engine.stats()
+    assert (s.host_loaded_blocks, s.host_load_s) == (3, pytest.approx(H100.host_copy_s(48)))
+    load = engine.report_load()
+    assert (load.host_loaded_blocks, load.host_load_s) == (3, s.host_load_s)
     # offloads longer than the step are what it cannot hide
     runner.copy_kv_blocks(KVTransfers(offloads=[(i, i) for i in range(256)]))
     assert runner.copy_s(0.001) == H100.host_copy_s(256 * 16) > 0.001

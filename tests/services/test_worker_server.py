@@ -27,8 +27,14 @@ def generate(stub, ids, request_id="", **sampling):
     return msgs
 
 
-def index_hashes(kv_stub, worker_id: str, candidates: set[bytes]) -> set[bytes]:
-    return {h for h in candidates if worker_id in kv_stub.GetBlock(kpb.GetBlockRequest(block_hash=h), timeout=5).holders}
+def index_hashes(kv_stub, worker_id: str, candidates: set[bytes], host: bool = False) -> set[bytes]:
+    """Of ``candidates``, the hashes the index says the worker holds on its device (or in its host tier)."""
+    out = set()
+    for h in candidates:
+        r = kv_stub.GetBlock(kpb.GetBlockRequest(block_hash=h), timeout=5)
+        if worker_id in (r.host_holders if host else r.holders):
+            out.add(h)
+    return out
 
 
 def test_stream_matches_offline_engine_and_index_matches_cache(kv_server, start_worker, model_dir):
@@ -60,12 +66,13 @@ def test_stream_matches_offline_engine_and_index_matches_cache(kv_server, start_
     assert (load.worker_id, load.block_size, load.max_model_len, load.load.num_total_blocks) == ("w1", 16, 512, 128)
 
 
-def test_a_worker_with_a_host_tier_serves_host_hits_and_the_index_keeps_its_device_blocks(kv_server, start_worker,
-                                                                                          model_dir):
+def test_a_worker_with_a_host_tier_serves_host_hits_and_the_index_keeps_both_its_tiers(kv_server, start_worker,
+                                                                                       model_dir):
     """A prompt evicted to the host tier is served from it over gRPC (cached_tokens counts it, the
     tokens equal an engine without the tier); the worker's host moves reach the kv_service as
-    host-tier events, which it counts and leaves out of the index: the index holds exactly the
-    worker's device blocks."""
+    host-tier events: the index holds exactly the worker's device blocks and its host tier's, the
+    worker registered with its host tier's size, and a Lookup of the prompt answers how far the host
+    tier continues the device prefix."""
     kv_addr = f"127.0.0.1:{kv_server.port}"
     worker = start_worker("w1", kv_addr, num_blocks=12, max_model_len=128, host_kv_blocks=64)
     stub = pb_grpc.WorkerStub(dial(worker.address))
@@ -80,9 +87,14 @@ def test_a_worker_with_a_host_tier_serves_host_hits_and_the_index_keeps_its_devi
     cached, host = worker.engine.cached_block_hashes(), worker.engine.host_block_hashes()
     assert host - cached  # some blocks are in the host tier only
     # NOTE: equal sets, not equal counts: a batch in flight can remove as many blocks as it stores.
-    wait_until(lambda: index_hashes(kv_stub, "w1", cached | host) == cached, what="index to catch up")
-    ignored = kv_server.service.metrics.events_ignored
-    assert ignored.labels("stored", "host")._value.get() >= len(host)
+    wait_until(lambda: index_hashes(kv_stub, "w1", cached | host) == cached
+               and index_hashes(kv_stub, "w1", cached | host, host=True) == host, what="index to catch up")
+    (info,) = kv_stub.ListWorkers(kpb.ListWorkersRequest(), timeout=5).workers
+    assert (info.host_blocks, info.blocks_indexed, info.host_blocks_indexed) == (64, len(cached), len(host))
+    # the first prompt's blocks: on the device since its load; a third prompt pushes them out again
+    chain = worker.engine.block_hasher.hash_prompt(prompts[1])
+    (m,) = kv_stub.Lookup(kpb.LookupRequest(model_id=worker.engine.model_id, block_hashes=chain), timeout=5).workers
+    assert m.matched_blocks + m.host_blocks == len(chain) and m.host_blocks > 0
 
 
 def test_client_cancel_frees_blocks(start_worker):

@@ -110,6 +110,11 @@ class Candidate:
     pending: Pending = NO_PENDING
     """Every router's picks of the worker that its reports do not cover yet (the shared router view;
     this router's own among them); zero when the policy does not read it or the view is off."""
+    host_blocks: int = 0
+    """Blocks of the prompt past ``matched_blocks`` that the worker's host KV tier holds (the index's
+    answer): the worker loads them back instead of recomputing them (docs/engine.md, Host KV tier)."""
+    indexed_host_blocks: int = 0
+    """The index's host continuation past ``indexed_blocks`` (what a peer that reads only its index sees)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -149,7 +154,8 @@ def queued_tokens(c: Candidate, decode_cost: int) -> int:
 
 
 def uncached_tokens(c: Candidate, q: RouteQuery) -> int:
-    return max(0, q.prompt_len - c.matched_blocks * q.block_size)
+    """Prompt tokens the worker would compute: neither on its device nor loaded back from its host tier."""
+    return max(0, q.prompt_len - (c.matched_blocks + c.host_blocks) * q.block_size)
 
 
 class RouterPolicy(abc.ABC):

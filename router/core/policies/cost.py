@@ -19,6 +19,13 @@ fit approximates the true step time: on a GPU, and on a simulated worker (model_
 a roofline: memory bound at small batch, compute bound in a large prefill), step time is not
 linear in the work.
 
+**The host link.** A worker with a host KV tier also reports the blocks it loaded back from host
+memory and the seconds those loads took (part of its busy seconds). The learner keeps, per worker
+and pooled, the seconds per loaded block: the ratio of the two counters' deltas, forgetting the past
+as the step fit does (a DMA over PCIe or NVLink-C2C costs bytes / bandwidth: linear in the blocks).
+:meth:`StepCostLearner.load_s_per_block` answers it, None until a load was seen. The step fit
+regresses the busy seconds *less* the load seconds, so loads do not bias its coefficients.
+
 This module imports neither grpc nor redis.
 """
 
@@ -49,7 +56,29 @@ class StepCost:
 
 
 def _counters(load: Load) -> tuple[float, ...]:
-    return (load.busy_s, *(float(getattr(load, f)) for f in FEATURES))
+    """(busy seconds less host-load seconds, the features..., host blocks loaded, host-load seconds)."""
+    return (load.busy_s - load.host_load_s, *(float(getattr(load, f)) for f in FEATURES),
+            float(load.host_loaded_blocks), load.host_load_s)
+
+
+class _Link:
+    """Seconds per block loaded from the host tier: forgetting sums of the load seconds and blocks."""
+
+    __slots__ = ("seconds", "blocks", "reports")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.blocks = 0.0
+        self.reports = 0
+
+    def add(self, blocks: float, seconds: float, forget: float) -> None:
+        self.seconds = forget * self.seconds + float(seconds)
+        self.blocks = forget * self.blocks + float(blocks)
+        self.reports += 1
+
+    @property
+    def per_block(self) -> float:
+        return float(self.seconds / self.blocks)
 
 
 def per_worker(worker_id: str) -> str:
@@ -136,6 +165,8 @@ class StepCostLearner:
         self._last: dict[str, tuple[float, ...]] = {}
         self._pooled = _Fit()
         self._groups: dict[Hashable, _Fit] = {}
+        self._link = _Link()
+        self._links: dict[Hashable, _Link] = {}
         self._lock = threading.Lock()
 
     @property
@@ -161,7 +192,15 @@ class StepCostLearner:
             if prev is None or cur[1] <= prev[1]:
                 return  # first report, or a restarted worker (counters back to 0)
             d = np.subtract(cur, prev)
-            y, x = d[0], d[1:]
+            y, x = d[0], d[1:-2]
+            loaded, load_s = d[-2], d[-1]
+            if loaded > 0 and load_s >= 0:
+                self._link.add(loaded, load_s, self.forget)
+                if self.group is not None:
+                    link = self._links.get(key := self.group(worker_id))
+                    if link is None:
+                        link = self._links[key] = _Link()
+                    link.add(loaded, load_s, self.forget)
             if y <= 0 or (x < 0).any():
                 return
             self._pooled.add(x, y, self.forget)
@@ -184,3 +223,19 @@ class StepCostLearner:
                 if fit is not None and fit.reports >= self.min_reports:
                     return fit.solve()
             return self._pooled.solve()
+
+    MIN_LINK_REPORTS = 3
+    """Reports with loads a worker's own link estimate needs before it answers for the worker."""
+
+    def load_s_per_block(self, worker_id: str | None = None) -> float | None:
+        """Seconds one block takes to load from ``worker_id``'s host tier: its own estimate once it has
+        :attr:`MIN_LINK_REPORTS` reports with loads, else the pooled one; None before any worker
+        reported a load (a host block is then priced as a block to recompute)."""
+        with self._lock:
+            if not self._link.reports or self._link.blocks <= 0:
+                return None
+            if worker_id is not None and self.group is not None:
+                link = self._links.get(self.group(worker_id))
+                if link is not None and link.reports >= self.MIN_LINK_REPORTS and link.blocks > 0:
+                    return link.per_block
+            return self._link.per_block

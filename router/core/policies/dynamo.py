@@ -7,16 +7,24 @@ Follows ai-dynamo/dynamo (read at these commits; no code of Dynamo is copied):
   ``subscribe_to_events`` (replica sync), ``force_expiry``;
 - ``lib/llm/src/kv_router/config.rs`` @0435b58a9c92: ``KvRouterConfig::default``;
 - replica-sync batching: ``lib/llm/src/kv_router/sequence.rs`` @0266c3eba4f5 and
-  ``lib/kv-router/src/sequences/replica_sync.rs`` @057096c31e3c.
+  ``lib/kv-router/src/sequences/replica_sync.rs`` @057096c31e3c;
+- the cache tiers' credit: ``lib/kv-router/src/scheduling/selector/default.rs`` @07a6c9ce3bb0
+  (``worker_logit``: ``overlap_credit_blocks = overlap_score_credit * device_overlap_blocks +
+  host_cache_hit_weight * host_overlap_blocks + disk_cache_hit_weight * disk_overlap_blocks``,
+  subtracted from the raw prefill blocks, floored at 0) and ``lib/kv-router/src/scheduling/config.rs``
+  @07a6c9ce3bb0 (``default_host_cache_hit_weight`` 0.75, ``default_disk_cache_hit_weight`` 0.25); the
+  host and disk overlaps are the lower tiers' extensions past the device prefix.
 
 Per request, for every worker ``w`` (lowest wins; ``router_temperature`` 0)::
 
+    overlap_w        = device_overlap_w + 0.75 * host_overlap_w
     prefill_blocks_w = (active_tokens_w + max(0, isl - overlap_w * bs)) / bs
     decode_blocks_w  = |unique_blocks_w| + #{h in this prompt's blocks : h not in unique_blocks_w}
     logit_w          = overlap_score_weight * prefill_blocks_w + decode_blocks_w
 
-``overlap_w`` is the index's answer alone (Dynamo's overlap comes from its KV-event indexer, not
-from its own picks). ``unique_blocks_w`` is the refcounted set of the block hashes of the requests
+``device_overlap_w`` is the index's answer alone (Dynamo's overlap comes from its KV-event indexer,
+not from its own picks), ``host_overlap_w`` the index's host continuation past it (kvmesh indexes no
+disk tier, so Dynamo's 0.25 disk weight has nothing to weigh). ``unique_blocks_w`` is the refcounted set of the block hashes of the requests
 the router sent to ``w`` and has not freed: a prefix shared by 16 requests in flight counts once,
 and a request that shares it adds only its own suffix. ``active_tokens_w`` is the uncached prompt
 tokens of those requests not yet past their first token. The worker's reported load is never read.
@@ -43,6 +51,17 @@ from typing import ClassVar
 
 from kvmesh.router.core.inflight import Ticket
 from kvmesh.router.core.policies.base import Candidate, Decision, PolicyConfig, RouteQuery, RouterPolicy
+
+HOST_CACHE_HIT_WEIGHT = 0.75
+"""Dynamo's ``host_cache_hit_weight``: a host-pinned block's credit, of a device block's."""
+DISK_CACHE_HIT_WEIGHT = 0.25
+"""Dynamo's ``disk_cache_hit_weight`` (kvmesh indexes no disk tier: unused here, kept with its source)."""
+
+
+def overlap(c: Candidate) -> float:
+    """Dynamo's overlap credit in blocks: the device overlap plus the host tier's extension, weighted."""
+    return c.indexed_blocks + HOST_CACHE_HIT_WEIGHT * c.indexed_host_blocks
+
 
 EXPIRY_S = 300.0
 """Dynamo's ``EXPIRY_DURATION``: a request still active after a full sweep period is freed."""
@@ -188,7 +207,7 @@ class DynamoPolicy(RouterPolicy):
             logits = []
             for c in candidates:
                 active_blocks, active_tokens, new_blocks = self.sequences.view(c.worker_id, query.block_hashes)
-                prefill_tokens = active_tokens + max(0, query.prompt_len - c.indexed_blocks * bs)
+                prefill_tokens = active_tokens + max(0, round(query.prompt_len - overlap(c) * bs))
                 logits.append(weight * prefill_tokens / bs + active_blocks + new_blocks)
             best = min(logits)
             tied = [i for i, v in enumerate(logits) if v == best]
@@ -196,11 +215,12 @@ class DynamoPolicy(RouterPolicy):
             # return a worker's block count, so it is random here (docs/router.md, deviations).
             i = tied[0] if len(tied) == 1 else tied[self._rng.randrange(len(tied))]
         chosen = candidates[i]
-        return Decision(chosen.worker_id, "prefix" if chosen.indexed_blocks else "load", round(best))
+        return Decision(chosen.worker_id, "prefix" if chosen.indexed_blocks or chosen.indexed_host_blocks else "load",
+                        round(best))
 
     # -- the active sequences: this router's requests ----------------------------------------------
     def started(self, ticket: Ticket, query: RouteQuery, chosen: Candidate) -> None:
-        prefill = max(0, query.prompt_len - chosen.indexed_blocks * query.block_size)
+        prefill = max(0, round(query.prompt_len - overlap(chosen) * query.block_size))
         self._apply(ActiveSequenceEvent(self.replica_id, ticket.serial, ticket.worker_id, "add",
                                         query.block_hashes, prefill), publish=True)
 

@@ -10,6 +10,7 @@ This module imports neither grpc nor redis.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 from kvmesh.contract.types import Load
 from kvmesh.router.core.policies.base import (
@@ -20,7 +21,6 @@ from kvmesh.router.core.policies.base import (
     RouterPolicy,
     busy_requests,
     queued_prefill,
-    uncached_tokens,
 )
 
 
@@ -35,12 +35,17 @@ class LlmdPolicy(RouterPolicy):
       ``.../scorer/queuedepth/queue.go``, ``.../scorer/kvcacheutilization/kvcache_utilization.go``,
       ``.../picker/maxscore/picker.go``, ``pkg/epp/server/options.go`` (``RefreshMetricsInterval`` 50 ms);
     - llm-d/llm-d-kv-cache @7be76e119ca5: ``pkg/kvcache/kvblock_scorer.go`` (``LongestPrefixScorer``);
-    - llm-d/llm-d @019a3f3f ``guides/precise-prefix-cache-aware/`` (the guide's values: the same weights).
+    - llm-d/llm-d @019a3f3f ``guides/precise-prefix-cache-aware/`` (the guide's values: the same weights);
+    - the cache tiers: llm-d/llm-d-kv-cache ``pkg/kvcache/kvblock_scorer.go`` @24d82ea07f5e
+      (``LongestPrefixScorer``: a pod stays in the match while it holds the block in any tier, and
+      scores the block's largest tier weight, ``getMaxWeight``) and ``pkg/kvcache/backend.go`` @5fe8e2050c07
+      (``DefaultKVCacheBackendConfig``: gpu 1.0, cpu 0.8). Not tier-blind: a host block scores 0.8.
 
     ::
 
         score_w  = 2 * prefix_w + 1 * queue_w + 1 * kv_w
-        prefix_w = min(1, leading blocks the index says w holds / the prompt's blocks)   (absolute)
+        prefix_w = min(1, (device blocks + 0.8 * host blocks of the leading run the index says w holds)
+                          / the prompt's blocks)   (absolute)
         queue_w  = (maxQ - q_w) / (maxQ - minQ), 1 when all are equal;   q = waiting requests
         kv_w     = 1 - (total - free) / total blocks   (the engine's usage: idle cached blocks count as free)
 
@@ -54,6 +59,8 @@ class LlmdPolicy(RouterPolicy):
     uses_index = True
     weights = (2.0, 1.0, 1.0)
     """prefix, queue, kv-cache utilisation."""
+    medium_weights: ClassVar[dict[str, float]] = {"gpu": 1.0, "cpu": 0.8}
+    """llm-d-kv-cache's default backend weights: a block's score by the tier that holds it."""
     scrape_interval_s = 0.05
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
@@ -71,7 +78,8 @@ class LlmdPolicy(RouterPolicy):
         wp, wq, wk = self.weights
         scores = []
         for c, load, q in zip(candidates, loads, queues, strict=True):
-            prefix = min(1.0, c.indexed_blocks / total_blocks) if total_blocks else 0.0
+            held = c.indexed_blocks + self.medium_weights["cpu"] * c.indexed_host_blocks
+            prefix = min(1.0, held / total_blocks) if total_blocks else 0.0
             queue = 1.0 if hi == lo else (hi - q) / (hi - lo)
             total = load.num_total_blocks
             usage = min(1.0, max(0.0, (total - load.num_free_blocks) / total)) if total else 0.0
@@ -79,7 +87,8 @@ class LlmdPolicy(RouterPolicy):
         best = max(scores)
         i = self._choice_index([i for i, v in enumerate(scores) if v == best])
         chosen = candidates[i]
-        return Decision(chosen.worker_id, "prefix" if chosen.indexed_blocks else "load", round(best * 1000))
+        return Decision(chosen.worker_id, "prefix" if chosen.indexed_blocks or chosen.indexed_host_blocks else "load",
+                        round(best * 1000))
 
 
 class LmetricPolicy(RouterPolicy):
@@ -90,8 +99,9 @@ class LmetricPolicy(RouterPolicy):
         score = P_tokens x BS
 
     P_tokens = the prefill tokens the worker would have if the request went there (pending prefill +
-    this request's uncached tokens), BS = the worker's batch size (its requests). An idle worker
-    scores 0 whatever its cache; ties go to the fewest P_tokens, then at random.
+    this request's tokens not on its device), BS = the worker's batch size (its requests). An idle
+    worker scores 0 whatever its cache; ties go to the fewest P_tokens, then at random. Tier-blind:
+    the paper predates KV tiers, so a host-tier block counts as uncached.
 
     Source: the paper's abstract only (no authors' code was found). The one code found, a third-party
     port (sgl-project/sglang ``sgl-model-gateway/src/policies/lmetric.rs`` @acaa759a), scores
@@ -105,7 +115,7 @@ class LmetricPolicy(RouterPolicy):
     def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
         keys = []
         for c in candidates:
-            p = queued_prefill(c) + uncached_tokens(c, query)
+            p = queued_prefill(c) + max(0, query.prompt_len - c.matched_blocks * query.block_size)
             keys.append((p * busy_requests(c), p))
         best = min(keys)
         i = self._choice_index([i for i, k in enumerate(keys) if k == best])

@@ -15,7 +15,6 @@ from kvmesh.router.core.policies.base import (
     RouteQuery,
     RouterPolicy,
     queued_prefill,
-    uncached_tokens,
     used_blocks,
     waiting_requests,
 )
@@ -29,14 +28,20 @@ class KvAwarePolicy(RouterPolicy):
 
         Q = prompt tokens queued for prefill at w, u = this prompt's tokens w does not hold,
         h = those it holds, D = requests running at w, C = context they hold (tokens),
-        B = w's token budget per step, S = ceil((Q + u) / B) prefill steps until ours is done:
+        B = w's token budget per step, S = ceil((Q + u) / B) prefill steps until ours is done,
+        H = blocks w's host tier continues its device prefix with, L = w's seconds per loaded block:
 
         ttft = prefill_token_s * (Q + u)
              + prefill_pair_s * (u * h + u * (u + 1) / 2 + Q * pairs_per_prefill_token)
              + S * (step_s + decode_seq_s * D + decode_context_token_s * C)
+             + L * H
 
     i.e. the queued prefill ahead of it, its own uncached prefill (attention over the cached part
-    included), and the decodes that share every one of those steps. The score adds
+    included), the decodes that share every one of those steps, and the loads of its host-tier
+    blocks (the step waits for them). A host block counts as held (in h, not u) at the cost ``L``
+    the worker's reports taught (bytes over its host link, router/core/policies/cost.py): the
+    prediction weighs that transfer against the prefill it saves, no fixed weight. Until some worker
+    reported a load, a host block is priced as one to recompute. The score adds
     ``(decode_harm_weight * D + work_weight * (1 + W)) * own``, ``own`` being the time its own
     prefill takes: the D requests decoding on w wait for it, and a recomputed prefix is capacity
     lost to everyone, the more so the more requests wait (W: the mean waiting per worker).
@@ -72,12 +77,14 @@ class KvAwarePolicy(RouterPolicy):
         scores = []
         for c in candidates:
             model = (self.cost.estimate(c.worker_id) or NOMINAL_COST) if learned else NOMINAL_COST
-            ttft, own = predicted_ttft(model, query, c, self.config.default_step_tokens)
+            # NOTE: the host link is learned in seconds: priced once the step cost is too.
+            link = self.cost.load_s_per_block(c.worker_id) if learned and c.host_blocks else None
+            ttft, own = predicted_ttft(model, query, c, self.config.default_step_tokens, link)
             scores.append(ttft + (lam * decoders(c) + kappa) * own)
         i = self._sample_index(scores) if self.config.temperature > 0 else self._argmin_index(scores)
         chosen = candidates[i]
         # NOTE: no token-count guard: a hot spot's queue is in its predicted time already.
-        return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks else "load",
+        return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks or chosen.host_blocks else "load",
                         round(scores[i] * (1000 if learned else 1)))
 
     def _argmin_index(self, scores: Sequence[float]) -> int:
@@ -106,10 +113,13 @@ def decoders(c: Candidate) -> int:
     return max(c.load.num_running + c.pending.requests, c.inflight_requests)
 
 
-def predicted_ttft(m: StepCost, q: RouteQuery, c: Candidate, default_step_tokens: int = 2048) -> tuple[float, float]:
-    """(seconds until this request's first token on the candidate, seconds its own prefill adds
-    to the worker's steps) (see KvAwarePolicy)."""
-    u = uncached_tokens(c, q)
+def predicted_ttft(m: StepCost, q: RouteQuery, c: Candidate, default_step_tokens: int = 2048,
+                   load_s_per_block: float | None = None) -> tuple[float, float]:
+    """(seconds until this request's first token on the candidate, seconds its own prefill and loads
+    add to the worker's steps) (see KvAwarePolicy). ``load_s_per_block``: the worker's host link, or
+    None to price its host-tier blocks as blocks to recompute."""
+    host = c.host_blocks if load_s_per_block is not None else 0
+    u = max(0, q.prompt_len - (c.matched_blocks + host) * q.block_size)
     h = q.prompt_len - u
     queue = queued_prefill(c)
     budget = c.load.max_num_batched_tokens or default_step_tokens
@@ -117,6 +127,8 @@ def predicted_ttft(m: StepCost, q: RouteQuery, c: Candidate, default_step_tokens
     own_steps = -(-u // budget)
     per_step = m.step_s + m.decode_seq_s * decoders(c) + m.decode_context_token_s * used_blocks(c) * q.block_size
     own = m.prefill_token_s * u + m.prefill_pair_s * (u * h + u * (u + 1) / 2) + own_steps * per_step
+    if host:
+        own += load_s_per_block * host
     ttft = (m.prefill_token_s * queue + m.prefill_pair_s * queue * m.pairs_per_prefill_token
             + own + (steps - own_steps) * per_step)
     return ttft, own
