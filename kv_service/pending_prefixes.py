@@ -14,7 +14,8 @@ the longest prefix a pick reserved there will hold (``WorkerMatch.pending_blocks
 between two powers of two is rounded down to the lower one (at most half of it unseen).
 
 Anchors live ``ttl_ms`` (the speculative map's TTL: by then the worker's own events say what it
-holds) and are bounded in number, oldest first. No grpc, no redis; kept in the kv_service process
+holds), or until the worker's events say it evicted that block from its device, and are bounded in
+number, oldest first. No grpc, no redis; kept in the kv_service process
 (one replica's picks; docs/router.md says what that means with several replicas).
 """
 
@@ -57,6 +58,16 @@ class PendingPrefixes:
                 self._order.append((expiry, a, worker_id))
             while len(self._order) > self.max_entries:
                 self._drop()
+
+    def forget(self, worker_id: str, hashes: Sequence[bytes]) -> None:
+        """``worker_id`` no longer holds these blocks (it evicted them): anchors among them stop counting
+        for it (a block evicted is evicted after its descendants: the anchors past it went first)."""
+        with self._lock:
+            held = self._held
+            for h in hashes:
+                workers = held.get(h)
+                if workers is not None and workers.pop(worker_id, None) is not None and not workers:
+                    del held[h]
 
     def match(self, chain: Sequence[bytes], now_ms: int) -> dict[str, int]:
         """Per worker, the leading blocks of ``chain`` a reserved pick there will hold (0s omitted)."""

@@ -203,6 +203,13 @@ class KVService:
         events = self._kept_tiers(events)
         result = await self.index.publish(worker_id, epoch, seq, events, self._now(), load)
         self._count(result, events)
+        if result.action == Action.ACK and self.prefixes:
+            # NOTE: a block the worker evicted from its device is not held there whatever a reserved
+            # pick's anchors said (a prompt evicted to the host tier within the anchors' TTL was still
+            # priced as a device hit)
+            for ev in events:
+                if isinstance(ev, BlockRemoved) and ev.tier == Tier.DEVICE:
+                    self.prefixes.forget(worker_id, ev.block_hashes)
         return result
 
     def _kept_tiers(self, events: list[KVCacheEvent]) -> list[KVCacheEvent]:

@@ -137,3 +137,22 @@ def test_a_reserved_pick_tells_every_lookup_and_refusal_which_prefix_its_worker_
     assert not refused.reserved and refused.anchored == {"w1": 4}  # anchors 1, 2, 4, 8 of yours
     clock[0] += 2000
     assert {m.worker_id: m.pending_blocks for m in run_now(svc.lookup("m", yours))} == {"w1": 0, "w2": 0}
+
+
+def test_a_reserved_picks_anchors_stop_counting_once_the_worker_evicts_those_blocks():
+    # the anchors say a reserved pick *will* hold a prefix; the worker's own eviction of it says it does not
+    # (a prefix evicted to its host tier within the anchors' TTL must not be priced as a device hit)
+    from kvmesh.contract.index_protocol import Reservation, anchors_of
+    from kvmesh.kv_service.config import PendingConfig, ServiceConfig
+
+    clock = [1000]
+    svc = KVService(MemoryIndex(), ServiceConfig(pending=PendingConfig(prefix_ttl_ms=60_000)), clock=lambda: clock[0])
+    run_now(svc.register(Registration("w1", "127.0.0.1:1", "m", 4, "sha256_128", 100, 1)))
+    chain = BlockHasher("m", 4).hash_prompt(list(range(48)))  # 12 blocks
+    assert run_now(svc.reserve(Reservation("m", "w1", "ra", "r1", 48, 12, 0, anchors_of(chain)))).reserved
+    assert [m.pending_blocks for m in run_now(svc.lookup("m", chain))] == [12]
+    run_now(svc.publish("w1", 1, 1, [BlockStored(chain)]))
+    run_now(svc.publish("w1", 1, 2, [BlockRemoved(chain[4:][::-1])]))  # leaf first: blocks 4-11 evicted
+    assert [(m.matched_blocks, m.pending_blocks) for m in run_now(svc.lookup("m", chain))] == [(4, 4)]
+    run_now(svc.publish("w1", 1, 3, [BlockRemoved(chain[:4][::-1])]))
+    assert [(m.matched_blocks, m.pending_blocks) for m in run_now(svc.lookup("m", chain))] == [(0, 0)]
