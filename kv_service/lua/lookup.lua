@@ -63,20 +63,14 @@ local function split(v, mem)
   return right, left
 end
 
--- a group: {lo, hi, members, holders of block lo - 1, holders of block hi (false: none, or hi = n)}
-local open, vals = {{1, n, members, h0, false}}, {got[2]}
-if #members == 0 then
-  open = {}
-elseif n == 1 then
-  answer(1, members)
-  open = {}
-end
-while #open > 0 do
+-- One round of a group search: the probe value v of each group's midpoint splits its members into
+-- those holding it (right) and those not (left); a group of one block answers. Returns the next groups.
+local function step(groups, probed, answered)
   local next_open = {}
-  for g = 1, #open do
-    local lo, hi, mem, slo, shi = open[g][1], open[g][2], open[g][3], open[g][4], open[g][5]
+  for g = 1, #groups do
+    local lo, hi, mem, slo, shi = groups[g][1], groups[g][2], groups[g][3], groups[g][4], groups[g][5]
     local mid = midpoint(lo, hi)
-    local v = vals[g]
+    local v = probed[g]
     local right, left
     if not v or v == shi then
       left = mem
@@ -86,17 +80,34 @@ while #open > 0 do
       right, left = split(v, mem)
     end
     if right and #right > 0 then
-      if mid < hi then next_open[#next_open + 1] = {mid, hi, right, v, shi} else answer(mid, right) end
+      if mid < hi then next_open[#next_open + 1] = {mid, hi, right, v, shi} else answered(mid, right) end
     end
     if left and #left > 0 then
-      if lo < mid - 1 then next_open[#next_open + 1] = {lo, mid - 1, left, slo, v} else answer(lo, left) end
+      if lo < mid - 1 then next_open[#next_open + 1] = {lo, mid - 1, left, slo, v} else answered(lo, left) end
     end
   end
-  open = next_open
-  if #open == 0 then break end
+  return next_open
+end
+
+-- the blocks each group probes next (their midpoints)
+local function probes(groups)
   local keys = {}
-  for g = 1, #open do keys[g] = block(midpoint(open[g][1], open[g][2]) - 1) end
-  vals = redis.call('HMGET', BH, unpack(keys))
+  for g = 1, #groups do keys[g] = block(midpoint(groups[g][1], groups[g][2]) - 1) end
+  return keys
+end
+
+-- a group: {lo, hi, members, holders of block lo - 1, holders of block hi (false: none, or hi = n)}
+local open, vals = {{1, n, members, h0, false}}, {got[2]}
+if #members == 0 then
+  open = {}
+elseif n == 1 then
+  answer(1, members)
+  open = {}
+end
+while #open > 0 do
+  open = step(open, vals, answer)
+  if #open == 0 then break end
+  vals = redis.call('HMGET', BH, unpack(probes(open)))
 end
 if not tiered then return {out, uout} end
 
@@ -127,29 +138,6 @@ if hh0 then
   end
 end
 while #open > 0 do
-  local keys = {}
-  for g = 1, #open do keys[g] = block(midpoint(open[g][1], open[g][2]) - 1) end
-  local vals = redis.call('HMGET', HH, unpack(keys))
-  local next_open = {}
-  for g = 1, #open do
-    local lo, hi, mem, slo, shi = open[g][1], open[g][2], open[g][3], open[g][4], open[g][5]
-    local mid = midpoint(lo, hi)
-    local v = vals[g]
-    local right, left
-    if not v or v == shi then
-      left = mem
-    elseif v == slo then
-      right = mem
-    else
-      right, left = split(v, mem)
-    end
-    if right and #right > 0 then
-      if mid < hi then next_open[#next_open + 1] = {mid, hi, right, v, shi} else uanswer(mid, right) end
-    end
-    if left and #left > 0 then
-      if lo < mid - 1 then next_open[#next_open + 1] = {lo, mid - 1, left, slo, v} else uanswer(lo, left) end
-    end
-  end
-  open = next_open
+  open = step(open, redis.call('HMGET', HH, unpack(probes(open))), uanswer)
 end
 return {out, uout}
