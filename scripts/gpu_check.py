@@ -75,7 +75,7 @@ PARTS = [
                       "from decode_profile import model_dir; "
                       f"json.dump({{'model': model_dir('1b')}}, open({str(out)!r}, 'w'))"]),
     Part("cuda-tests", "the CUDA tests (pytest -m cuda tests/kernels tests/model_worker)",
-         (*ENGINE, "pytest", "pytest_timeout", "hypothesis"), 120,
+         (*ENGINE, "pytest", "pytest_timeout", "hypothesis"), 200,
          lambda out: [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
                       "tests/kernels", "tests/model_worker", f"--junitxml={out.with_suffix('.xml')}"]),
     Part("kernel-bench", "Triton attention vs torch SDPA (bf16)", ("torch", "triton"), 50,
@@ -85,8 +85,8 @@ PARTS = [
     Part("multistep", "multistep_bench on the 1B shape: MS-1 and MS-8, warm", ENGINE, 75,
          _bench("multistep_bench.py", "--model", "1b", "--steps", "1,8", "--num-requests", "64", "--prompt-len",
                 "128", "--output-len", "128", "--device", "cuda")),
-    Part("warm-start", "first TTFT after ready / warm TTFT, with and without the warm-up", ENGINE, 60,
-         _bench("warm_start_bench.py", "--model", "1b", "--configs", "default", "--device", "cuda")),
+    Part("warm-start", "first TTFT after ready / warm TTFT, with and without the warm-up", ENGINE, 120,
+         _bench("warm_start_bench.py", "--model", "1b", "--configs", "default", "--device", "cuda", "--starts", "1")),
     Part("mesh", "the whole mesh on one GPU: 2 workers at 0.4, kv-aware vs round-robin", (*ENGINE, *SERVICES,
          "redis", "redis-server"), 120, _bench("mesh_bench.py", "--model", "1b", "--device", "cuda")),
 ]
