@@ -266,6 +266,8 @@ class Scheduler:
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
+        bs = kv.block_size
+        lazy = self._full_attention_only
 
         # Running requests first: decodes and the next chunks of prompts being prefilled.
         i = 0
@@ -275,7 +277,12 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, out):
+            # NOTE: a decode whose token neither needs a new block nor completes one changes
+            # nothing in the pool (full attention only): allocate_slots would allocate and cache
+            # nothing, so it is skipped, as in prepare_window_step. Most decode steps are such.
+            skip = (lazy and num_new == 1 and request.num_tokens % bs
+                    and kv.num_request_blocks(request.request_id) * bs >= request.num_tokens)
+            if not skip and not self._allocate_or_preempt(request, num_new, out):
                 break  # it preempted itself: every request after it is preempted already
             self._add_scheduled(out, request, num_new, request.num_computed_tokens)
             budget -= num_new

@@ -123,3 +123,46 @@ def test_replayed_events_match_the_snapshot_under_random_load() -> None:
     assert kv.reset_prefix_cache()
     index.apply(kv.take_events())
     assert index.hashes == set()
+
+
+def test_decode_steps_that_skip_the_allocation_change_nothing() -> None:
+    """schedule() skips allocate_slots for a decode whose token neither needs a new block nor
+    completes one (full attention only): the same random load, once with the skip and once with
+    every step allocating, gives the same events, tables, preemptions and outputs step by step."""
+
+    def run(skip: bool) -> tuple[list, int]:
+        rng = random.Random(77)
+        kv = KVCacheManager(num_blocks=14, block_size=BS)
+        s = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48), kv)
+        s._full_attention_only = skip
+        calls = 0
+        allocate = kv.allocate_slots
+
+        def counted(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            return allocate(*args, **kwargs)
+
+        kv.allocate_slots = counted
+        prefixes = [[rng.randrange(50) for _ in range(rng.choice((4, 8, 12)))] for _ in range(4)]
+        trace = []
+        for step in range(300):
+            if rng.random() < 0.3:
+                tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 14))]
+                s.add_request(make_request(f"r{step}", tokens, max_tokens=rng.randrange(1, 20)))
+            if s.requests and rng.random() < 0.03:
+                s.abort_request(rng.choice(sorted(s.requests)))
+            out = s.schedule()
+            tables = [(sr.request.request_id, sr.num_new_tokens, sr.block_tables) for sr in out.scheduled]
+            sampled = {sr.request.request_id: [rng.randrange(50)] for sr in out.scheduled if sr.sample}
+            outs = s.update_from_output(out, sampled)
+            trace.append((tables, list(out.preempted_ids), [(o.request_id, o.new_token_ids, o.finished) for o in outs],
+                          kv.take_events()))
+        assert s.num_preemptions > 0 and kv.prefix_cache_hits > 0  # the load reached both
+        return trace, calls
+
+    fast, fast_calls = run(skip=True)
+    slow, slow_calls = run(skip=False)
+    assert fast_calls < 0.8 * slow_calls, (fast_calls, slow_calls)  # the decodes inside a block skipped it
+    for step, (a, b) in enumerate(zip(fast, slow, strict=True)):
+        assert a == b, f"step {step}"
