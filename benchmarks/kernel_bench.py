@@ -10,7 +10,8 @@ does no paging) and flash-attn's varlen kernel when it is importable. Needs a CU
 machine without one it says so and exits 0.
 
 ``--sweep`` also times a grid of launch configs (tile rows, key tile, warps, pipeline stages) per
-scenario and prints the best beside the default: the input to ``ATTENTION_CONFIGS`` in
+scenario, the default's neighbours first, for ``--sweep-budget-s`` each (compiles included), then
+split-KV counts on decode-heavy batches, and prints the best beside the default: the input to ``ATTENTION_CONFIGS`` in
 kernels/triton_attention.py (docs/kernels.md, "Tuning"). ``--json`` writes every figure.
 """
 
@@ -24,8 +25,12 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvmesh.kernels.triton_attention import AttentionConfig
 
 
 @dataclass(frozen=True)
@@ -132,27 +137,68 @@ def _flash_varlen_fn(batch: dict, lens, dense, scale: float) -> Callable[[], Non
     return run
 
 
-def _sweep(batch: dict, scenario: Scenario, scale: float, default_ms: float) -> dict:
-    """Times candidate launch configs on one scenario; returns the best and its speed-up."""
-    from kvmesh.kernels.triton_attention import AttentionConfig, ragged_paged_attention_triton
+def sweep_candidates(default: AttentionConfig, decode: bool) -> list[AttentionConfig]:
+    """The launch grid (tile rows, key tile, warps, stages), the default's neighbours first: ordered by
+    how many of the four fields differ from the default, so a time budget cuts the farthest."""
+    from kvmesh.kernels.triton_attention import AttentionConfig  # noqa: F811 - at run time
+
+    rows = (16, 32, 64) if decode else (32, 64, 128)
+    grid = [AttentionConfig(m, n, w, st)
+            for m, n, w, st in itertools.product(rows, (32, 64, 128), (4, 8), (1, 2, 3, 4))]
+    fields = ("block_m", "block_n", "num_warps", "num_stages")
+
+    def distance(c: AttentionConfig) -> int:
+        return sum(getattr(c, f) != getattr(default, f) for f in fields)
+
+    return sorted(grid, key=distance)  # stable: grid order within a distance
+
+
+def _sweep(batch: dict, scenario: Scenario, scale: float, default_ms: float, budget_s: float) -> dict:
+    """Times candidate launch configs on one scenario within ``budget_s`` (compiles included), then,
+    for a decode-heavy batch, split-KV counts with the best config; returns the best of each."""
+    import time
+
+    from kvmesh.kernels.triton_attention import attention_config, ragged_paged_attention_triton
 
     decode = sum(q for q, _ in scenario.lens) <= 2 * len(scenario.lens)
-    rows = (16, 32, 64) if decode else (32, 64, 128)
-    best: tuple[float, AttentionConfig] | None = None
-    for block_m, block_n, warps, stages in itertools.product(rows, (32, 64, 128), (4, 8), (1, 2, 3, 4)):
-        config = AttentionConfig(block_m, block_n, warps, stages)
+    head_dim_pad = max(16, 1 << (batch["q"].shape[-1] - 1).bit_length())
+    default = attention_config(decode, batch["q"].dtype, head_dim_pad)
+    deadline = time.monotonic() + budget_s
+
+    def timed(**kw) -> float | None:
         try:
-            ms = _time_ms(lambda c=config: ragged_paged_attention_triton(
-                batch["q"], batch["k"], batch["v"], batch["cu"], batch["kv"], batch["table"], scale, config=c))
+            return _time_ms(lambda: ragged_paged_attention_triton(
+                batch["q"], batch["k"], batch["v"], batch["cu"], batch["kv"], batch["table"], scale, **kw))
         except Exception:  # out of shared memory / registers for this shape
-            continue
-        if best is None or ms < best[0]:
+            return None
+
+    best: tuple[float, AttentionConfig] | None = None
+    candidates = sweep_candidates(default, decode)
+    tried = 0
+    for config in candidates:
+        if time.monotonic() > deadline:
+            break
+        tried += 1
+        ms = timed(config=config)
+        if ms is not None and (best is None or ms < best[0]):
             best = (ms, config)
     if best is None:
         return {}
     ms, config = best
-    print(f"{scenario.name:<20}{'best config':<14}{ms:>9.3f}   {config}  ({default_ms / ms:.2f}x the default)")
-    return {"ms": ms, "config": dataclasses.asdict(config), "speedup": default_ms / ms}
+    print(f"{scenario.name:<20}{'best config':<14}{ms:>9.3f}   {config}  ({default_ms / ms:.2f}x the default; "
+          f"{tried} of {len(candidates)} configs in {budget_s:.0f} s)")
+    out = {"ms": ms, "config": dataclasses.asdict(config), "speedup": default_ms / ms, "tried": tried,
+           "candidates": len(candidates)}
+    if decode:
+        splits = {n: timed(config=config, num_kv_splits=n) for n in (1, 2, 4, 8, 16)}
+        splits = {n: t for n, t in splits.items() if t is not None}
+        if splits:
+            n_best = min(splits, key=splits.__getitem__)
+            print(f"{scenario.name:<20}{'best splits':<14}{splits[n_best]:>9.3f}   num_kv_splits={n_best} "
+                  f"(the heuristic's choice with this config: {ms:.3f} ms)")
+            out["splits_ms"] = splits
+            out["best_splits"] = n_best
+    return out
 
 
 def main() -> int:
@@ -164,6 +210,8 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-baselines", action="store_true", help="time only the Triton kernel")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of launch configs per scenario")
+    parser.add_argument("--sweep-budget-s", type=float, default=60.0,
+                        help="seconds of the sweep per scenario, compiles included (default 60)")
     parser.add_argument("--json", default=None, help="write every figure here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -215,7 +263,7 @@ def main() -> int:
         if "triton" in row and "torch-sdpa" in row:
             row["triton_over_sdpa"] = row["torch-sdpa"]["ms"] / row["triton"]["ms"]  # speed ratio, goal >= 0.9
         if args.sweep and "triton" in row:
-            row["sweep"] = _sweep(batch, scenario, scale, row["triton"]["ms"])
+            row["sweep"] = _sweep(batch, scenario, scale, row["triton"]["ms"], args.sweep_budget_s)
         del batch
         torch.cuda.empty_cache()
     print("'vs triton' = other time / triton time (>1: triton faster). SDPA/flash read dense, unpaged K/V.")

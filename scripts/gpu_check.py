@@ -15,6 +15,9 @@ in all on one H100 / H200):
 6. ``benchmarks/mesh_bench.py``: the whole mesh on the GPU, 2 workers at --memory-fraction 0.4,
    kv-aware vs round-robin, under cache pressure and without.
 
+Optional (``--parts kernel-sweep``): ``kernel_bench.py --sweep``, the Triton attention's launch
+configs and split-KV counts per scenario within a time budget: the input to ATTENTION_CONFIGS.
+
 It prints one table (issue 34's goals, met / not met / not run) and writes every figure to
 ``--json`` (default gpu-check.json). Without an installed kvmesh (a source copy) it lays the
 package out as the wheel does (links in a temp dir) and runs every part with that on PYTHONPATH.
@@ -90,6 +93,13 @@ PARTS = [
     Part("mesh", "the whole mesh on one GPU: 2 workers at 0.4, kv-aware vs round-robin", (*ENGINE, *SERVICES,
          "redis", "redis-server"), 120, _bench("mesh_bench.py", "--model", "1b", "--device", "cuda")),
 ]
+
+OPTIONAL_PARTS = [
+    Part("kernel-sweep", "the Triton attention's launch configs and split-KV counts, 45 s a scenario (tuning input)",
+         ("torch", "triton"), 240, _bench("kernel_bench.py", "--dtype", "bf16", "--no-baselines", "--sweep",
+                                          "--sweep-budget-s", "45")),
+]
+"""Run only when ``--parts`` names them (not by ``make gpu-check``): ``--parts kernel-sweep``."""
 
 
 def missing(modules: Iterable[str], find: Callable[[str], object | None] | None = None,
@@ -251,6 +261,12 @@ def goal_rows(results: dict[str, Outcome]) -> list[dict]:
     for name, w in mesh.items():
         r = w.get("kv_aware_over_round_robin")
         add(f"mesh {name}: kv-aware / round-robin req/s", r, f"{r:.2f}" if r else "", "(reported)", 0.0, False)
+    for name, row in figures("kernel-sweep").get("scenarios", {}).items():
+        sweep = row.get("sweep") or {}
+        r = sweep.get("speedup")
+        add(f"kernel sweep {name}: best config / default", r,
+            f"{r:.2f} ({sweep['config']})" + (f", {sweep['best_splits']} splits" if "best_splits" in sweep else "")
+            if r else "", "(reported)", 0.0, False)
     tests = figures("cuda-tests")
     failed = tests.get("failed") if tests else None
     add("CUDA tests (kernels + model_worker, -m cuda)", failed,
@@ -271,10 +287,15 @@ def format_table(rows: list[dict], outcomes: dict[str, Outcome]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="gpu-check.json", help="every figure (default gpu-check.json)")
-    ap.add_argument("--parts", default=",".join(p.name for p in PARTS), help="comma-separated parts to run")
+    ap.add_argument("--parts", default=",".join(p.name for p in PARTS),
+                    help="comma-separated parts to run (default: all but the optional kernel-sweep)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="wall seconds for all parts (default 480)")
     args = ap.parse_args(argv)
-    wanted = [p for p in PARTS if p.name in args.parts.split(",")]
+    names = args.parts.split(",")
+    unknown = set(names) - {p.name for p in (*PARTS, *OPTIONAL_PARTS)}
+    if unknown:
+        ap.error(f"unknown parts: {', '.join(sorted(unknown))}")
+    wanted = [p for p in (*PARTS, *OPTIONAL_PARTS) if p.name in names]
     absent = missing(m for p in wanted for m in p.needs)
     print(f"gpu-check imports: {describe_missing(absent)}", flush=True)
     torch_found = "torch" not in absent

@@ -118,3 +118,42 @@ def test_junit_counts(tmp_path: Path, xml: str, want: dict) -> None:
     path = tmp_path / "r.xml"
     path.write_text(xml)
     assert gpu_check.junit_counts(path) == want
+
+
+def test_the_optional_kernel_sweep_runs_only_when_named_and_unknown_parts_are_refused() -> None:
+    assert [p.name for p in gpu_check.OPTIONAL_PARTS] == ["kernel-sweep"]
+    sweep = gpu_check.OPTIONAL_PARTS[0]
+    assert all(m in gpu_check.PACKAGES for m in sweep.needs)
+    assert "--sweep" in sweep.command(Path("out.json")) and "kernel-sweep" not in [p.name for p in gpu_check.PARTS]
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--parts", "model,no-such-part"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 2 and "unknown parts: no-such-part" in done.stderr
+
+
+def test_the_sweep_rows_report_the_best_config_over_the_default() -> None:
+    figures = {"scenarios": {"decode-heavy": {"sweep": {"speedup": 1.31, "config": {"block_m": 16}, "best_splits": 4}},
+                             "mixed": {}}}
+    rows = gpu_check.goal_rows({"kernel-sweep": gpu_check.Outcome("ok", 1.0, figures)})
+    sweep = [r for r in rows if r["measure"].startswith("kernel sweep")]
+    assert [r["measure"] for r in sweep] == ["kernel sweep decode-heavy: best config / default",
+                                             "kernel sweep mixed: best config / default"]
+    assert sweep[0]["figure"] == "1.31 ({'block_m': 16}), 4 splits" and sweep[1]["figure"] == "not run"
+
+
+def test_the_sweep_tries_the_defaults_neighbours_first() -> None:
+    spec = importlib.util.spec_from_file_location("kernel_bench", ROOT / "benchmarks" / "kernel_bench.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["kernel_bench"] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    from kvmesh.kernels.triton_attention import AttentionConfig
+
+    default = AttentionConfig(16, 64, 4, 2)
+    order = bench.sweep_candidates(default, decode=True)
+    assert len(order) == len(set(order)) == 72 and order[0] == default
+
+    def distance(c) -> int:
+        return sum(a != b for a, b in zip((c.block_m, c.block_n, c.num_warps, c.num_stages), (16, 64, 4, 2), strict=True))
+
+    assert [distance(c) for c in order] == sorted(distance(c) for c in order)
+    assert {c.block_m for c in bench.sweep_candidates(AttentionConfig(64, 64), decode=False)} == {32, 64, 128}
