@@ -176,8 +176,8 @@ def _sweep(batch: dict, scenario: Scenario, scale: float, default_ms: float, bud
     candidates = sweep_candidates(default, decode)
     tried = 0
     for config in candidates:
-        if time.monotonic() > deadline:
-            break
+        if tried and time.monotonic() > deadline:
+            break  # the first candidate, the default itself, is always timed
         tried += 1
         ms = timed(config=config)
         if ms is not None and (best is None or ms < best[0]):
