@@ -159,36 +159,40 @@ def test_the_sweep_tries_the_defaults_neighbours_first() -> None:
     assert {c.block_m for c in bench.sweep_candidates(AttentionConfig(64, 64), decode=False)} == {32, 64, 128}
 
 
-def test_the_sweep_loop_times_the_default_first_then_split_counts(monkeypatch) -> None:
-    """The sweep's loop on the CPU (Triton's interpreter, one tiny decode batch): with no budget left
-    it still times the default, then every split count; ``_time_ms`` stands in for do_bench (CUDA)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    spec = importlib.util.spec_from_file_location("kernel_bench", ROOT / "benchmarks" / "kernel_bench.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["kernel_bench"] = bench
-    spec.loader.exec_module(bench)
-    import torch
+SWEEP_ON_CPU = """
+import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("kernel_bench", sys.argv[1])
+bench = importlib.util.module_from_spec(spec)
+sys.modules["kernel_bench"] = bench
+spec.loader.exec_module(bench)
+from kvmesh.kernels.reference import ragged_paged_attention_ref
 
-    from kvmesh.kernels.reference import ragged_paged_attention_ref
+timed = []
+def fake_ms(fn):
+    timed.append(fn())  # the kernel runs: a launch it cannot make raises here
+    return 1.0 + len(timed)
+bench._time_ms = fake_ms
+gen = torch.Generator().manual_seed(0)
+k, v = (torch.randn(8, 4, 2, 16, generator=gen) for _ in range(2))
+batch = {"q": torch.randn(2, 4, 16, generator=gen), "k": k, "v": v,
+         "cu": torch.tensor([0, 1, 2], dtype=torch.int32), "kv": torch.tensor([9, 5], dtype=torch.int32),
+         "table": torch.tensor([[3, 1, 6], [2, 5, 0]], dtype=torch.int32)}
+result = bench._sweep(batch, bench.Scenario("tiny-decode", [(1, 9), (1, 5)]), 0.25, default_ms=2.0, budget_s=0.0)
+assert result["tried"] == 1 and result["config"]["block_m"] == 16, result  # the default: a 16-row decode tile
+assert sorted(result["splits_ms"]) == [1, 2, 4, 8, 16] and result["best_splits"] == 1, result
+want = ragged_paged_attention_ref(batch["q"], k, v, batch["cu"], batch["kv"], batch["table"], 0.25)
+for out in timed:  # every launch the sweep timed computed the attention
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+print("swept", len(timed))
+"""
 
-    timed: list[dict] = []
 
-    def fake_ms(fn) -> float:
-        out = fn()  # the kernel runs: a config it cannot launch raises here
-        timed.append(out)
-        return 1.0 + len(timed)
-
-    monkeypatch.setattr(bench, "_time_ms", fake_ms)
-    gen = torch.Generator().manual_seed(0)
-    k, v = (torch.randn(8, 4, 2, 16, generator=gen) for _ in range(2))
-    batch = {"q": torch.randn(2, 4, 16, generator=gen), "k": k, "v": v,
-             "cu": torch.tensor([0, 1, 2], dtype=torch.int32), "kv": torch.tensor([9, 5], dtype=torch.int32),
-             "table": torch.tensor([[3, 1, 6], [2, 5, 0]], dtype=torch.int32)}
-    scenario = bench.Scenario("tiny-decode", [(1, 9), (1, 5)])
-    result = bench._sweep(batch, scenario, 0.25, default_ms=2.0, budget_s=0.0)
-    assert result["tried"] == 1 and result["config"]["block_m"] == 16  # the CPU default: a decode tile of 16 rows
-    assert sorted(result["splits_ms"]) == [1, 2, 4, 8, 16] and result["best_splits"] == 1
-    want = ragged_paged_attention_ref(batch["q"], k, v, batch["cu"], batch["kv"], batch["table"], 0.25)
-    for out in timed:  # every launch the sweep timed computed the attention
-        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+def test_the_sweep_loop_times_the_default_first_then_split_counts() -> None:
+    """The sweep's loop on the CPU (Triton's interpreter, set before triton is imported, so in a
+    process of its own; one tiny decode batch): with no budget left it still times the default, then
+    every split count; ``_time_ms`` stands in for do_bench, which needs CUDA."""
+    done = subprocess.run([sys.executable, "-c", SWEEP_ON_CPU, str(ROOT / "benchmarks" / "kernel_bench.py")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("swept 6")
