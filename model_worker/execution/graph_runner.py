@@ -58,6 +58,12 @@ def capture_sizes(max_num_seqs: int, sizes: Sequence[int] = ()) -> list[int]:
     return sorted(out)
 
 
+def _block_ids(blocks: Sequence, start: int) -> list[int]:
+    """``blocks[start:]`` as block ids (the KV cache manager's blocks, or ids already)."""
+    tail = blocks[start:]
+    return [b if isinstance(b, int) else b.block_id for b in tail]
+
+
 def padded_size(n: int, sizes: Sequence[int]) -> int | None:
     """The smallest of the ascending ``sizes`` that holds ``n`` rows; None when none does."""
     i = bisect.bisect_left(sizes, n)
@@ -76,10 +82,14 @@ class DecodeGraphs:
         vocab_size: logits width.
         device: where the buffers live.
         capture: capture CUDA graphs (CUDA); False runs the same body eagerly (tests on CPU).
+        append_only_tables: the tables :meth:`load` gets are the KV cache manager's own lists, which
+            only grow while a request runs (full attention only: KVCacheManager.live_blocks); a
+            row that holds the same list as at the last step then writes only its new blocks.
     """
 
     def __init__(self, forward_logits: ForwardLogits, *, sizes: Sequence[int], num_groups: int, max_blocks: int,
-                 block_size: int, vocab_size: int, device: torch.device, capture: bool) -> None:
+                 block_size: int, vocab_size: int, device: torch.device, capture: bool,
+                 append_only_tables: bool = False) -> None:
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.sizes = list(sizes)
@@ -97,6 +107,11 @@ class DecodeGraphs:
         self._copied: torch.cuda.Event | None = None
         self._cu_q_lens = torch.arange(self.max_size + 1, dtype=torch.int32, device=device)
         self._logits = torch.zeros((self.max_size, vocab_size), dtype=torch.float32, device=device)
+        self._append_only = append_only_tables
+        # NOTE: what each staging row's table holds, per group: the list it was read from and how
+        # many of its entries; past them the row is zero (the invariant load() keeps).
+        self._row_src: list[list[Sequence | None]] = [[None] * self.max_size for _ in range(num_groups)]
+        self._row_len: list[list[int]] = [[0] * self.max_size for _ in range(num_groups)]
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.num_rows = 0
@@ -111,31 +126,47 @@ class DecodeGraphs:
     def fits(self, n: int) -> bool:
         return 0 < n <= self.max_size
 
-    def load(self, token_ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[Sequence[int]]]) -> None:
+    def load(self, token_ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[Sequence]]) -> None:
         """Loads a decode batch: row i is token ``token_ids[i]`` at ``positions[i]`` (KV length
-        position + 1) with block table ``tables[g][i]`` in group g; pads it to its graph's size."""
+        position + 1) with block table ``tables[g][i]`` in group g (block ids, or blocks with a
+        ``block_id``); pads it to its graph's size.
+
+        A row's table is written whole when its list differs from the last step's, else (append-only
+        tables) only the blocks appended since: a decode step costs O(rows), not O(context).
+        """
         n = len(token_ids)
         size = padded_size(n, self.sizes)
         if size is None or n == 0:
             raise ValueError(f"a decode batch of {n} rows; the captured sizes go up to {self.max_size}")
         if self._copied is not None:
             self._copied.synchronize()  # the last copy has left the pinned staging rows
-        host = self._staging[:size]
-        host.zero_()
-        host[:, _KV_LEN] = 1
+        host = self._staging
+        head = host[:size, :_TABLES]
+        head.zero_()
+        head[:, _KV_LEN] = 1
         pos = torch.tensor(positions, dtype=torch.int32)
-        host[:n, _KV_LEN] = pos + 1
-        host[:n, _REAL] = 1
-        host[:n, _POS] = pos
-        host[:n, _TOKEN] = torch.tensor(token_ids, dtype=torch.int32)
+        head[:n, _KV_LEN] = pos + 1
+        head[:n, _REAL] = 1
+        head[:n, _POS] = pos
+        head[:n, _TOKEN] = torch.tensor(token_ids, dtype=torch.int32)
         for g, group in enumerate(tables):
             start = _TABLES + g * self._stride
-            width = max(len(t) for t in group)
-            if width > self._width:
-                raise ValueError(f"a block table of {width} blocks; the buffers hold {self._width}")
-            rows = [list(t) + [0] * (width - len(t)) for t in group]
-            host[:n, start : start + width] = torch.tensor(rows, dtype=torch.int32)
-        self._inputs[:size].copy_(host, non_blocking=True)
+            src, held = self._row_src[g], self._row_len[g]
+            for i, blocks in enumerate(group):
+                m = len(blocks)
+                if m > self._width:
+                    raise ValueError(f"a block table of {m} blocks; the buffers hold {self._width}")
+                have = held[i] if self._append_only and src[i] is blocks and held[i] <= m else 0
+                if have < m:
+                    host[i, start + have : start + m] = torch.tensor(_block_ids(blocks, have), dtype=torch.int32)
+                if held[i] > m:  # a longer table was here: past this one the row is zero again
+                    host[i, start + m : start + held[i]] = 0
+                src[i], held[i] = blocks, m
+            for i in range(len(group), size):  # padding rows: null tables
+                if held[i]:
+                    host[i, start : start + held[i]] = 0
+                src[i], held[i] = None, 0
+        self._inputs[:size].copy_(host[:size], non_blocking=True)
         if self._device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()

@@ -34,7 +34,7 @@ from kvmesh.model_worker.execution.sampler import Sampler
 from kvmesh.model_worker.execution.warmup import WarmupReport, warm_up
 from kvmesh.model_worker.scheduling.host_block_pool import KVTransfers, host_blocks_for
 from kvmesh.model_worker.scheduling.kv_cache_manager import check_host_tier
-from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
+from kvmesh.model_worker.scheduling.kv_cache_spec import FullAttentionSpec, KVCacheConfig
 from kvmesh.model_worker.scheduling.request import Request
 from kvmesh.model_worker.scheduling.scheduler import SchedulerOutput
 
@@ -176,6 +176,7 @@ class ModelRunner:
             vocab_size=self.model_config.vocab_size,
             device=self.device,
             capture=capture,
+            append_only_tables=all(isinstance(g.spec, FullAttentionSpec) for g in self.kv_cache_config.groups),
         )
 
     def _decode_graphs_for_device(self) -> DecodeGraphs | None:
@@ -443,12 +444,13 @@ class ModelRunner:
             s.num_new_tokens == 1 and s.sample for s in out.scheduled)
 
     @staticmethod
-    def _decode_rows(out: SchedulerOutput) -> tuple[list[int], list[int], list[list[list[int]]]]:
-        """Token ids, positions and, per KV cache group, the block tables of a decode batch."""
+    def _decode_rows(out: SchedulerOutput) -> tuple[list[int], list[int], list[list[list]]]:
+        """Token ids, positions and, per KV cache group, the block lists of a decode batch: the KV
+        cache manager's own lists (no copy; the graphs write only what changed since their last step)."""
         scheduled = out.scheduled
-        tables = [s.block_tables for s in scheduled]
+        lists = [s.live_blocks() for s in scheduled]
         return ([s.request.all_token_ids[s.start] for s in scheduled], [s.start for s in scheduled],
-                [[t[g] for t in tables] for g in range(len(tables[0]))])
+                [[t[g] for t in lists] for g in range(len(lists[0]))])
 
     def _slots(
         self, block_tables: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None

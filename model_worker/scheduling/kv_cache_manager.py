@@ -197,6 +197,16 @@ class KVCacheManager:
         """Length of the request's block table (the same in every group); 0 for an unknown request."""
         return len(self.coordinator.managers[0].req_to_blocks.get(request_id, ()))
 
+    def live_blocks(self, request_id: str) -> list[list[KVCacheBlock]]:
+        """Per group, the request's own block list: not a copy, so O(1) per request.
+
+        Read-only for the caller. While the request runs, a full-attention group's list only grows
+        (blocks appended at the end); a sliding-window group's may also turn entries into the null
+        block in place. Preemption or the end of the request replaces the list (a re-admitted
+        request gets a new one): a caller may cache what it read of a list by its identity.
+        """
+        return [m.req_to_blocks.get(request_id) or [] for m in self.coordinator.managers]
+
     def get_group_block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block table of every group (null block 0 where a window dropped a block)."""
         return self.coordinator.get_block_ids(request_id)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.contract.settings import flag
+from kvmesh.model_worker.scheduling.block_pool import KVCacheBlock
 from kvmesh.model_worker.scheduling.host_block_pool import KVTransfers
 from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.scheduling.kv_cache_spec import FullAttentionSpec
@@ -90,6 +91,12 @@ class ScheduledRequest:
             assert self.kv_cache_manager is not None, "a scheduled request without its KV cache manager"
             self.tables = self.kv_cache_manager.get_group_block_ids(self.request.request_id)
         return self.tables
+
+    def live_blocks(self) -> list[list[KVCacheBlock]]:
+        """Per KV cache group, the request's block list itself (KVCacheManager.live_blocks): O(1),
+        current until the next ``schedule()`` or the request's end."""
+        assert self.kv_cache_manager is not None, "a scheduled request without its KV cache manager"
+        return self.kv_cache_manager.live_blocks(self.request.request_id)
 
     @property
     def block_ids(self) -> list[int]:

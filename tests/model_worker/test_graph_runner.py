@@ -147,3 +147,91 @@ def test_padding_rows_carry_no_slot_and_stay_put() -> None:
     graphs.keep(torch.tensor([1]))  # row 0 finished: row 1 alone, in the graph of 4 still
     graphs.run()
     assert seen[2] == ([12, 0, 0, 0], [7, 0, 0, 0], [21, -1, -1, -1], [8, 1, 1, 1])
+
+
+def test_append_only_tables_write_only_new_blocks_and_equal_whole_writes(monkeypatch) -> None:
+    """load() with the KV cache manager's own lists (append-only) writes only the blocks appended
+    since a row's last step; its buffers equal, step by step, those of whole-table writes, through
+    rows that grow, swap lists, shrink, leave (padding) and come back in another row: each step's
+    buffer equals a fresh one filled with that step's rows."""
+    import random
+
+    from kvmesh.model_worker.execution import graph_runner
+
+    def graphs(append_only: bool) -> DecodeGraphs:
+        return DecodeGraphs(lambda *a: torch.zeros(1), sizes=[1, 2, 4, 8], num_groups=2, max_blocks=12, block_size=4,
+                            vocab_size=8, device=torch.device("cpu"), capture=False, append_only_tables=append_only)
+
+    class Block:
+        def __init__(self, block_id: int) -> None:
+            self.block_id = block_id
+
+    written = 0
+    real_ids = graph_runner._block_ids
+
+    def counted(blocks, start):
+        nonlocal written
+        out = real_ids(blocks, start)
+        written += len(out)
+        return out
+
+    monkeypatch.setattr(graph_runner, "_block_ids", counted)
+    rng = random.Random(5)
+    fast, whole = graphs(True), graphs(False)
+    live: dict[str, list[list[Block]]] = {}
+    fast_written = whole_written = 0
+    for step in range(400):
+        for rid in list(live):  # a request ends, or is preempted and comes back with new lists
+            if rng.random() < 0.04:
+                del live[rid]
+        while len(live) < 8 and rng.random() < 0.3:
+            n = rng.randrange(1, 6)
+            live[f"r{step}-{len(live)}"] = [[Block(rng.randrange(1, 99)) for _ in range(n)] for _ in range(2)]
+        for lists in live.values():  # decodes: now and then a block completes and one is appended
+            if len(lists[0]) < 12 and rng.random() < 0.25:
+                for blocks in lists:
+                    blocks.append(Block(rng.randrange(1, 99)))
+        if not live:
+            continue
+        rows = list(live.values())
+        if rng.random() < 0.03:
+            rng.shuffle(rows)  # a batch in another order now and then
+        tables = [[r[g] for r in rows] for g in range(2)]
+        ids = [rng.randrange(50) for _ in rows]
+        pos = [4 * len(r[0]) - 1 for r in rows]
+        before = written
+        fast.load(ids, pos, tables)
+        fast_written += written - before
+        before = written
+        whole.load(ids, pos, [[[b.block_id for b in t] for t in g] for g in tables])
+        whole_written += written - before
+        want = torch.zeros_like(fast._inputs[: fast.size])  # the rows as a fresh buffer holds them
+        want[:, graph_runner._KV_LEN] = 1
+        for i, (token, p) in enumerate(zip(ids, pos, strict=True)):
+            want[i, : graph_runner._TABLES] = torch.tensor([p + 1, 1, p, token])
+            for g in range(2):
+                start = graph_runner._TABLES + g * fast._stride
+                want[i, start : start + len(tables[g][i])] = torch.tensor([b.block_id for b in tables[g][i]])
+        assert fast.size == whole.size
+        assert torch.equal(fast._inputs[: fast.size], want), f"step {step}"
+        assert torch.equal(whole._inputs[: whole.size], want), f"step {step}"
+    assert fast_written < 0.25 * whole_written, (fast_written, whole_written)  # the appended blocks, mostly
+
+
+def test_padded_decode_through_preemption_and_growing_tables_keeps_transformers_tokens(tiny_model_dir) -> None:
+    """The decode graphs' block tables written as they grow (append-only lists): requests that run
+    long enough to take new blocks, in a pool small enough to preempt some (re-admitted with new
+    lists), still give transformers' greedy tokens."""
+    model_dir = tiny_model_dir("llama")
+    prompts = [random_prompt(n, seed=100 + n) for n in (30, 21, 38, 9, 26, 17)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 33, 28, 45, 37, 30)]
+    llm = LLM(str(model_dir), num_blocks=20, block_size=8, max_model_len=96, max_num_batched_tokens=64,
+              max_num_seqs=8, cuda_graph_sizes=[1, 2, 4, 8], **EXACT)
+    runner = llm.engine.runner
+    runner.graphs = runner.decode_graphs(capture=False)
+    assert runner.graphs._append_only
+    spy = Spy(runner.graphs)
+    outs = llm.generate(prompts, params)
+    assert spy.steps and llm.engine.scheduler.num_preemptions > 0
+    for p, o, sp in zip(prompts, outs, params, strict=True):
+        assert o.token_ids == hf_greedy(model_dir, p, sp.max_tokens)
