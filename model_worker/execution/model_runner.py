@@ -34,7 +34,7 @@ from kvmesh.model_worker.execution.sampler import Sampler
 from kvmesh.model_worker.execution.warmup import WarmupReport, warm_up
 from kvmesh.model_worker.scheduling.host_block_pool import KVTransfers, host_blocks_for
 from kvmesh.model_worker.scheduling.kv_cache_manager import check_host_tier
-from kvmesh.model_worker.scheduling.kv_cache_spec import FullAttentionSpec, KVCacheConfig
+from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.scheduling.request import Request
 from kvmesh.model_worker.scheduling.scheduler import SchedulerOutput
 
@@ -176,7 +176,7 @@ class ModelRunner:
             vocab_size=self.model_config.vocab_size,
             device=self.device,
             capture=capture,
-            append_only_tables=all(isinstance(g.spec, FullAttentionSpec) for g in self.kv_cache_config.groups),
+            append_only_tables=self.kv_cache_config.full_attention_only,
         )
 
     def _decode_graphs_for_device(self) -> DecodeGraphs | None:

@@ -73,6 +73,12 @@ class KVCacheConfig:
     block_size: int
     groups: tuple[KVCacheGroup, ...]
 
+    @property
+    def full_attention_only(self) -> bool:
+        """No sliding window: a running request's block tables only grow, and change only when a
+        block is needed or completed (what the scheduler and the decode graphs rely on)."""
+        return all(isinstance(g.spec, FullAttentionSpec) for g in self.groups)
+
     @classmethod
     def full_attention(cls, block_size: int, num_layers: int = 0) -> KVCacheConfig:
         """One full-attention group: the layout of a model without windows."""

@@ -22,7 +22,6 @@ from kvmesh.contract.settings import flag
 from kvmesh.model_worker.scheduling.block_pool import KVCacheBlock
 from kvmesh.model_worker.scheduling.host_block_pool import KVTransfers
 from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
-from kvmesh.model_worker.scheduling.kv_cache_spec import FullAttentionSpec
 from kvmesh.model_worker.scheduling.request import Request, RequestStatus
 
 
@@ -208,8 +207,7 @@ class Scheduler:
         self.num_preemptions = 0
         # NOTE: with full attention only, an inner window step changes the block tables only when
         # its token completes a block (then it is cached); sliding windows also free blocks.
-        self._full_attention_only = all(isinstance(g.spec, FullAttentionSpec)
-                                        for g in kv_cache_manager.kv_cache_config.groups)
+        self._full_attention_only = kv_cache_manager.kv_cache_config.full_attention_only
 
     @property
     def num_running(self) -> int:
