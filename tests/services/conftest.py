@@ -15,6 +15,10 @@ from kvmesh.loopback import free_port
 from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
 from kvmesh.model_worker.serving.server import WorkerServer
+from kvmesh.router.config import RouterConfig, RoutingConfig
+from kvmesh.router.core.policies.base import PolicyConfig
+from kvmesh.router.server import RouterServer
+from kvmesh.stack import wait_serving
 
 TINY = ModelSpec(arch="llama", layers=2, hidden_size=64, heads=4, kv_heads=2, intermediate_size=128,
                  max_position_embeddings=512, seed=11, init_std=0.05)
@@ -53,6 +57,26 @@ def start_worker(model_dir) -> Iterator[Callable[..., WorkerServer]]:
         server = WorkerServer(engine, worker_id, "127.0.0.1", free_port(), kv_address,
                               stream_interval=stream_interval).start(wait_registered=10)
         started.append(server)
+        return server
+
+    yield start
+    for s in started:
+        s.stop(0.5)
+
+
+@pytest.fixture
+def start_router(model_dir) -> Iterator[Callable[..., RouterServer]]:
+    """Starts in-process routers over ``kv_address`` (discovery every 0.2 s, seeded policy); keyword
+    arguments go to RoutingConfig, ``router_kw`` to RouterConfig. Stopped after the test."""
+    started: list[RouterServer] = []
+
+    def start(kv_address: str, router_kw: dict | None = None, **routing_kw) -> RouterServer:
+        cfg = RouterConfig(host="127.0.0.1", port=free_port(), kv_service=kv_address, model_dirs=[str(model_dir)],
+                           routing=RoutingConfig(discovery_interval_s=0.2, policy_config=PolicyConfig(seed=0),
+                                                 **routing_kw), **(router_kw or {}))
+        server = RouterServer(cfg).start()
+        started.append(server)
+        wait_serving(f"127.0.0.1:{server.port}", timeout=20)
         return server
 
     yield start

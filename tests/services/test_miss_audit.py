@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterator
 
 import pytest
 
@@ -22,32 +21,16 @@ from kvmesh.client import Client
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import BlockRemoved
 from kvmesh.kv_client.admin_client import AdminClient
-from kvmesh.loopback import free_port
-from kvmesh.router.config import RouterConfig, RoutingConfig
-from kvmesh.router.core.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
-from kvmesh.stack import wait_serving
 from tests.support import wait_until
 
 WINDOW, RATE = 12, 0.5
 
 
 @pytest.fixture
-def router_on(model_dir) -> Iterator:
-    started: list[RouterServer] = []
-
-    def start(kv_address: str) -> RouterServer:
-        cfg = RouterConfig(host="127.0.0.1", port=free_port(), kv_service=kv_address, model_dirs=[str(model_dir)],
-                           audit_window=WINDOW, audit_miss_rate=RATE,
-                           routing=RoutingConfig(discovery_interval_s=0.2, policy_config=PolicyConfig(seed=0)))
-        server = RouterServer(cfg).start()
-        started.append(server)
-        wait_serving(f"127.0.0.1:{server.port}", timeout=20)
-        return server
-
-    yield start
-    for s in started:
-        s.stop(0.5)
+def router_on(start_router):
+    """A router auditing over a window of WINDOW requests at --audit-miss-rate RATE."""
+    return lambda kv_address: start_router(kv_address, router_kw={"audit_window": WINDOW, "audit_miss_rate": RATE})
 
 
 def workload(seed: int, prefixes: int, rounds: int, prefix_blocks: int = 3) -> list[list[int]]:

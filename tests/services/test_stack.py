@@ -16,9 +16,6 @@ from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import SamplingParams
 from kvmesh.loopback import free_port
 from kvmesh.model_worker.engine.llm import LLM
-from kvmesh.router.config import RouterConfig, RoutingConfig
-from kvmesh.router.core.policies.base import PolicyConfig
-from kvmesh.router.server import RouterServer
 from kvmesh.stack import wait_serving
 from kvmesh.transport.channels import dial
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -28,23 +25,6 @@ from tests.support import wait_until
 
 SHARED = [(11 * i + 7) % 300 + 3 for i in range(80)]  # 5 full blocks of 16
 PROMPTS = [SHARED + [9, 8, 7], [4, 5, 6] * 9, SHARED[:40] + [1, 2, 3, 4]]
-
-
-@pytest.fixture
-def start_router(model_dir):
-    started: list[RouterServer] = []
-
-    def start(kv_address: str, **kw) -> RouterServer:
-        cfg = RouterConfig(host="127.0.0.1", port=free_port(), kv_service=kv_address, model_dirs=[str(model_dir)],
-                           routing=RoutingConfig(discovery_interval_s=0.2, policy_config=PolicyConfig(seed=0), **kw))
-        server = RouterServer(cfg).start()
-        started.append(server)
-        wait_serving(f"127.0.0.1:{server.port}", timeout=20)
-        return server
-
-    yield start
-    for s in started:
-        s.stop(0.5)
 
 
 @pytest.fixture
