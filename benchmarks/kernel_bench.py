@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -156,8 +157,6 @@ def sweep_candidates(default: AttentionConfig, decode: bool) -> list[AttentionCo
 def _sweep(batch: dict, scenario: Scenario, scale: float, default_ms: float, budget_s: float) -> dict:
     """Times candidate launch configs on one scenario within ``budget_s`` (compiles included), then,
     for a decode-heavy batch, split-KV counts with the best config; returns the best of each."""
-    import time
-
     from kvmesh.kernels.triton_attention import attention_config, ragged_paged_attention_triton
 
     decode = sum(q for q, _ in scenario.lens) <= 2 * len(scenario.lens)
