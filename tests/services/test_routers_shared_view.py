@@ -29,6 +29,10 @@ from tests.support import wait_until
 PREFIX, SUFFIX, BURST = 4096, 2048, 24
 """A long shared prefix and long own suffixes: one router sends about a third of a 24-request burst to
 the prefix's holder and the rest elsewhere (routers with private views each send it more of theirs)."""
+BURSTS = 8
+"""Bursts per kind (one router, three). A burst's share on the holder varies by 1-1.5 (standard
+deviation): with 4 bursts each, the means' gap had a noise of about 1 and a CI run failed the bound
+then in force, one router's mean + 3 (one router 6.25, three 9.5; 2026-11-26). Over 8 it is about 0.7."""
 
 
 def prompts(trial: int, n: int) -> list[BenchRequest]:
@@ -69,7 +73,7 @@ def test_a_burst_through_three_routers_spreads_as_one_router_spreads_it_and_no_p
         assert stack.endpoints["routers"] == f"ipv4:127.0.0.1:{base},127.0.0.1:{base + 2},127.0.0.1:{base + 4}"
         kv = kpb_grpc.KVServiceStub(dial(stack.endpoints["kv_service"]))
         on_holder: dict[str, list[int]] = {"one": [], "three": []}
-        for trial in range(8):
+        for trial in range(2 * BURSTS):
             reqs = prompts(trial, BURST + 1)
             holder = next(iter(send(stack.endpoints["router"], reqs[:1])))  # the prefix lands on one worker
             time.sleep(0.5)  # its events reach the index
@@ -81,27 +85,29 @@ def test_a_burst_through_three_routers_spreads_as_one_router_spreads_it_and_no_p
             # Every pick is retired by the workers' own reports once they admitted the requests.
             wait_until(lambda: all(w.pending.requests == 0 for w in workers(kv).values()), timeout=10)
         one, three = (sum(v) / len(v) for v in (on_holder["one"], on_holder["three"]))
-        # NOTE: compared with what one router puts on the holder, or an even share when one router
-        # spreads wider than even (with the roofline step time it put 4-6 of 24 on the holder of 4
-        # workers, 2026-11-24): three routers must not pile onto the warm holder beyond that + 3.
-        # Over the four bursts: a single burst of three routers varies more than one router's (under
-        # stress 1 of 4 bursts reached 10-12 where one router's mean + 3 was 9.5-10.5, 2026-11-26).
-        assert three <= max(one, BURST / 4) + 3, on_holder
+        # NOTE: within 3 of what one router puts on the holder, or at most 4 over an even share (10
+        # of 24), whichever is larger. Measured side by side, 8 bursts each (2026-11-26, shared 2-core
+        # host): under stress three routers sharing their view put 8.1-8.5 on the holder, one router
+        # 7.4-7.6, three with private views 11.75: the bound parts them. One router's share falls
+        # with the host's load (5.5-6.0 with a second busy loop, where three routers' stays at 8.4-8.5):
+        # even + 4 keeps a loaded host from failing the shared view; there private views put 9.75 and
+        # this test cannot tell them apart (the simulator's test, deterministic, is the tight one).
+        assert three <= max(one + 3, BURST / 4 + 4), on_holder
         reserved = sum(w.pending.version for w in workers(kv).values())
         print(f"holder's share {on_holder}, {reserved} reservations")  # noqa: T201 - the figures, with -s
-        assert reserved >= 8 * BURST, reserved  # every pick was reserved
+        assert reserved >= 2 * BURSTS * BURST, reserved  # every pick was reserved
 
         # A router dies in the middle of a burst: what it picked and forwarded is admitted, what it
         # reserved and never forwarded expires; no pick is left behind either way.
         victim = next(proc for name, proc in stack.procs if name == "router-1")
-        burst = threading.Thread(target=lambda: run(f"127.0.0.1:{base + 2}", prompts(9, 30), progress=False,
-                                                    timeout=60), daemon=True)
+        burst = threading.Thread(target=lambda: run(f"127.0.0.1:{base + 2}", prompts(2 * BURSTS + 1, 30),
+                                                    progress=False, timeout=60), daemon=True)
         burst.start()
         time.sleep(0.05)
         victim.kill()
         burst.join(60)
         wait_until(lambda: all(w.pending.requests == 0 for w in workers(kv).values()), timeout=15)
-        send(stack.endpoints["router"], prompts(10, 2))  # the mesh still serves
+        send(stack.endpoints["router"], prompts(2 * BURSTS + 2, 2))  # the mesh still serves
     finally:
         if hog is not None:
             hog.kill()
