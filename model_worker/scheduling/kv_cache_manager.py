@@ -100,6 +100,15 @@ class KVCacheManager:
             self.prefix_cache_hits += num_hit_tokens
         return [b for hit in hits for b in hit], num_hit_tokens
 
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens of the request's prompt the device cache holds now (what :meth:`get_computed_blocks`
+        would hit), without counting a query or touching a block."""
+        if not self.enable_caching or not request.block_hashes:
+            return 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        _, num_hit_blocks = self.coordinator.find_longest_cache_hit(request.block_hashes, max_hit_blocks)
+        return num_hit_blocks * self.block_size
+
     def get_host_blocks(self, request: Request, num_computed_tokens: int) -> list[KVCacheBlock]:
         """The host-tier blocks that continue a device hit of ``num_computed_tokens`` tokens (none
         without a host tier), up to the first block the tier lacks. Counted as cache hits."""

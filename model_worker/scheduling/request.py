@@ -75,6 +75,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1
+        self.num_cached_hint = 0
+        """Prompt tokens the prefix cache held when the request was queued (its reported queued prefill
+        counts only the rest; the hit itself is taken at admission)."""
         self.num_preemptions = 0
         # NOTE: block_hashes[i] is the hash of all_token_ids[i*bs:(i+1)*bs] for every full block.
         self.block_hashes: list[bytes] = []

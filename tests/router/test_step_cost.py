@@ -53,10 +53,12 @@ def test_each_worker_gets_its_own_fit_and_the_pooled_one_answers_until_then():
     feed(learner, "a100-like", SLOW, 20, seed=2)
     # the first worker has 5 deltas of its own: the pooled fit answers for it
     assert fitted(learner, "h100-like") == fitted(learner, None)
-    assert fitted(learner, "a100-like") == pytest.approx(coefficients(SLOW), rel=1e-6)
+    # NOTE: within 1 %, not exactly: the pooled fit (FAST and SLOW blended) weighs PRIOR_WEIGHT of a
+    # worker's reports in each worker's fit; the two fits stay 2.5x apart per prefill token.
+    assert fitted(learner, "a100-like") == pytest.approx(coefficients(SLOW), rel=1e-2)
     feed(learner, "h100-like", FAST, 10, seed=3)  # a new series: its first report is a baseline
-    assert fitted(learner, "h100-like") == pytest.approx(coefficients(FAST), rel=1e-6)
-    assert fitted(learner, "a100-like") == pytest.approx(coefficients(SLOW), rel=1e-6)
+    assert fitted(learner, "h100-like") == pytest.approx(coefficients(FAST), rel=1e-2)
+    assert fitted(learner, "a100-like") == pytest.approx(coefficients(SLOW), rel=1e-2)
     # the pooled fit blends the two (and fits neither)
     pooled = fitted(learner, None)
     assert all(f < p < s for f, p, s in zip(coefficients(FAST)[1:2], pooled[1:2], coefficients(SLOW)[1:2], strict=True))
@@ -72,8 +74,8 @@ def test_pooled_and_class_fits_share_reports():
     feed(by_class, "fast-0", FAST, 6, seed=1)
     feed(by_class, "fast-1", FAST, 6, seed=2)  # 5 + 5 deltas: the class has enough, neither worker alone
     feed(by_class, "slow-0", SLOW, 12, seed=3)
-    assert fitted(by_class, "fast-0") == fitted(by_class, "fast-1") == pytest.approx(coefficients(FAST), rel=1e-6)
-    assert fitted(by_class, "slow-0") == pytest.approx(coefficients(SLOW), rel=1e-6)
+    assert fitted(by_class, "fast-0") == fitted(by_class, "fast-1") == pytest.approx(coefficients(FAST), rel=1e-2)
+    assert fitted(by_class, "slow-0") == pytest.approx(coefficients(SLOW), rel=1e-2)
 
 
 def test_kv_aware_sends_a_cold_prefill_to_the_worker_its_own_reports_show_faster():

@@ -89,7 +89,7 @@ def per_worker(worker_id: str) -> str:
 class _Fit:
     """One least-squares fit: the forgetting normal equations in scaled units."""
 
-    __slots__ = ("a", "b", "scale", "pairs", "prefill", "reports", "fit", "dirty")
+    __slots__ = ("a", "b", "scale", "pairs", "prefill", "reports", "fit", "dirty", "sx", "sy")
 
     def __init__(self) -> None:
         k = len(FEATURES)
@@ -101,14 +101,32 @@ class _Fit:
         self.reports = 0
         self.fit: StepCost | None = None
         self.dirty = False
+        self.sx = np.zeros(k)
+        self.sy = 0.0
+        """Forgetting sums of the work and of the busy seconds (the worker's speed against a fit)."""
 
     def add(self, x: np.ndarray, y: float, forget: float) -> None:
         # NOTE: the features differ by ~10 orders of magnitude (steps vs attention pairs):
         # solve in units of each feature's largest delta seen, for a well-conditioned system.
+        self.sx = forget * self.sx + x
+        self.sy = forget * self.sy + y
         self._rescale(np.maximum(self.scale, x))
         z = x / self.scale
-        self.a = forget * self.a + np.outer(z, z)
-        self.b = forget * self.b + z * y
+        # NOTE: forgetting only along the direction this report informs (directional forgetting,
+        # Kulhavy 1987). Uniform forgetting let a long run of alike reports (a burst: every step a
+        # full prefill chunk, so steps and prefill tokens move together) erase what earlier, varied
+        # steps had taught about the directions the burst does not excite; the fit then split a
+        # step's time between its fixed cost and its tokens at random (0.19 s per step where the
+        # roofline has 1 ms), and identical workers got fits 4x apart for a small prefill.
+        # The estimate c (A c = b) is kept: b loses along z what A loses, b -= k (A z)(z^T b).
+        az = self.a @ z
+        zaz = float(z @ az)
+        if zaz > 0.0:
+            k = (1.0 - forget) / zaz
+            self.b = self.b - k * az * float(z @ self.b)
+            self.a = self.a - k * np.outer(az, az)
+        self.a = self.a + np.outer(z, z)
+        self.b = self.b + z * y
         self.pairs += x[2]
         self.prefill += x[1]
         self.reports += 1
@@ -122,22 +140,30 @@ class _Fit:
         self.b *= r
         self.scale = scale
 
-    def solve(self) -> StepCost:
+    def solve(self, prior: _Fit | None = None, prior_weight: float = 0.0) -> StepCost:
+        """The fit (cached until the next report). ``prior``: another fit whose reports count
+        ``prior_weight`` as much as this one's own (a worker's fit leans on the pooled one)."""
         if self.dirty or self.fit is None:
-            self.fit = self._solve()
+            self.fit = self._solve(prior, prior_weight)
             self.dirty = False
         return self.fit
 
-    def _solve(self) -> StepCost:
+    def _solve(self, prior: _Fit | None, prior_weight: float) -> StepCost:
         k = len(FEATURES)
         active = list(range(k))
         coef = np.zeros(k)
-        ridge = 1e-9 * (np.trace(self.a) / k or 1.0)
+        a_all, b_all = self.a, self.b
+        if prior is not None and prior_weight > 0 and prior.reports:
+            # NOTE: the prior's normal equations in this fit's units: z = z_prior * prior.scale / scale.
+            r = prior.scale / self.scale
+            a_all = a_all + prior_weight * prior.a * np.outer(r, r)
+            b_all = b_all + prior_weight * prior.b * r
+        ridge = 1e-9 * (np.trace(a_all) / k or 1.0)
         # NOTE: non-negative least squares by elimination: a coefficient fitted below zero (a
         # feature the data cannot tell apart from the others) is dropped and the rest refitted.
         while active:
-            a = self.a[np.ix_(active, active)] + ridge * np.eye(len(active))
-            sol = np.linalg.solve(a, self.b[active])
+            a = a_all[np.ix_(active, active)] + ridge * np.eye(len(active))
+            sol = np.linalg.solve(a, b_all[active])
             if (sol >= 0).all():
                 coef[active] = sol
                 break
@@ -145,6 +171,11 @@ class _Fit:
         c = coef / self.scale
         ratio = self.pairs / self.prefill if self.prefill else 0.0
         return StepCost(*(float(v) for v in c), pairs_per_prefill_token=ratio)
+
+
+PRIOR_WEIGHT = 1e-3
+"""What the pooled fit weighs in a worker's own fit, as a share of an average worker's reports: enough
+to settle the directions the worker's reports leave open, too little to move the ones they inform."""
 
 
 class StepCostLearner:
@@ -221,8 +252,28 @@ class StepCostLearner:
             if worker_id is not None and self.group is not None:
                 fit = self._groups.get(self.group(worker_id))
                 if fit is not None and fit.reports >= self.min_reports:
-                    return fit.solve()
+                    # NOTE: a worker's own reports decide what they inform; what they leave open
+                    # (a worker that only ever ran full prefill chunks cannot tell a step's fixed cost
+                    # from its tokens) comes from the pooled reports, weighted as a small share of one
+                    # worker's (PRIOR_WEIGHT). Alone, such a fit split the step at random: identical
+                    # H100s got small-prefill costs 4x apart, and kv-aware avoided the ones it misjudged.
+                    return fit.solve(self._pooled, PRIOR_WEIGHT / len(self._groups))
             return self._pooled.solve()
+
+    def relative_speed(self, worker_id: str) -> float:
+        """The worker's busy seconds over what the pooled fit predicts for the same work (1.0 = as fast
+        as the fleet's average, 2.0 = half as fast); 1.0 until both fits answer. One ratio over all of
+        its reports, so identical workers read alike where their own five-coefficient fits differ."""
+        with self._lock:
+            if self._pooled.reports < self.min_reports or self.group is None:
+                return 1.0
+            fit = self._groups.get(self.group(worker_id))
+            if fit is None or fit.reports < self.min_reports:
+                return 1.0
+            c = self._pooled.solve()
+            predicted = float(np.dot((c.step_s, c.prefill_token_s, c.prefill_pair_s, c.decode_seq_s,
+                                      c.decode_context_token_s), fit.sx))
+            return fit.sy / predicted if predicted > 0 and fit.sy > 0 else 1.0
 
     MIN_LINK_REPORTS = 3
     """Reports with loads a worker's own link estimate needs before it answers for the worker."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from kvmesh.router.core.inflight import Ticket
 from kvmesh.router.core.policies.base import (
     Candidate,
     Decision,
@@ -19,6 +20,7 @@ from kvmesh.router.core.policies.base import (
     waiting_requests,
 )
 from kvmesh.router.core.policies.cost import StepCost, StepCostLearner, per_worker
+from kvmesh.router.core.policies.prefix_load import PrefixLoad
 
 
 class KvAwarePolicy(RouterPolicy):
@@ -57,6 +59,15 @@ class KvAwarePolicy(RouterPolicy):
     def __init__(self, config: PolicyConfig | None = None) -> None:
         super().__init__(config)
         self.cost = StepCostLearner(group=per_worker if self.config.step_cost_fit == "worker" else None)
+        self.prefixes = PrefixLoad()
+
+    def started(self, ticket: Ticket, query: RouteQuery, chosen: Candidate) -> None:
+        with self._lock:
+            self.prefixes.started(ticket.serial, query.block_hashes, chosen.worker_id, ticket.prefill_tokens)
+
+    def finished(self, ticket: Ticket, output_tokens: int) -> None:
+        with self._lock:
+            self.prefixes.finished(ticket.serial)
 
     def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
         for c in candidates:
@@ -74,18 +85,58 @@ class KvAwarePolicy(RouterPolicy):
         # wait at the workers, the more a recomputed prefix costs beyond this request's latency.
         waiting = sum(waiting_requests(c) for c in candidates) / len(candidates)
         kappa = self.config.work_weight * (1.0 + waiting)
+        with self._lock:
+            hot = self.prefixes.hot_blocks(query.block_hashes, [c.matched_blocks for c in candidates])
         scores = []
-        for c in candidates:
+        for c, spread in zip(candidates, hot, strict=True):
             model = (self.cost.estimate(c.worker_id) or NOMINAL_COST) if learned else NOMINAL_COST
             # NOTE: the host link is learned in seconds: priced once the step cost is too.
             link = self.cost.load_s_per_block(c.worker_id) if learned and c.host_blocks else None
             ttft, own = predicted_ttft(model, query, c, self.config.default_step_tokens, link)
-            scores.append(ttft + (lam * decoders(c) + kappa) * own)
+            work = own
+            if spread:
+                _, work = predicted_ttft(model, query, c, self.config.default_step_tokens, link, extra_held=spread)
+            scores.append(ttft + lam * decoders(c) * own + kappa * work)
         i = self._sample_index(scores) if self.config.temperature > 0 else self._argmin_index(scores)
+        placed = self._placement(query, candidates, scores)
+        if placed is not None:
+            i = placed
         chosen = candidates[i]
         # NOTE: no token-count guard: a hot spot's queue is in its predicted time already.
         return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks or chosen.host_blocks else "load",
                         round(scores[i] * (1000 if learned else 1)))
+
+    def _placement(self, query: RouteQuery, candidates: Sequence[Candidate], scores: Sequence[float]) -> int | None:
+        """Where a prompt that no worker holds any of goes, while prompts repeat: to the worker given
+        the least content to hold, in prefill seconds (ties: the best score); None = the score decides
+        (the prompt continues something held, or prompts do not repeat).
+
+        NOTE: a new prompt commits its worker to the requests that will share it, which the queue now
+        cannot show. Placed by the queue alone, 150 prefix groups landed on 32 workers 2 to 8 apiece
+        (whichever were idle as each group began) and their later requests overloaded the workers
+        with many; SGLang's router places a new prompt on its smallest tree for the same reason. A
+        worker given more than its KV cache holds is full either way: its content counts as its
+        capacity (full caches tie, and the score decides)."""
+        if not query.block_hashes or any(c.matched_blocks or c.host_blocks for c in candidates):
+            return None
+        with self._lock:
+            if self.prefixes.repeat_share <= 0.0:
+                return None
+            given = [self.prefixes.given(c.worker_id) for c in candidates]
+        keys = []
+        for c, g in zip(candidates, given, strict=True):
+            capacity = c.load.num_total_blocks * query.block_size
+            if capacity and g >= capacity:
+                keys.append(math.inf)  # NOTE: its cache is full either way: no placement to balance
+                continue
+            # NOTE: in the worker's seconds: a fleet may mix GPUs, and a slower one serves less.
+            keys.append(g * self.cost.relative_speed(c.worker_id))
+        least = min(keys)
+        if least == math.inf:
+            return None
+        tied = [i for i, k in enumerate(keys) if k == least]
+        best = min(scores[i] for i in tied)
+        return self._choice_index([i for i in tied if scores[i] == best])
 
     def _argmin_index(self, scores: Sequence[float]) -> int:
         best = min(scores)
@@ -114,12 +165,13 @@ def decoders(c: Candidate) -> int:
 
 
 def predicted_ttft(m: StepCost, q: RouteQuery, c: Candidate, default_step_tokens: int = 2048,
-                   load_s_per_block: float | None = None) -> tuple[float, float]:
+                   load_s_per_block: float | None = None, extra_held: int = 0) -> tuple[float, float]:
     """(seconds until this request's first token on the candidate, seconds its own prefill and loads
     add to the worker's steps) (see KvAwarePolicy). ``load_s_per_block``: the worker's host link, or
-    None to price its host-tier blocks as blocks to recompute."""
+    None to price its host-tier blocks as blocks to recompute. ``extra_held``: blocks past its match
+    to count as held."""
     host = c.host_blocks if load_s_per_block is not None else 0
-    u = max(0, q.prompt_len - (c.matched_blocks + host) * q.block_size)
+    u = max(0, q.prompt_len - (c.matched_blocks + extra_held + host) * q.block_size)
     h = q.prompt_len - u
     queue = queued_prefill(c)
     budget = c.load.max_num_batched_tokens or default_step_tokens
