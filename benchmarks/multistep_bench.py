@@ -34,7 +34,7 @@ from kvmesh.bench.report import percentile
 from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
 from kvmesh.model_worker.execution.model_runner import set_cpu_threads
-from kvmesh.model_worker.scheduling.scheduler import RequestOutput
+from kvmesh.model_worker.scheduling.output import RequestOutput
 
 
 def run_once(model: str, n: int, args: argparse.Namespace) -> dict[str, float]:

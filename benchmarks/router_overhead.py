@@ -40,7 +40,7 @@ from kvmesh.contract.types import SamplingParams
 from kvmesh.loopback import RedisServer, free_port
 from kvmesh.make_model import CORPUS, train_tokenizer
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.model_router import GenerateInput
+from kvmesh.router.generate_types import GenerateInput
 from kvmesh.router.server import RouterServer
 from kvmesh.transport.channels import dial, dial_aio
 from kvmesh.v1 import kv_service_pb2 as pb

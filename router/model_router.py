@@ -2,7 +2,8 @@
 
 The gRPC adapter (router/api/grpc_api.py) and the OpenAI HTTP adapter (router/api/openai_api.py) turn a
 request into a :class:`GenerateInput`, iterate :meth:`ModelRouter.generate` (through router/api/frontend.py,
-which picks the model's ModelRouter) and turn each :class:`GenerateOutput` into their messages. Workers and
+which picks the model's ModelRouter) and turn each :class:`GenerateOutput` into their messages (the
+types: router/generate_types.py). Workers and
 the index are reached through router/core/upstream.py's protocols, so this module imports neither
 grpc nor redis; errors are kvmesh.contract.errors, mapped to status codes by kvmesh/transport/.
 
@@ -24,9 +25,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 from tokenizers import Tokenizer
 
@@ -37,7 +37,7 @@ from kvmesh.contract.errors import (
     Unavailable,
 )
 from kvmesh.contract.index_protocol import IndexUnavailable, WorkerMatch
-from kvmesh.contract.types import DEFAULT_MAX_TOKENS, SamplingParams, Usage
+from kvmesh.contract.types import DEFAULT_MAX_TOKENS, Usage
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core.attempts import Attempts
 from kvmesh.router.core.audit import MissAudit, predicted_blocks
@@ -55,6 +55,7 @@ from kvmesh.router.core.upstream import (
     WorkerPool,
     WorkerRequest,
 )
+from kvmesh.router.generate_types import ChatInput, GenerateInput, GenerateOutput
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.text.chat_template import ChatTemplate
 from kvmesh.router.text.detokenize import IncrementalDetokenizer
@@ -73,47 +74,6 @@ log = logging.getLogger("kvmesh.router")
 
 ABORT_DRAIN_S = 2.0
 """After a stop string, how long the worker's final message (with the request's usage) is awaited."""
-
-
-@dataclass(slots=True, frozen=True)
-class ChatInput:
-    """A conversation for the model's chat template (router/text/chat_template.py)."""
-
-    messages: Sequence[Mapping[str, Any]]
-    """``{"role", "content"[, "name"]}`` each, content as text."""
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    """Extra template variables (vLLM's ``chat_template_kwargs``)."""
-
-
-@dataclass(slots=True, frozen=True)
-class GenerateInput:
-    """A client request, already converted from protobuf or JSON; exactly one of text / token_ids /
-    chat is set."""
-
-    text: str | None
-    token_ids: Sequence[int] | None
-    sampling: SamplingParams
-    cache_salt: str = ""
-    request_id: str = ""
-    timeout_s: float | None = None
-    """Time the client has left (its gRPC deadline); None = no client deadline."""
-    chat: ChatInput | None = None
-    stop: Sequence[str] = ()
-    """Stop strings (router/text/stop_strings.py); they need the model's tokenizer."""
-    include_stop_str_in_output: bool = False
-
-
-@dataclass(slots=True, frozen=True)
-class GenerateOutput:
-    token_ids: Sequence[int]
-    text: str
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    served_by: str = ""
-    request_id: str = ""
-    """On the first output only: the id the request has in the router's and the worker's logs."""
 
 
 class ModelRouter:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvmesh.contract.settings import code_only, flag
 from kvmesh.kv_client.event_batcher import BATCH_INTERVAL_S
 from kvmesh.kv_service.config import ServiceConfig
-from kvmesh.model_worker.scheduling.scheduler import SchedulerConfig
+from kvmesh.model_worker.scheduling.config import SchedulerConfig
 from kvmesh.model_worker.simulated.step_time import StepTimeConfig, StepTimeModel, gpu_spec
 from kvmesh.router.config import RoutingConfig
 from kvmesh.sim.fleet import parse_fleet

@@ -35,8 +35,8 @@ from kvmesh.model_worker.execution.warmup import WarmupReport, warm_up
 from kvmesh.model_worker.scheduling.host_block_pool import KVTransfers, host_blocks_for
 from kvmesh.model_worker.scheduling.kv_cache_manager import check_host_tier
 from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
+from kvmesh.model_worker.scheduling.output import SchedulerOutput
 from kvmesh.model_worker.scheduling.request import Request
-from kvmesh.model_worker.scheduling.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from kvmesh.router.core.upstream import (
     WorkerError,
     WorkerRequest,
 )
-from kvmesh.router.model_router import GenerateInput, ModelRouter
+from kvmesh.router.generate_types import GenerateInput
+from kvmesh.router.model_router import ModelRouter
 
 SPEC = ModelSpec("m", 4, "sha256_128")
 PROMPT = list(range(1, 33))  # 8 blocks of 4

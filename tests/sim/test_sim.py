@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from kvmesh.kv_service.service import run_now
-from kvmesh.model_worker.scheduling.scheduler import SchedulerConfig
+from kvmesh.model_worker.scheduling.config import SchedulerConfig
 from kvmesh.model_worker.simulated.step_time import LinearCost
 from kvmesh.sim.config import SimConfig
 from kvmesh.sim.mesh import Mesh
