@@ -27,7 +27,7 @@ from kvmesh.kv_service.config import FaultConfig, KVServiceConfig, ServiceConfig
 from kvmesh.kv_service.index import BlockIndex
 from kvmesh.kv_service.metrics import KVMetrics
 from kvmesh.kv_service.service import KVService, now_ms
-from kvmesh.transport.loop import LoopThread
+from kvmesh.transport.loop import LoopServer, LoopThread
 from kvmesh.transport.server import AioServer
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
@@ -232,7 +232,7 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         return pb.FlushWorkerResponse(blocks_removed=removed)
 
 
-class KVServiceServer:
+class KVServiceServer(LoopServer):
     """The kv_service process: a grpc.aio server and the reaper of expired workers, on one event
     loop of their own (``start``/``stop`` are called from any other thread).
 
@@ -287,10 +287,3 @@ class KVServiceServer:
             self._reaper.cancel()
         await self.grpc.stop(grace)
         await self.service.index.close()
-
-    def stop(self, grace: float = 2.0) -> None:
-        """Drains open calls for up to ``grace`` seconds, closes the store and the loop."""
-        if not self._loop.running:
-            return
-        self._loop.run(self._stop(grace))
-        self._loop.stop()
