@@ -72,7 +72,7 @@ async def timed_decisions(router, router_server, spec, inputs: list[GenerateInpu
     """On the router's loop: ``iters`` decisions end to end, then each stage alone (in ms)."""
     for inp in inputs * 2:  # warm up channels, tokenizer caches and the Lua script
         plan, _ = await router.decide(inp)
-        if plan.ticket is not None:  # NOTE: never forwarded: its in-flight share (a claimed pick) goes
+        if plan.ticket is not None:  # NOTE: never forwarded: its in-flight share (a reserved pick) goes
             router.core.finish(plan.ticket)
     total, stages = [], {"tokenize": [], "hash": [], "lookup": [], "pick": []}
     for k in range(iters):

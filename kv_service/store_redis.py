@@ -69,22 +69,15 @@ from redis.exceptions import (
 from kvmesh.contract.block_hash import HASH_LEN
 from kvmesh.contract.errors import FailedPrecondition, KVMeshError, Unavailable
 from kvmesh.contract.index_protocol import (
+    NO_PENDING,
+    Pending,
     Registration,
     Reservation,
     ReservationAnswer,
     WorkerInfo,
     WorkerMatch,
 )
-from kvmesh.contract.types import (
-    NO_PENDING,
-    AllBlocksCleared,
-    BlockStored,
-    KVCacheEvent,
-    Load,
-    ModelSpec,
-    Pending,
-    Tier,
-)
+from kvmesh.contract.types import AllBlocksCleared, BlockStored, KVCacheEvent, Load, ModelSpec, Tier
 from kvmesh.kv_service.config import LOOKUP_WALKS, RedisStoreConfig
 from kvmesh.kv_service.index import Action, BlockIndex, IndexStats, PublishResult
 from kvmesh.kv_service.refusals import Refusal, refuse

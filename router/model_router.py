@@ -44,6 +44,7 @@ from kvmesh.router.core.audit import MissAudit, predicted_blocks
 from kvmesh.router.core.inflight import InFlight
 from kvmesh.router.core.policies import make_policy
 from kvmesh.router.core.policies.base import Decision, RouterPolicy
+from kvmesh.router.core.reservation_loop import ReservationLoop
 from kvmesh.router.core.routing import RoutePlan, RoutingCore
 from kvmesh.router.core.speculative import SpeculativeIndex
 from kvmesh.router.core.upstream import (
@@ -113,7 +114,7 @@ class ModelRouter:
         self.core = RoutingCore(policy, speculative_ttl_s=routing.speculative_ttl_s,
                                 index_retry_s=routing.index_retry_s, observer=self.metrics,
                                 shared_view=routing.shared_view and index is not None,
-                                router_id=f"router-{uuid.uuid4().hex[:12]}", claim_attempts=routing.claim_attempts)
+                                router_id=f"router-{uuid.uuid4().hex[:12]}", reservation_attempts=routing.reservation_attempts)
         if speculative is not None:
             self.core.speculative = speculative
         self.audit = MissAudit(config.audit_window, config.audit_miss_rate)
@@ -241,23 +242,23 @@ class ModelRouter:
         return core.complete(pending, self.pool.endpoints(), outcome, time.perf_counter() - t0,
                            adopt=self.pool.discovers_from_index, healthy=self.pool.healthy)
 
-    async def claim(self, plan: RoutePlan, decision: Decision, request_id: str) -> Decision:
+    async def reserve(self, plan: RoutePlan, decision: Decision, request_id: str) -> Decision:
         """Reserves the pick in the kv_service (the shared router view), picking again while another
         router got there first; the pick to forward. A kv_service that does not answer leaves the
-        pick as it is (the request is not held up for the view). router/core/routing.py's
-        ``Claims`` is the loop; this awaits its reservations."""
-        claims = self.core.claims(plan, decision, request_id)
-        while (reservation := claims.next()) is not None:
+        pick as it is (the request is not held up for the view). router/core/reservation_loop.py's
+        ``ReservationLoop`` is the loop; this awaits its reservations."""
+        loop = ReservationLoop(self.core, plan, decision, request_id)
+        while (reservation := loop.next()) is not None:
             assert self.index is not None
             try:
                 answer = await self.index.reserve(reservation)
             except IndexUnavailable as exc:
-                self.metrics.claims.labels("failed").inc()
+                self.metrics.reservations.labels("failed").inc()
                 log.debug("reserve failed, forwarding unreserved: %s", exc)
-                claims.unanswered()
+                loop.unanswered()
                 break
-            self.metrics.claims.labels("reserved" if claims.answered(answer) else "conflict").inc()
-        return claims.decision
+            self.metrics.reservations.labels("reserved" if loop.answered(answer) else "conflict").inc()
+        return loop.decision
 
     async def decide(self, inp: GenerateInput, request_id: str = "") -> tuple[RoutePlan, Decision]:
         """Tokenize + hash + lookup + pick (+ its reservation in the shared view), and the speculative
@@ -282,7 +283,7 @@ class ModelRouter:
             raise Unavailable(self._no_worker_message())
         decision = self.core.pick(plan, count=False)
         if plan.versions is not None:
-            decision = await self.claim(plan, decision, request_id or self.request_id_for(inp))
+            decision = await self.reserve(plan, decision, request_id or self.request_id_for(inp))
         self.core.commit(plan, decision)
         self.metrics.decision_latency_s.observe(time.perf_counter() - t0)
         return plan, decision

@@ -78,7 +78,7 @@ class FakeIndex:
     def __init__(self, matched: dict[str, int] | None = None, down: bool = False) -> None:
         self.matched = matched or {}
         self.down = down
-        self.claims: list[Reservation] = []
+        self.reservations: list[Reservation] = []
 
     async def lookup(self, model_id: str, block_hashes) -> list[WorkerMatch]:
         if self.down:
@@ -86,8 +86,8 @@ class FakeIndex:
         return [WorkerMatch(w, f"{w}:1", n, Load()) for w, n in self.matched.items()]
 
     async def reserve(self, reservation: Reservation) -> ReservationAnswer:
-        """The one router here never meets another's pick: every claim is reserved."""
-        self.claims.append(reservation)
+        """The one router here never meets another's pick: every reservation is granted."""
+        self.reservations.append(reservation)
         return ReservationAnswer(True)
 
 
@@ -134,14 +134,14 @@ def test_the_pick_is_reserved_under_the_id_the_worker_sees_and_is_in_flight_once
 
     router.core.start = start
     run(router)
-    assert [(c.worker_id, c.request_id, c.seen_version) for c in index.claims] == [("w1", pool.request_ids[0], 0)]
-    assert seen == [1, 1]  # claimed, then forwarded: one request, not two
+    assert [(c.worker_id, c.request_id, c.seen_version) for c in index.reservations] == [("w1", pool.request_ids[0], 0)]
+    assert seen == [1, 1]  # reserved, then forwarded: one request, not two
     assert router.inflight.view("w1") == (0, 0)
     # Without the view (or for a policy that does not read it), nothing is reserved.
     index = FakeIndex({"w1": 8})
     run(make({"w1": ok("w1")}, index, shared_view=False)[0])
     run(make({"w1": ok("w1")}, index, policy="round-robin")[0])
-    assert index.claims == []
+    assert index.reservations == []
 
 
 def test_unavailable_before_first_token_retries_on_next_best_and_marks_unhealthy():
