@@ -126,7 +126,7 @@ async def lookup_client_main(url: str, shards: int, read_replicas: bool, concurr
     now = int(time.time() * 1000)
     if read_replicas:  # NOTE: until the first check, the masters answer: check before the clock starts
         await idx.lookup("tp", queries[0], now)
-        await idx.check_replicas()
+        await idx.redis.check_replicas()
     for q in queries[:8]:
         await idx.lookup("tp", q, now)
     print("ready", flush=True)
@@ -144,7 +144,7 @@ async def lookup_client_main(url: str, shards: int, read_replicas: bool, concurr
 
     await asyncio.gather(*(caller(k) for k in range(concurrency)))
     elapsed = time.perf_counter() - t0
-    replica_reads = idx.replica_lookups
+    replica_reads = idx.redis.replica_lookups
     await idx.close()
     return {"lookups": done, "elapsed_s": elapsed, "replica_reads": replica_reads}
 

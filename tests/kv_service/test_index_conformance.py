@@ -412,22 +412,22 @@ async def test_a_batch_in_parts_lets_a_lookup_in_between_and_a_stray_part_resync
         await join(idx, "w2")
         await idx.publish("w2", 1, 1, [BlockStored(h[:2])], T0)
         seen: list[dict[str, int]] = []
-        real_call = idx._call
+        real_call = idx.redis.call
 
         async def spying_call(script: str, *args):
             if script == "publish" and args[0] == "w1" and args[5] == 1:  # between part 0 and part 1
                 seen.append(await matches(idx, h))
             return await real_call(script, *args)
 
-        idx._call = spying_call  # type: ignore[method-assign]
+        idx.redis.call = spying_call  # type: ignore[method-assign]
         assert (await idx.publish("w1", 1, 1, [BlockStored(h)], T0)).action == Action.ACK
-        idx._call = real_call  # type: ignore[method-assign]
+        idx.redis.call = real_call  # type: ignore[method-assign]
         # Between the parts the index held the first part (a prefix of the worker's events).
         assert seen == [{"w1": 4, "w2": 2}]
         assert await matches(idx, h) == {"w1": 10, "w2": 2}
         assert (await idx.workers(T0))[0].last_seq == 1
         # A part that does not continue the pending batch is answered with RESYNC, nothing applied.
-        res = await idx._call("publish", "w1", 1, 2, T0, 0, 1, 1, "S", chain(1, start=500)[0])
+        res = await idx.redis.call("publish", "w1", 1, 2, T0, 0, 1, 1, "S", chain(1, start=500)[0])
         assert [x.decode() if isinstance(x, bytes) else x for x in res][0] == "RESYNC"
         assert await matches(idx, chain(1, start=500)) == {"w1": 0, "w2": 0}
     finally:

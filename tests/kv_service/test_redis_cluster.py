@@ -23,7 +23,8 @@ from kvmesh.contract.errors import FailedPrecondition, NotFound, Unavailable
 from kvmesh.contract.index_protocol import Registration
 from kvmesh.contract.types import BlockStored, Load
 from kvmesh.kv_service.index import Action
-from kvmesh.kv_service.store_redis import RedisIndex, home_shard, shard_tags
+from kvmesh.kv_service.redis_cluster import home_shard, shard_tags
+from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import RedisCluster
 
 pytestmark = pytest.mark.anyio
@@ -95,15 +96,6 @@ async def wait_for(probe, timeout: float, what: str):
 
 
 # -- where shards live, one round, the shard count ---------------------------------------------
-def test_shard_tags_fall_in_equal_slot_ranges_and_do_not_depend_on_anything_stored():
-    from redis.crc import key_slot
-
-    for n in (2, 3, 4, 7):
-        tags = shard_tags("kvmesh", n)
-        assert [key_slot(t.encode()) * n // 16384 for t in tags] == list(range(n))
-    assert shard_tags("kvmesh", 1) == ["kvmesh"]  # one shard: the layout before sharding
-
-
 async def test_each_shard_lives_on_its_own_master(redis_cluster, redis_namespace):
     idx, wids, chains = await populated(redis_cluster.url, redis_namespace)
     try:
@@ -178,7 +170,7 @@ async def test_two_specs_registering_at_once_on_two_shards_are_never_both_kept(r
             assert len(kept) == sum(g is None for g in got) <= 1
             outcomes.add(len(kept))
             for w in (a, b):  # free the ids for the next model
-                await r1._on(r1.home(w), "admin", "unregister", w, 1)
+                await r1.redis.on(r1.home(w), "admin", "unregister", w, 1)
         assert 0 in outcomes  # the race did happen: both were refused at least once
     finally:
         await r1.close()
