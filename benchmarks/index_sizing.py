@@ -68,12 +68,12 @@ def _run(sim, rate: float) -> dict:
 def cmd_sim(a: argparse.Namespace) -> int:
     from kvmesh.sim.config import SimConfig
     from kvmesh.sim.run import Sim
-    from kvmesh.sim.workload import load_trace
+    from kvmesh.sim.workload import trace_workload
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in a.trace:
-        workload = load_trace(Path(a.traces) / TRACES[name])
+        workload = trace_workload(Path(a.traces) / TRACES[name])
         t0 = time.perf_counter()
         fast = Sim(workload, SimConfig(workers=128, **FAST))
         cap, tried = fast.capacity("kv-aware", start=CAP8[name] * 16)

@@ -35,13 +35,13 @@ from pathlib import Path
 
 import redis
 
-from kvmesh.bench.report import percentile as pct
 from kvmesh.contract.errors import Unavailable
 from kvmesh.contract.index_protocol import Registration
 from kvmesh.contract.types import BlockRemoved, BlockStored, Load
 from kvmesh.kv_service.redis_cluster import home_shard
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import RedisCluster
+from kvmesh.replay.records import percentile as pct
 from kvmesh.transport.loop import new_event_loop
 
 TTL = 3_600_000

@@ -34,10 +34,10 @@ from pathlib import Path
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.bench.processes import start_kv_service
-from kvmesh.bench.report import percentile as pct
 from kvmesh.contract.types import SamplingParams
 from kvmesh.loopback import RedisServer, free_port
 from kvmesh.make_model import CORPUS, train_tokenizer
+from kvmesh.replay.records import percentile as pct
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.generate_types import GenerateInput
 from kvmesh.router.server import RouterServer

@@ -11,6 +11,7 @@ from typing import Protocol
 from kvmesh.contract.errors import NotFound
 from kvmesh.contract.index_protocol import Reservation, ReservationAnswer
 from kvmesh.contract.types import ModelSpec
+from kvmesh.replay.records import RequestRecord
 from kvmesh.router.core.attempts import Attempts
 from kvmesh.router.core.policies import make_policy
 from kvmesh.router.core.policies.base import Decision
@@ -19,7 +20,7 @@ from kvmesh.router.core.routing import CountingObserver, RoutePlan, RoutingCore
 from kvmesh.router.core.upstream import Failure
 from kvmesh.router.core.worker_set import WorkerSet
 from kvmesh.sim.config import SimConfig
-from kvmesh.sim.events import EventQueue, RequestRecord
+from kvmesh.sim.events import EventQueue
 from kvmesh.sim.index import SimIndex
 from kvmesh.sim.worker import Attempt, SimWorker
 

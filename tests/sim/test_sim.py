@@ -16,7 +16,7 @@ from kvmesh.model_worker.simulated.step_time import LinearCost
 from kvmesh.sim.config import SimConfig
 from kvmesh.sim.mesh import Mesh
 from kvmesh.sim.run import Sim, chains_for, oracle_hit_rate, sim_model_dir
-from kvmesh.sim.workload import SimRequest, Workload, load_trace, make_workload, shared_prefix
+from kvmesh.sim.workload import SimRequest, Workload, make_workload, shared_prefix, trace_workload
 
 
 def simulate(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -184,7 +184,7 @@ def load_trace_or_generated() -> Workload:
 
     trace = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
     if trace.exists():
-        return load_trace(trace, 200)
+        return trace_workload(trace, 200)
     return make_workload("multi-turn", 200)
 
 
