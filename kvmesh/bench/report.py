@@ -94,7 +94,7 @@ def save_result(path: str | Path, summary: dict, config: dict, records: Sequence
 
 def load_timeline(records: Sequence[RequestRecord], step_s: float = 1.0) -> tuple[list[float], dict[str, list[int]]]:
     """Per worker, requests in flight at each ``step_s`` tick (the load-over-time plot's data)."""
-    ok = [r for r in records if r.done]
+    ok = [r for r in records if r.success]
     if not ok:
         return [], {}
     end = max(r.finish for r in ok)
@@ -119,7 +119,7 @@ def write_plots(records: Sequence[RequestRecord], out_dir: str | Path, time_scal
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     k = 1.0 / time_scale
-    ttft = np.sort([r.ttft * k * 1000 for r in records if r.done and r.ttft is not None])
+    ttft = np.sort([r.ttft * k * 1000 for r in records if r.success and r.ttft is not None])
     paths = []
     fig, ax = plt.subplots(figsize=(6, 4))
     if len(ttft):
@@ -132,7 +132,7 @@ def write_plots(records: Sequence[RequestRecord], out_dir: str | Path, time_scal
     paths.append(out / "ttft_cdf.png")
     fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
     plt.close(fig)
-    duration = max((r.finish for r in records if r.done), default=1.0)
+    duration = max((r.finish for r in records if r.success), default=1.0)
     ticks, load = load_timeline(records, max(duration / 200, 0.05))
     fig, ax = plt.subplots(figsize=(7, 4))
     for w, series in load.items():

@@ -97,7 +97,7 @@ async def run_requests(target: str, requests: Sequence[BenchRequest], *, max_con
             else:
                 async with sem:
                     rec = await _one(stub, req, ignore_eos, t0, timeout, i)
-            bar.update(rec.done)
+            bar.update(rec.success)
             return rec
 
         records = await asyncio.gather(*(send(i, r) for i, r in enumerate(requests)))

@@ -39,7 +39,7 @@ class RequestRecord:
     """Already counted as an SLO miss (its TTFT deadline passed before its first token)."""
 
     @property
-    def done(self) -> bool:
+    def success(self) -> bool:
         """It finished and did not fail."""
         return self.finish is not None and not self.failed
 
@@ -109,7 +109,7 @@ class Summary:
 
 def summarize(records: Sequence[RequestRecord], workers: Iterable[str] = ()) -> Summary:
     """The figures of ``records``; ``workers``: every worker that could serve (idle ones count in the load)."""
-    done = [r for r in records if r.done]
+    done = [r for r in records if r.success]
     served: dict[str, int] = dict.fromkeys(workers, 0)
     for r in done:
         served[r.worker] = served.get(r.worker, 0) + r.prompt_len + r.completion_tokens

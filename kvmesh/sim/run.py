@@ -84,7 +84,7 @@ def summarize(mesh: Mesh, records: Sequence[RequestRecord]) -> dict:
     s = summarize_records(records, [w.worker_id for w in mesh.workers])
     ttft, tpot, e2e = stats(s.ttft), stats(s.tpot), stats(s.e2e)
     start = records[0].arrival if records else 0.0
-    end = max((r.finish for r in records if r.done), default=start)
+    end = max((r.finish for r in records if r.success), default=start)
     span = max(end - start, 1e-9)
     met = sum(1 for r in records if r.slo_ok)
     decisions: dict[str, int] = {}
