@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvmesh.model_worker.execution.models.attention import AttentionMetadata
+from kvmesh.model_worker.execution.forward_context import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
