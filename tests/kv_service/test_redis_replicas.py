@@ -20,7 +20,7 @@ from kvmesh.contract.types import BlockStored, Load
 from kvmesh.kv_service.index import Action
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import RedisCluster, RedisServer
-from tests.kv_service.test_redis_cluster import T0, TTL, chain, matches, one_id_per_shard, reg, wait_for
+from tests.support.index import T0, TTL, chain, matches, one_id_per_shard, reg, wait_for
 
 pytestmark = pytest.mark.anyio
 

@@ -3,9 +3,6 @@ search on a toy cost model with a known answer, faults and several routers."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -17,11 +14,7 @@ from kvmesh.sim.config import SimConfig
 from kvmesh.sim.mesh import Mesh
 from kvmesh.sim.run import Sim, chains_for, oracle_hit_rate, sim_model_dir
 from kvmesh.sim.workload import SimRequest, Workload, make_workload, shared_prefix, trace_workload
-
-
-def simulate(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvmesh.cli", "simulate", *args], capture_output=True, text=True,
-                          timeout=170, env={**os.environ, **(env or {})})
+from tests.support.sim import simulate
 
 
 @pytest.mark.timeout(180)

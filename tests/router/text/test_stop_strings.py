@@ -15,8 +15,7 @@ from kvmesh.router.core.upstream import WorkerChunk
 from kvmesh.router.generate_types import GenerateInput
 from kvmesh.router.model_router import ModelRouter
 from kvmesh.router.text.stop_strings import StopStrings, check_stop_strings
-
-from .test_router_path import FakeIndex, FakePool, collect
+from tests.support.router import FakeIndex, FakePool, collect
 
 
 def feed(stops: StopStrings, deltas: list[str]) -> list[str]:

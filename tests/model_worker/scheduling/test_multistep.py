@@ -17,7 +17,7 @@ from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.scheduling.output import RequestOutput
 from kvmesh.model_worker.scheduling.request import Request
 from kvmesh.model_worker.scheduling.scheduler import Scheduler
-from tests.model_worker.support import EXACT, EXACT_CLI, KVMESH, hf_greedy, random_prompt
+from tests.support.model_worker import EXACT, EXACT_CLI, KVMESH, hf_greedy, random_prompt
 
 BS = 16
 
