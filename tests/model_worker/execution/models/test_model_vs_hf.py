@@ -1,5 +1,5 @@
 """Greedy outputs of our engine are token-exact with transformers ``generate``: the engine in float32
-on ``ENGINE_DEVICE``, the oracle in float32 on the CPU (tests/model_worker/support.py)."""
+on ``ENGINE_DEVICE``, the oracle in float32 on the CPU (tests/support/model_worker.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.config import ModelConfig
 from kvmesh.model_worker.engine.llm import LLM
-from tests.model_worker.support import EXACT, hf_greedy, random_prompt
+from tests.support.model_worker import EXACT, assert_matches_hf, random_prompt
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -20,11 +20,6 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 def make_llm(model_dir: Path, **kwargs) -> LLM:
     kwargs = {"num_blocks": 64, "max_model_len": 256, "max_num_batched_tokens": 256, **EXACT, **kwargs}
     return LLM(str(model_dir), **kwargs)
-
-
-def assert_matches_hf(model_dir: Path, outputs, max_new_tokens: int) -> None:
-    for i, out in enumerate(outputs):
-        assert out.token_ids == hf_greedy(model_dir, out.prompt_token_ids, max_new_tokens), f"prompt {i}"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama3"])

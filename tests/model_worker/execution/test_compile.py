@@ -1,6 +1,6 @@
 """The compiled forward pass (--compile): attention stays one opaque op, tokens stay exact, and every
 compile happens at warm-up. The engine runs in float32 on ``ENGINE_DEVICE`` against transformers in
-float32 on the CPU (tests/model_worker/support.py); on the CPU inductor's C++ backend compiles it."""
+float32 on the CPU (tests/support/model_worker.py); on the CPU inductor's C++ backend compiles it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.engine.llm import LLM
 from kvmesh.model_worker.execution.forward_context import ForwardContext, forward_context
 from kvmesh.model_worker.execution.warmup import dummy_inputs, warmup_batches
-from tests.model_worker.support import EXACT, hf_greedy, random_prompt
+from tests.support.model_worker import EXACT, hf_greedy, random_prompt
 
 
 def test_attention_and_the_kv_write_are_one_opaque_op_in_the_graph(tiny_model_dir) -> None:

@@ -1,5 +1,5 @@
 """Windowed models through the hybrid allocator, greedy token-exact with transformers (the engine
-in float32 on ``ENGINE_DEVICE``, the oracle in float32 on the CPU: tests/model_worker/support.py).
+in float32 on ``ENGINE_DEVICE``, the oracle in float32 on the CPU: tests/support/model_worker.py).
 
 Mistral windows every layer (one sliding-window group); the interleaved Qwen2 keeps full
 attention in layers 0-1 and windows 2-3 (``use_sliding_window`` + ``max_window_layers``: one
@@ -21,8 +21,7 @@ from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.model_worker.engine.llm import LLM
 from kvmesh.model_worker.scheduling.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
 from tests.model_worker.conftest import TINY
-from tests.model_worker.support import EXACT, EXACT_CLI, KVMESH, hf_greedy, random_prompt
-from tests.model_worker.test_model_vs_hf import assert_matches_hf
+from tests.support.model_worker import EXACT, EXACT_CLI, KVMESH, assert_matches_hf, hf_greedy, random_prompt
 
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
 

@@ -2,8 +2,8 @@
 and two workers' shares of one device. CUDA only: every test here needs an NVIDIA GPU.
 
 Token-exact tests run the engine in float32 on CUDA against transformers in float32 on the CPU
-(tests/model_worker/support.py). The CPU runs the same padding without capture
-(tests/model_worker/test_graph_runner.py) and the same compile (tests/model_worker/test_compile.py).
+(tests/support/model_worker.py). The CPU runs the same padding without capture
+(tests/model_worker/execution/test_graph_runner.py) and the same compile (tests/model_worker/execution/test_compile.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.model_worker.engine.llm import LLM
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
-from tests.model_worker.support import EXACT, hf_greedy, random_prompt
+from tests.support.model_worker import EXACT, hf_greedy, random_prompt
 
 NEEDS_GPU = "needs an NVIDIA GPU with CUDA"
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_GPU)]

@@ -2,7 +2,7 @@
 
 On the CPU the padded decode path runs without capture (``decode_graphs(capture=False)``): the same
 static buffers, padding and step body a CUDA graph replays. The engine then runs in float32 on
-``ENGINE_DEVICE`` (tests/model_worker/support.py); the CUDA captures are tests/model_worker/test_gpu_runner.py.
+``ENGINE_DEVICE`` (tests/support/model_worker.py); the CUDA captures are tests/model_worker/execution/test_gpu_runner.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kvmesh.model_worker.execution.graph_runner import (
     capture_sizes,
     padded_size,
 )
-from tests.model_worker.support import EXACT, hf_greedy, random_prompt
+from tests.support.model_worker import EXACT, hf_greedy, random_prompt
 
 
 def test_default_sizes_are_nano_vllms_up_to_max_num_seqs() -> None:

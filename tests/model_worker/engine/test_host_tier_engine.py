@@ -16,7 +16,7 @@ import torch
 from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.engine.llm import LLM
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
-from tests.model_worker.test_model_vs_hf import hf_greedy, random_prompt
+from tests.support.model_worker import hf_greedy, random_prompt
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with CUDA"))]

@@ -11,9 +11,10 @@ import random
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, SamplingParams
+from kvmesh.model_worker.scheduling.config import SchedulerConfig
 from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.scheduling.request import Request
-from kvmesh.model_worker.scheduling.scheduler import Scheduler, SchedulerConfig
+from kvmesh.model_worker.scheduling.scheduler import Scheduler
 
 BS = 4
 HASHER = BlockHasher("test-model", block_size=BS)

@@ -12,6 +12,7 @@ import pytest
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import BlockRemoved, BlockStored, SamplingParams
+from kvmesh.model_worker.scheduling.config import SchedulerConfig
 from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.scheduling.kv_cache_spec import (
     FullAttentionSpec,
@@ -20,7 +21,7 @@ from kvmesh.model_worker.scheduling.kv_cache_spec import (
     SlidingWindowSpec,
 )
 from kvmesh.model_worker.scheduling.request import Request
-from kvmesh.model_worker.scheduling.scheduler import Scheduler, SchedulerConfig
+from kvmesh.model_worker.scheduling.scheduler import Scheduler
 
 BS, W = 2, 4
 HASHER = BlockHasher("test-model", block_size=BS)

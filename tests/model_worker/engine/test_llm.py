@@ -15,7 +15,7 @@ from kvmesh.contract.errors import AlreadyExists
 from kvmesh.contract.types import BlockStored, SamplingParams
 from kvmesh.model_worker.engine.llm import LLM
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
-from tests.model_worker.support import EXACT
+from tests.support.model_worker import EXACT
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 

@@ -12,10 +12,10 @@ from kvmesh.make_model import train_tokenizer
 from kvmesh.router.config import RouterConfig, RoutingConfig
 from kvmesh.router.core.policies.base import PolicyConfig
 from kvmesh.router.core.upstream import WorkerChunk
-from kvmesh.router.model_router import GenerateInput, ModelRouter
+from kvmesh.router.generate_types import GenerateInput
+from kvmesh.router.model_router import ModelRouter
 from kvmesh.router.text.stop_strings import StopStrings, check_stop_strings
-
-from .test_router_path import FakeIndex, FakePool, collect
+from tests.support.router import FakeIndex, FakePool, collect
 
 
 def feed(stops: StopStrings, deltas: list[str]) -> list[str]:

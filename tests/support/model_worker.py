@@ -51,3 +51,9 @@ def hf_greedy(model_dir: Path | str, prompt: list[int], max_new_tokens: int) -> 
 def random_prompt(n: int, seed: int, vocab: int = 600) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, vocab, (n,), generator=g).tolist()
+
+
+def assert_matches_hf(model_dir: Path, outputs, max_new_tokens: int) -> None:
+    """Every output's tokens are the oracle's greedy tokens for its prompt."""
+    for i, out in enumerate(outputs):
+        assert out.token_ids == hf_greedy(model_dir, out.prompt_token_ids, max_new_tokens), f"prompt {i}"

@@ -13,7 +13,7 @@ from typing import IO
 
 
 def repo_root() -> Path:
-    return Path(__file__).resolve().parents[1]
+    return Path(__file__).resolve().parents[2]
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.index_protocol import (
     IndexUnavailable,
+    Pending,
     Reservation,
     ReservationAnswer,
     WorkerMatch,
     anchors_of,
 )
-from kvmesh.contract.types import Load, ModelSpec, Pending
+from kvmesh.contract.types import Load, ModelSpec
 from kvmesh.router.core.policies import make_policy
 from kvmesh.router.core.policies.base import PolicyConfig
 from kvmesh.router.core.routing import CountingObserver, RoutingCore
@@ -150,10 +151,10 @@ def test_unhealthy_workers_are_skipped_unless_all_are():
 # -- the shared router view ------------------------------------------------------------------------
 def shared_core(policy: str = "kv-aware", attempts: int = 3) -> RoutingCore:
     return RoutingCore(make_policy(policy, PolicyConfig(seed=0)), speculative_ttl_s=2.0, clock=Clock(),
-                       shared_view=True, router_id="ra", claim_attempts=attempts)
+                       shared_view=True, router_id="ra", reservation_attempts=attempts)
 
 
-def test_claims_only_for_a_policy_that_reads_the_view_and_only_with_an_index_answer():
+def test_reservations_only_for_a_policy_that_reads_the_view_and_only_with_an_index_answer():
     answer = [WorkerMatch("w1", "a:1", 0, Load(), pending=Pending(1, 40, 10, 7)), WorkerMatch("w2", "a:2", 0, Load())]
     c = shared_core()
     plan = c.plan(SPEC, PROMPT, EPS, Index(answer))
@@ -161,45 +162,45 @@ def test_claims_only_for_a_policy_that_reads_the_view_and_only_with_an_index_ans
     assert plan.candidate("w1").pending == Pending(1, 40, 10, 7)
     down = Index(answer)
     down.down = True
-    assert c.plan(SPEC, PROMPT, EPS, down).versions is None  # no answer: nothing to claim against
+    assert c.plan(SPEC, PROMPT, EPS, down).versions is None  # no answer: nothing to reserve against
     for other in (shared_core("round-robin"), shared_core("dynamo"),
                   RoutingCore(make_policy("kv-aware", PolicyConfig(seed=0)), shared_view=False)):
         p = other.plan(SPEC, PROMPT, EPS, Index(answer))
         assert p.versions is None and p.candidate("w1").pending == Pending()
-        assert other.claim(p, other.pick(p), "r1", 0) is None
+        assert other.reservation(p, other.pick(p), "r1", 0) is None
 
 
-def test_a_claim_is_in_flight_at_once_and_a_refusal_moves_it_with_the_fresh_view():
+def test_a_reservation_is_in_flight_at_once_and_a_refusal_moves_it_with_the_fresh_view():
     # w1 holds the prompt: the first pick; w2 is idle.
     answer = [WorkerMatch("w1", "a:1", 8, Load()), WorkerMatch("w2", "a:2", 0, Load())]
     c = shared_core()
     plan = c.plan(SPEC, PROMPT, EPS, Index(answer))
     first = c.pick(plan, count=False)
     assert first.worker_id == "w1"
-    claim = c.claim(plan, first, "req-1", 0)
-    assert claim == Reservation("m", "w1", "ra", "req-1", 0, 8, 0, anchors_of(CHAIN))
-    assert c.inflight.of("w1").requests == 1  # this router's next pick sees it while it is claimed
+    reservation = c.reservation(plan, first, "req-1", 0)
+    assert reservation == Reservation("m", "w1", "ra", "req-1", 0, 8, 0, anchors_of(CHAIN))
+    assert c.inflight.of("w1").requests == 1  # this router's next pick sees it while it is reserved
     # Another router got there first: w1 is now swamped by others' picks.
-    again = c.claimed(plan, ReservationAnswer(False, {"w1": Pending(40, 100_000, 400, 3), "w2": Pending(0, 0, 0, 1)}))
+    again = c.reservation_answered(plan, ReservationAnswer(False, {"w1": Pending(40, 100_000, 400, 3), "w2": Pending(0, 0, 0, 1)}))
     assert again is not None and again.worker_id == "w2"
     assert plan.versions == {"w1": 3, "w2": 1}
     assert (c.inflight.of("w1").requests, c.inflight.of("w2").requests) == (0, 0)
-    claim2 = c.claim(plan, again, "req-1", 1)
-    assert claim2 == Reservation("m", "w2", "ra", "req-1", 32, 8, 1, anchors_of(CHAIN))
+    reservation2 = c.reservation(plan, again, "req-1", 1)
+    assert reservation2 == Reservation("m", "w2", "ra", "req-1", 32, 8, 1, anchors_of(CHAIN))
     assert (c.inflight.of("w1").requests, c.inflight.of("w2").requests) == (0, 1)
-    assert c.claimed(plan, ReservationAnswer(True)) is None
-    # The forwarded attempt takes over the claimed ticket (one request in flight, not two).
+    assert c.reservation_answered(plan, ReservationAnswer(True)) is None
+    # The forwarded attempt takes over the reserved ticket (one request in flight, not two).
     assert c.start(plan, "w2") is plan.ticket and c.inflight.of("w2").requests == 1
 
 
-def test_the_last_claim_is_unconditional_and_then_there_is_none():
+def test_the_last_reservation_is_unconditional_and_then_there_is_none():
     c = shared_core(attempts=2)
     plan = c.plan(SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 8, Load(), pending=Pending(0, 0, 0, 5)),
                                             WorkerMatch("w2", "a:2", 0, Load())]))
     d = c.pick(plan, count=False)
-    assert c.claim(plan, d, "r", 0).seen_version == 5
-    assert c.claim(plan, d, "r", 1).seen_version is None
-    assert c.claim(plan, d, "r", 2) is None
+    assert c.reservation(plan, d, "r", 0).seen_version == 5
+    assert c.reservation(plan, d, "r", 1).seen_version is None
+    assert c.reservation(plan, d, "r", 2) is None
 
 
 def test_other_routers_picks_weigh_on_kv_aware_like_its_own():
@@ -221,7 +222,7 @@ def test_a_late_lookup_keeps_the_breaker_closed_and_its_blind_pick_is_reserved_u
     A Lookup that fails while nothing is answered opens the breaker, as before."""
     clock, obs = Clock(), CountingObserver()
     c = RoutingCore(make_policy("kv-aware", PolicyConfig(seed=0)), speculative_ttl_s=2.0, index_retry_s=1.0,
-                    clock=clock, observer=obs, shared_view=True, router_id="ra", claim_attempts=3)
+                    clock=clock, observer=obs, shared_view=True, router_id="ra", reservation_attempts=3)
     answer = [WorkerMatch("w1", "a:1", 0, Load()), WorkerMatch("w2", "a:2", 0, Load())]
     late = c.prepare(SPEC, PROMPT, True)  # asked; its answer will not come in time
     clock.t += 0.01
@@ -230,7 +231,7 @@ def test_a_late_lookup_keeps_the_breaker_closed_and_its_blind_pick_is_reserved_u
     plan = c.complete(late, EPS, IndexUnavailable("deadline exceeded"), adopt=True)
     assert not plan.query.index_ok and (plan.versions, plan.conditional) == ({}, False)
     pick = c.pick(plan, count=False)
-    assert c.claim(plan, pick, "req-late", 0).seen_version is None
+    assert c.reservation(plan, pick, "req-late", 0).seen_version is None
     assert obs.fallbacks == {"lookup_late": 1} and not c.breaker.open()
     # Down: nothing was answered since it was asked.
     down = c.prepare(SPEC, PROMPT, True)
@@ -244,7 +245,7 @@ def test_a_late_lookup_keeps_the_breaker_closed_and_its_blind_pick_is_reserved_u
 def test_another_routers_copy_of_the_prefix_counts_as_held_in_the_lookup_and_in_a_refusal():
     """The shared speculative view (issue 35): a worker another router reserved this prompt's prefix on is
     scored as holding it (as this router's own speculative map would say of its own picks) — from the
-    Lookup's pending_blocks, and from a refused claim's anchored count."""
+    Lookup's pending_blocks, and from a refused reservation's anchored count."""
     c = shared_core()
     plan = c.plan(SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 0, Load(), pending_blocks=4),
                                             WorkerMatch("w2", "a:2", 0, Load())]))
@@ -253,8 +254,8 @@ def test_another_routers_copy_of_the_prefix_counts_as_held_in_the_lookup_and_in_
     plan = c.plan(SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 2, Load()), WorkerMatch("w2", "a:2", 0, Load())]))
     first = c.pick(plan, count=False)
     assert first.worker_id == "w1"
-    c.claim(plan, first, "r", 0)
+    c.reservation(plan, first, "r", 0)
     # Refused: others swamped w1 meanwhile, and one of them reserved all 8 blocks of this prompt on w2.
-    again = c.claimed(plan, ReservationAnswer(False, {"w1": Pending(9, 9 * 32, 72, 4), "w2": Pending(1, 32, 8, 1)},
+    again = c.reservation_answered(plan, ReservationAnswer(False, {"w1": Pending(9, 9 * 32, 72, 4), "w2": Pending(1, 32, 8, 1)},
                                               {"w2": 4}))
     assert again is not None and again.worker_id == "w2" and plan.candidate("w2").matched_blocks == 8

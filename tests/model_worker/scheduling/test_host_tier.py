@@ -22,11 +22,12 @@ from kvmesh.contract.types import (
     Tier,
 )
 from kvmesh.model_worker.scheduling.block_pool import KVCacheBlock
+from kvmesh.model_worker.scheduling.config import SchedulerConfig
 from kvmesh.model_worker.scheduling.host_block_pool import HostBlockPool, KVTransfers, host_blocks_for
 from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.scheduling.request import Request
-from kvmesh.model_worker.scheduling.scheduler import Scheduler, SchedulerConfig
+from kvmesh.model_worker.scheduling.scheduler import Scheduler
 
 BS = 4
 HASHER = BlockHasher("test-model", block_size=BS)

@@ -14,14 +14,11 @@ import pytest
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import SamplingParams
+from kvmesh.model_worker.scheduling.config import SchedulerConfig
 from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.scheduling.output import RequestOutput, SchedulerOutput
 from kvmesh.model_worker.scheduling.request import Request, RequestStatus
-from kvmesh.model_worker.scheduling.scheduler import (
-    RequestOutput,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from kvmesh.model_worker.scheduling.scheduler import Scheduler
 
 BS = 16
 HASHER = BlockHasher("test-model", block_size=BS)

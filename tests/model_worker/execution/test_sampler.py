@@ -8,7 +8,7 @@ import torch
 from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.engine.llm import LLM
 from kvmesh.model_worker.execution.sampler import Sampler
-from tests.model_worker.support import EXACT
+from tests.support.model_worker import EXACT
 
 
 def logits_rows(n: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:

@@ -12,10 +12,12 @@ from pathlib import Path
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.scheduling.config import SchedulerConfig
 from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
+from kvmesh.model_worker.scheduling.output import RequestOutput
 from kvmesh.model_worker.scheduling.request import Request
-from kvmesh.model_worker.scheduling.scheduler import RequestOutput, Scheduler, SchedulerConfig
-from tests.model_worker.support import EXACT, EXACT_CLI, KVMESH, hf_greedy, random_prompt
+from kvmesh.model_worker.scheduling.scheduler import Scheduler
+from tests.support.model_worker import EXACT, EXACT_CLI, KVMESH, hf_greedy, random_prompt
 
 BS = 16
 

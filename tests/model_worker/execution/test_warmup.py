@@ -1,5 +1,5 @@
 """Warm start (warmup.py): the shapes a warm-up runs, and that it leaves no trace but warm code.
-The engine runs in float32 on ``ENGINE_DEVICE`` (tests/model_worker/support.py)."""
+The engine runs in float32 on ``ENGINE_DEVICE`` (tests/support/model_worker.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 
 from kvmesh.model_worker.engine.llm import LLM
 from kvmesh.model_worker.execution.warmup import WarmupBatch, warmup_batches
-from tests.model_worker.support import EXACT
+from tests.support.model_worker import EXACT
 
 
 def test_a_full_warm_up_covers_every_tile_split_and_compile_class() -> None:
