@@ -25,6 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import PurePosixPath
 
 from kvmesh.bridge.config import BridgeConfig
@@ -169,7 +170,8 @@ class Bridge:
         status = parse_status(http_get(f"{self.cfg.base_url}/metrics").decode("utf-8", "replace"),
                               self.cfg.engine, self.cfg.block_size)
         self._status = status
-        self._load = status.load
+        # NOTE: the engine's cached blocks are the ones its events stored: the mirror holds them.
+        self._load = replace(status.load, num_cached_blocks=len(self.mirror))
         return status
 
     def load(self) -> Load:

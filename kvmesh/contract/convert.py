@@ -88,6 +88,7 @@ def load_to_pb(load: Load) -> common_pb2.WorkerLoad:
         admitted_request_ids=load.admitted, reports_admissions=load.reports_admissions,
         cache_block_tokens=load.cache_block_tokens,
         host_loaded_blocks_total=load.host_loaded_blocks, host_load_seconds=load.host_load_s,
+        num_cached_blocks=load.num_cached_blocks,
     )
 
 
@@ -96,7 +97,8 @@ def load_from_pb(m: common_pb2.WorkerLoad) -> Load:
                 m.busy_seconds, m.steps_total, m.prefill_tokens_total, m.prefill_attention_pairs_total,
                 m.decode_tokens_total, m.decode_context_tokens_total, m.max_num_batched_tokens,
                 tuple(m.admitted_request_ids), m.reports_admissions, cache_block_tokens=m.cache_block_tokens,
-                host_loaded_blocks=m.host_loaded_blocks_total, host_load_s=m.host_load_seconds)
+                host_loaded_blocks=m.host_loaded_blocks_total, host_load_s=m.host_load_seconds,
+                num_cached_blocks=m.num_cached_blocks)
 
 
 def pending_to_pb(p: Pending) -> kv_pb.PendingPicks:

@@ -133,6 +133,10 @@ class Load:
     """Seconds those loads took (modelled seconds on a simulated worker), cumulative; part of
     ``busy_s``. A router learns the worker's seconds per loaded block from the two
     (router/core/policies/cost.py)."""
+    num_cached_blocks: int = 0
+    """Device blocks holding a cached prefix, in use or idle (a bridged engine's: the blocks its
+    mirror holds). ``num_total_blocks`` less these is what a new prefix fills without evicting one:
+    the KV a router may treat as free (router/core/policies/prefix_load.py)."""
 
     def queue_state(self) -> tuple[int, int, int]:
         """What routing reads of the worker's state: (running, waiting, queued prefill tokens); a
@@ -163,7 +167,7 @@ _ENCODED: tuple[tuple[str, type], ...] = (
     ("queued_prefill_tokens", int), ("busy_s", float), ("steps", int), ("prefill_tokens", int),
     ("prefill_pairs", int), ("decode_tokens", int), ("decode_context_tokens", int),
     ("max_num_batched_tokens", int), ("cache_block_tokens", int), ("host_loaded_blocks", int),
-    ("host_load_s", float))
+    ("host_load_s", float), ("num_cached_blocks", int))
 """The fields :meth:`Load.encode` writes, in order (the kv_service's stored form)."""
 _ALWAYS_ENCODED = 12
 """Fields every stored load has (those before the miss audit's and the host tier's)."""

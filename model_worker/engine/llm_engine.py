@@ -57,6 +57,8 @@ class EngineStats:
     """Blocks loaded back from the host tier since start."""
     host_load_s: float = 0.0
     """Seconds those loads took (part of ``busy_s``; modelled seconds on a simulated worker)."""
+    num_cached_blocks: int = 0
+    """Device blocks holding a cached prefix (in use or idle)."""
 
     @property
     def load(self) -> Load:
@@ -68,7 +70,8 @@ class EngineStats:
         return Load(self.num_running, self.num_waiting, self.num_free_blocks, self.num_total_blocks,
                     self.queued_prefill_tokens, self.busy_s, self.steps, w.prefill_tokens, w.prefill_pairs,
                     w.decode_seqs, w.decode_context_tokens, self.max_num_batched_tokens, admitted,
-                    reports_admissions, host_loaded_blocks=self.host_loaded_blocks, host_load_s=self.host_load_s)
+                    reports_admissions, host_loaded_blocks=self.host_loaded_blocks, host_load_s=self.host_load_s,
+                    num_cached_blocks=self.num_cached_blocks)
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:
@@ -431,4 +434,5 @@ class LLMEngine:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             host_loaded_blocks=self._host_loaded,
             host_load_s=getattr(self.runner, "host_load_s", 0.0),
+            num_cached_blocks=len(kv.block_pool.cached_block_hash_to_block),
         )
