@@ -96,18 +96,23 @@ class KvAwarePolicy(RouterPolicy):
         waiting = sum(waiting_requests(c) for c in candidates) / len(candidates)
         kappa = self.config.work_weight * (1.0 + waiting)
         with self._lock:
-            hot = self.prefixes.hot_blocks(query.block_hashes, [c.matched_blocks for c in candidates])
+            share = self.prefixes.replicas(query.block_hashes, [c.worker_id for c in candidates],
+                                           [c.matched_blocks for c in candidates])
         scores = []
-        for c, spread in zip(candidates, hot, strict=True):
+        for c, replica in zip(candidates, share, strict=True):
             model = (self.cost.estimate(c.worker_id) or NOMINAL_COST) if learned else NOMINAL_COST
             # NOTE: the host link is learned in seconds: priced once the step cost is too.
             link = self.cost.load_s_per_block(c.worker_id) if learned and c.host_blocks else None
             ttft, own = predicted_ttft(model, query, c, self.config.default_step_tokens, link,
                                        mean_output=self._mean_output if learned else 0.0)
+            # NOTE: the work a request adds to the mesh: a copy of a prefix that needs one more worker
+            # is its load, not a duplicate (where it evicts nothing); where the KV is full, a hit on a
+            # copy the prefix no longer needs costs what recomputing it elsewhere would (the prefix
+            # folds back, and the copy's blocks go to prefixes that need them).
             work = own
-            spread = copy_in_free_kv(query, c, spread)
-            if spread:
-                _, work = predicted_ttft(model, query, c, self.config.default_step_tokens, link, extra_held=spread)
+            adjust = copy_in_free_kv(query, c, replica) if replica > 0 else surplus_in_full_kv(query, c, replica)
+            if adjust:
+                _, work = predicted_ttft(model, query, c, self.config.default_step_tokens, link, extra_held=adjust)
             scores.append(ttft + lam * decoders(c) * own + kappa * work)
         i = self._sample_index(scores) if self.config.temperature > 0 else self._argmin_index(scores)
         placed = self._placement(query, candidates, scores)
@@ -197,6 +202,15 @@ def copy_in_free_kv(q: RouteQuery, c: Candidate, hot: int) -> int:
         return 0
     new = -(-max(0, q.prompt_len - c.matched_blocks * q.block_size) // q.block_size)
     return max(0, min(hot, hot - (new - free_kv_blocks(c))))
+
+
+def surplus_in_full_kv(q: RouteQuery, c: Candidate, surplus: int) -> int:
+    """``surplus`` (<= 0: minus the blocks the candidate holds of prefixes that need fewer holders) where
+    its KV is full, else 0: a copy in free KV displaces nothing and serves as well as any."""
+    if not surplus:
+        return 0
+    new = -(-max(0, q.prompt_len - c.matched_blocks * q.block_size) // q.block_size)
+    return surplus if free_kv_blocks(c) < new else 0
 
 
 def kv_wait(per_step: float, q: RouteQuery, c: Candidate, queue: int, u: int, mean_output: float) -> float:

@@ -27,6 +27,8 @@ This module imports neither grpc nor redis.
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -94,36 +96,53 @@ class PrefixLoad:
         """Prompt tokens this router sent the worker to compute."""
         return self._given.get(worker_id, 0)
 
-    def hot_blocks(self, chain: Sequence[bytes], matched: Sequence[int]) -> list[int]:
-        """Per candidate (its matched blocks in ``matched``), the blocks it lacks that another
-        candidate holds and whose prefix keeps more workers busy than hold it: a copy there carries
-        the prefix's load, not a duplicate. 0 for every candidate when none is hot.
+    def replicas(self, chain: Sequence[bytes], workers: Sequence[str], matched: Sequence[int]) -> list[int]:
+        """Per candidate (``workers[i]`` holds ``matched[i]`` leading blocks), how its blocks count
+        against the workers each prefix needs: > 0, that many blocks it lacks (and another candidate
+        holds) belong to a prefix that needs a copy there; < 0, that many blocks it holds belong to
+        a prefix that needs fewer holders than it has; 0, neither.
 
-        NOTE: counts exist at anchor positions only; the blocks between two anchors take the
-        hotness of the longer prefix (it has no more requests in flight than the shorter ones).
+        A prefix with ``n`` requests in flight, where every worker carries ``m`` on average, keeps
+        ``k = ceil(n / m)`` workers busy (at least one). With fewer than ``k`` holders, a copy on any
+        other worker is load, not a duplicate (the score picks which worker takes it, the shared view
+        keeps several routers from taking the same one at once). With more than ``k``, the holders
+        past the first ``k`` by rendezvous weight of the prefix's hash (the same ones at every router)
+        are surplus: the prefix folds back to the others as its load falls.
+
+        NOTE: counts exist at anchor positions only; the blocks between two anchors take the count of
+        the longer prefix (it has no more requests in flight than the shorter ones).
         """
         n = len(matched)
+        out = [0] * n
         longest = max(matched, default=0)
-        if longest == 0 or not self.total:
-            return [0] * n
+        if longest == 0 or n < 2:
+            return out
         chain = chain[:MAX_CHAIN_BLOCKS]
-        # NOTE: a worker carries at least one request: below that the fleet is idle and nothing is hot.
+        # NOTE: a worker carries at least one request: below that the fleet is idle.
         per_worker = max(1.0, (self.total + 1) / n)
-        hot: list[tuple[int, bool]] = []
+        prev = -1
         for p in anchor_positions(len(chain)):
-            if p >= longest:
+            if prev + 1 >= longest:
                 break
-            holders = sum(1 for m in matched if m > p)
+            hi = min(p, longest - 1)  # blocks prev + 1 .. hi of this segment
             # NOTE: +1: the request being routed shares the prefix too.
-            hot.append((p, (self._anchors.get(chain[p], 0) + 1) / per_worker > holders))
-        out = []
-        for m in matched:
-            spread, prev = 0, -1
-            for p, is_hot in hot:
-                if is_hot:
-                    lo, hi = max(prev + 1, m), min(p, longest - 1)
-                    if hi >= lo:
-                        spread += hi - lo + 1
-                prev = p
-            out.append(spread)
+            need = min(n, max(1, math.ceil((self._anchors.get(chain[p], 0) + 1) / per_worker)))
+            size = hi - prev
+            holders = [i for i in range(n) if matched[i] > hi]
+            if need > len(holders):
+                for i in range(n):
+                    if matched[i] <= hi:  # NOTE: any worker may take the copy; the score picks which
+                        out[i] += size - max(0, matched[i] - (prev + 1))
+            elif need < len(holders):
+                key = chain[p]
+                holders.sort(key=lambda i: -rendezvous(key, workers[i]))
+                for i in holders[need:]:
+                    out[i] -= size
+            prev = p
         return out
+
+
+
+def rendezvous(key: bytes, worker_id: str) -> int:
+    """The worker's weight for ``key`` (highest first), stable across processes and routers."""
+    return int.from_bytes(hashlib.blake2b(key + worker_id.encode(), digest_size=8).digest(), "big")
