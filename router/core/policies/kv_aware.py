@@ -84,6 +84,18 @@ class KvAwarePolicy(RouterPolicy):
             self.cost.observe(c.worker_id, c.load)
         if not query.index_ok and not any(c.matched_blocks for c in candidates):
             return self.rendezvous(query, candidates, "fallback")
+        scores = self.scores(query, candidates)
+        i = self._sample_index(scores) if self.config.temperature > 0 else self._argmin_index(scores)
+        placed = self._placement(query, candidates, scores)
+        if placed is not None:
+            i = placed
+        chosen = candidates[i]
+        # NOTE: no token-count guard: a hot spot's queue is in its predicted time already.
+        return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks or chosen.host_blocks else "load",
+                        round(scores[i] * (1000 if self.cost.learned else 1)))
+
+    def scores(self, query: RouteQuery, candidates: Sequence[Candidate]) -> list[float]:
+        """Each candidate's score (least wins): seconds once the step cost is learned, else tokens."""
         # NOTE: until the workers' reports have taught the step cost, the same prediction in
         # token units: a prefill token costs 1, nothing else is known. Once they have, every worker
         # has a fit in seconds (its own, or the pooled one until its own has enough reports).
@@ -114,14 +126,7 @@ class KvAwarePolicy(RouterPolicy):
             if adjust:
                 _, work = predicted_ttft(model, query, c, self.config.default_step_tokens, link, extra_held=adjust)
             scores.append(ttft + lam * decoders(c) * own + kappa * work)
-        i = self._sample_index(scores) if self.config.temperature > 0 else self._argmin_index(scores)
-        placed = self._placement(query, candidates, scores)
-        if placed is not None:
-            i = placed
-        chosen = candidates[i]
-        # NOTE: no token-count guard: a hot spot's queue is in its predicted time already.
-        return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks or chosen.host_blocks else "load",
-                        round(scores[i] * (1000 if learned else 1)))
+        return scores
 
     def _placement(self, query: RouteQuery, candidates: Sequence[Candidate], scores: Sequence[float]) -> int | None:
         """Where a prompt that no worker holds any of goes, while prompts repeat: to the worker given
@@ -207,7 +212,7 @@ def copy_in_free_kv(q: RouteQuery, c: Candidate, hot: int) -> int:
 def surplus_in_full_kv(q: RouteQuery, c: Candidate, surplus: int) -> int:
     """``surplus`` (<= 0: minus the blocks the candidate holds of prefixes that need fewer holders) where
     its KV is full, else 0: a copy in free KV displaces nothing and serves as well as any."""
-    if not surplus:
+    if not surplus or not c.load.num_total_blocks:  # NOTE: an unknown pool is not a full one
         return 0
     new = -(-max(0, q.prompt_len - c.matched_blocks * q.block_size) // q.block_size)
     return surplus if free_kv_blocks(c) < new else 0

@@ -125,7 +125,7 @@ class PrefixLoad:
             if prev + 1 >= longest:
                 break
             hi = min(p, longest - 1)  # blocks prev + 1 .. hi of this segment
-            # NOTE: +1: the request being routed shares the prefix too.
+            # NOTE: +1: the request being routed will be one of them (and of the total).
             need = min(n, max(1, math.ceil((self._anchors.get(chain[p], 0) + 1) / per_worker)))
             size = hi - prev
             holders = [i for i in range(n) if matched[i] > hi]
