@@ -17,7 +17,8 @@ Workloads (the first GPU run's, docs/notes/gpu_h200.md):
 Prints one row per (workload, policy): req/s, output tok/s, TTFT mean/p99, hit rate, max/mean load;
 ``--json`` writes them.
 
-Run: python benchmarks/mesh_bench.py [--model 1b|micro|default|DIR] [--device auto] [--quick] [--json OUT]
+Run: python benchmarks/mesh_bench.py [--model 1b|micro|default|DIR] [--device auto] [--quick] [--rounds N]
+     [--json OUT]   (--rounds: N measured runs per policy, the order alternating; the median ratio)
 """
 
 from __future__ import annotations
@@ -119,14 +120,31 @@ def run_workload(model: str, device: str, w: Workload, args: argparse.Namespace)
                 stdout=log, stderr=subprocess.STDOUT)
         wait_serving(rr_addr, rr, 60)
         tokens = TokenRange.for_vocab(min(ModelConfig.from_dir(model).vocab_size, 32_000))
-        out = {"store": store, "num_blocks": w.num_blocks, "policies": {}}
-        for i, (policy, router) in enumerate(zip(POLICIES, (stack.endpoints["router"], rr_addr), strict=True)):
-            out["policies"][policy] = r = run_policy(router, w, tokens, seed=100 * (i + 1), progress=args.progress)
-            print(f"{w.name:<12}{policy:<13}{r['req_s']:>8.1f}{r['output_tok_s']:>10.0f}{r['ttft_mean_ms']:>10.0f}"
-                  f"{r['ttft_p99_ms']:>10.0f}{r['hit_rate']:>7.3f}{r['max_mean_load']:>7.3f}{r['failed']:>7}",
+        out = {"store": store, "num_blocks": w.num_blocks, "policies": {}, "rounds": []}
+        routers = dict(zip(POLICIES, (stack.endpoints["router"], rr_addr), strict=True))
+        for k in range(args.rounds):
+            # NOTE: rounds alternate the order (A B, B A, ...): on a shared host the one that runs
+            # second meets other load than the first; each round has fresh prefixes (their own seeds).
+            order = POLICIES if k % 2 == 0 else POLICIES[::-1]
+            row = {}
+            for policy in order:
+                seed = 100 * (POLICIES.index(policy) + 1) + 1000 * k
+                row[policy] = r = run_policy(routers[policy], w, tokens, seed=seed, progress=args.progress)
+                print(f"{w.name:<12}{policy:<13}{r['req_s']:>8.1f}{r['output_tok_s']:>10.0f}{r['ttft_mean_ms']:>10.0f}"
+                      f"{r['ttft_p99_ms']:>10.0f}{r['hit_rate']:>7.3f}{r['max_mean_load']:>7.3f}{r['failed']:>7}",
+                      flush=True)
+            out["rounds"].append(row)
+        for policy in POLICIES:  # the round with the median req/s stands for the policy
+            runs = sorted((r[policy] for r in out["rounds"]), key=lambda r: r["req_s"])
+            out["policies"][policy] = runs[len(runs) // 2]
+        ratios = sorted(r["kv-aware"]["req_s"] / r["round-robin"]["req_s"] for r in out["rounds"]
+                        if r["round-robin"]["req_s"])
+        out["kv_aware_over_round_robin"] = ratios[len(ratios) // 2] if ratios else None
+        out["kv_aware_over_round_robin_per_round"] = ratios
+        if args.rounds > 1:
+            print(f"{w.name:<12}kv-aware / round-robin req/s, median of {args.rounds} rounds: "
+                  f"{out['kv_aware_over_round_robin']:.2f} (rounds: {', '.join(f'{x:.2f}' for x in ratios)})",
                   flush=True)
-        kv, rrr = out["policies"]["kv-aware"], out["policies"]["round-robin"]
-        out["kv_aware_over_round_robin"] = kv["req_s"] / rrr["req_s"] if rrr["req_s"] else None
         return out
     finally:
         if rr is not None:
@@ -143,6 +161,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="every length and count / 8 (a check of the script)")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds for each worker to serve")
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measured runs per policy, alternating which policy goes first; the median ratio is reported")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     model = model_dir(args.model)
@@ -156,7 +176,8 @@ def main() -> int:
         result["workloads"][name] = run_workload(model, device, w, args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0 if all(p["failed"] == 0 for w in result["workloads"].values() for p in w["policies"].values()) else 1
+    return 0 if all(p["failed"] == 0 for w in result["workloads"].values() for r in w["rounds"]
+                    for p in r.values()) else 1
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 # Usage: benchmarks/results/sim/run_matrix.sh [step ...]   (steps: conv3000 synthetic shared-prefix
 # multi-turn hot-prompt no-reuse faults conv-all events events-rest; issue 27's fleet shapes: fleet-<workload>
 # for conversation synthetic shared-prefix multi-turn hot-prompt no-reuse, fleet-scale32, fleet-determinism,
-# fleet-conv-all, fleet-hot3000).
+# fleet-conv-all, fleet-hot3000, fleet-scale32-hot; FLEET=DIR writes them to DIR).
 # Each run holds the shared heavy lock; --jobs 2.
 # NOTE: the goal-table steps ran before event messages carried the workers' load; --load-reports
 # heartbeat (in HB below) gives their runs again. The 'events' step is the later re-run of the
@@ -16,13 +16,13 @@ NOTE=${NOTE:-"2-core host shared with other engineers' light work; figures are v
 HB="--load-reports heartbeat"
 sim() { flock /tmp/kvmesh-heavy.lock .venv/bin/kvmesh simulate --workers 8 --jobs 2 --no-progress "$@"; }
 EV=$OUT/events
-FL=$OUT/fleet
-# 32 workers on one workload (scale): shared-prefix, 3,000 requests, kv-aware and the peers that
-# were within 20 % of it on 8 workers.
+FL=${FLEET:-$OUT/fleet}  # FLEET=DIR: the fleet steps write there (issue 42's runs: $OUT/fleet-2026-11-27)
+# 32 workers on one workload (scale): 3,000 requests, kv-aware and the peers that were within 20 % of
+# it on 8 workers (issue 42: shared-prefix and hot-prompt; round-robin too, the hot prompt's best).
 sim32() {
-  flock /tmp/kvmesh-heavy.lock .venv/bin/kvmesh simulate --workers 32 --jobs 2 --no-progress --workload shared-prefix \
-    --max-requests 3000 --relative-rates '' --no-limits --policies kv-aware,approx-tree,dynamo,prefix-hash,llm-d \
-    --json "$FL/shared-prefix_w32.json"
+  flock /tmp/kvmesh-heavy.lock .venv/bin/kvmesh simulate --workers 32 --jobs 2 --no-progress --workload "${1:-shared-prefix}" \
+    --max-requests 3000 --relative-rates '' --no-limits --policies kv-aware,approx-tree,dynamo,prefix-hash,llm-d${2:-} \
+    --json "$FL/${1:-shared-prefix}_w32.json"
 }
 # Same seed, two processes with different hash seeds: byte-identical JSON (3 routers, every policy).
 determinism() {
@@ -77,6 +77,7 @@ step() {
         conversation) src="--trace $TRACES/conversation_trace.jsonl" ;;
         synthetic)    src="--trace $TRACES/synthetic_trace.jsonl" ;;
         scale32)      sim32 ; return ;;
+        scale32-hot)  sim32 hot-prompt ,round-robin,lmetric ; return ;;
         # The whole conversation trace (12,031 requests): kv-aware and the best peer of its first
         # 1,000 (lmetric) behind 1 router, kv-aware behind 3 (the 2 cores allow no more).
         conv-all)     sim --trace $TRACES/conversation_trace.jsonl --policies kv-aware,lmetric --relative-rates '' \

@@ -199,7 +199,7 @@ def free_kv_blocks(c: Candidate) -> int:
     return max(0, total - taken - c.pending.blocks)
 
 
-def copy_in_free_kv(q: RouteQuery, c: Candidate, hot: int) -> int:
+def copy_in_free_kv(q: RouteQuery, c: Candidate, hot: float) -> float:
     """Of the ``hot`` blocks a copy on the candidate would carry, those whose place is free KV: a copy
     that evicts cached blocks costs what they would have saved, so it is priced as a duplicate (the
     prompt's other new blocks take their places first)."""
@@ -209,7 +209,7 @@ def copy_in_free_kv(q: RouteQuery, c: Candidate, hot: int) -> int:
     return max(0, min(hot, hot - (new - free_kv_blocks(c))))
 
 
-def surplus_in_full_kv(q: RouteQuery, c: Candidate, surplus: int) -> int:
+def surplus_in_full_kv(q: RouteQuery, c: Candidate, surplus: float) -> float:
     """``surplus`` (<= 0: minus the blocks the candidate holds of prefixes that need fewer holders) where
     its KV is full, else 0: a copy in free KV displaces nothing and serves as well as any."""
     if not surplus or not c.load.num_total_blocks:  # NOTE: an unknown pool is not a full one
@@ -237,7 +237,7 @@ def kv_wait(per_step: float, q: RouteQuery, c: Candidate, queue: int, u: int, me
 
 
 def predicted_ttft(m: StepCost, q: RouteQuery, c: Candidate, default_step_tokens: int = 2048,
-                   load_s_per_block: float | None = None, extra_held: int = 0,
+                   load_s_per_block: float | None = None, extra_held: float = 0,
                    mean_output: float = 0.0) -> tuple[float, float]:
     """(seconds until this request's first token on the candidate, seconds its own prefill and loads
     add to the worker's steps) (see KvAwarePolicy). ``load_s_per_block``: the worker's host link, or

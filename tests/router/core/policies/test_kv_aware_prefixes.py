@@ -127,7 +127,7 @@ def test_free_kv_changes_the_price_of_a_hot_prefix_copy_and_full_kv_does_not():
     assert picked(True, True) == "w0"  # not on full KV: the copy would evict cached blocks
     cold, hot_free, hot_full, cold_full = scores(False, False), scores(True, False), scores(True, True), scores(False, True)
     assert hot_free[copy] < cold[copy] and hot_free["w0"] == cold["w0"]
-    # full KV: the copy costs what it costs a cold prefix
+    # full KV: the copy costs what it costs a cold prefix (nothing else in flight: free KV or not)
     assert hot_full["w1"] == cold_full["w1"] == cold["w1"]
 
 
