@@ -135,8 +135,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = WorkerServer(engine, worker_id, worker.host, worker.port, worker.kv_service,
                               worker.advertise_address or default_advertise(worker.host, worker.port),
-                              worker.max_queued_requests, worker.stream_interval).start()
-    except OSError as exc:
+                              worker.max_queued_requests, worker.stream_interval, worker.role, worker.kv_transport,
+                              worker.kv_hold_ttl).start()
+    except (OSError, ValueError) as exc:
         log.error("%s", exc)
         return 2
     if args.simulate:

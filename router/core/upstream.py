@@ -31,6 +31,8 @@ class WorkerEndpoint:
     worker_id: str
     address: str
     load: Load = field(default_factory=Load)
+    role: str = "both"
+    """prefill, decode or both (kvmesh/contract/kv_transfer.py): which legs of a request it takes."""
 
 
 @dataclass(slots=True, frozen=True)
