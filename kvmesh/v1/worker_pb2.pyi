@@ -104,7 +104,7 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransfer, _Mapping]] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "usage", "worker_id", "kv_source", "kv_transport", "kv_blocks_pulled", "kv_bytes_pulled")
+    __slots__ = ("token_ids", "finish_reason", "usage", "worker_id", "kv_source", "kv_transport", "kv_blocks_pulled", "kv_bytes_pulled", "kv_pull_seconds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class WorkerGenerateResponse(_message.Message):
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
@@ -121,7 +122,8 @@ class WorkerGenerateResponse(_message.Message):
     kv_transport: str
     kv_blocks_pulled: int
     kv_bytes_pulled: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., worker_id: _Optional[str] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ..., kv_transport: _Optional[str] = ..., kv_blocks_pulled: _Optional[int] = ..., kv_bytes_pulled: _Optional[int] = ...) -> None: ...
+    kv_pull_seconds: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., worker_id: _Optional[str] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ..., kv_transport: _Optional[str] = ..., kv_blocks_pulled: _Optional[int] = ..., kv_bytes_pulled: _Optional[int] = ..., kv_pull_seconds: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -228,6 +228,17 @@ class LLMEngine:
         )
         self.submit(request, hold_kv_s=hold_kv_s, kv_import=kv_import)
 
+    def check_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
+        """Raises ValueError as :meth:`add_request` would for this prompt and these parameters, adding
+        nothing (a decode leg is checked before its KV moves)."""
+        sampling_params.validate()
+        self.check_prompt(prompt_token_ids)
+        room = self.config.max_model_len - len(prompt_token_ids)
+        if sampling_params.max_tokens is not None and sampling_params.max_tokens > room:
+            raise ValueError(f"max_tokens is {sampling_params.max_tokens}, but the prompt's {len(prompt_token_ids)} "
+                             f"tokens leave room for {room} of max_model_len {self.config.max_model_len}; ask for at "
+                             f"most {room}")
+
     def submit(self, request: Request, hold_kv_s: float | None = None, kv_import: KVImport | None = None) -> None:
         """Queues a request the caller built (:meth:`add_request` builds them from a prompt; the
         simulator builds its own, with its workload's block hashes). Checks what every request must

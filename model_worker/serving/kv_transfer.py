@@ -58,6 +58,8 @@ class Pulled:
     """Offered blocks this worker held already (not sent)."""
     cause: str = ""
     """Why nothing came, when nothing did."""
+    seconds: float = 0.0
+    """How long the pull took (a failed one too)."""
 
 
 class KVTransfers:
@@ -211,6 +213,15 @@ class KVTransfers:
         t0 = time.perf_counter()
         transport = NIXL if self.nixl is not None and NIXL in source.transports and source.nixl_metadata else GRPC
         try:
+            return await self._pull(request_id, source, hashes, start, n, transport, t0)
+        except asyncio.CancelledError:
+            # NOTE: the decode leg's caller went away mid-pull: the prefill worker frees its hold now.
+            self._release_remote(source)
+            raise
+
+    async def _pull(self, request_id: str, source: KVSource, hashes: list[bytes], start: int, n: int, transport: str,
+                    t0: float) -> Pulled:
+        try:
             if transport == NIXL:
                 assert self.nixl is not None
                 blocks = await asyncio.get_running_loop().run_in_executor(
@@ -228,7 +239,7 @@ class KVTransfers:
             log.warning("request %s: KV pull from %s over %s failed (%s); prefilling it here", request_id,
                         source.worker_id, transport, cause)
             self._release_remote(source)
-            return Pulled(None, "local", cause=cause, skipped=start)
+            return Pulled(None, "local", cause=cause, skipped=start, seconds=time.perf_counter() - t0)
         size = n * self.layout.bytes_per_block if self.layout is not None else 0
         self.stats.pulled[transport] = self.stats.pulled.get(transport, 0) + 1
         self.stats.pulled_blocks += n
@@ -237,11 +248,12 @@ class KVTransfers:
         m = self.w.metrics
         m.kv_transfer_blocks.labels(side="decode", **self._labels).inc(n)
         m.kv_transfer_bytes.labels(side="decode", **self._labels).inc(size)
-        m.kv_transfer_seconds.labels(transport=transport, **self._labels).observe(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        m.kv_transfer_seconds.labels(transport=transport, **self._labels).observe(seconds)
         self._count("decode", transport, "ok")
         log.info("request %s: %d KV blocks (%d bytes) pulled from %s over %s, %d held here already", request_id, n,
                  size, source.worker_id, transport, start)
-        return Pulled(KVImport(hashes, start, blocks), transport, n, size, start)
+        return Pulled(KVImport(hashes, start, blocks), transport, n, size, start, seconds=seconds)
 
     async def _pull_grpc(self, source: KVSource, start: int, n: int):
         assert self.layout is not None and self.w.engine.kv_blocks is not None

@@ -72,6 +72,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             # NOTE: a decode leg: everything is checked before any KV moves; a pull that fails leaves
             # the request to prefill here.
             source = kv_source_from_pb(kvt.source)
+            w.engine.check_request(prompt, params)
             w.kv.check_decode_leg(rid, prompt, request.cache_salt, source)
             pulled = await w.kv.pull(rid, source)
             if pulled.kv_import is not None:
@@ -102,8 +103,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     last.kv_source.CopyFrom(kv_source_to_pb(w.kv.source_for(rid, first)))
                     ended += f", {len(last.kv_source.block_hashes)} KV blocks held"
                 if pulled is not None:
-                    last.kv_transport, last.kv_blocks_pulled, last.kv_bytes_pulled = (
-                        pulled.transport, pulled.blocks, pulled.bytes)
+                    last.kv_transport, last.kv_blocks_pulled, last.kv_bytes_pulled, last.kv_pull_seconds = (
+                        pulled.transport, pulled.blocks, pulled.bytes, pulled.seconds)
                     ended += f", KV {pulled.transport} ({pulled.blocks} blocks pulled, {pulled.skipped} held here)"
                 yield last
                 return

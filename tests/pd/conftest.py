@@ -59,3 +59,29 @@ def start_worker(model_dir) -> Iterator[Callable[..., WorkerServer]]:
     yield start
     for s in started:
         s.stop(0.5)
+
+
+@pytest.fixture
+def start_router(model_dir) -> Iterator[Callable[..., object]]:
+    """In-process routers over ``kv_address`` (discovery every 0.2 s, seeded policy); keyword arguments go to
+    RoutingConfig, ``pd`` to its PDConfig."""
+    from kvmesh.router.config import RouterConfig, RoutingConfig
+    from kvmesh.router.core.pd import PDConfig
+    from kvmesh.router.core.policies.base import PolicyConfig
+    from kvmesh.router.server import RouterServer
+    from kvmesh.stack import wait_serving
+
+    started = []
+
+    def start(kv_address: str, pd: PDConfig | None = None, **routing_kw):
+        cfg = RouterConfig(host="127.0.0.1", port=free_port(), kv_service=kv_address, model_dirs=[str(model_dir)],
+                           routing=RoutingConfig(discovery_interval_s=0.2, policy_config=PolicyConfig(seed=0),
+                                                 pd=pd or PDConfig(), **routing_kw))
+        server = RouterServer(cfg).start()
+        started.append(server)
+        wait_serving(f"127.0.0.1:{server.port}", timeout=20)
+        return server
+
+    yield start
+    for s in started:
+        s.stop(0.5)

@@ -1,0 +1,235 @@
+"""Prefill/decode disaggregation, the router's decision: decode-first, then whether a prefill worker
+takes the prompt, and which (docs/router.md, "Prefill/decode disaggregation").
+
+1. **Decode first.** The routing policy picks the decode worker among the workers that decode
+   (role ``decode`` or ``both``), cache-aware as for any request: the decode worker is where the
+   request lives longest, and its prefix cache decides what must travel.
+2. **Does a prefill worker pay?** The prompt's uncached part is prefilled either on the decode
+   worker (``local``) or on a prefill worker and sent over (``remote``). Both are predicted in
+   seconds with the step costs the router learned from each worker's reports
+   (router/core/policies/cost.py, kv-aware's prediction, router/core/policies/kv_aware.py):
+
+       local  = ttft_d(u_d) + harm * D * own_d(u_d)
+       remote = ttft_p(u_p) + link_d * blocks_sent + ttft_d(tail) + harm * D * own_d(tail)
+
+   ``u_d`` / ``u_p`` the prompt tokens the decode / prefill worker lacks, ``D`` the requests decoding
+   on the decode worker (each one waits for a local prefill: the inter-token latency the split
+   protects), ``blocks_sent`` the reusable blocks the decode worker lacks, ``link_d`` the seconds one
+   block took to reach it (learned from its decode legs' pulls: each answer carries the pull's
+   time; 0 until one was seen), ``tail`` the prompt's last partial block and last token, which every
+   engine computes itself. The decode leg disaggregates iff ``remote < local``. So the threshold is
+   not a constant: it is the prompt length at which the prediction tips, for this decode worker's
+   load and the learned coefficients (:meth:`PDDecider.threshold`, a metric).
+3. **The prefill worker** is the one (among role ``prefill``) with the least ``ttft_p + link``: cache-
+   and load-aware by the same prediction. A busy prefill pool shows as its queue in ``ttft_p``, so a
+   split that would pay on an idle prefill worker and does not now is ``prefill_busy``.
+
+Before the step costs are learned (the first reports of a fresh mesh), the rule runs in token units
+with the transfer free, and only a prompt of ``pd_cold_min_tokens`` uncached tokens or more is split.
+
+Pure: no grpc, no redis, no clock; the live router (router/model_router.py) and the simulator
+(kvmesh/sim/pd.py) call it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from kvmesh.contract.kv_transfer import PREFILL, serves_decode
+from kvmesh.contract.settings import flag
+from kvmesh.router.core.policies.base import Candidate, RouteQuery
+from kvmesh.router.core.policies.cost import StepCost, StepCostLearner, per_worker
+from kvmesh.router.core.policies.kv_aware import NOMINAL_COST, decoders, predicted_ttft
+
+PD_MODES = ("auto", "always", "never")
+
+
+@dataclass(slots=True)
+class PDConfig:
+    """The router's prefill/decode settings: one declaration for the live router and the simulator."""
+
+    pd_mode: str = flag("auto", metavar="auto|always|never")
+    """With prefill and decode workers in the fleet: auto = the router decides per request whether a prefill
+    worker takes the prompt (docs/router.md, "Prefill/decode disaggregation"); always = every request's prompt goes
+    to a prefill worker; never = decode workers prefill every prompt themselves."""
+    pd_harm_weight: float = 1.0
+    """auto: weight of the delay a local prefill adds to each request decoding on the decode worker (the inter-token
+    latency the split protects), against this request's own time to first token."""
+    pd_cold_min_tokens: int = 1024
+    """auto, until the workers' step costs are learned: split a prompt when the decode worker lacks at least this
+    many of its tokens (then the learned prediction decides)."""
+
+    def check(self) -> None:
+        if self.pd_mode not in PD_MODES:
+            raise ValueError(f"--pd-mode must be one of {', '.join(PD_MODES)}, got {self.pd_mode!r}")
+        if self.pd_harm_weight < 0 or self.pd_cold_min_tokens < 0:
+            raise ValueError("--pd-harm-weight and --pd-cold-min-tokens must be >= 0")
+
+
+@dataclass(slots=True, frozen=True)
+class PDDecision:
+    """Whether (and where) a request's prompt is prefilled apart from its decode worker, and why."""
+
+    prefill_worker: str | None
+    """The prefill worker, or None: the decode worker prefills the prompt itself."""
+    reason: str
+    """disaggregated, short (not worth a transfer at this length and load), prefill_busy (it would be on an idle
+    prefill worker), cached (the decode worker holds the reusable prompt), no_prefill_worker, mode (--pd-mode
+    always / never), cold_short (costs not learned yet, under --pd-cold-min-tokens)."""
+    uncached_tokens: int = 0
+    """Prompt tokens the decode worker lacks."""
+    local_s: float = 0.0
+    remote_s: float = 0.0
+    """The two predictions (seconds; token units while cold)."""
+    blocks_sent: int = 0
+    """Blocks that would travel (the reusable blocks the decode worker lacks)."""
+
+
+def reusable_blocks(q: RouteQuery) -> int:
+    """A prompt's full blocks an engine can take over: all but the block of its last token."""
+    return max(0, (q.prompt_len - 1) // q.block_size) if q.block_size else 0
+
+
+class TransferLink:
+    """Seconds one KV block takes to reach a decode worker: forgetting sums of its pulls' seconds and
+    blocks, per decode worker and pooled. Thread-safe."""
+
+    MIN_REPORTS = 2
+
+    def __init__(self, forget: float = 0.98) -> None:
+        self.forget = forget
+        self._sums: dict[str, list[float]] = {}
+        self._pooled = [0.0, 0.0, 0]
+        self._lock = threading.Lock()
+
+    def observe(self, decode_worker: str, blocks: int, seconds: float) -> None:
+        if blocks <= 0 or seconds < 0:
+            return
+        with self._lock:
+            for s in (self._sums.setdefault(decode_worker, [0.0, 0.0, 0]), self._pooled):
+                s[0] = self.forget * s[0] + seconds
+                s[1] = self.forget * s[1] + blocks
+                s[2] += 1
+
+    def seconds_per_block(self, decode_worker: str) -> float:
+        """Its own estimate once it has MIN_REPORTS pulls, else the pooled one; 0 before any pull."""
+        with self._lock:
+            s = self._sums.get(decode_worker)
+            if s is not None and s[2] >= self.MIN_REPORTS:
+                return s[0] / s[1]
+            return self._pooled[0] / self._pooled[1] if self._pooled[1] else 0.0
+
+
+class PDDecider:
+    """The decision of step 2-3 above, on the router's learned step costs.
+
+    Args:
+        config: the P/D settings.
+        cost: the step costs (the kv-aware policy's learner when it routes, so both read one fit).
+        default_step_tokens: a worker's token budget per step when its load does not say.
+    """
+
+    def __init__(self, config: PDConfig | None = None, cost: StepCostLearner | None = None,
+                 default_step_tokens: int = 2048) -> None:
+        self.config = config or PDConfig()
+        self.cost = cost if cost is not None else StepCostLearner(group=per_worker)
+        self._own_cost = cost is None
+        self.link = TransferLink()
+        self.default_step_tokens = default_step_tokens
+        self.last_threshold: int | None = None
+        """The prompt length (uncached tokens) at which the last auto decision would tip, at an idle
+        prefill worker (a gauge)."""
+
+    def observe(self, candidates: Sequence[Candidate]) -> None:
+        """Feeds the candidates' load reports to the step-cost fit (when it is the decider's own)."""
+        if self._own_cost:
+            for c in candidates:
+                self.cost.observe(c.worker_id, c.load)
+
+    def _model(self, worker_id: str) -> StepCost:
+        return (self.cost.estimate(worker_id) or NOMINAL_COST) if self.cost.learned else NOMINAL_COST
+
+    def predict(self, q: RouteQuery, decode: Candidate, prefill: Candidate) -> tuple[float, float, int]:
+        """(local, remote, blocks sent) for this decode worker and prefill worker (see the module)."""
+        harm = self.config.pd_harm_weight * decoders(decode)
+        md, mp = self._model(decode.worker_id), self._model(prefill.worker_id)
+        step = self.default_step_tokens
+        ttft_l, own_l = predicted_ttft(md, q, decode, step)
+        local = ttft_l + harm * own_l
+        reusable = reusable_blocks(q)
+        sent = max(0, reusable - decode.matched_blocks)
+        ttft_p, _ = predicted_ttft(mp, q, prefill, step)
+        # NOTE: the decode leg's own part: the prompt's tail past the blocks it then holds, behind its queue
+        tail = replace(decode, matched_blocks=max(decode.matched_blocks, reusable), host_blocks=0)
+        ttft_t, own_t = predicted_ttft(md, q, tail, step)
+        link = self.link.seconds_per_block(decode.worker_id) if self.cost.learned else 0.0
+        remote = ttft_p + link * sent + ttft_t + harm * own_t
+        return local, remote, sent
+
+    def decide(self, q: RouteQuery, decode: Candidate, prefills: Sequence[Candidate]) -> PDDecision:
+        """Where the prompt of a request whose decode worker is ``decode`` is prefilled."""
+        cfg = self.config
+        self.observe([decode, *prefills])
+        u = max(0, q.prompt_len - (decode.matched_blocks + decode.host_blocks) * q.block_size)
+        reusable = reusable_blocks(q)
+        if cfg.pd_mode == "never":
+            return PDDecision(None, "mode", u)
+        if not prefills:
+            return PDDecision(None, "no_prefill_worker", u)
+        if decode.matched_blocks >= reusable:
+            return PDDecision(None, "cached", u)
+        scored = [(self.predict(q, decode, p), p) for p in prefills]
+        (local, remote, sent), best = min(scored, key=lambda s: (s[0][1], s[1].worker_id))
+        if cfg.pd_mode == "always":
+            return PDDecision(best.worker_id, "mode", u, local, remote, sent)
+        if not self.cost.learned:
+            if u >= cfg.pd_cold_min_tokens:
+                return PDDecision(best.worker_id, "disaggregated", u, local, remote, sent)
+            return PDDecision(None, "cold_short", u, local, remote, sent)
+        if remote < local:
+            return PDDecision(best.worker_id, "disaggregated", u, local, remote, sent)
+        idle = replace(best, load=replace(best.load, queued_prefill_tokens=0, num_waiting=0, num_running=0),
+                       inflight_prefill_tokens=0, inflight_waiting=0, inflight_requests=0,
+                       pending=replace(best.pending, requests=0, prefill_tokens=0, blocks=0))
+        idle_local, idle_remote, _ = self.predict(q, decode, idle)
+        reason = "prefill_busy" if idle_remote < idle_local else "short"
+        return PDDecision(None, reason, u, local, remote, sent)
+
+    def threshold(self, q: RouteQuery, decode: Candidate, prefill: Candidate) -> int:
+        """The smallest prompt length (tokens, this decode worker holding none of it) at which a split to an
+        idle ``prefill`` worker pays, by bisection; the prompt's own length + 1 when none up to it does."""
+        idle = replace(prefill, load=replace(prefill.load, queued_prefill_tokens=0, num_waiting=0, num_running=0),
+                       matched_blocks=0, inflight_prefill_tokens=0, inflight_waiting=0, inflight_requests=0)
+        cold = replace(decode, matched_blocks=0, host_blocks=0)
+
+        def pays(n: int) -> bool:
+            local, remote, _ = self.predict(replace(q, prompt_len=n), cold, idle)
+            return remote < local
+
+        hi = max(q.prompt_len, 2 * q.block_size)
+        if not pays(hi):
+            self.last_threshold = hi + 1
+            return hi + 1
+        lo = 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if pays(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        self.last_threshold = lo
+        return lo
+
+
+def split_roles(candidates: Sequence[Candidate], roles: dict[str, str]) -> tuple[list[Candidate], list[Candidate]]:
+    """(the workers that decode, the prefill workers) of a plan's candidates, by their registered role."""
+    decode = [c for c in candidates if serves_decode(roles.get(c.worker_id, "both"))]
+    prefill = [c for c in candidates if roles.get(c.worker_id, "both") == PREFILL]
+    return decode, prefill
+
+
+def disaggregated_fleet(roles: Sequence[str]) -> bool:
+    """Whether a model's workers include a prefill worker and a worker that decodes (a P/D fleet)."""
+    return PREFILL in roles and any(serves_decode(r) for r in roles)
