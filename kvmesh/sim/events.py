@@ -25,6 +25,11 @@ class RequestRecord:
     slo_ok: bool | None = None
     counted_miss: bool = False
     """Already counted as an SLO miss (its TTFT deadline passed before its first token)."""
+    pulled_tokens: int = 0
+    """Prompt tokens whose KV a decode leg took in from a prefill worker (no cache hit: computed for it)."""
+    last_token: float | None = None
+    max_itl: float = 0.0
+    """The longest gap between two of its tokens (a multi-step window's tokens spread evenly over it)."""
 
     @property
     def ttft(self) -> float | None:

@@ -81,7 +81,9 @@ class KVImport:
     start: int
     """``blocks[0]`` is ``block_hashes[start]``'s."""
     blocks: Any
-    """A tensor ``[n, *KVBlocks.block_shape]`` in wire layout."""
+    """A tensor ``[n, *KVBlocks.block_shape]`` in wire layout; None on a simulated worker (no bytes)."""
+    num_blocks: int = -1
+    """Blocks that arrived when ``blocks`` is None (the simulator's transfers)."""
     taken: int = -1
     """Set on the step thread: blocks the pool took in (-1 until then)."""
 
@@ -326,9 +328,10 @@ class LLMEngine:
 
     def _take_in(self, request_id: str, kv: KVImport) -> None:
         """A decode leg's arrived blocks into the pool (kv_holds.py), on the step thread."""
-        assert self.kv_blocks is not None, "KV blocks arrived at a runner without a KV cache"
-        first, ids = self.kv_holds.take_in(request_id, kv.block_hashes[:kv.start + len(kv.blocks)], kv.start)
-        if ids:
+        n = len(kv.blocks) if kv.blocks is not None else kv.num_blocks
+        first, ids = self.kv_holds.take_in(request_id, kv.block_hashes[:kv.start + n], kv.start)
+        if ids and kv.blocks is not None:
+            assert self.kv_blocks is not None, "KV blocks arrived at a runner without a KV cache"
             self.kv_blocks.write(ids, kv.blocks[first - kv.start:first - kv.start + len(ids)])
         kv.taken = len(ids)
 
