@@ -254,6 +254,9 @@ def kv_layout_from_pb(m: w_pb.KVLayout) -> KVLayout:
 
 
 def kv_source_to_pb(s: KVSource) -> w_pb.KVSource:
+    if s.layout is None:
+        raise InvalidArgument("a vLLM prefill leg's KV cannot go to a kvmesh decode worker: prefill and decode "
+                              "workers of one model are both kvmesh workers or both vLLM servers")
     m = w_pb.KVSource(request_id=s.request_id, worker_id=s.worker_id, address=s.address,
                       layout=kv_layout_to_pb(s.layout), block_hashes=list(s.block_hashes),
                       transports=list(s.transports), nixl_metadata=s.nixl_metadata, ttl_ms=s.ttl_ms)

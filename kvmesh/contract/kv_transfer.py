@@ -103,8 +103,9 @@ class KVSource:
     request_id: str
     worker_id: str
     address: str
-    """host:port of the prefill worker's gRPC server (``PullKV``, ``ReleaseKV``)."""
-    layout: KVLayout
+    """host:port of the prefill worker's gRPC server (``PullKV``, ``ReleaseKV``); a vLLM server's base URL."""
+    layout: KVLayout | None
+    """None for a vLLM prefill worker (its connector checks its own layouts)."""
     block_hashes: tuple[bytes, ...]
     transports: tuple[str, ...] = (GRPC,)
     """What the prefill worker offers, NIXL first when it loaded it."""
@@ -114,6 +115,9 @@ class KVSource:
     """How long the prefill worker holds the blocks when nobody pulls them."""
     first_token: int | None = None
     """The token the prefill leg sampled (the decode leg computes the same one itself, greedy or seeded)."""
+    engine_params: str = ""
+    """A vLLM prefill worker's answer: its ``kv_transfer_params`` (JSON), passed unchanged to the decode leg
+    (router/workers/openai_worker.py)."""
 
 
 @dataclass(slots=True)

@@ -86,7 +86,8 @@ class KVTransfers:
         if role != "both" and transport in ("auto", NIXL) and engine.kv_blocks is not None:
             from kvmesh.model_worker.transfer import nixl_transport
 
-            self.nixl, why = nixl_transport.load(worker.worker_id, engine.kv_blocks)
+            holds = engine.kv_holds.holds
+            self.nixl, why = nixl_transport.load(worker.worker_id, engine.kv_blocks, lambda: bool(holds))
             if self.nixl is None:
                 if transport == NIXL:
                     raise ValueError(f"--kv-transport nixl: {why}")
@@ -292,6 +293,8 @@ class KVTransfers:
         return ch
 
     async def close(self) -> None:
+        if self.nixl is not None:
+            self.nixl.close()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()

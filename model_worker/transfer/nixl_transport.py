@@ -19,6 +19,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,16 +51,41 @@ class NixlTransport:
         kv_blocks: the worker's KV cache as blocks (model_worker/execution/kv_blocks.py).
     """
 
-    def __init__(self, name: str, kv_blocks: KVBlocks) -> None:
+    PROGRESS_S = 0.0002
+    """While this worker holds blocks for a decode worker, its agent is progressed this often."""
+
+    def __init__(self, name: str, kv_blocks: KVBlocks, serving: Callable[[], bool] = lambda: False) -> None:
         api = _import_api()
         self.name = name
         self.kv_blocks = kv_blocks
-        self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        # NOTE: no progress thread of NIXL's own: on a CPU (UCX over TCP / shared memory) it spins, ~0.45 of a
+        # core per idle worker (measured). A reader polls its own transfers; the side being read must progress
+        # too, so a thread of ours does, only while ``serving()`` (a hold exists), and sleeps otherwise.
+        self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self._serving = serving
+        self._stop = threading.Event()
+        self._progress = threading.Thread(target=self._progress_loop, name="nixl-progress", daemon=True)
+        self._progress.start()
         self._mem = "VRAM" if kv_blocks.device.type == "cuda" else "DRAM"
         self._registered = [self.agent.register_memory(t) for pair in kv_blocks.caches for t in pair]
         self._remotes: set[str] = set()
         self._lock = threading.Lock()
         self._metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
+
+    def _progress_loop(self) -> None:
+        while not self._stop.is_set():
+            if self._serving():
+                try:
+                    self.agent.get_new_notifs()  # NOTE: progresses the backend: the peers' reads complete
+                except Exception:  # noqa: BLE001 - keep progressing; a failed peer shows on its side
+                    log.debug("NIXL progress failed", exc_info=True)
+                time.sleep(self.PROGRESS_S)
+            else:
+                self._stop.wait(0.005)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._progress.join(1.0)
 
     def describe(self, block_ids: tuple[int, ...]) -> bytes:
         """What a decode worker needs to READ these blocks of this worker's cache (KVSource.nixl_metadata)."""
@@ -128,12 +154,14 @@ class NixlTransport:
                     log.debug("NIXL remove_remote_agent failed", exc_info=True)
 
 
-def load(name: str, kv_blocks: KVBlocks | None) -> tuple[NixlTransport | None, str]:
-    """The worker's NIXL transport, or None and why not (the worker then streams blocks over gRPC)."""
+def load(name: str, kv_blocks: KVBlocks | None,
+         serving: Callable[[], bool] = lambda: False) -> tuple[NixlTransport | None, str]:
+    """The worker's NIXL transport, or None and why not (the worker then streams blocks over gRPC).
+    ``serving``: whether the worker holds blocks for a decode worker now (its agent is progressed then)."""
     if kv_blocks is None:
         return None, "the runner has no KV cache (simulated worker)"
     try:
-        return NixlTransport(name, kv_blocks), ""
+        return NixlTransport(name, kv_blocks, serving), ""
     except ImportError as exc:
         return None, f"NIXL is not installed ({exc}); install the nixl-cu12 wheel (make setup does)"
     except Exception as exc:  # noqa: BLE001 - a missing UCX, a backend that fails to start, ...

@@ -10,13 +10,13 @@ takes the prompt, and which (docs/router.md, "Prefill/decode disaggregation").
    (router/core/policies/cost.py, kv-aware's prediction, router/core/policies/kv_aware.py):
 
        local  = ttft_d(u_d) + harm * D * own_d(u_d)
-       remote = ttft_p(u_p) + link_d * blocks_sent + ttft_d(tail) + harm * D * own_d(tail)
+       remote = ttft_p(u_p) + link_d(blocks_sent) + ttft_d(tail) + harm * D * own_d(tail)
 
    ``u_d`` / ``u_p`` the prompt tokens the decode / prefill worker lacks, ``D`` the requests decoding
    on the decode worker (each one waits for a local prefill: the inter-token latency the split
-   protects), ``blocks_sent`` the reusable blocks the decode worker lacks, ``link_d`` the seconds one
-   block took to reach it (learned from its decode legs' pulls: each answer carries the pull's
-   time; 0 until one was seen), ``tail`` the prompt's last partial block and last token, which every
+   protects), ``blocks_sent`` the reusable blocks the decode worker lacks, ``link_d`` what sending them
+   costs, ``fixed + per_block * blocks`` (fitted over the decode legs' pulls: each answer carries the
+   pull's blocks and time; 0 until one was seen), ``tail`` the prompt's last partial block and last token, which every
    engine computes itself. The decode leg disaggregates iff ``remote < local``. So the threshold is
    not a constant: it is the prompt length at which the prediction tips, for this decode worker's
    load and the learned coefficients (:meth:`PDDecider.threshold`, a metric).
@@ -92,34 +92,72 @@ def reusable_blocks(q: RouteQuery) -> int:
     return max(0, (q.prompt_len - 1) // q.block_size) if q.block_size else 0
 
 
+class _LinkFit:
+    """seconds = fixed + per_block * blocks, by least squares with forgetting (both >= 0)."""
+
+    __slots__ = ("n", "b", "bb", "s", "bs", "reports")
+
+    def __init__(self) -> None:
+        self.n = self.b = self.bb = self.s = self.bs = 0.0
+        self.reports = 0
+
+    def add(self, blocks: float, seconds: float, forget: float) -> None:
+        self.n = forget * self.n + 1
+        self.b = forget * self.b + blocks
+        self.bb = forget * self.bb + blocks * blocks
+        self.s = forget * self.s + seconds
+        self.bs = forget * self.bs + blocks * seconds
+        self.reports += 1
+
+    def solve(self) -> tuple[float, float]:
+        det = self.n * self.bb - self.b * self.b
+        if det > 1e-9 * max(1.0, self.n * self.bb):
+            per = (self.n * self.bs - self.b * self.s) / det
+            fixed = (self.s - per * self.b) / self.n
+            if per >= 0 and fixed >= 0:
+                return fixed, per
+        # NOTE: one size of transfer seen (or a fit below zero): all of it per block, no fixed part
+        return 0.0, (self.s / self.b if self.b else 0.0)
+
+
 class TransferLink:
-    """Seconds one KV block takes to reach a decode worker: forgetting sums of its pulls' seconds and
-    blocks, per decode worker and pooled. Thread-safe."""
+    """What a transfer to a decode worker costs: ``fixed + per_block * blocks`` seconds, fitted over its pulls
+    (each decode leg's answer carries the pull's blocks and seconds), per decode worker and pooled. The fixed
+    part is what a split costs whatever its size (the handshake, the release, the bookkeeping). Thread-safe."""
 
     MIN_REPORTS = 2
 
     def __init__(self, forget: float = 0.98) -> None:
         self.forget = forget
-        self._sums: dict[str, list[float]] = {}
-        self._pooled = [0.0, 0.0, 0]
+        self._fits: dict[str, _LinkFit] = {}
+        self._pooled = _LinkFit()
         self._lock = threading.Lock()
 
     def observe(self, decode_worker: str, blocks: int, seconds: float) -> None:
         if blocks <= 0 or seconds < 0:
             return
         with self._lock:
-            for s in (self._sums.setdefault(decode_worker, [0.0, 0.0, 0]), self._pooled):
-                s[0] = self.forget * s[0] + seconds
-                s[1] = self.forget * s[1] + blocks
-                s[2] += 1
+            for f in (self._fits.setdefault(decode_worker, _LinkFit()), self._pooled):
+                f.add(blocks, seconds, self.forget)
+
+    def cost(self, decode_worker: str, blocks: int) -> float:
+        """Seconds to send ``blocks`` blocks to the worker: its own fit once it has MIN_REPORTS pulls, else the
+        pooled one; 0 before any pull."""
+        with self._lock:
+            f = self._fits.get(decode_worker)
+            if f is None or f.reports < self.MIN_REPORTS:
+                f = self._pooled
+            if not f.reports:
+                return 0.0
+            fixed, per = f.solve()
+        return fixed + per * blocks
 
     def seconds_per_block(self, decode_worker: str) -> float:
-        """Its own estimate once it has MIN_REPORTS pulls, else the pooled one; 0 before any pull."""
+        """The marginal seconds per block (the fit's slope)."""
         with self._lock:
-            s = self._sums.get(decode_worker)
-            if s is not None and s[2] >= self.MIN_REPORTS:
-                return s[0] / s[1]
-            return self._pooled[0] / self._pooled[1] if self._pooled[1] else 0.0
+            f = self._fits.get(decode_worker)
+            f = f if f is not None and f.reports >= self.MIN_REPORTS else self._pooled
+            return f.solve()[1] if f.reports else 0.0
 
 
 class PDDecider:
@@ -164,8 +202,8 @@ class PDDecider:
         # NOTE: the decode leg's own part: the prompt's tail past the blocks it then holds, behind its queue
         tail = replace(decode, matched_blocks=max(decode.matched_blocks, reusable), host_blocks=0)
         ttft_t, own_t = predicted_ttft(md, q, tail, step)
-        link = self.link.seconds_per_block(decode.worker_id) if self.cost.learned else 0.0
-        remote = ttft_p + link * sent + ttft_t + harm * own_t
+        link = self.link.cost(decode.worker_id, sent) if self.cost.learned and sent else 0.0
+        remote = ttft_p + link + ttft_t + harm * own_t
         return local, remote, sent
 
     def decide(self, q: RouteQuery, decode: Candidate, prefills: Sequence[Candidate]) -> PDDecision:
