@@ -328,10 +328,11 @@ class ModelRouter:
         if not plan.candidates:
             raise Unavailable(self._no_worker_message())
         roles = {w: e.role for w, e in plan.endpoints.items()}
-        pd_fleet = disaggregated_fleet(list(roles.values()))
+        mode = self.config.routing.pd.pd_mode
+        pd_fleet = disaggregated_fleet(list(roles.values()), mode)
         if pd_fleet:
             # NOTE: decode first: the pick, its reservation and any retry are among the workers that decode.
-            plan.candidates, plan.prefill_candidates = split_roles(plan.candidates, roles)
+            plan.candidates, plan.prefill_candidates = split_roles(plan.candidates, roles, mode == "dynamic")
             if not plan.candidates:
                 raise Unavailable(f"no decode worker is available for model {self.pool.model_spec().model_id!r} "
                                   "(only prefill workers are live)")

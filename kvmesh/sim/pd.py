@@ -8,6 +8,7 @@ request themselves in the aggregated mode. A policy name carries the mode (:func
 | ``kv-aware``        | aggregated: P + D workers of role both, no split                              |
 | ``kv-aware+always`` | every prompt to a prefill worker (kvmesh's pick of it), KV sent to the decode worker |
 | ``kv-aware+auto``   | the router's decision (router/core/pd.py, the live router's code)             |
+| ``kv-aware+dynamic``| the router's decision on P + D workers of role both: any worker may prefill for another (``--pd-mode dynamic``) |
 | ``llm-d+pd``        | llm-d's prefix-based P/D decider and its P/D guide's prefill pick             |
 | ``dynamo+pd``       | Dynamo's conditional disaggregation rule and its prefill queue                |
 
@@ -62,7 +63,7 @@ LINKS = {"nvlink": 450e9, "rdma": 50e9, "pcie": 64e9}
 """Bytes per second, one direction (sources in the module docstring)."""
 LINK_LATENCY_S = 50e-6
 
-SPLITS = ("always", "auto", "pd")
+SPLITS = ("always", "auto", "dynamic", "pd")
 """Policy-name suffixes: ``+always``, ``+auto`` (kvmesh's decision), ``+pd`` (the peer's own decider)."""
 PEER_DECIDERS = ("llm-d", "dynamo")
 
@@ -77,12 +78,12 @@ def parse_policy(name: str) -> tuple[str, str]:
     if not sep:
         return name, ""
     if split not in SPLITS:
-        raise ValueError(f"policy {name!r}: the P/D suffix must be one of +always, +auto, +pd")
+        raise ValueError(f"policy {name!r}: the P/D suffix must be one of +always, +auto, +dynamic, +pd")
     if split == "pd" and base not in PEER_DECIDERS:
         raise ValueError(f"policy {name!r}: +pd is a peer's own decider ({', '.join(PEER_DECIDERS)}); kvmesh's is "
                          "+auto")
-    if split == "auto" and base != "kv-aware":
-        raise ValueError(f"policy {name!r}: +auto is kvmesh's decision (kv-aware+auto); a peer's is +pd")
+    if split in ("auto", "dynamic") and base != "kv-aware":
+        raise ValueError(f"policy {name!r}: +{split} is kvmesh's decision (kv-aware+{split}); a peer's is +pd")
     return base, split
 
 
@@ -99,8 +100,9 @@ def parse_pd(spec: str) -> tuple[int, int]:
 
 
 def worker_roles(pd: str, split: str, n: int) -> list[str]:
-    """Each worker's role: the first P prefill, the rest decode; all both when aggregated or without --pd."""
-    if not pd or not split:
+    """Each worker's role: the first P prefill, the rest decode; all both when aggregated, with +dynamic (every
+    worker may prefill for another) or without --pd."""
+    if not pd or not split or split == "dynamic":
         return [BOTH] * n
     p, _ = parse_pd(pd)
     return [PREFILL if i < p else DECODE for i in range(n)]
@@ -189,7 +191,7 @@ class PDSimRouter(SimRouter):
         elif split == "pd" and base == "dynamo":
             self.decider = DynamoDecider(cfg.dynamo_max_local_prefill, cfg.dynamo_max_prefill_queue)
         else:
-            pd = replace(cfg.routing.pd, pd_mode="always" if split == "always" else "auto")
+            pd = replace(cfg.routing.pd, pd_mode={"always": "always", "dynamic": "dynamic"}.get(split, "auto"))
             self.decider = PDDecider(pd, cost=getattr(self.core.policy, "cost", None),
                                      default_step_tokens=cfg.routing.policy_config.default_step_tokens)
         self._legs: dict[int, _Leg] = {}
@@ -201,7 +203,7 @@ class PDSimRouter(SimRouter):
         chain = mesh.chains[rec.index]
         plan = self.core.plan(self.spec, _Length(rec.prompt_len), self.workers.endpoints, mesh.index, chain=chain,
                               healthy=self.workers.healthy, max_tokens=rec.output_len)
-        plan.candidates, plan.prefill_candidates = split_roles(plan.candidates, self._roles)
+        plan.candidates, plan.prefill_candidates = split_roles(plan.candidates, self._roles, self.split == "dynamic")
         if not plan.candidates:
             rec.failed = "no decode worker"
             mesh.request_done(rec)

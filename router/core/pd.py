@@ -37,23 +37,25 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from kvmesh.contract.kv_transfer import PREFILL, serves_decode
+from kvmesh.contract.kv_transfer import PREFILL, serves_decode, serves_prefill
 from kvmesh.contract.settings import flag
 from kvmesh.router.core.policies.base import Candidate, RouteQuery
 from kvmesh.router.core.policies.cost import StepCost, StepCostLearner, per_worker
 from kvmesh.router.core.policies.kv_aware import NOMINAL_COST, decoders, predicted_ttft
 
-PD_MODES = ("auto", "always", "never")
+PD_MODES = ("auto", "dynamic", "always", "never")
 
 
 @dataclass(slots=True)
 class PDConfig:
     """The router's prefill/decode settings: one declaration for the live router and the simulator."""
 
-    pd_mode: str = flag("auto", metavar="auto|always|never")
+    pd_mode: str = flag("auto", metavar="auto|dynamic|always|never")
     """With prefill and decode workers in the fleet: auto = the router decides per request whether a prefill
     worker takes the prompt (docs/router.md, "Prefill/decode disaggregation"); always = every request's prompt goes
-    to a prefill worker; never = decode workers prefill every prompt themselves."""
+    to a prefill worker; never = decode workers prefill every prompt themselves. dynamic = auto where any worker
+    that prefills (role prefill or both) may take another's prompt: a fleet of role-both workers splits requests
+    when it pays."""
     pd_harm_weight: float = 1.0
     """auto: weight of the delay a local prefill adds to each request decoding on the decode worker (the inter-token
     latency the split protects), against this request's own time to first token."""
@@ -198,7 +200,9 @@ class PDDecider:
         local = ttft_l + harm * own_l
         reusable = reusable_blocks(q)
         sent = max(0, reusable - decode.matched_blocks)
-        ttft_p, _ = predicted_ttft(mp, q, prefill, step)
+        ttft_p, own_p = predicted_ttft(mp, q, prefill, step)
+        # NOTE: a prefill worker that decodes requests of its own (role both, --pd-mode dynamic) stalls them
+        ttft_p += self.config.pd_harm_weight * decoders(prefill) * own_p
         # NOTE: the decode leg's own part: the prompt's tail past the blocks it then holds, behind its queue
         tail = replace(decode, matched_blocks=max(decode.matched_blocks, reusable), host_blocks=0)
         ttft_t, own_t = predicted_ttft(md, q, tail, step)
@@ -218,6 +222,9 @@ class PDDecider:
             return PDDecision(None, "no_prefill_worker", u)
         if decode.matched_blocks >= reusable:
             return PDDecision(None, "cached", u)
+        prefills = [p for p in prefills if p.worker_id != decode.worker_id]
+        if not prefills:
+            return PDDecision(None, "no_prefill_worker", u)
         scored = [(self.predict(q, decode, p), p) for p in prefills]
         (local, remote, sent), best = min(scored, key=lambda s: (s[0][1], s[1].worker_id))
         if cfg.pd_mode == "always":
@@ -261,13 +268,22 @@ class PDDecider:
         return lo
 
 
-def split_roles(candidates: Sequence[Candidate], roles: dict[str, str]) -> tuple[list[Candidate], list[Candidate]]:
-    """(the workers that decode, the prefill workers) of a plan's candidates, by their registered role."""
+def split_roles(candidates: Sequence[Candidate], roles: dict[str, str],
+                dynamic: bool = False) -> tuple[list[Candidate], list[Candidate]]:
+    """(the workers that decode, the prefill workers) of a plan's candidates, by their registered role; with
+    ``dynamic`` every worker that prefills (prefill or both) is a prefill worker too."""
     decode = [c for c in candidates if serves_decode(roles.get(c.worker_id, "both"))]
-    prefill = [c for c in candidates if roles.get(c.worker_id, "both") == PREFILL]
+    prefill = [c for c in candidates if (serves_prefill if dynamic else _is_prefill)(roles.get(c.worker_id, "both"))]
     return decode, prefill
 
 
-def disaggregated_fleet(roles: Sequence[str]) -> bool:
-    """Whether a model's workers include a prefill worker and a worker that decodes (a P/D fleet)."""
+def _is_prefill(role: str) -> bool:
+    return role == PREFILL
+
+
+def disaggregated_fleet(roles: Sequence[str], mode: str = "auto") -> bool:
+    """Whether a model's requests go through the P/D decision: a prefill worker and a worker that decodes (with
+    --pd-mode never too: prefill workers then take no request), or (``dynamic``) two workers at least."""
+    if mode == "dynamic":
+        return len(roles) >= 2
     return PREFILL in roles and any(serves_decode(r) for r in roles)
