@@ -135,7 +135,3 @@ class TransferStats:
     served_blocks: int = 0
     """Blocks this worker sent as the prefill side."""
     served_bytes: int = 0
-    held: int = 0
-    """Requests whose blocks this worker holds for a decode worker now."""
-    expired: int = 0
-    """Holds released by their timeout (nobody pulled them)."""

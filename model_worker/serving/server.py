@@ -234,6 +234,7 @@ class WorkerServer:
             if s.host_cache_hits > host0:
                 wm.host_hits.labels(**m).inc(s.host_cache_hits - host0)
         self._prefix = (s.prefix_cache_queries, s.prefix_cache_hits, s.host_cache_hits)
+        wm.kv_held_requests.labels(**m).set(self.engine.kv_holds.num_held)
 
     def _on_token(self, stream: Stream, now: float) -> None:
         self._tokens.inc()
