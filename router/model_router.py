@@ -354,7 +354,7 @@ class ModelRouter:
 
     def _decide_pd(self, plan: RoutePlan, decision: Decision) -> PDDecision:
         """Whether a prefill worker takes the prompt (router/core/pd.py), counted with its inputs."""
-        pd = self.pd.decide(plan.query, plan.candidate(decision.worker_id), plan.prefill_candidates)
+        pd = self.pd.decide(plan.query, plan.candidate(decision.worker_id), plan.prefill_candidates, plan.candidates)
         m = self.metrics
         m.pd_decisions.labels(pd.reason).inc()
         m.pd_uncached_tokens.labels("yes" if pd.prefill_worker else "no").observe(pd.uncached_tokens)

@@ -135,7 +135,7 @@ class LlmdDecider:
     def __init__(self, non_cached_tokens: int) -> None:
         self.non_cached_tokens = non_cached_tokens
 
-    def decide(self, q: RouteQuery, decode: Candidate, prefills: list[Candidate]) -> PDDecision:
+    def decide(self, q: RouteQuery, decode: Candidate, prefills: list[Candidate], decodes=()) -> PDDecision:
         u = max(0, q.prompt_len - decode.indexed_blocks * q.block_size)
         if not prefills:
             return PDDecision(None, "no_prefill_worker", u)
@@ -153,7 +153,7 @@ class DynamoDecider:
         self.max_local = max_local_prefill_length
         self.max_queue = max_prefill_queue_size
 
-    def decide(self, q: RouteQuery, decode: Candidate, prefills: list[Candidate]) -> PDDecision:
+    def decide(self, q: RouteQuery, decode: Candidate, prefills: list[Candidate], decodes=()) -> PDDecision:
         hit = min(q.prompt_len, decode.indexed_blocks * q.block_size)
         u = q.prompt_len - hit
         if not prefills:
@@ -220,7 +220,7 @@ class PDSimRouter(SimRouter):
 
     def _decided(self, rec: RequestRecord, plan: RoutePlan, decision: Decision, delay: float) -> None:
         self.core.commit(plan, decision)
-        pd = self.decider.decide(plan.query, plan.candidate(decision.worker_id), plan.prefill_candidates)
+        pd = self.decider.decide(plan.query, plan.candidate(decision.worker_id), plan.prefill_candidates, plan.candidates)
         s = self.stats
         s.decisions[pd.reason] = s.decisions.get(pd.reason, 0) + 1
         if pd.prefill_worker is None:

@@ -9,12 +9,17 @@ takes the prompt, and which (docs/router.md, "Prefill/decode disaggregation").
    seconds with the step costs the router learned from each worker's reports
    (router/core/policies/cost.py, kv-aware's prediction, router/core/policies/kv_aware.py):
 
-       local  = ttft_d(u_d) + harm * D * own_d(u_d)
-       remote = ttft_p(u_p) + link_d(blocks_sent) + ttft_d(tail) + harm * D * own_d(tail)
+       local  = ttft_d(u_d) + k_d * own_d(u_d) + harm_d(u_d)
+       remote = ttft_p(u_p) + k_p * own_p(u_p) + harm_p(u_p) + link_d(blocks_sent) + ttft_d(tail) + k_d * own_d(tail) + harm_d(tail)
+       k_pool = pd_work_weight * (1 + the mean requests waiting per worker of that pool)
+       harm_w(u) = pd_harm_weight * D_w * steps * max(0, own_w(u) / steps - pd_itl_target)
 
-   ``u_d`` / ``u_p`` the prompt tokens the decode / prefill worker lacks, ``D`` the requests decoding
-   on the decode worker (each one waits for a local prefill: the inter-token latency the split
-   protects), ``blocks_sent`` the reusable blocks the decode worker lacks, ``link_d`` what sending them
+   ``k_pool * own`` the capacity a prefill takes from its pool (kv-aware's work term: a backlogged decode pool
+   hands prompts to an idle prefill pool, an idle one keeps them), ``u_d`` / ``u_p`` the prompt tokens the
+   decode / prefill worker lacks, ``D_w`` the requests decoding
+   on worker w (each one waits for every step of a prefill there: the inter-token latency the split
+   protects; only what a step takes beyond the operator's ITL target, ``--pd-itl-target``, harms them;
+   a prefill worker of role prefill decodes none), ``steps`` the prefill's chunks, ``blocks_sent`` the reusable blocks the decode worker lacks, ``link_d`` what sending them
    costs, ``fixed + per_block * blocks`` (fitted over the decode legs' pulls: each answer carries the
    pull's blocks and time; 0 until one was seen), ``tail`` the prompt's last partial block and last token, which every
    engine computes itself. The decode leg disaggregates iff ``remote < local``. So the threshold is
@@ -39,7 +44,7 @@ from dataclasses import dataclass, replace
 
 from kvmesh.contract.kv_transfer import PREFILL, serves_decode, serves_prefill
 from kvmesh.contract.settings import flag
-from kvmesh.router.core.policies.base import Candidate, RouteQuery
+from kvmesh.router.core.policies.base import Candidate, RouteQuery, waiting_requests
 from kvmesh.router.core.policies.cost import StepCost, StepCostLearner, per_worker
 from kvmesh.router.core.policies.kv_aware import NOMINAL_COST, decoders, predicted_ttft
 
@@ -59,6 +64,13 @@ class PDConfig:
     pd_harm_weight: float = 1.0
     """auto: weight of the delay a local prefill adds to each request decoding on the decode worker (the inter-token
     latency the split protects), against this request's own time to first token."""
+    pd_work_weight: float = 1.0
+    """auto: weight of the work a prefill takes from its pool (the capacity it costs: kv-aware's work term), times
+    one plus the mean requests waiting at that pool's workers: a backlogged decode pool hands prompts to an idle
+    prefill pool, an idle one keeps them."""
+    pd_itl_target: float = 0.0
+    """auto: seconds a decode step may take before the requests decoding in it are harmed (the operator's ITL
+    target); a local prefill's harm is what its steps take beyond it. 0 = every second of the prefill counts."""
     pd_cold_min_tokens: int = 1024
     """auto, until the workers' step costs are learned: split a prompt when the decode worker lacks at least this
     many of its tokens (then the learned prediction decides)."""
@@ -66,8 +78,8 @@ class PDConfig:
     def check(self) -> None:
         if self.pd_mode not in PD_MODES:
             raise ValueError(f"--pd-mode must be one of {', '.join(PD_MODES)}, got {self.pd_mode!r}")
-        if self.pd_harm_weight < 0 or self.pd_cold_min_tokens < 0:
-            raise ValueError("--pd-harm-weight and --pd-cold-min-tokens must be >= 0")
+        if min(self.pd_harm_weight, self.pd_cold_min_tokens, self.pd_itl_target, self.pd_work_weight) < 0:
+            raise ValueError("--pd-harm-weight, --pd-work-weight, --pd-itl-target and --pd-cold-min-tokens must be >= 0")
 
 
 @dataclass(slots=True, frozen=True)
@@ -191,27 +203,39 @@ class PDDecider:
     def _model(self, worker_id: str) -> StepCost:
         return (self.cost.estimate(worker_id) or NOMINAL_COST) if self.cost.learned else NOMINAL_COST
 
-    def predict(self, q: RouteQuery, decode: Candidate, prefill: Candidate) -> tuple[float, float, int]:
-        """(local, remote, blocks sent) for this decode worker and prefill worker (see the module)."""
-        harm = self.config.pd_harm_weight * decoders(decode)
+    def _harm(self, q: RouteQuery, c: Candidate, own: float, held_blocks: int) -> float:
+        """What a prefill of ``own`` seconds on ``c`` costs the requests decoding there: each waits for every step
+        of it, beyond ``pd_itl_target`` a step (``harm`` x decoders x steps x excess)."""
+        u = max(0, q.prompt_len - held_blocks * q.block_size)
+        steps = max(1, -(-u // (c.load.max_num_batched_tokens or self.default_step_tokens)))
+        excess = max(0.0, own / steps - self.config.pd_itl_target)
+        return self.config.pd_harm_weight * decoders(c) * steps * excess
+
+    def predict(self, q: RouteQuery, decode: Candidate, prefill: Candidate, backlog: tuple[float, float] = (0.0, 0.0)
+                ) -> tuple[float, float, int]:
+        """(local, remote, blocks sent) for this decode worker and prefill worker (see the module); ``backlog``: the
+        mean requests waiting per worker of the decode pool and of the prefill pool."""
         md, mp = self._model(decode.worker_id), self._model(prefill.worker_id)
         step = self.default_step_tokens
+        kd, kp = (self.config.pd_work_weight * (1.0 + b) for b in backlog)
         ttft_l, own_l = predicted_ttft(md, q, decode, step)
-        local = ttft_l + harm * own_l
+        local = ttft_l + kd * own_l + self._harm(q, decode, own_l, decode.matched_blocks + decode.host_blocks)
         reusable = reusable_blocks(q)
         sent = max(0, reusable - decode.matched_blocks)
         ttft_p, own_p = predicted_ttft(mp, q, prefill, step)
         # NOTE: a prefill worker that decodes requests of its own (role both, --pd-mode dynamic) stalls them
-        ttft_p += self.config.pd_harm_weight * decoders(prefill) * own_p
+        ttft_p += kp * own_p + self._harm(q, prefill, own_p, prefill.matched_blocks + prefill.host_blocks)
         # NOTE: the decode leg's own part: the prompt's tail past the blocks it then holds, behind its queue
         tail = replace(decode, matched_blocks=max(decode.matched_blocks, reusable), host_blocks=0)
         ttft_t, own_t = predicted_ttft(md, q, tail, step)
         link = self.link.cost(decode.worker_id, sent) if self.cost.learned and sent else 0.0
-        remote = ttft_p + link + ttft_t + harm * own_t
+        remote = ttft_p + link + ttft_t + kd * own_t + self._harm(q, tail, own_t, tail.matched_blocks)
         return local, remote, sent
 
-    def decide(self, q: RouteQuery, decode: Candidate, prefills: Sequence[Candidate]) -> PDDecision:
-        """Where the prompt of a request whose decode worker is ``decode`` is prefilled."""
+    def decide(self, q: RouteQuery, decode: Candidate, prefills: Sequence[Candidate],
+               decodes: Sequence[Candidate] = ()) -> PDDecision:
+        """Where the prompt of a request whose decode worker is ``decode`` is prefilled (``decodes``: the pool it
+        was picked from, for its backlog)."""
         cfg = self.config
         self.observe([decode, *prefills])
         u = max(0, q.prompt_len - (decode.matched_blocks + decode.host_blocks) * q.block_size)
@@ -225,7 +249,10 @@ class PDDecider:
         prefills = [p for p in prefills if p.worker_id != decode.worker_id]
         if not prefills:
             return PDDecision(None, "no_prefill_worker", u)
-        scored = [(self.predict(q, decode, p), p) for p in prefills]
+        pool = list(decodes) or [decode]
+        backlog = (sum(waiting_requests(c) for c in pool) / len(pool),
+                   sum(waiting_requests(c) for c in prefills) / len(prefills))
+        scored = [(self.predict(q, decode, p, backlog), p) for p in prefills]
         (local, remote, sent), best = min(scored, key=lambda s: (s[0][1], s[1].worker_id))
         if cfg.pd_mode == "always":
             return PDDecision(best.worker_id, "mode", u, local, remote, sent)
@@ -238,7 +265,7 @@ class PDDecider:
         idle = replace(best, load=replace(best.load, queued_prefill_tokens=0, num_waiting=0, num_running=0),
                        inflight_prefill_tokens=0, inflight_waiting=0, inflight_requests=0,
                        pending=replace(best.pending, requests=0, prefill_tokens=0, blocks=0))
-        idle_local, idle_remote, _ = self.predict(q, decode, idle)
+        idle_local, idle_remote, _ = self.predict(q, decode, idle, (backlog[0], 0.0))
         reason = "prefill_busy" if idle_remote < idle_local else "short"
         return PDDecision(None, reason, u, local, remote, sent)
 

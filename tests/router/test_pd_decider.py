@@ -45,13 +45,16 @@ def pre(queued: int = 0, wid: str = "p") -> Candidate:
 
 
 def test_predictions_are_kv_awares_in_seconds():
-    # 4,096 tokens, nothing cached, 8 decoding at d: local = ttft + 8 * own; remote = prefill + tail
-    local, remote, sent = decider().predict(q(4096), dec(), pre())
+    # 4,096 tokens, nothing cached, 8 decoding at d, 2 requests waiting per decode worker, none at the prefill
+    # worker: local = ttft + (1 + 2) * own (the work) + 8 * own (the harm); remote = the prefill's ttft and work
+    # + the tail's ttft, work and harm on d
+    local, remote, sent = decider().predict(q(4096), dec(), pre(), backlog=(2.0, 0.0))
     per_step_d = 0.01 + 1e-4 * 8
     own = 1e-4 * 4096 + 2 * per_step_d
-    assert local == pytest.approx(own + 8 * own)
+    assert local == pytest.approx(own + 3 * own + 8 * own)
+    own_p = 1e-4 * 4096 + 2 * 0.01
     tail_own = 1e-4 * 16 + per_step_d  # the last block (its 16 tokens), one step
-    assert remote == pytest.approx((1e-4 * 4096 + 2 * 0.01) + tail_own + 8 * tail_own)
+    assert remote == pytest.approx(own_p + own_p + tail_own + 3 * tail_own + 8 * tail_own)
     assert sent == 255
 
 
@@ -101,3 +104,15 @@ def test_roles_split_the_candidates():
     assert [c.worker_id for c in decode] == ["d", "b"] and [c.worker_id for c in prefill] == ["p"]
     assert disaggregated_fleet(["prefill", "decode"]) and disaggregated_fleet(["prefill", "both"])
     assert not disaggregated_fleet(["both", "both"]) and not disaggregated_fleet(["prefill"])
+
+
+def test_an_itl_target_counts_only_the_steps_beyond_it():
+    # 1,024 uncached tokens: one step of ~0.11 s; 8,192: four steps of ~0.22 s each (budget 2,048)
+    loose = decider(pd_itl_target=0.15)
+    assert loose.decide(q(1024), dec(), [pre(queued=2000)]).prefill_worker is None  # under the target: no harm
+    assert decider().decide(q(1024), dec(), [pre(queued=2000)]).prefill_worker == "p"  # every second counts
+    assert loose.decide(q(8192), dec(), [pre()]).prefill_worker == "p"  # each step past the target harms 8 decoders
+    local, _, _ = loose.predict(q(8192), dec(), pre())
+    ttft_local, _, _ = decider(pd_harm_weight=0.0).predict(q(8192), dec(), pre())
+    own_step = (1e-4 * 8192 + 4 * (0.01 + 1e-4 * 8)) / 4
+    assert local - ttft_local == pytest.approx(8 * 4 * (own_step - 0.15))
