@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 
 from kvmesh.contract.kv_transfer import PREFILL, serves_decode, serves_prefill
 from kvmesh.contract.settings import flag
-from kvmesh.router.core.policies.base import Candidate, RouteQuery, waiting_requests
+from kvmesh.router.core.policies.base import Candidate, RouteQuery, queued_prefill, waiting_requests
 from kvmesh.router.core.policies.cost import StepCost, StepCostLearner, per_worker
 from kvmesh.router.core.policies.kv_aware import NOMINAL_COST, decoders, predicted_ttft
 
@@ -205,10 +205,13 @@ class PDDecider:
 
     def _harm(self, q: RouteQuery, c: Candidate, own: float, held_blocks: int) -> float:
         """What a prefill of ``own`` seconds on ``c`` costs the requests decoding there: each waits for every step
-        of it, beyond ``pd_itl_target`` a step (``harm`` x decoders x steps x excess)."""
+        of it, beyond ``pd_itl_target`` a step (``harm`` x decoders x steps x excess). A step also carries the
+        prefills queued ahead (up to the budget): its time is this prefill's share scaled to the step's tokens."""
         u = max(0, q.prompt_len - held_blocks * q.block_size)
-        steps = max(1, -(-u // (c.load.max_num_batched_tokens or self.default_step_tokens)))
-        excess = max(0.0, own / steps - self.config.pd_itl_target)
+        budget = c.load.max_num_batched_tokens or self.default_step_tokens
+        steps = max(1, -(-u // budget))
+        fill = min(budget, queued_prefill(c) + u) / max(1, min(budget, u))
+        excess = max(0.0, own / steps * fill - self.config.pd_itl_target)
         return self.config.pd_harm_weight * decoders(c) * steps * excess
 
     def predict(self, q: RouteQuery, decode: Candidate, prefill: Candidate, backlog: tuple[float, float] = (0.0, 0.0)

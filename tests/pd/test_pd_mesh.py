@@ -100,3 +100,36 @@ def test_a_request_the_decode_worker_would_refuse_is_refused_before_any_prefill(
         client.generate(ids(150), max_tokens=400, ignore_eos=True)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens is 400" in e.value.details()
     assert p.engine.stats().steps == 0 and not p.engine.kv_holds.holds
+
+
+def test_a_client_that_leaves_mid_decode_reaches_both_legs(kv_server, start_worker, start_router):
+    kv = f"127.0.0.1:{kv_server.port}"
+    p = start_worker("pre", kv, role="prefill", kv_transport="grpc")
+    d = start_worker("dec", kv, role="decode", kv_transport="grpc")
+    router = start_router(kv, pd=PDConfig(pd_mode="always"))
+    wait_until(lambda: len(router.router.pool.endpoints()) == 2, what="both workers discovered")
+    from kvmesh.client import make_request
+    from kvmesh.v1 import router_pb2_grpc
+
+    stream = router_pb2_grpc.RouterStub(dial(f"127.0.0.1:{router.port}")).Generate(
+        make_request(ids(120, 7), max_tokens=300, ignore_eos=True), timeout=60)
+    got = 0
+    for msg in stream:
+        got += len(msg.token_ids)
+        if got >= 3:
+            stream.cancel()
+            break
+    # the decode worker aborted the request and freed its blocks; the prefill worker's hold went with the pull
+    wait_until(lambda: idle(d) and idle(p), what="both legs' blocks freed after the client left")
+    assert d.engine.stats().num_running == 0
+
+
+def test_the_stack_splits_its_workers_into_pools():
+    import pytest
+
+    from kvmesh.stack import StackConfig
+
+    StackConfig(model="m", workers=3, prefill_workers=1).check()
+    for bad in (3, 4):
+        with pytest.raises(ValueError, match="--prefill-workers"):
+            StackConfig(model="m", workers=3, prefill_workers=bad).check()
