@@ -64,7 +64,7 @@ class PDConfig:
     pd_harm_weight: float = 1.0
     """auto: weight of the delay a local prefill adds to each request decoding on the decode worker (the inter-token
     latency the split protects), against this request's own time to first token."""
-    pd_work_weight: float = 1.0
+    pd_work_weight: float = 0.0
     """auto: weight of the work a prefill takes from its pool (the capacity it costs: kv-aware's work term), times
     one plus the mean requests waiting at that pool's workers: a backlogged decode pool hands prompts to an idle
     prefill pool, an idle one keeps them."""
@@ -210,7 +210,8 @@ class PDDecider:
         u = max(0, q.prompt_len - held_blocks * q.block_size)
         budget = c.load.max_num_batched_tokens or self.default_step_tokens
         steps = max(1, -(-u // budget))
-        fill = min(budget, queued_prefill(c) + u) / max(1, min(budget, u))
+        # NOTE: only against a target: without one, every second of this prefill counts once, whatever shares its steps
+        fill = min(budget, queued_prefill(c) + u) / max(1, min(budget, u)) if self.config.pd_itl_target else 1.0
         excess = max(0.0, own / steps * fill - self.config.pd_itl_target)
         return self.config.pd_harm_weight * decoders(c) * steps * excess
 

@@ -48,7 +48,7 @@ def test_predictions_are_kv_awares_in_seconds():
     # 4,096 tokens, nothing cached, 8 decoding at d, 2 requests waiting per decode worker, none at the prefill
     # worker: local = ttft + (1 + 2) * own (the work) + 8 * own (the harm); remote = the prefill's ttft and work
     # + the tail's ttft, work and harm on d
-    local, remote, sent = decider().predict(q(4096), dec(), pre(), backlog=(2.0, 0.0))
+    local, remote, sent = decider(pd_work_weight=1.0).predict(q(4096), dec(), pre(), backlog=(2.0, 0.0))
     per_step_d = 0.01 + 1e-4 * 8
     own = 1e-4 * 4096 + 2 * per_step_d
     assert local == pytest.approx(own + 3 * own + 8 * own)
