@@ -324,7 +324,7 @@ def main() -> int:
     seconds = args.seconds or (25.0 if args.quick else 60.0)
     sim_n = args.sim_requests or (400 if args.quick else 1500)
     print(f"pd_bench: load average at start {load()}", flush=True)
-    res: dict = {"load_start": load()}
+    res: dict = {"load_start": load(), "doc_len": args.doc_len}
     if not args.skip_live:
         res["token_exact"] = token_exact()
         print(f"  token-exact: {json.dumps(res['token_exact']['transports'])}", flush=True)
@@ -373,7 +373,7 @@ def print_table(res: dict, sim_n: int) -> None:
     if "aggregated" in res:
         a, d = res["aggregated"], res["disaggregated"]
         r = d["itl_p99_ms"] / a["itl_p99_ms"] if a["itl_p99_ms"] else float("nan")
-        print(f"| live CPU mesh, 1 prefill + 1 decode vs 2 aggregated, {res.get('doc_len', 4096)}-token docs beside chats: "
+        print(f"| live CPU mesh, 1 prefill + 1 decode vs 2 aggregated, {res.get('doc_len', 4000)}-token docs beside chats: "
               f"chat ITL p99, P/D ÷ aggregated | ≤ 0.5 | {r:.3f} ({d['itl_p99_ms']:.1f} vs {a['itl_p99_ms']:.1f} ms; "
               f"p50 {d['itl_p50_ms']:.1f} vs {a['itl_p50_ms']:.1f} ms; docs {d['docs']} vs {a['docs']}, errors "
               f"{d['n_errors']}/{a['n_errors']}; decisions {d.get('decisions')}) | {'met' if r <= 0.5 else 'NOT met'} |")
