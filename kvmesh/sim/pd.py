@@ -54,8 +54,9 @@ from kvmesh.model_worker.engine.llm_engine import KVImport
 from kvmesh.router.core.attempts import Attempts
 from kvmesh.router.core.pd import PDDecider, PDDecision, split_roles
 from kvmesh.router.core.policies.base import Candidate, Decision, RouteQuery, queued_prefill, waiting_requests
+from kvmesh.router.core.reservation_loop import ReservationLoop
 from kvmesh.router.core.routing import RoutePlan
-from kvmesh.sim.events import RequestRecord
+from kvmesh.replay.records import RequestRecord
 from kvmesh.sim.router import SimRouter, _Length
 from kvmesh.sim.worker import Attempt
 
@@ -214,9 +215,9 @@ class PDSimRouter(SimRouter):
             self._decided(rec, plan, decision, delay)
         else:
             self.core.start(plan, decision.worker_id)
-            claims = self.core.claims(plan, decision, f"r{rec.index}.{rec.attempts + 1}")
+            loop = ReservationLoop(self.core, plan, decision, f"r{rec.index}.{rec.attempts + 1}")
             mesh.expect(delay + mesh.cfg.reserve_latency_s + mesh.cfg.network_s)
-            mesh.q.after(delay, self._claim, rec, claims)
+            mesh.q.after(delay, self._next_reservation, rec, loop)
 
     def _decided(self, rec: RequestRecord, plan: RoutePlan, decision: Decision, delay: float) -> None:
         self.core.commit(plan, decision)

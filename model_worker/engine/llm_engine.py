@@ -20,11 +20,13 @@ from kvmesh.contract.types import DEFAULT_MAX_TOKENS, KVCacheEvent, Load, Sampli
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.execution.kv_blocks import KVBlocks
 from kvmesh.model_worker.execution.model_runner import ModelRunner
+from kvmesh.model_worker.scheduling.config import SchedulerConfig
 from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.scheduling.kv_holds import KVHolds
+from kvmesh.model_worker.scheduling.output import RequestOutput, StepWork
 from kvmesh.model_worker.scheduling.request import Request, RequestStatus
-from kvmesh.model_worker.scheduling.scheduler import RequestOutput, Scheduler, SchedulerConfig, StepWork
+from kvmesh.model_worker.scheduling.scheduler import Scheduler
 
 
 @dataclass(slots=True)
