@@ -14,6 +14,21 @@ from kvmesh.router.config import RoutingConfig
 from kvmesh.sim.fleet import parse_fleet
 
 MODEL_ID = "sim-8b"
+
+LINKS = {"nvlink": 450e9, "rdma": 50e9, "pcie": 64e9}
+"""Prefill/decode disaggregation: a link's bytes per second, one direction (sources in kvmesh/sim/pd.py)."""
+
+
+def parse_pd(spec: str) -> tuple[int, int]:
+    """``"2:6"`` -> (2 prefill workers, 6 decode workers) (``--pd``). Raises ValueError naming the flag."""
+    p, sep, d = spec.partition(":")
+    try:
+        np_, nd = int(p), int(d)
+    except ValueError:
+        raise ValueError(f"--pd takes PREFILL:DECODE worker counts, e.g. 2:6, got {spec!r}") from None
+    if not sep or np_ < 1 or nd < 1:
+        raise ValueError(f"--pd takes PREFILL:DECODE worker counts, each >= 1, e.g. 2:6, got {spec!r}")
+    return np_, nd
 PLACEHOLDER_TOKEN = 2
 
 
@@ -139,8 +154,6 @@ class SimConfig:
     def worker_gpus(self) -> list[str]:
         """Each worker's GPU type, in worker order (a P/D fleet: its P + D workers of --sim-gpu)."""
         if self.pd:
-            from kvmesh.sim.pd import parse_pd
-
             return [self.step_time.gpu] * sum(parse_pd(self.pd))
         return parse_fleet(self.workers, self.step_time.gpu)
 
@@ -180,8 +193,6 @@ class SimConfig:
         self.routing.check()
         self.engine.validate()
         if self.pd:
-            from kvmesh.sim.pd import LINKS, parse_pd
-
             parse_pd(self.pd)
             if self.pd_link not in LINKS:
                 raise ValueError(f"--pd-link must be one of {', '.join(LINKS)}, got {self.pd_link!r}")

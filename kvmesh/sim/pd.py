@@ -51,17 +51,16 @@ from dataclasses import dataclass, field, replace
 
 from kvmesh.contract.kv_transfer import BOTH, DECODE, PREFILL
 from kvmesh.model_worker.engine.llm_engine import KVImport
+from kvmesh.replay.records import RequestRecord
 from kvmesh.router.core.attempts import Attempts
 from kvmesh.router.core.pd import PDDecider, PDDecision, split_roles
 from kvmesh.router.core.policies.base import Candidate, Decision, RouteQuery, queued_prefill, waiting_requests
 from kvmesh.router.core.reservation_loop import ReservationLoop
 from kvmesh.router.core.routing import RoutePlan
-from kvmesh.replay.records import RequestRecord
+from kvmesh.sim.config import LINKS, parse_pd
 from kvmesh.sim.router import SimRouter, _Length
 from kvmesh.sim.worker import Attempt
 
-LINKS = {"nvlink": 450e9, "rdma": 50e9, "pcie": 64e9}
-"""Bytes per second, one direction (sources in the module docstring)."""
 LINK_LATENCY_S = 50e-6
 
 SPLITS = ("always", "auto", "dynamic", "pd")
@@ -86,18 +85,6 @@ def parse_policy(name: str) -> tuple[str, str]:
     if split in ("auto", "dynamic") and base != "kv-aware":
         raise ValueError(f"policy {name!r}: +{split} is kvmesh's decision (kv-aware+{split}); a peer's is +pd")
     return base, split
-
-
-def parse_pd(spec: str) -> tuple[int, int]:
-    """``"2:6"`` -> (2 prefill workers, 6 decode workers). Raises ValueError naming the flag."""
-    p, sep, d = spec.partition(":")
-    try:
-        np_, nd = int(p), int(d)
-    except ValueError:
-        raise ValueError(f"--pd takes PREFILL:DECODE worker counts, e.g. 2:6, got {spec!r}") from None
-    if not sep or np_ < 1 or nd < 1:
-        raise ValueError(f"--pd takes PREFILL:DECODE worker counts, each >= 1, e.g. 2:6, got {spec!r}")
-    return np_, nd
 
 
 def worker_roles(pd: str, split: str, n: int) -> list[str]:

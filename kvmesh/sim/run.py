@@ -119,8 +119,8 @@ def summarize(mesh: Mesh, records: Sequence[RequestRecord]) -> dict:
 def pd_summary(mesh: Mesh, records: Sequence[RequestRecord]) -> dict:
     """A P/D fleet's or an ITL SLO's figures (issue 44): inter-token gaps and what the split requests did."""
     done = [r for r in records if r.finish is not None and not r.failed and r.completion_tokens > 1]
-    itl = [r.max_itl for r in done]
-    return {"max_itl_p50_s": _r(_pct(itl, 50)), "max_itl_p99_s": _r(_pct(itl, 99)),
+    itl = stats([r.max_itl for r in done])
+    return {"max_itl_p50_s": _r(itl["p50"]), "max_itl_p99_s": _r(itl["p99"]),
             "pd": mesh.pd_stats.as_dict()}
 
 

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
@@ -29,15 +29,24 @@ from kvmesh.contract.convert import kv_layout_from_pb, kv_layout_to_pb
 from kvmesh.contract.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from kvmesh.contract.kv_transfer import GRPC, NIXL, KVSource, TransferStats, serves_decode, serves_prefill
 from kvmesh.contract.limits import excerpt
-from kvmesh.model_worker.engine.llm_engine import KVImport
+from kvmesh.model_worker.engine.engine_loop import EngineLoop
+from kvmesh.model_worker.engine.llm_engine import KVImport, LLMEngine
+from kvmesh.model_worker.serving.metrics import WorkerMetrics
 from kvmesh.model_worker.transfer.nixl_transport import NixlError, NixlTransport
 from kvmesh.transport.channels import dial_aio
 from kvmesh.transport.security import call_metadata
 from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc
 
-if TYPE_CHECKING:
-    from kvmesh.model_worker.serving.server import WorkerServer
+
+class WorkerHost(Protocol):
+    """What the transfers read of the worker process they serve (model_worker/serving/server.py's WorkerServer)."""
+
+    worker_id: str
+    address: str
+    engine: LLMEngine
+    metrics: WorkerMetrics
+    loop: EngineLoop
 
 log = logging.getLogger("kvmesh.worker.kv_transfer")
 
@@ -73,7 +82,7 @@ class KVTransfers:
         pull_timeout_s: a decode leg's pull, at most; past it the worker prefills itself.
     """
 
-    def __init__(self, worker: WorkerServer, role: str, transport: str = "auto", hold_ttl_s: float = 30.0,
+    def __init__(self, worker: WorkerHost, role: str, transport: str = "auto", hold_ttl_s: float = 30.0,
                  pull_timeout_s: float = 10.0) -> None:
         self.w = worker
         self.role = role

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 
 from kvmesh.cli import build_parser
-from tests.deploy.test_k8s_manifests import K8S, K8S_VERSIONS, Stack, pod_labels, render, selects
+from tests.support.k8s import K8S, K8S_VERSIONS, Stack, pod_labels, render, selects
 
 POOLS = {"prefill": "kvmesh-worker-prefill", "decode": "kvmesh-worker"}
 
