@@ -113,7 +113,6 @@ def dummy_inputs(batch: WarmupBatch, num_groups: int, device: torch.device
     return ids, positions.to(device), [meta] * num_groups
 
 
-@torch.inference_mode()
 class WarmupRunner(Protocol):
     """What the warm-up needs of the model runner (model_runner.py's ModelRunner, which calls
     :func:`warm_up` on itself: so the warm-up names the shape, not the class)."""
@@ -132,6 +131,7 @@ class WarmupRunner(Protocol):
                 metas: list[AttentionMetadata]) -> torch.Tensor: ...
 
 
+@torch.inference_mode()
 def warm_up(runner: WarmupRunner) -> WarmupReport:
     """Runs the warm-up batches, then captures the decode graphs; logs and returns what it did."""
     start = time.perf_counter()
