@@ -11,7 +11,9 @@ Workloads (the first GPU run's, docs/notes/gpu_h200.md):
 
 * pressure: prefix-repetition, 16 prefixes x 2,048 tokens + 128 own, 256 requests, 64 in flight,
   64 output tokens, 1,600 KV blocks per worker (the prefixes do not fit one worker's cache);
-* no-pressure: 8 prefixes x 1,024 + 128, same counts, the KV cache the memory share gives.
+* no-pressure: 8 prefixes x 1,024 + 128, same counts, the KV cache the memory share gives;
+* hot: one prefix x 1,024 + 128 (every request shares it), same counts (issue 42; not in the default
+  set: ``--workloads pressure,no-pressure,hot``).
 
 ``--quick`` divides every length and count by 8 (a CPU check of the script, not a measurement).
 Prints one row per (workload, policy): req/s, output tok/s, TTFT mean/p99, hit rate, max/mean load;
@@ -68,6 +70,8 @@ class Workload:
 WORKLOADS = {
     "pressure": Workload("pressure", 16, 2048, 128, num_blocks=1600),
     "no-pressure": Workload("no-pressure", 8, 1024, 128),
+    # issue 42: one system prompt for every request (the simulator's hot-prompt on the live stack)
+    "hot": Workload("hot", 1, 1024, 128),
 }
 
 

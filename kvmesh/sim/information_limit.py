@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvmesh.router.core.policies.base import Candidate, Decision, PolicyConfig, RouteQuery
-from kvmesh.router.core.policies.kv_aware import KvAwarePolicy
+from kvmesh.router.core.policies.kv_aware import KvAwarePolicy, copy_in_free_kv, surplus_in_full_kv
 
 if TYPE_CHECKING:
     from kvmesh.sim.mesh import Mesh
@@ -66,9 +66,11 @@ class ExactView:
     def sent(self, worker_id: str, query: RouteQuery) -> None:
         self.transit[worker_id].append((query.block_hashes, query.prompt_len))
 
-    def state(self, worker_id: str, query: RouteQuery) -> tuple[float, float, int, int]:
+    def state(self, worker_id: str, query: RouteQuery, adjust_blocks: float = 0.0) -> tuple[float, float, int, int]:
         """(seconds until the request's first token there, seconds of its own prefill there as kv-aware
-        counts it, requests decoding there, requests waiting there), all exact."""
+        counts it, requests decoding there, requests waiting there), all exact. ``adjust_blocks``: blocks
+        past its exact hit to count as held (< 0: of its hit to count as not), as kv-aware's work
+        term counts a prefix's copies (router/core/policies/prefix_load.py)."""
         w = self.mesh.workers_by_id[worker_id]
         engine, runner = w.engine, w.runner
         if not w.up or engine is None or runner is None:
@@ -107,6 +109,8 @@ class ExactView:
             items.append([h, prompt_len - h])
         ahead = loads[0]
         h = hit(query.block_hashes, query.prompt_len)
+        if adjust_blocks:
+            h = min(query.prompt_len - 1, max(0, round(h + adjust_blocks * bs)))
         items.append([h, query.prompt_len - h])
         ttft, own = self._walk(runner.cost, items, decoders, context, engine.config.max_num_batched_tokens)
         if loads[0]:
@@ -115,6 +119,19 @@ class ExactView:
         if w.stepping:
             ttft += max(0.0, w.busy_until - self.mesh.q.now)
         return ttft, own, decoders, len(queued) + len(self.transit[worker_id])
+
+    def held_blocks(self, worker_id: str, query: RouteQuery) -> int:
+        """Leading blocks of the prompt the worker's device pool holds now (exact)."""
+        w = self.mesh.workers_by_id[worker_id]
+        if not w.up or w.engine is None:
+            return 0
+        pool = w.engine.kv_cache_manager.block_pool.cached_block_hash_to_block
+        n = 0
+        for h in query.block_hashes:
+            if not pool.get(h):
+                break
+            n += 1
+        return n
 
     @staticmethod
     def _walk(cost, items: list[list[int]], decoders: int, context: int, budget: int) -> tuple[float, float]:
@@ -162,8 +179,20 @@ class InformationLimit(KvAwarePolicy):
         states = [self.view.state(c.worker_id, query) for c in candidates]
         lam = self.config.decode_harm_weight
         kappa = self.config.work_weight * (1.0 + sum(s[3] for s in states) / len(states))
-        scores = [ttft + (lam * decoders + kappa) * own for ttft, own, decoders, _ in states]
-        chosen = candidates[self._argmin_index(scores)]
+        # NOTE: kv-aware's prefixes over time (router/core/policies/prefix_load.py) on the exact hits: a
+        # copy a hot prefix needs counts as load where the KV is free, a surplus copy on full KV as a
+        # recompute; the placement of a prompt nobody holds is kv-aware's own.
+        with self._lock:
+            share = self.prefixes.replicas(query.block_hashes, [c.worker_id for c in candidates],
+                                           [self.view.held_blocks(c.worker_id, query) for c in candidates])
+        scores = []
+        for c, (ttft, own, decoders, _), replica in zip(candidates, states, share, strict=True):
+            adjust = copy_in_free_kv(query, c, replica) if replica > 0 else surplus_in_full_kv(query, c, replica)
+            work = self.view.state(c.worker_id, query, adjust)[1] if adjust else own
+            scores.append(ttft + lam * decoders * own + kappa * work)
+        i = self._argmin_index(scores)
+        placed = self._placement(query, candidates, scores)
+        chosen = candidates[i if placed is None else placed]
         self.view.sent(chosen.worker_id, query)
         return Decision(chosen.worker_id, "exact", round(min(scores) * 1000) if math.isfinite(min(scores)) else 0)
 
