@@ -64,7 +64,8 @@ def cand(wid: str, matched: int = 0, queued: int = 0, cached: int = 0) -> Candid
 
 
 def start(p: KvAwarePolicy, q: RouteQuery, c: Candidate) -> Ticket:
-    t = Ticket(c.worker_id, 0, serial=next(_serials))
+    """The request goes to ``c`` (the core's RoutingCore.start, as far as the policy sees it)."""
+    t = Ticket(c.worker_id, q.prompt_len - c.matched_blocks * BS, serial=next(_serials))
     p.started(t, q, c)
     return t
 
@@ -177,3 +178,37 @@ def test_a_cold_prefix_never_moves():
         t = start(p, q, cands[0])
         p.finished(t, 64)
     assert q0.block_hashes[0] == q.block_hashes[0]
+
+
+def test_a_new_prompt_goes_where_the_least_content_went_while_prompts_repeat():
+    """Placement: a prompt no worker holds any of commits its worker to the requests that will share it;
+    while prompts repeat, it goes to the worker this router gave the fewest prompt tokens, not to the
+    one idle now. Before prompts repeat (no-reuse) and once every worker was given a full cache's worth,
+    the score decides."""
+    p = learned_policy()
+    given = {"w0": 3, "w1": 1, "w2": 2, "w3": 4}  # prompts of 4,160 tokens each, routed earlier
+    k = count()
+    for w, n in given.items():
+        for _ in range(n):
+            q = query(f"fam{next(k)}", 0)
+            p.finished(start(p, q, Candidate(w, f"{w}:1", 0, Load(num_total_blocks=TOTAL_BLOCKS))), 64)
+    fresh = query("new", 0)
+    # w0 idle, w1 (given the least) with a queue: the score alone picks w0
+    cands = [cand("w0"), cand("w1", queued=4000), cand("w2", queued=4000), cand("w3", queued=4000)]
+    scores = dict(zip(WORKERS, p.scores(fresh, cands), strict=True))
+    assert min(scores, key=scores.get) == "w0"
+    assert p.prefixes.repeat_share == 0.0  # every prompt so far its own: nothing commits yet
+    assert p.pick(fresh, cands).worker_id == "w0"
+    # a family repeats: placements now commit workers to what follows
+    q = query("fam0", 1)
+    p.finished(start(p, q, cand("w0", PREFIX)), 64)
+    assert p.prefixes.repeat_share > 0.0
+    assert p.pick(fresh, cands).worker_id == "w1"
+    # a prompt that continues something held is the score's (w2 holds it)
+    held = [cand("w0"), cand("w1", queued=4000), cand("w2", PREFIX, queued=4000), cand("w3", queued=4000)]
+    assert p.pick(query("fam2", 5), held).worker_id in ("w0", "w2")
+    # every worker given more than its pool holds: full either way, the score decides
+    small = [Candidate(c.worker_id, c.address, 0, Load(max_num_batched_tokens=8192, num_total_blocks=10,
+                                                      num_free_blocks=10, queued_prefill_tokens=c.load.queued_prefill_tokens))
+             for c in cands]
+    assert p.pick(fresh, small).worker_id == "w0"
