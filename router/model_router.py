@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -68,6 +68,7 @@ from kvmesh.router.text.prompt import (
     check_prompt_ids,
 )
 from kvmesh.router.text.stop_strings import StopStrings, check_stop_strings
+from kvmesh.transport import tracing
 
 log = logging.getLogger("kvmesh.router")
 
@@ -103,6 +104,9 @@ class GenerateInput:
     stop: Sequence[str] = ()
     """Stop strings (router/text/stop_strings.py); they need the model's tokenizer."""
     include_stop_str_in_output: bool = False
+    trace_parent: Any = None
+    """The caller's trace context (kvmesh/transport/tracing.py ``extract``: a client's or a gateway's
+    ``traceparent``); None = a trace of its own while tracing is on."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -217,7 +221,9 @@ class ModelRouter:
             # numpy and the worker request copies it in C; a list() of 4,096 ids cost ~0.25 ms.
             return inp.token_ids
         if inp.chat is not None:
-            return await self._encode(await self._render(inp.chat), limits, add_special_tokens=False)
+            with tracing.span("router.render"):
+                text = await self._render(inp.chat)
+            return await self._encode(text, limits, add_special_tokens=False)
         if inp.text is None:
             raise InvalidArgument("the request sets no input: set text, token_ids or chat")
         if not inp.text:
@@ -269,13 +275,16 @@ class ModelRouter:
         """Hashes the prompt, asks the index at most once and builds the candidates: router/core/routing.py's
         ``prepare`` / ``complete`` around the awaited Lookup."""
         core, spec = self.core, self.pool.model_spec()
-        pending = core.prepare(spec, token_ids, self.index is not None, cache_salt=cache_salt, max_tokens=max_tokens)
+        with tracing.span("router.hash"):
+            pending = core.prepare(spec, token_ids, self.index is not None, cache_salt=cache_salt,
+                                   max_tokens=max_tokens)
         outcome: list[WorkerMatch] | IndexUnavailable | None = None
         t0 = time.perf_counter()
         if pending.lookup is not None:
             assert self.index is not None
             try:
-                outcome = await self.index.lookup(spec.model_id, pending.lookup)
+                with tracing.span("router.lookup", kind="client"):
+                    outcome = await self.index.lookup(spec.model_id, pending.lookup)
             except IndexUnavailable as exc:
                 outcome = exc
         return core.complete(pending, self.pool.endpoints(), outcome, time.perf_counter() - t0,
@@ -299,10 +308,13 @@ class ModelRouter:
             self.metrics.claims.labels("reserved" if claims.answered(answer) else "conflict").inc()
         return claims.decision
 
-    async def decide(self, inp: GenerateInput, request_id: str = "") -> tuple[RoutePlan, Decision]:
+    async def decide(self, inp: GenerateInput, request_id: str = "",
+                     only: Callable[[str, str], bool] | None = None) -> tuple[RoutePlan, Decision]:
         """Tokenize + hash + lookup + pick (+ its reservation in the shared view), and the speculative
         record: all the server does before forwarding (benchmarks/router_overhead.py times exactly
-        this). ``request_id``: the id the worker will see (the reservation names it)."""
+        this). ``request_id``: the id the worker will see (the reservation names it); ``only(worker id,
+        address)``: the workers the pick may choose (a gateway's subset hint; Unavailable when none is
+        left). Each stage is a span of the request's trace while tracing is on (docs/tracing.md)."""
         t0 = time.perf_counter()
         if inp.stop:
             try:
@@ -315,14 +327,21 @@ class ModelRouter:
         if inp.chat is not None:
             check_message_count(len(inp.chat.messages), self.config.max_messages)
         check_input(inp.request_id, inp.cache_salt)
-        token_ids = await self.tokenize(inp)
+        with tracing.span("router.tokenize"):
+            token_ids = await self.tokenize(inp)
         self._check_limits(inp.sampling.max_tokens)
         plan = await self.plan(token_ids, inp.cache_salt, inp.sampling.max_tokens or DEFAULT_MAX_TOKENS)
+        if only is not None and plan.candidates:
+            plan.candidates = [c for c in plan.candidates if only(c.worker_id, c.address)]
+            if not plan.candidates:
+                raise Unavailable("no ready worker is in the gateway's subset of endpoints")
         if not plan.candidates:
             raise Unavailable(self._no_worker_message())
-        decision = self.core.pick(plan, count=False)
+        with tracing.span("router.pick"):
+            decision = self.core.pick(plan, count=False)
         if plan.versions is not None:
-            decision = await self.claim(plan, decision, request_id or self.request_id_for(inp))
+            with tracing.span("router.reserve"):
+                decision = await self.claim(plan, decision, request_id or self.request_id_for(inp))
         self.core.commit(plan, decision)
         self.metrics.decision_latency_s.observe(time.perf_counter() - t0)
         return plan, decision
@@ -358,6 +377,9 @@ class ModelRouter:
         """
         rid = request_id or self.request_id_for(inp)
         route: dict[str, object] = {}
+        # NOTE: the request's span is current only around awaits that do not yield (the decision in
+        # _generate): an async generator's context may be closed from another task.
+        route["span"] = tracing.start("router.request", inp.trace_parent, {"kvmesh.request_id": rid}, kind="server")
         try:
             async for out in self._generate(inp, rid, route):
                 if out.finish_reason is not None:
@@ -373,9 +395,13 @@ class ModelRouter:
         except asyncio.CancelledError:
             log.info("request %s: cancelled (the client went away or its deadline passed)", rid)
             raise
+        finally:
+            if route["span"] is not None:
+                route["span"].end()
 
     async def _generate(self, inp: GenerateInput, rid: str, route: dict[str, object]) -> AsyncIterator[GenerateOutput]:
-        plan, decision = await self.decide(inp, rid)
+        with tracing.current(route["span"]):
+            plan, decision = await self.decide(inp, rid)
         budget = self.config.routing.request_timeout_s if inp.timeout_s is None else min(inp.timeout_s,
                                                                                  self.config.routing.request_timeout_s)
         deadline = time.monotonic() + budget
@@ -387,7 +413,8 @@ class ModelRouter:
             route.update(reason=decision.reason, matched=plan.candidate(decision.worker_id).matched_blocks,
                          blocks=len(plan.query.block_hashes))
             try:
-                async for out in self._stream(endpoint, plan, request, deadline - time.monotonic(), inp):
+                async for out in self._stream(endpoint, plan, request, deadline - time.monotonic(), inp,
+                                              route["span"]):
                     if first:
                         out, first = replace(out, request_id=rid), False
                     yield out
@@ -407,9 +434,15 @@ class ModelRouter:
         raise attempts.error()
 
     async def _stream(self, endpoint: WorkerEndpoint, plan: RoutePlan, request: WorkerRequest,
-                      timeout_s: float, inp: GenerateInput) -> AsyncIterator[GenerateOutput]:
+                      timeout_s: float, inp: GenerateInput, parent: Any = None) -> AsyncIterator[GenerateOutput]:
         """One attempt. Raises WorkerError only before the first chunk has been yielded."""
         ticket = self.core.start(plan, endpoint.worker_id)
+        forward = None
+        if tracing.ON:
+            forward = tracing.start("router.forward", tracing.context_of(parent),
+                                    {"kvmesh.worker_id": endpoint.worker_id}, kind="client")
+            with tracing.current(forward):
+                request = replace(request, traceparent=tracing.current_traceparent() or "")
         detok = IncrementalDetokenizer(self._decode) if self.tokenizer is not None else None
         stops = StopStrings(inp.stop, inp.include_stop_str_in_output) if inp.stop and detok is not None else None
         completion = 0
@@ -433,6 +466,8 @@ class ModelRouter:
                 raise WorkerError(Failure.OTHER, "the stream ended without a finish reason") from None
             started = True
             self.core.prefilled(ticket)
+            if forward is not None:
+                forward.add_event("first_token")
             while True:
                 if stops is None:
                     ids = chunk.token_ids
@@ -480,6 +515,21 @@ class ModelRouter:
             self.core.finish(ticket, completion)
             if call is not None:
                 call.cancel()  # a no-op once the call has ended; frees it when the client left
+            if forward is not None:
+                forward.set_attribute("kvmesh.completion_tokens", completion)
+                forward.end()
+
+    # -- a request another front forwards (kvmesh epp) ----------------------------------------
+    def fallbacks(self, plan: RoutePlan, decision: Decision, n: int) -> list[str]:
+        """The workers a retry would try after ``decision``, in order, at most ``n``: the policy's next
+        picks among the candidates left, leaving the policy's state as it was (RouterPolicy.fallbacks)."""
+        left = [c for c in plan.candidates if c.worker_id != decision.worker_id]
+        return self.core.policy.fallbacks(plan.query, left, n) if left and n else []
+
+    def hand_off(self, plan: RoutePlan, decision: Decision, request_id: str) -> Handoff:
+        """The pick goes to a front that forwards it itself (the gateway behind ``kvmesh epp``): its
+        in-flight share is held until :class:`Handoff` hears how it ended, as ``_stream`` holds it."""
+        return Handoff(self, plan, decision, request_id)
 
     def _audit(self, plan: RoutePlan, worker_id: str, usage: Usage | None) -> None:
         """The miss audit of a finished request (router/core/audit.py): the index's prediction for the
@@ -515,3 +565,42 @@ class ModelRouter:
     def _decode(self, ids: Sequence[int]) -> str:
         assert self.tokenizer is not None
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class Handoff:
+    """A request this router picked a worker for and another front forwards (docs/epp.md): the same
+    in-flight accounting, policy hooks and miss audit as a request the router forwards itself, fed by
+    what that front learns from the response path. Every method is idempotent past the end."""
+
+    __slots__ = ("router", "plan", "worker_id", "request_id", "ticket", "_ended")
+
+    def __init__(self, router: ModelRouter, plan: RoutePlan, decision: Decision, request_id: str) -> None:
+        self.router = router
+        self.plan = plan
+        self.worker_id = decision.worker_id
+        self.request_id = request_id
+        self.ticket = router.core.start(plan, decision.worker_id)
+        self._ended = False
+
+    def served_by(self, worker_id: str) -> None:
+        """The worker that served was another than the pick (the gateway went down the fallbacks)."""
+        if not self._ended and worker_id != self.worker_id and worker_id in self.plan.endpoints:
+            self.worker_id = worker_id
+            self.ticket = self.router.core.start(self.plan, worker_id)
+
+    def first_token(self) -> None:
+        if not self._ended:
+            self.router.core.prefilled(self.ticket)
+
+    def finished(self, usage: Usage | None = None, outcome: str = "ok") -> None:
+        """It ended: ``usage`` from the response (None: not seen, not audited), ``outcome`` for the log."""
+        if self._ended:
+            return
+        self._ended = True
+        completion = usage.completion_tokens if usage is not None else 0
+        self.router.core.finish(self.ticket, completion)
+        if usage is not None:
+            self.router._audit(self.plan, self.worker_id, usage)
+        u = usage or Usage()
+        log.info("request %s: %s on %s (handed off): prompt %d cached %d completion %d tokens", self.request_id,
+                 outcome, self.worker_id, u.prompt_tokens, u.cached_tokens, u.completion_tokens)

@@ -111,3 +111,18 @@ def apply_security(args: argparse.Namespace) -> None:
     client_tls = security.TLSFiles(getattr(args, "tls_client_cert", None), getattr(args, "tls_client_key", None),
                                    getattr(args, "tls_ca", None))
     security.configure(security.Security(server_tls, client_tls, token(serves), token(calls)))
+
+
+def add_tracing_args(p: argparse.ArgumentParser) -> None:
+    """``--otlp-endpoint`` (docs/tracing.md): traces off unless given."""
+    p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
+                   help="export OpenTelemetry traces over OTLP/gRPC to this collector (e.g. 127.0.0.1:4317); "
+                        "default: off (docs/tracing.md)")
+
+
+def apply_tracing(args: argparse.Namespace, service: str, instance: str = "") -> None:
+    """Turns tracing on for this process when ``--otlp-endpoint`` was given."""
+    if getattr(args, "otlp_endpoint", None):
+        from kvmesh.transport import tracing
+
+        tracing.configure(args.otlp_endpoint, service, instance=instance)

@@ -39,6 +39,9 @@ class WorkerRequest:
     prompt_token_ids: Sequence[int]
     sampling: SamplingParams
     cache_salt: str = ""
+    traceparent: str = ""
+    """The W3C ``traceparent`` of the router's forward span ("" = tracing off): the worker's spans join
+    the request's trace (docs/tracing.md)."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -72,7 +72,8 @@ class GrpcWorkerPool:
         call = self._channels.stub(endpoint.address).Generate(
             w_pb.WorkerGenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                                        sampling=sampling_to_pb(request.sampling), cache_salt=request.cache_salt),
-            timeout=timeout_s, metadata=self._md)
+            timeout=timeout_s,
+            metadata=(*(self._md or ()), ("traceparent", request.traceparent)) if request.traceparent else self._md)
         return GrpcWorkerCall(call, endpoint)
 
     async def abort(self, endpoint: WorkerEndpoint, request_id: str) -> bool:

@@ -190,9 +190,32 @@ class RouterPolicy(abc.ABC):
         self._rng = random.Random(self.config.seed)
         self._lock = threading.Lock()
 
+    pick_records: ClassVar[bool] = False
+    """A pick changes the policy's own state (a rotation, a tree insert): :meth:`fallbacks` ranks by queued
+    work instead of picking again."""
+
     @abc.abstractmethod
     def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
         """Returns the chosen worker; ``candidates`` is never empty."""
+
+    def fallbacks(self, query: RouteQuery, candidates: Sequence[Candidate], n: int) -> list[str]:
+        """The workers a retry would try, best first, at most ``n``: the policy's next picks among
+        ``candidates``, the policy left as it was (its random state restored), so listing fallbacks
+        changes no later pick (kvmesh epp lists them for the gateway)."""
+        if self.pick_records:
+            return [c.worker_id for c in sorted(candidates, key=lambda c: (self._queued(c), c.worker_id))[:n]]
+        with self._lock:
+            state = self._rng.getstate()
+        left, out = list(candidates), []
+        try:
+            while left and len(out) < n:
+                w = self.pick(query, left).worker_id
+                out.append(w)
+                left = [c for c in left if c.worker_id != w]
+        finally:
+            with self._lock:
+                self._rng.setstate(state)
+        return out
 
     # -- the policy's record of its requests (optional) -----------------------------------
     def started(self, ticket: Ticket, query: RouteQuery, chosen: Candidate) -> None:  # noqa: B027 - optional hook
