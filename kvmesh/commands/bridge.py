@@ -10,7 +10,9 @@ import threading
 from kvmesh.commands.common import (
     add_log_level,
     add_security_args,
+    add_tracing_args,
     apply_security,
+    apply_tracing,
     setup_logging,
     start_metrics_server,
 )
@@ -32,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=9103,
                    help="the bridge's own Prometheus /metrics port, 0 = off (default 9103)")
     add_security_args(p, serves=None, calls="admin")
+    add_tracing_args(p)
     add_log_level(p)
     p.set_defaults(func=run)
 
@@ -46,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(BridgeConfig, args)
     try:
         apply_security(args)
+        apply_tracing(args, "kvmesh-bridge")
         bridge = Bridge(cfg)
     except ValueError as exc:
         log.error("%s", exc)
@@ -62,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
         done.wait()
     finally:
         bridge.stop()
+        from kvmesh.transport import tracing
+
+        tracing.shutdown()
     return getattr(bridge, "exit_code", 0)
 
 

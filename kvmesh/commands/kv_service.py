@@ -8,7 +8,9 @@ import logging
 from kvmesh.commands.common import (
     add_log_level,
     add_security_args,
+    add_tracing_args,
     apply_security,
+    apply_tracing,
     setup_logging,
     start_metrics_server,
 )
@@ -24,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=9100, help="Prometheus /metrics port, 0 = off (default 9100)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
     add_security_args(p, serves="admin", calls=None)
+    add_tracing_args(p)
     add_log_level(p)
     p.set_defaults(func=run)
 
@@ -41,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(KVServiceConfig, args)
     try:
         apply_security(args)
+        apply_tracing(args, "kvmesh-kv-service")
         config.check()
     except (ValueError, OSError) as exc:
         log.error("%s", exc)

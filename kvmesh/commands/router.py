@@ -9,7 +9,9 @@ import logging
 from kvmesh.commands.common import (
     add_log_level,
     add_security_args,
+    add_tracing_args,
     apply_security,
+    apply_tracing,
     setup_logging,
     start_metrics_server,
 )
@@ -31,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=9101, help="Prometheus /metrics port, 0 = off (default 9101)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
     add_security_args(p, serves="api", calls="admin")
+    add_tracing_args(p)
     add_log_level(p)
     p.set_defaults(func=run)
 
@@ -50,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("kvmesh.router")
     try:
         apply_security(args)
+        apply_tracing(args, "kvmesh-router")
         server = RouterServer(config_from_args(args)).start()
     except (ValueError, FileNotFoundError, OSError) as exc:
         log.error("%s", exc)

@@ -11,7 +11,9 @@ from kvmesh.commands.common import (
     add_cost_model_args,
     add_log_level,
     add_security_args,
+    add_tracing_args,
     apply_security,
+    apply_tracing,
     linear_cost_from,
     setup_logging,
     sim_choices,
@@ -43,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     add_sim_args(p)
     add_security_args(p, serves="admin", calls="admin")
+    add_tracing_args(p)
     add_log_level(p)
     p.set_defaults(func=run)
 
@@ -79,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     worker = config_from_args(WorkerConfig, args)
     try:
         apply_security(args)
+        apply_tracing(args, "kvmesh-worker", args.worker_id or "")
         worker.check()
     except (ValueError, OSError) as exc:
         log.error("%s", exc)

@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh.transport import security
+from kvmesh.transport import security, tracing
 from kvmesh.transport.channels import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
 from kvmesh.transport.drain import DrainGate
 from kvmesh.transport.interceptor import ErrorMappingInterceptor
@@ -85,3 +85,4 @@ def wait_for_termination_signal(stop: Callable[[float], None], grace: float = 5.
     while not done.wait(0.5):
         pass
     stop(grace)
+    tracing.shutdown()  # the spans still buffered go out before the process ends
