@@ -11,7 +11,16 @@ import kubernetes_validate
 import pytest
 
 from kvmesh.cli import build_parser
-from tests.deploy.test_k8s_manifests import K8S, K8S_VERSIONS, POD_IP, Stack, container_ports, pod_labels, render, selects
+from tests.deploy.test_k8s_manifests import (
+    K8S,
+    K8S_VERSIONS,
+    POD_IP,
+    Stack,
+    container_ports,
+    pod_labels,
+    render,
+    selects,
+)
 
 # The InferencePool of inference.networking.k8s.io/v1 (the Gateway API Inference Extension's CRD
 # `inferencepools.inference.networking.k8s.io`, its openAPIV3Schema: required fields, ranges and enums of
