@@ -197,7 +197,8 @@ def stack_hop(args: argparse.Namespace) -> tuple[float, float]:
         per = lookup_redis_time(stack.endpoints["redis"], stack.endpoints["kv_service"], model_id, chain,
                                 args.redis_lookups)
         workers = {f"worker-{i}": stack.endpoints[f"worker-{i}"] for i in range(args.stack_workers)}
-        arm = run_arms({"router": stack.endpoints["router"]}, workers, args.ttft_pairs, tokens=args.ttft_tokens)["router"]
+        arm = run_arms({"router": (stack.endpoints["router"], workers)}, args.ttft_pairs,
+                       tokens=args.ttft_tokens)["router"]
     finally:
         stack.stop()
     print(f"Redis per Lookup (INFO commandstats, {args.redis_lookups} Lookups of a 250-block chain one worker of "

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,17 +74,19 @@ async def _first(call) -> tuple[float, object]:
     return first, last
 
 
-async def measure_arms(routers: dict[str, str], workers: dict[str, str], pairs: int, *, tokens: int = 4096,
-                       warmup: int = 10, seed: int = 7, traceparent: bool = False) -> dict[str, Arm]:
-    """``pairs`` pairs per router (``routers``: arm name -> address; ``workers``: worker id -> address),
-    the arms taking turns pair by pair; fresh prompts of ``tokens`` random ids, max_tokens 1."""
+async def measure_arms(arms: dict[str, tuple[str, dict[str, str]]], pairs: int, *, tokens: int = 4096,
+                       warmup: int = 10, seed: int = 7,
+                       between: Callable[[int], Awaitable[None]] | None = None) -> dict[str, Arm]:
+    """``pairs`` pairs per arm (``arms``: name -> (router address, its workers: id -> address)), the
+    arms taking turns pair by pair; fresh prompts of ``tokens`` random ids, max_tokens 1. ``between(k)``
+    runs after each round (another measurement interleaved with these)."""
     rng = random.Random(seed)
-    rstubs = {n: router_pb2_grpc.RouterStub(dial_aio(a)) for n, a in routers.items()}
-    wchans = {w: dial_aio(a) for w, a in workers.items()}
-    wstubs = {w: worker_pb2_grpc.WorkerStub(c) for w, c in wchans.items()}
-    health = {w: health_pb2_grpc.HealthStub(c) for w, c in wchans.items()}
+    rstubs = {n: router_pb2_grpc.RouterStub(dial_aio(a)) for n, (a, _) in arms.items()}
+    wchans = {(n, w): dial_aio(a) for n, (_, ws) in arms.items() for w, a in ws.items()}
+    wstubs = {k: worker_pb2_grpc.WorkerStub(c) for k, c in wchans.items()}
+    health = {k: health_pb2_grpc.HealthStub(c) for k, c in wchans.items()}
     sampling = common_pb2.SamplingParams(max_tokens=1, ignore_eos=True)
-    arms = {n: Arm(n) for n in routers}
+    out = {n: Arm(n) for n in arms}
 
     def prompt() -> list[int]:
         return [rng.randrange(3, 500) for _ in range(tokens)]
@@ -93,22 +96,26 @@ async def measure_arms(routers: dict[str, str], workers: dict[str, str], pairs: 
             ttft, last = await _first(stub.Generate(router_pb2.GenerateRequest(
                 token_ids=router_pb2.TokenIds(ids=prompt()), sampling=sampling), timeout=60))
             served = last.served_by  # type: ignore[attr-defined]
-            direct, _ = await _first(wstubs[served].Generate(worker_pb2.WorkerGenerateRequest(
+            direct, _ = await _first(wstubs[name, served].Generate(worker_pb2.WorkerGenerateRequest(
                 request_id=f"direct-{name}-{k}", prompt_token_ids=prompt(), sampling=sampling), timeout=60))
             t0 = time.perf_counter()
-            await health[served].Check(health_pb2.HealthCheckRequest(), timeout=10)
+            await health[name, served].Check(health_pb2.HealthCheckRequest(), timeout=10)
             hop = (time.perf_counter() - t0) * 1e3
             if k >= warmup:
-                arm = arms[name]
+                arm = out[name]
                 arm.routed.append(ttft)
                 arm.direct.append(direct)
                 arm.hops.append(hop)
                 arm.served[served] = arm.served.get(served, 0) + 1
-    return arms
+        if between is not None and k >= warmup:
+            await between(k - warmup)
+    for c in wchans.values():
+        await c.close()
+    return out
 
 
-def run_arms(routers: dict[str, str], workers: dict[str, str], pairs: int, **kw) -> dict[str, Arm]:
-    return asyncio.run(measure_arms(routers, workers, pairs, **kw))
+def run_arms(arms: dict[str, tuple[str, dict[str, str]]], pairs: int, **kw) -> dict[str, Arm]:
+    return asyncio.run(measure_arms(arms, pairs, **kw))
 
 
 # -- Redis's own time per Lookup --------------------------------------------------------------------

