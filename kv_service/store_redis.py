@@ -10,7 +10,8 @@ Key layout of one shard (all under the prefix ``kvm:{<tag>}:``; ``<tag>`` is the
 one shard, :func:`shard_tags` with more):
 
     bh            HASH  block hash -> ",n1,n2," the worker numbers holding it on their device
-                        (refcount = live holders; the field is deleted at 0, so HLEN = distinct blocks)
+                        (refcount = live holders; the field is deleted at 0, so HLEN - 1 = distinct blocks:
+                        one field ``table`` keeps the hash a hash table, never a listpack, lua/common.lua)
     hh            HASH  the same for the host KV tier (absent while no worker holds a host-tier block)
     wn / nw       HASH  worker id <-> its number (new at every registration)
     wseq          INT   the last worker number given out
@@ -90,6 +91,8 @@ from kvmesh.kv_service.index import Action, BlockIndex, IndexStats, PublishResul
 from kvmesh.kv_service.refusals import Refusal, refuse
 
 _LUA_DIR = Path(__file__).parent / "lua"
+BH_TABLE_FIELD = "table"
+"""The one field of ``bh`` that is no block hash (lua/common.lua: it keeps the hash a hash table)."""
 log = logging.getLogger("kvmesh.kv_service")
 
 _DEFAULTS = RedisStoreConfig()
@@ -926,7 +929,9 @@ class RedisIndex(BlockIndex):
         held on two shards is one block: with shards, the shards' block hashes are read (HSCAN, 4096 a
         call) and counted once; an admin call."""
         if self.shards == 1:
-            return int((await self._round([(0, ("HLEN", self.prefix + key))]))[0] or 0)
+            n, table = await self._round([(0, ("HLEN", self.prefix + key)), (0, ("HEXISTS", self.prefix + key,
+                                                                                  BH_TABLE_FIELD))])
+            return int(n or 0) - int(table or 0)
         seen: set[bytes] = set()
         cursors: dict[int, bytes] = dict.fromkeys(range(self.shards), b"0")
         while cursors:
@@ -934,7 +939,7 @@ class RedisIndex(BlockIndex):
             pages = await self._round([(k, ("HSCAN", self.prefixes[k] + key, cursors[k], "COUNT", 4096))
                                        for k in shards])
             for k, (cursor, flat) in zip(shards, pages, strict=True):
-                seen.update(flat[0::2])
+                seen.update(f for f in flat[0::2] if len(f) == HASH_LEN)  # not the table field
                 if cursor in (b"0", 0, "0"):
                     del cursors[k]
                 else:
