@@ -242,7 +242,7 @@ def main() -> int:
                                    env={"PYTHONPATH": str(site)}))
                 wait_grpc(f"127.0.0.1:{today_port}", procs[-1])
                 arms = {"today": (f"127.0.0.1:{today_port}", {}), **arms}
-            for name, (addr, ws) in arms.items():
+            for name, (_addr, ws) in arms.items():
                 stack = on if name == "this, tracing on" else off
                 ws.update({f"worker-{i}": stack.endpoints[f"worker-{i}"] for i in range(4)})
 

@@ -101,12 +101,15 @@ class LookupReplies:
             entry += b"\x40" + varint(m.host_blocks)  # field 8 (host_blocks, varint)
         return entry
 
-    def response(self, matches: list[WorkerMatch], block_size: int, n: int) -> pb.LookupResponse:
+    def response(self, matches: list[WorkerMatch], block_size: int, n: int,
+                 reserved: bool = False) -> pb.LookupResponse:
         parts = []
         for m in matches:
             entry = self._entry(m)
             parts += (b"\x0a", varint(len(entry)), entry)  # field 1 (workers), length-delimited
         parts += (b"\x10", varint(block_size), b"\x18", varint(n))  # fields 2 and 3, varints
+        if reserved:
+            parts.append(b"\x20\x01")  # field 4 (reserved, bool)
         return pb.LookupResponse.FromString(b"".join(parts))
 
 
@@ -185,15 +188,17 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         return result
 
     async def Lookup(self, request, context):
+        reserve = reservation_from_pb(request.reserve) if request.HasField("reserve") else None
+        call = self.svc.lookup_reserve(request.model_id, request.block_hashes, reserve)
         if tracing.ON:
             with tracing.span("kv.lookup", tracing.extract(context.invocation_metadata()),
-                              {"kvmesh.blocks": len(request.block_hashes)}, kind="server"):
-                matches = await self._late(self._lookup_delay_s, self.svc.lookup(request.model_id,
-                                                                                 request.block_hashes))
+                              {"kvmesh.blocks": len(request.block_hashes), "kvmesh.reserve": reserve is not None},
+                              kind="server"):
+                matches, reserved = await self._late(self._lookup_delay_s, call)
         else:
-            matches = await self._late(self._lookup_delay_s, self.svc.lookup(request.model_id, request.block_hashes))
+            matches, reserved = await self._late(self._lookup_delay_s, call)
         bs = matches[0].block_size if matches else 0
-        return self._replies.response(matches, bs, len(request.block_hashes))
+        return self._replies.response(matches, bs, len(request.block_hashes), reserved)
 
     async def Reserve(self, request, context):
         with tracing.span("kv.reserve", tracing.extract(context.invocation_metadata()),

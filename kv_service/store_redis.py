@@ -592,9 +592,11 @@ class RedisIndex(BlockIndex):
         shard, args = cmd
         if isinstance(err, NoScriptError):  # a Redis that restarted (or a promoted replica) lost it
             node = replica or (await self._topology()).shard_node[shard]
-            script = next(c for c in args.cmds if c[0].startswith("EVALSHA")) if isinstance(args, Tx) else args
+            # NOTE: every script of a transaction (a Lookup with its folded Reserve holds two).
+            scripts = [c for c in args.cmds if c[0].startswith("EVALSHA")] if isinstance(args, Tx) else [args]
             try:
-                await node.command("SCRIPT", "LOAD", self._sources[script[1]])
+                for sha in dict.fromkeys(c[1] for c in scripts):
+                    await node.command("SCRIPT", "LOAD", self._sources[sha])
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if replica is not None:
                     raise _ReplicaFailed(replica, exc) from None
@@ -741,10 +743,14 @@ class RedisIndex(BlockIndex):
         chain = b"".join(hashes)
         if self.lookup_walk == "linear":
             return await self._lookup_linear(model_id, chain, now_ms)
-        out: list[WorkerMatch] = []
         txs = [(k, self._lookup_tx(k, model_id, chain, now_ms)) for k in range(self.shards)]
+        return self._matches_of(await self._read(txs))
+
+    def _matches_of(self, replies: list[Any]) -> list[WorkerMatch]:
+        """The shards' Lookup transactions' replies as one answer."""
+        out: list[WorkerMatch] = []
         cache = self._matches
-        for (pairs, upairs), live, infos, pending in await self._read(txs):
+        for (pairs, upairs), live, infos, pending in replies:
             matched = _by_worker(pairs)
             reach = _by_worker(upairs) if upairs else None
             info, picks = _as_map(infos), _as_map(pending)
@@ -869,12 +875,16 @@ class RedisIndex(BlockIndex):
         await asyncio.gather(*(check(r) for r in replicas))
 
     # -- the shared router view ------------------------------------------------------------
-    async def reserve(self, r: Reservation, now_ms: int) -> ReservationAnswer:
+    def _reserve_args(self, r: Reservation, now_ms: int) -> tuple:
         cfg = self.pending_config
-        res = await self._call("reserve", r.worker_id, r.model_id, r.router_id, r.request_id,
-                               r.prefill_tokens, r.blocks,
-                               "" if r.seen_version is None else r.seen_version, now_ms,
-                               now_ms - cfg.ttl_ms, cfg.max_per_worker)
+        return (r.worker_id, r.model_id, r.router_id, r.request_id, r.prefill_tokens, r.blocks,
+                "" if r.seen_version is None else r.seen_version, now_ms, now_ms - cfg.ttl_ms, cfg.max_per_worker)
+
+    async def reserve(self, r: Reservation, now_ms: int) -> ReservationAnswer:
+        if r.release_worker_id:
+            # NOTE: the folded reservation the pick moved away from goes first (on its worker's shard).
+            await self._on(self.home(r.release_worker_id), "admin", "release", r.release_worker_id, r.request_id)
+        res = await self._on(self.home(r.worker_id), "reserve", *self._reserve_args(r, now_ms))
         code = _s(res[0])
         if code == "NOT_FOUND":
             raise refuse(Refusal.NOT_LIVE_FOR_MODEL, r.worker_id, model_id=r.model_id)

@@ -32,6 +32,10 @@ class RoutingConfig:
     """Routers share their picks through the kv_service: each pick is reserved before forwarding and every
     router's next Lookup sees it until the worker's report covers it (kv-aware only; docs/router.md, "Several
     routers")."""
+    fold_reserve: bool = False
+    """The Lookup carries the pick this router would make from its own view, reserved in the same call: when the
+    answer confirms that pick, no Reserve round trip follows. Off by default: in the simulator it makes bursts of
+    one prefix pile onto its first holder (docs/router.md, "The hop in bare hops")."""
     claim_attempts: int = 10
     """Reservations per request at most: a refused one (another router reserved the worker since this router's
     Lookup) is picked again; the last is unconditional."""

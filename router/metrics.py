@@ -31,9 +31,10 @@ class RouterMetrics:
         self.retries = Counter("kvmesh_router_retries_total", "Retries on another worker before the first token",
                                ["failure"], registry=r)
         self.claims = Counter("kvmesh_router_claims_total",
-                              "Picks reserved in the kv_service (the shared router view), by outcome: reserved, "
-                              "conflict (another router reserved the worker first: picked again), failed (the "
-                              "kv_service did not answer: forwarded unreserved)", ["outcome"], registry=r)
+                              "Picks reserved in the kv_service (the shared router view), by outcome: folded (the "
+                              "Lookup's own reservation was the pick: no Reserve), reserved, conflict (another "
+                              "router reserved the worker first: picked again), failed (the kv_service did not "
+                              "answer: forwarded unreserved)", ["outcome"], registry=r)
         self.requests = Counter("kvmesh_router_requests_total", "Generate requests by outcome", ["outcome"],
                                 registry=r)
         self.inflight = Gauge("kvmesh_router_inflight_requests", "Generate streams open", registry=r)

@@ -157,7 +157,8 @@ class ModelRouter:
         self.core = RoutingCore(policy, speculative_ttl_s=routing.speculative_ttl_s,
                                 index_retry_s=routing.index_retry_s, observer=self.metrics,
                                 shared_view=routing.shared_view and index is not None,
-                                router_id=f"router-{uuid.uuid4().hex[:12]}", claim_attempts=routing.claim_attempts)
+                                router_id=f"router-{uuid.uuid4().hex[:12]}", claim_attempts=routing.claim_attempts,
+                                fold_reserve=routing.fold_reserve)
         if speculative is not None:
             self.core.speculative = speculative
         self.audit = MissAudit(config.audit_window, config.audit_miss_rate)
@@ -271,24 +272,34 @@ class ModelRouter:
             self._refused("tokens")
             raise
 
-    async def plan(self, token_ids: Sequence[int], cache_salt: str = "", max_tokens: int = 0) -> RoutePlan:
+    async def plan(self, token_ids: Sequence[int], cache_salt: str = "", max_tokens: int = 0,
+                   request_id: str = "") -> RoutePlan:
         """Hashes the prompt, asks the index at most once and builds the candidates: router/core/routing.py's
-        ``prepare`` / ``complete`` around the awaited Lookup."""
+        ``prepare`` / ``complete`` around the awaited Lookup. With ``request_id`` (and the shared view) the
+        Lookup carries the pick this router would make from its own view, reserved in the same call
+        (``RoutingCore.tentative``: the Reserve folded into the Lookup)."""
         core, spec = self.core, self.pool.model_spec()
         with tracing.span("router.hash"):
             pending = core.prepare(spec, token_ids, self.index is not None, cache_salt=cache_salt,
                                    max_tokens=max_tokens)
         outcome: list[WorkerMatch] | IndexUnavailable | None = None
+        folded = core.tentative(pending, self.pool.endpoints(), request_id, healthy=self.pool.healthy) \
+            if request_id else None
+        reserved = False
         t0 = time.perf_counter()
         if pending.lookup is not None:
             assert self.index is not None
             try:
                 with tracing.span("router.lookup", kind="client"):
-                    outcome = await self.index.lookup(spec.model_id, pending.lookup)
+                    if folded is not None:
+                        outcome, reserved = await self.index.lookup_reserve(spec.model_id, pending.lookup, folded)
+                    else:
+                        outcome = await self.index.lookup(spec.model_id, pending.lookup)
             except IndexUnavailable as exc:
                 outcome = exc
         return core.complete(pending, self.pool.endpoints(), outcome, time.perf_counter() - t0,
-                           adopt=self.pool.discovers_from_index, healthy=self.pool.healthy)
+                             adopt=self.pool.discovers_from_index, healthy=self.pool.healthy, folded=folded,
+                             folded_reserved=reserved)
 
     async def claim(self, plan: RoutePlan, decision: Decision, request_id: str) -> Decision:
         """Reserves the pick in the kv_service (the shared router view), picking again while another
@@ -296,6 +307,8 @@ class ModelRouter:
         pick as it is (the request is not held up for the view). router/core/routing.py's
         ``Claims`` is the loop; this awaits its reservations."""
         claims = self.core.claims(plan, decision, request_id)
+        if claims.folded:
+            self.metrics.claims.labels("folded").inc()
         while (reservation := claims.next()) is not None:
             assert self.index is not None
             try:
@@ -330,7 +343,8 @@ class ModelRouter:
         with tracing.span("router.tokenize"):
             token_ids = await self.tokenize(inp)
         self._check_limits(inp.sampling.max_tokens)
-        plan = await self.plan(token_ids, inp.cache_salt, inp.sampling.max_tokens or DEFAULT_MAX_TOKENS)
+        request_id = request_id or self.request_id_for(inp)
+        plan = await self.plan(token_ids, inp.cache_salt, inp.sampling.max_tokens or DEFAULT_MAX_TOKENS, request_id)
         if only is not None and plan.candidates:
             plan.candidates = [c for c in plan.candidates if only(c.worker_id, c.address)]
             if not plan.candidates:
@@ -341,7 +355,7 @@ class ModelRouter:
             decision = self.core.pick(plan, count=False)
         if plan.versions is not None:
             with tracing.span("router.reserve"):
-                decision = await self.claim(plan, decision, request_id or self.request_id_for(inp))
+                decision = await self.claim(plan, decision, request_id)
         self.core.commit(plan, decision)
         self.metrics.decision_latency_s.observe(time.perf_counter() - t0)
         return plan, decision

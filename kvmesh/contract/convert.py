@@ -162,12 +162,14 @@ def match_from_pb(m: kv_pb.WorkerMatch) -> WorkerMatch:
 def reservation_to_pb(r: Reservation) -> kv_pb.ReserveRequest:
     return kv_pb.ReserveRequest(model_id=r.model_id, worker_id=r.worker_id, router_id=r.router_id,
                                 request_id=r.request_id, prefill_tokens=r.prefill_tokens, blocks=r.blocks,
-                                seen_version=r.seen_version, anchors=r.anchors)
+                                seen_version=r.seen_version, anchors=r.anchors,
+                                release_worker_id=r.release_worker_id)
 
 
 def reservation_from_pb(m: kv_pb.ReserveRequest) -> Reservation:
     return Reservation(m.model_id, m.worker_id, m.router_id, m.request_id, m.prefill_tokens, m.blocks,
-                       m.seen_version if m.HasField("seen_version") else None, tuple(m.anchors))
+                       m.seen_version if m.HasField("seen_version") else None, tuple(m.anchors),
+                       m.release_worker_id)
 
 
 def reservation_answer_to_pb(a: ReservationAnswer) -> kv_pb.ReserveResponse:

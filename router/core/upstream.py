@@ -131,12 +131,23 @@ class PrefixIndex(Protocol):
         """Raises IndexUnavailable when the answer cannot be had within the lookup deadline."""
         ...
 
+    def lookup_reserve(self, model_id: str, block_hashes: Sequence[bytes],
+                       reservation: Reservation) -> tuple[list[WorkerMatch], bool]:
+        """The Lookup with ``reservation`` made in the same step (AsyncPrefixIndex.lookup_reserve)."""
+        ...
+
 
 class AsyncPrefixIndex(Protocol):
     """The kv_service's Lookup (and Reserve) over the network (the live router awaits them)."""
 
     async def lookup(self, model_id: str, block_hashes: Sequence[bytes]) -> list[WorkerMatch]:
         """Raises IndexUnavailable when the answer cannot be had within the lookup deadline."""
+        ...
+
+    async def lookup_reserve(self, model_id: str, block_hashes: Sequence[bytes],
+                             reservation: Reservation) -> tuple[list[WorkerMatch], bool]:
+        """The Lookup with ``reservation`` made in the same call, after the answer is read: (the answer,
+        whether it was reserved). Raises IndexUnavailable as ``lookup`` does."""
         ...
 
     async def reserve(self, reservation: Reservation) -> ReservationAnswer:

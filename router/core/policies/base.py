@@ -189,6 +189,8 @@ class RouterPolicy(abc.ABC):
         self.config = config or PolicyConfig()
         self._rng = random.Random(self.config.seed)
         self._lock = threading.Lock()
+        self._prefer: int | None = None
+        """The index of the candidate that wins a tie (:meth:`pick_preferring`)."""
 
     pick_records: ClassVar[bool] = False
     """A pick changes the policy's own state (a rotation, a tree insert): :meth:`fallbacks` ranks by queued
@@ -197,6 +199,15 @@ class RouterPolicy(abc.ABC):
     @abc.abstractmethod
     def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
         """Returns the chosen worker; ``candidates`` is never empty."""
+
+    def pick_preferring(self, query: RouteQuery, candidates: Sequence[Candidate], worker_id: str | None) -> Decision:
+        """:meth:`pick`, ``worker_id`` winning a tie it is part of instead of a random draw (the worker a
+        Lookup's folded reservation holds, router/core/routing.py: of equals, keep the one reserved)."""
+        self._prefer = next((i for i, c in enumerate(candidates) if c.worker_id == worker_id), None)
+        try:
+            return self.pick(query, candidates)
+        finally:
+            self._prefer = None
 
     def fallbacks(self, query: RouteQuery, candidates: Sequence[Candidate], n: int) -> list[str]:
         """The workers a retry would try, best first, at most ``n``: the policy's next picks among
@@ -245,6 +256,8 @@ class RouterPolicy(abc.ABC):
     def _choice_index(self, tied: Sequence[int]) -> int:
         if len(tied) == 1:
             return tied[0]
+        if self._prefer is not None and self._prefer in tied:
+            return self._prefer
         with self._lock:  # one RNG shared by the server's threads
             return tied[self._rng.randrange(len(tied))]
 
