@@ -160,6 +160,28 @@ def baseline_site(ref: str, repo: Path) -> Path:
     return root / "site"
 
 
+def spawn_router(kv_address: str, model: str, *flags: str, env: dict[str, str] | None = None,
+                 timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """One more `kvmesh router` process on a stack's kv_service (another arm: other flags, or another
+    commit's code through ``env``'s PYTHONPATH), SERVING; returns (process, address)."""
+    import os
+
+    from kvmesh.loopback import free_port
+    from kvmesh.stack import kvmesh_cmd
+
+    port = free_port()
+    proc = subprocess.Popen(kvmesh_cmd("router", "--host", "127.0.0.1", "--port", str(port), "--kv-service", kv_address,
+                                       "--model", model, "--max-prompt-tokens", "16000", "--metrics-port", "0",
+                                       "--log-level", "warning", *flags),
+                            env={**os.environ, **(env or {})})
+    try:
+        wait_grpc(f"127.0.0.1:{port}", proc, timeout)
+    except Exception:
+        proc.kill()
+        raise
+    return proc, f"127.0.0.1:{port}"
+
+
 def wait_grpc(address: str, proc: subprocess.Popen | None = None, timeout: float = 60.0) -> None:
     from kvmesh.stack import wait_serving
 
