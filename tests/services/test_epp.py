@@ -162,9 +162,15 @@ def test_shedding_load_is_429(kv_server, start_worker, start_epp):
         client = GatewayClient(f"127.0.0.1:{epp.port}")
         async with client.exchange() as held:
             await held.request(COMPLETIONS, b'{"prompt": [1, 2', end=False)  # open, its body unfinished
-            await asyncio.sleep(0.2)
+            for _ in range(500):  # the picker admitted it (a loaded host takes its time)
+                if epp.frontend.streams == 1:
+                    break
+                await asyncio.sleep(0.01)
             refused = await client.pick(COMPLETIONS, ids_body([1, 2, 3]))
-        await asyncio.sleep(0.2)
+        for _ in range(500):
+            if epp.frontend.streams == 0:
+                break
+            await asyncio.sleep(0.01)
         taken = await client.pick(COMPLETIONS, ids_body([1, 2, 3]))
         await client.close()
         return refused, taken

@@ -24,7 +24,7 @@ SERVICES = {"kvmesh-router", "kvmesh-kv-service", "kvmesh-worker"}
 def traced(model_dir, tmp_path_factory) -> Iterator[tuple[OtlpReceiver, LocalStack]]:
     with OtlpReceiver() as receiver:
         cfg = StackConfig(model=str(model_dir), workers=1, router_port=free_port(), kv_service_port=free_port(),
-                          worker_port=free_port(), metrics_port=free_port_run(3),
+                          worker_port=free_port(), metrics_port=free_port_run(3), http_port=free_port(),
                           log_dir=str(tmp_path_factory.mktemp("traced-logs")), otlp_endpoint=receiver.address,
                           worker_args=["--num-blocks=128", "--max-model-len=512", "--torch-threads=1"],
                           router_args=["--discovery-interval=0.2"])
@@ -85,3 +85,22 @@ def test_every_request_is_one_trace_across_router_kv_service_and_worker_in_order
         assert "worker.prefill" in names and "worker.first_token" in names and "worker.decode" in names
         assert names.index("worker.first_token") > names.index("worker.prefill")
         assert sum(s.attributes.get("kvmesh.tokens", 0) for s in worker_parts if s.name == "worker.prefill") == 48
+
+
+def test_an_openai_http_request_joins_the_callers_trace(traced):
+    """The W3C header of an HTTP client (or of a gateway in front) is the trace's root, as gRPC metadata is."""
+    import json
+    import urllib.request
+
+    receiver, stack = traced
+    trace_id = "ab" * 16
+    req = urllib.request.Request(f"{stack.endpoints['openai']}/completions",
+                                 data=json.dumps({"prompt": list(range(3, 51)), "max_tokens": 3}).encode(),
+                                 headers={"content-type": "application/json",
+                                          "traceparent": f"00-{trace_id}-{'cd' * 8}-01"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+    spans = complete(receiver, [trace_id])[trace_id]
+    assert {s.service for s in spans} >= SERVICES
+    root = next(s for s in spans if s.name == "router.request")
+    assert root.parent_id == "cd" * 8
