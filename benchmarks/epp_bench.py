@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import deque
 from pathlib import Path
 
 from kvmesh.bench.gateway import GatewayClient
@@ -133,8 +134,10 @@ def trace_prompts(n: int) -> list[list[int]]:
     return out
 
 
-def same_pick(n: int) -> tuple[int, int]:
-    """(agreeing picks, requests) over the replayed trace (see the module's docstring, step 5)."""
+def same_pick(n: int, window: int = 16) -> tuple[int, int]:
+    """(agreeing picks, requests) over the replayed trace (see the module's docstring, step 5). The last
+    ``window`` requests stay in flight on both sides (the picker's streams open, the router's tickets
+    started, as forwarding would), so the picks weigh load against the cached prefix."""
     kv_proc, kv_address = start_kv_service("--store", "memory")
     model = "trace-model"
     stub = kv_grpc.KVServiceStub(dial(kv_address))
@@ -157,7 +160,8 @@ def same_pick(n: int) -> tuple[int, int]:
     hasher = BlockHasher(model, 16, "sha256_128")
     by_endpoint = {endpoint_of(a): w for w, a in workers.items()}
     seqs = dict.fromkeys(workers, 0)
-    agree = 0
+    agree = prefix = 0
+    spread: dict[str, int] = {}
     try:
         deadline = time.monotonic() + 20
         while len(epp.pool.endpoints()) < 4 or len(router.pool.endpoints()) < 4:
@@ -165,12 +169,29 @@ def same_pick(n: int) -> tuple[int, int]:
                 raise TimeoutError("the router and the picker never saw the 4 workers")
             time.sleep(0.1)
         prompts = trace_prompts(n)
+        held: deque = deque()
+
+        def in_flight(r: RouterServer) -> int:
+            return sum(r.router.inflight.of(w).requests for w in workers)
+
         for ids in prompts:
             body = json.dumps({"model": model, "prompt": ids, "max_tokens": 16}).encode()
-            answer = loop.run(client.pick(COMPLETIONS, body, "full-duplex", chunks=3))
-            _, decision = router.run(router.router.decide(GenerateInput(None, ids, SamplingParams(max_tokens=16))))
+            exchange = client.exchange("full-duplex")
+            ex = loop.run(exchange.__aenter__())
+            answer = loop.run(ex.request(COMPLETIONS, body, chunks=3))
+            plan, decision = router.run(router.router.decide(GenerateInput(None, ids, SamplingParams(max_tokens=16))))
+            held.append((exchange, router.router.core.start(plan, decision.worker_id)))
+            if len(held) > window:  # the oldest ends on both sides before the next pick
+                exchange, ticket = held.popleft()
+                loop.run(exchange.__aexit__(None, None, None))
+                router.router.core.finish(ticket)
+                deadline = time.monotonic() + 10
+                while in_flight(epp) != in_flight(router) and time.monotonic() < deadline:
+                    time.sleep(0.002)
             picked = by_endpoint.get(answer.endpoints[0]) if answer.endpoints else None
             agree += picked == decision.worker_id
+            spread[decision.worker_id] = spread.get(decision.worker_id, 0) + 1
+            prefix += plan.candidate(decision.worker_id).matched_blocks > 0
             # the picked worker's engine now holds the prompt's blocks
             w = decision.worker_id
             seqs[w] += 1
@@ -178,6 +199,7 @@ def same_pick(n: int) -> tuple[int, int]:
                 worker_id=w, epoch=1, seq=seqs[w],
                 events=[kv_pb.KVEvent(stored=kv_pb.BlockStored(block_hashes=hasher.hash_prompt(ids)))])]),
                 timeout=10))
+        print(f"same pick: the router's picks by worker {dict(sorted(spread.items()))}, {prefix} on a cached prefix")
         return agree, len(prompts)
     finally:
         loop.run(client.close())
