@@ -200,6 +200,8 @@ def same_pick(n: int, window: int = 16) -> tuple[int, int]:
                 events=[kv_pb.KVEvent(stored=kv_pb.BlockStored(block_hashes=hasher.hash_prompt(ids)))])]),
                 timeout=10))
         print(f"same pick: the router's picks by worker {dict(sorted(spread.items()))}, {prefix} on a cached prefix")
+        while held:
+            loop.run(held.popleft()[0].__aexit__(None, None, None))
         return agree, len(prompts)
     finally:
         loop.run(client.close())
@@ -257,8 +259,13 @@ def main() -> int:
             wait_grpc(f"127.0.0.1:{epp_port}", procs[-1])
             fold_proc, fold_addr = spawn_router(kv, model, "--fold-reserve")
             procs.append(fold_proc)
+            # NOTE: three routers on each stack, so in a shuffled round each stack's pairs follow its own as
+            # often as the other's (the ingest of the previous requests is part of what the hop meets).
+            on_more = [spawn_router(on.endpoints["kv_service"], model, "--otlp-endpoint", receiver.address)
+                       for _ in range(2)]
+            procs += [p for p, _ in on_more]
             arms = {"this, off": (off.endpoints["router"], {}), "this, folded": (fold_addr, {}),
-                    "this, tracing on": (on.endpoints["router"], {})}
+                    "on 1": (on.endpoints["router"], {}), "on 2": (on_more[0][1], {}), "on 3": (on_more[1][1], {})}
             if site is not None:
                 today_port = free_port()
                 procs.append(spawn(kvmesh_cmd("router", "--host", "127.0.0.1", "--port", str(today_port),
@@ -268,7 +275,7 @@ def main() -> int:
                 wait_grpc(f"127.0.0.1:{today_port}", procs[-1])
                 arms = {"today": (f"127.0.0.1:{today_port}", {}), **arms}
             for name, (_addr, ws) in arms.items():
-                stack = on if name == "this, tracing on" else off
+                stack = on if name.startswith("on ") else off
                 ws.update({f"worker-{i}": stack.endpoints[f"worker-{i}"] for i in range(4)})
 
             epp_rtt: list[float] = []
@@ -295,6 +302,8 @@ def main() -> int:
                                 between=one_epp)
             s1, c1 = decision_mean_ms(router_mp)
             print(f"  (load average after the pairs {load()})")
+            measured["this, tracing on"] = measured.pop("on 1").pooled(measured.pop("on 2"), measured.pop("on 3"),
+                                                                         name="this, tracing on")
             for arm in measured.values():
                 print("  " + arm.line())
             this = measured["this, off"]

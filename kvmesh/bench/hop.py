@@ -8,7 +8,8 @@ client sends pairs: a fresh 4,096-id prompt through a router, then one straight 
 served it; then it times a bare grpc.aio hop (a health Check of that worker) in the same loop. The
 router's share is the difference of the two TTFT medians, and its length in hops that share over the
 hop's median. Several routers (arms: today's code, this code, this code tracing) take turns pair by
-pair, so the host's load drifts over all of them alike.
+pair, in a new random order each round, so the host's load drifts over all of them alike and none is
+always the one that follows a quiet spell.
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ class Arm:
     direct: list[float] = field(default_factory=list)
     hops: list[float] = field(default_factory=list)
     served: dict[str, int] = field(default_factory=dict)
+
+    def pooled(self, *others: Arm, name: str = "") -> Arm:
+        """This arm's pairs and the others' as one arm (several routers of one treatment)."""
+        out = Arm(name or self.name, list(self.routed), list(self.direct), list(self.hops), dict(self.served))
+        for o in others:
+            out.routed += o.routed
+            out.direct += o.direct
+            out.hops += o.hops
+            for w, n in o.served.items():
+                out.served[w] = out.served.get(w, 0) + n
+        return out
 
     @property
     def share_ms(self) -> float:
@@ -91,8 +103,14 @@ async def measure_arms(arms: dict[str, tuple[str, dict[str, str]]], pairs: int, 
     def prompt() -> list[int]:
         return [rng.randrange(3, 500) for _ in range(tokens)]
 
+    names = list(rstubs)
+    order = random.Random(seed + 1)
     for k in range(warmup + pairs):
-        for name, stub in rstubs.items():
+        # NOTE: a new order each round: the arm that follows a quiet spell (its index idle, its workers
+        # done) would otherwise always be the same one; a round's first pair read 4 ms faster direct TTFTs.
+        order.shuffle(names)
+        for name in names:
+            stub = rstubs[name]
             ttft, last = await _first(stub.Generate(router_pb2.GenerateRequest(
                 token_ids=router_pb2.TokenIds(ids=prompt()), sampling=sampling), timeout=60))
             served = last.served_by  # type: ignore[attr-defined]
