@@ -61,7 +61,7 @@ from kvmesh.router.api.gateway import endpoint_of
 from kvmesh.router.config import EppConfig, RouterConfig, RoutingConfig
 from kvmesh.router.core.policies.base import PolicyConfig
 from kvmesh.router.epp import EppServer
-from kvmesh.router.model_router import GenerateInput
+from kvmesh.router.generate_types import GenerateInput
 from kvmesh.router.server import RouterServer
 from kvmesh.stack import LocalStack, StackConfig, kvmesh_cmd
 from kvmesh.transport.channels import dial

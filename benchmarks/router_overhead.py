@@ -32,12 +32,12 @@ import time
 from pathlib import Path
 
 from kvmesh.bench.processes import start_kv_service
-from kvmesh.bench.report import percentile as pct
 from kvmesh.contract.types import SamplingParams
 from kvmesh.loopback import RedisServer, free_port
 from kvmesh.make_model import CORPUS, train_tokenizer
+from kvmesh.replay.records import percentile as pct
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.model_router import GenerateInput
+from kvmesh.router.generate_types import GenerateInput
 from kvmesh.router.server import RouterServer
 from kvmesh.transport.channels import dial
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -72,7 +72,7 @@ async def timed_decisions(router, router_server, spec, inputs: list[GenerateInpu
     """On the router's loop: ``iters`` decisions end to end, then each stage alone (in ms)."""
     for inp in inputs * 2:  # warm up channels, tokenizer caches and the Lua script
         plan, _ = await router.decide(inp)
-        if plan.ticket is not None:  # NOTE: never forwarded: its in-flight share (a claimed pick) goes
+        if plan.ticket is not None:  # NOTE: never forwarded: its in-flight share (a reserved pick) goes
             router.core.finish(plan.ticket)
     total, stages = [], {"tokenize": [], "hash": [], "lookup": [], "pick": []}
     for k in range(iters):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.contract.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128
 from kvmesh.contract.settings import flag
+from kvmesh.router.core.pd import PDConfig
 from kvmesh.router.core.policies.base import PolicyConfig
 
 
@@ -36,7 +37,7 @@ class RoutingConfig:
     """The Lookup carries the pick this router would make from its own view, reserved in the same call: when the
     answer confirms that pick, no Reserve round trip follows. Off by default: in the simulator it makes bursts of
     one prefix pile onto its first holder (docs/router.md, "The hop in bare hops")."""
-    claim_attempts: int = 10
+    reservation_attempts: int = flag(10, old_names=("claim-attempts",))
     """Reservations per request at most: a refused one (another router reserved the worker since this router's
     Lookup) is picked again; the last is unconditional."""
     max_attempts: int = 3
@@ -49,19 +50,22 @@ class RoutingConfig:
     """Seconds a worker that failed a call is skipped (unless every worker is)."""
     discovery_interval_s: float = flag(1.0, name="discovery-interval")
     """Seconds between ListWorkers / GetLoad polls."""
+    pd: PDConfig = field(default_factory=PDConfig)
+    """Prefill/decode disaggregation: the decision whether a prefill worker takes a prompt (a group)."""
 
     def check(self) -> None:
         """Raises ValueError with the flag to fix."""
         if self.lookup_timeout_ms <= 0 or self.request_timeout_s <= 0:
             raise ValueError("--lookup-timeout-ms and --request-timeout must be > 0")
-        if self.max_attempts < 1 or self.claim_attempts < 1:
-            raise ValueError(f"--max-attempts and --claim-attempts must be >= 1, got {self.max_attempts}, "
-                             f"{self.claim_attempts}")
+        if self.max_attempts < 1 or self.reservation_attempts < 1:
+            raise ValueError(f"--max-attempts and --reservation-attempts must be >= 1, got {self.max_attempts}, "
+                             f"{self.reservation_attempts}")
         if self.speculative_ttl_s < 0 or self.index_retry_s < 0 or self.unhealthy_s < 0:
             raise ValueError("--speculative-ttl, --index-retry and --unhealthy-time must be >= 0")
         if not self.discovery_interval_s > 0:
             raise ValueError(f"--discovery-interval must be > 0, got {self.discovery_interval_s}")
         self.policy_config.check()
+        self.pd.check()
 
 
 @dataclass(slots=True)

@@ -6,15 +6,9 @@ import argparse
 import gc
 import logging
 
-from kvmesh.commands.common import (
-    add_log_level,
-    add_security_args,
-    add_tracing_args,
-    apply_security,
-    apply_tracing,
-    setup_logging,
-    start_metrics_server,
-)
+from kvmesh.commands.common import add_service_args, serve
+
+log = logging.getLogger("kvmesh.epp")
 
 ROUTER_ONLY = ("port", "http_port", "http_header_timeout_s", "http_body_timeout_s", "http_max_unfinished",
                "http_keep_alive_s", "http_linger_bytes", "http_linger_time_s")
@@ -36,11 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(p, EppConfig, choices={"request_body_mode": EPP_BODY_MODES})
     add_config_args(p, RouterConfig, exclude=ROUTER_ONLY,
                     choices={"policy": policy_names(), "hash_algorithm": ALGORITHMS, "step_cost_fit": STEP_COST_FITS})
-    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port, 0 = off (default 9090)")
-    p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
-    add_security_args(p, serves="api", calls="admin")
-    add_tracing_args(p)
-    add_log_level(p)
+    add_service_args(p, metrics_port=9090, serves="api", calls="admin")
     p.set_defaults(func=run)
 
 
@@ -53,23 +43,16 @@ def configs_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.router.epp import EppServer
-    from kvmesh.transport.server import wait_for_termination_signal
 
-    setup_logging(args.log_level)
-    log = logging.getLogger("kvmesh.epp")
-    try:
-        apply_security(args)
-        apply_tracing(args, "kvmesh-epp")
+    def start() -> EppServer:
         server = EppServer(*configs_from_args(args)).start()
-    except (ValueError, FileNotFoundError, OSError) as exc:
-        log.error("%s", exc)
-        return 2
-    gc.collect()
-    gc.freeze()
-    if args.metrics_port:
-        start_metrics_server(args.metrics_port, server.metrics.registry)
-    source = f"workers {args.workers}" if args.workers else f"kv_service {args.kv_service}"
-    log.info("endpoint picker (ext_proc) listening on %s:%d (policy %s, %s)", args.host, server.port, args.policy,
-             source)
-    wait_for_termination_signal(server.stop, args.grace)
-    return 0
+        gc.collect()
+        gc.freeze()  # as the router: start-up's objects out of the collector's full passes
+        return server
+
+    def serving(server: EppServer) -> None:
+        source = f"workers {args.workers}" if args.workers else f"kv_service {args.kv_service}"
+        log.info("endpoint picker (ext_proc) listening on %s:%d (policy %s, %s)", args.host, server.port,
+                 args.policy, source)
+
+    return serve(args, log, start, serving)

@@ -1,15 +1,19 @@
 """Protobuf <-> domain conversions: the one place kvmesh.v1 messages become kvmesh.contract types.
 
 Adapters (the gRPC servers and clients of every part) call these; core code never sees protobuf.
+One encoder is written by hand for speed, :class:`LookupReplies` (the kv_service's Lookup reply from
+cached wire bytes); its reference is :func:`match_to_pb`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvmesh.contract.block_hash import SHA256_128, XXH3_128
+from kvmesh.contract.block_hash import HASH_LEN, SHA256_128, XXH3_128
 from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.index_protocol import (
+    NO_PENDING,
+    Pending,
     Registration,
     Reservation,
     ReservationAnswer,
@@ -17,21 +21,21 @@ from kvmesh.contract.index_protocol import (
     WorkerInfo,
     WorkerMatch,
 )
+from kvmesh.contract.kv_transfer import GRPC, KVLayout, KVSource
 from kvmesh.contract.types import (
-    NO_PENDING,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     FinishReason,
     KVCacheEvent,
     Load,
-    Pending,
     SamplingParams,
     Tier,
     Usage,
 )
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as kv_pb
+from kvmesh.v1 import worker_pb2 as w_pb
 
 FINISH_TO_PB: dict[FinishReason, int] = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -124,13 +128,13 @@ def registration_to_pb(r: Registration) -> kv_pb.RegisterWorkerRequest:
     return kv_pb.RegisterWorkerRequest(worker_id=r.worker_id, address=r.address, model_id=r.model_id,
                                        block_size=r.block_size, hash_algorithm=algorithm_to_pb(r.hash_algorithm),
                                        num_blocks=r.num_blocks, epoch=r.epoch, engine=r.engine,
-                                       host_blocks=r.host_blocks)
+                                       host_blocks=r.host_blocks, role=r.role)
 
 
 def registration_from_pb(m: kv_pb.RegisterWorkerRequest) -> Registration:
     """Raises InvalidArgument for an unset or unknown hash algorithm (the kv_service checks the rest)."""
     return Registration(m.worker_id, m.address, m.model_id, m.block_size, algorithm_from_pb(m.hash_algorithm),
-                        m.num_blocks, m.epoch, m.engine or "kvmesh", m.host_blocks)
+                        m.num_blocks, m.epoch, m.engine or "kvmesh", m.host_blocks, m.role or "both")
 
 
 def worker_info_to_pb(info: WorkerInfo, now_ms: int) -> kv_pb.WorkerInfo:
@@ -142,6 +146,7 @@ def worker_info_to_pb(info: WorkerInfo, now_ms: int) -> kv_pb.WorkerInfo:
         last_seq=info.last_seq, blocks_indexed=info.blocks_indexed, load=load_to_pb(info.load),
         lease_remaining_ms=info.lease_expiry_ms - now_ms, live=info.live(now_ms), engine=r.engine,
         pending=pending_to_pb(info.pending), host_blocks=r.host_blocks, host_blocks_indexed=info.host_blocks_indexed,
+        role=r.role,
     )
 
 
@@ -149,7 +154,7 @@ def worker_info_from_pb(m: kv_pb.WorkerInfo, now_ms: int) -> WorkerInfo:
     """The lease ends ``lease_remaining_ms`` after ``now_ms`` on the receiver's clock. A hash algorithm
     this side does not know reads as ""."""
     reg = Registration(m.worker_id, m.address, m.model_id, m.block_size, PB_TO_ALGO.get(m.hash_algorithm, ""),
-                       m.num_blocks, m.epoch, m.engine or "kvmesh", m.host_blocks)
+                       m.num_blocks, m.epoch, m.engine or "kvmesh", m.host_blocks, m.role or "both")
     return WorkerInfo(reg, m.last_seq, m.blocks_indexed, load_from_pb(m.load), now_ms + m.lease_remaining_ms,
                       pending_from_pb(m.pending) if m.HasField("pending") else NO_PENDING, m.host_blocks_indexed)
 
@@ -157,6 +162,88 @@ def worker_info_from_pb(m: kv_pb.WorkerInfo, now_ms: int) -> WorkerInfo:
 def match_from_pb(m: kv_pb.WorkerMatch) -> WorkerMatch:
     return WorkerMatch(m.worker_id, m.address, m.matched_blocks, load_from_pb(m.load), m.block_size,
                        pending_from_pb(m.pending) if m.HasField("pending") else NO_PENDING, m.pending_blocks, m.host_blocks)
+
+
+def match_to_pb(m: WorkerMatch) -> kv_pb.WorkerMatch:
+    """Field by field; the kv_service's Lookup replies are :class:`LookupReplies`' cached bytes of the same."""
+    return kv_pb.WorkerMatch(worker_id=m.worker_id, address=m.address, matched_blocks=m.matched_blocks,
+                             load=load_to_pb(m.load), block_size=m.block_size,
+                             pending=pending_to_pb(m.pending) if m.pending.version else None,
+                             pending_blocks=m.pending_blocks, host_blocks=m.host_blocks)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_VARINTS = [_varint(i) for i in range(1 << 14)]
+"""Every varint below 2**14 (matched blocks, lengths of a worker's entry), made once."""
+
+
+def varint(n: int) -> bytes:
+    return _VARINTS[n] if n < len(_VARINTS) else _varint(n)
+
+
+class LookupReplies:
+    """Builds LookupResponses from each worker's match cached as protobuf wire bytes: the kv_service's
+    Lookup reply, parse-equal to ``LookupResponse(workers=[match_to_pb(m) ...])`` (tests/contract/ checks it
+    against protobuf's own encoding).
+
+    NOTE: a reply names every live worker of the model with its load (the router prefers it to
+    its last discovery poll), so with 64 workers building 64 nested messages field by field cost
+    ~300 us a Lookup, more than the Redis round trip. A worker's address, block size and load
+    change at most once per heartbeat: their encoding is cached per worker (checked by identity
+    first: the store hands out the same Load object until its cache refresh), and a reply is the
+    cached bytes plus each worker's matched_blocks (and host_blocks), parsed once into the message
+    gRPC sends.
+    """
+
+    MAX_CACHED = 8192
+
+    def __init__(self) -> None:
+        self._static: dict[str, tuple[Load, str, int, bytes]] = {}
+
+    def _entry(self, m: WorkerMatch) -> bytes:
+        c = self._static.get(m.worker_id)
+        if c is None or c[1] != m.address or c[2] != m.block_size or (c[0] is not m.load and c[0] != m.load):
+            if len(self._static) >= self.MAX_CACHED:
+                self._static.clear()  # workers that left
+            c = (m.load, m.address, m.block_size, kv_pb.WorkerMatch(
+                worker_id=m.worker_id, address=m.address, load=load_to_pb(m.load), block_size=m.block_size,
+            ).SerializeToString())
+            self._static[m.worker_id] = c
+        elif c[0] is not m.load:
+            self._static[m.worker_id] = (m.load, *c[1:])  # an equal load, refreshed: identity next time
+        # field 3 (matched_blocks, varint): proto3 leaves a 0 out
+        entry = c[3] + b"\x18" + varint(m.matched_blocks) if m.matched_blocks else c[3]
+        p = m.pending
+        if p.version:
+            # field 6 (pending, a PendingPicks of four varints, zeros left out): changes every pick
+            body = b"".join((b"\x08" + varint(p.requests) if p.requests else b"",
+                             b"\x10" + varint(p.prefill_tokens) if p.prefill_tokens else b"",
+                             b"\x18" + varint(p.blocks) if p.blocks else b"", b"\x20" + varint(p.version)))
+            entry += b"\x32" + varint(len(body)) + body
+        if m.pending_blocks:
+            entry += b"\x38" + varint(m.pending_blocks)  # field 7 (pending_blocks, varint)
+        if m.host_blocks:
+            entry += b"\x40" + varint(m.host_blocks)  # field 8 (host_blocks, varint)
+        return entry
+
+    def response(self, matches: list[WorkerMatch], block_size: int, n: int,
+                 reserved: bool = False) -> kv_pb.LookupResponse:
+        parts = []
+        for m in matches:
+            entry = self._entry(m)
+            parts += (b"\x0a", varint(len(entry)), entry)  # field 1 (workers), length-delimited
+        parts += (b"\x10", varint(block_size), b"\x18", varint(n))  # fields 2 and 3, varints
+        if reserved:
+            parts.append(b"\x20\x01")  # field 4 (reserved, a bool): the Lookup's folded reservation was made
+        return kv_pb.LookupResponse.FromString(b"".join(parts))
 
 
 def reservation_to_pb(r: Reservation) -> kv_pb.ReserveRequest:
@@ -240,3 +327,39 @@ def audit_to_pb(worker_id: str, a: WorkerAudit) -> kv_pb.WorkerAudit:
 
 def audit_from_pb(m: kv_pb.WorkerAudit) -> tuple[str, WorkerAudit]:
     return m.worker_id, WorkerAudit(**{f: getattr(m, f) for f in _AUDIT_FIELDS}, engine=m.engine)
+
+
+# -- prefill/decode disaggregation (kvmesh/contract/kv_transfer.py) ------------------------------------
+def kv_layout_to_pb(x: KVLayout) -> w_pb.KVLayout:
+    return w_pb.KVLayout(model_id=x.model_id, block_size=x.block_size, dtype=x.dtype, num_layers=x.num_layers,
+                         num_kv_heads=x.num_kv_heads, head_dim=x.head_dim, hash_algorithm=x.hash_algorithm)
+
+
+def kv_layout_from_pb(m: w_pb.KVLayout) -> KVLayout:
+    return KVLayout(m.model_id, m.block_size, m.dtype, m.num_layers, m.num_kv_heads, m.head_dim, m.hash_algorithm)
+
+
+def kv_source_to_pb(s: KVSource) -> w_pb.KVSource:
+    if s.layout is None:
+        raise InvalidArgument("a vLLM prefill leg's KV cannot go to a kvmesh decode worker: prefill and decode "
+                              "workers of one model are both kvmesh workers or both vLLM servers")
+    m = w_pb.KVSource(request_id=s.request_id, worker_id=s.worker_id, address=s.address,
+                      layout=kv_layout_to_pb(s.layout), block_hashes=list(s.block_hashes),
+                      transports=list(s.transports), nixl_metadata=s.nixl_metadata, ttl_ms=s.ttl_ms)
+    if s.first_token is not None:
+        m.first_token = s.first_token
+    return m
+
+
+def kv_source_from_pb(m: w_pb.KVSource) -> KVSource:
+    """Raises InvalidArgument on a source a decode worker cannot use (checked before any KV moves)."""
+    if not m.request_id or not m.address or not m.HasField("layout"):
+        raise InvalidArgument("kv_transfer.source needs request_id, address and layout (the prefill leg's "
+                              "kv_source, passed on unchanged)", param="kv_transfer")
+    bad = next((i for i, h in enumerate(m.block_hashes) if len(h) != HASH_LEN), None)
+    if bad is not None:
+        raise InvalidArgument(f"kv_transfer.source.block_hashes[{bad}] is {len(m.block_hashes[bad])} bytes, not "
+                              f"{HASH_LEN}", param="kv_transfer")
+    return KVSource(m.request_id, m.worker_id, m.address, kv_layout_from_pb(m.layout), tuple(m.block_hashes),
+                    tuple(m.transports) or (GRPC,), m.nixl_metadata, m.ttl_ms,
+                    m.first_token if m.HasField("first_token") else None)

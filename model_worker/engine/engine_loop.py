@@ -20,13 +20,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvmesh.contract.errors import AlreadyExists
 from kvmesh.contract.limits import excerpt
 from kvmesh.contract.types import KVCacheEvent, SamplingParams
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
 from kvmesh.model_worker.engine.timeline import RequestTimeline
-from kvmesh.model_worker.scheduling.scheduler import RequestOutput
+from kvmesh.model_worker.scheduling.output import RequestOutput
 
 log = logging.getLogger("kvmesh.worker.engine")
 
@@ -173,17 +174,23 @@ class EngineLoop:
         return self._iterate(request_id, stream)
 
     def submit_async(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     cache_salt: str = "", timeline: RequestTimeline | None = None) -> AsyncTokenStream:
+                     cache_salt: str = "", timeline: RequestTimeline | None = None, **kv: Any) -> AsyncTokenStream:
         """As ``submit``, for a caller on an event loop (this one receives the events). The caller
-        aborts the request when it stops reading early (a no-op after the end). ``timeline``: kept up to
+        aborts the request when it stops reading early (a no-op after the end). ``kv``: a prefill or
+        decode leg's ``hold_kv_s`` / ``kv_import`` (LLMEngine.add_request); ``timeline``: kept up to
         date by the step thread (a traced request), read by the caller once the stream ended."""
         reader = AsyncTokenStream()
         self._add(request_id, Stream(loop=asyncio.get_running_loop(), reader=reader, timeline=timeline),
-                  prompt_token_ids, params, cache_salt)
+                  prompt_token_ids, params, cache_salt, **kv)
         return reader
 
+    def in_flight(self, request_id: str) -> bool:
+        """Whether a stream of this id is open here."""
+        with self._lock:
+            return request_id in self._streams
+
     def _add(self, request_id: str, stream: Stream, prompt_token_ids: list[int], params: SamplingParams,
-             cache_salt: str) -> None:
+             cache_salt: str, **kv: Any) -> None:
         stream.prompt_tokens = len(prompt_token_ids)
         with self._lock:
             if request_id in self._streams:
@@ -193,7 +200,7 @@ class EngineLoop:
             if stream.timeline is not None:
                 self._traced[request_id] = stream.timeline
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params, cache_salt)
+            self.engine.add_request(request_id, prompt_token_ids, params, cache_salt, **kv)
         except Exception:
             with self._lock:
                 self._streams.pop(request_id, None)

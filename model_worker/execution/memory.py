@@ -6,7 +6,7 @@ when the worker starts; what it does not spend on the rest is its KV cache. Two 
 on one GPU each get 0.4 of it, whatever the other holds; a worker whose share is not free refuses
 to start and says how much is free and what to set.
 
-The arithmetic is pure (tested with a device's numbers injected, tests/model_worker/test_memory.py);
+The arithmetic is pure (tested with a device's numbers injected, tests/model_worker/execution/test_memory.py);
 ``DeviceMemory.read`` asks the driver.
 """
 

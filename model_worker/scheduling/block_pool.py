@@ -8,13 +8,21 @@ KV cache group (kv_cache_spec.py) draws from this one pool and its one free queu
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 if TYPE_CHECKING:
-    from kvmesh.model_worker.scheduling.host_block_pool import HostBlockPool
     from kvmesh.model_worker.scheduling.request import Request
+
+
+class HostTier(Protocol):
+    """What the pool needs of the tier its evicted blocks go to (host_block_pool.py's HostBlockPool,
+    which builds on this module: so the pool names the shape, not the class)."""
+
+    def offload(self, evicted: Sequence[tuple[bytes, int]]) -> None: ...
+
+    def reset(self) -> bool: ...
 
 
 class KVCacheBlock:
@@ -145,7 +153,7 @@ class BlockPool:
             {} for _ in range(num_groups)
         ]
         self._events: list[KVCacheEvent] = []
-        self.host: HostBlockPool | None = None
+        self.host: HostTier | None = None
         """The host tier evicted blocks go to (host_block_pool.py); None = evicted blocks are gone.
         Set by the KV cache manager, for a pool of one group."""
 
@@ -194,6 +202,19 @@ class BlockPool:
         if self.enable_events and stored:
             parent = request.block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
             self._events.append(BlockStored(block_hashes=stored, parent_block_hash=parent, group_id=group_id))
+
+    def cache_imported(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
+                       parent: bytes | None) -> None:
+        """Caches blocks whose KV arrived from another worker (kv_holds.py) under ``block_hashes``, one
+        chain run parented on ``parent``: one BlockStored, as a request's own run would give."""
+        cached = self.cached_blocks_by_group[0]
+        for block, h in zip(blocks, block_hashes, strict=True):
+            assert block.block_hash is None, f"{block} is already cached"
+            block.block_hash = h
+            block.group_id = 0
+            cached.setdefault(h, {})[block.block_id] = block
+        if self.enable_events and blocks:
+            self._events.append(BlockStored(block_hashes=list(block_hashes), parent_block_hash=parent, group_id=0))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Takes blocks from the head of the free queue (least recently freed first), ref 1 each."""

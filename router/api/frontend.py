@@ -15,8 +15,8 @@ from contextlib import aclosing
 from kvmesh.contract.errors import ResourceExhausted
 from kvmesh.router.api.request_body import BodyBounds
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.generate_types import GenerateInput, GenerateOutput
 from kvmesh.router.metrics import RouterMetrics
-from kvmesh.router.model_router import GenerateInput, GenerateOutput
 from kvmesh.router.models import ModelSet, ServedModel
 
 

@@ -15,10 +15,11 @@ that routes in production. Everything here is decision logic:
 - the shared router view (docs/router.md, "Several routers"): for a policy that reads it, each
   pick becomes a :class:`Reservation` the caller makes in the kv_service before forwarding; a
   refused one (another router reserved the worker since this router's Lookup) updates the
-  candidates' pending picks and the policy picks again, ``claim_attempts`` times at most, the last
+  candidates' pending picks and the policy picks again, ``reservation_attempts`` times at most, the last
   one unconditional. A pick made without the Lookup because it came back late (the index answered
-  other calls meanwhile: slow, not down) is reserved unconditionally. :class:`Claims` is that loop without its I/O: the live router awaits each
-  Reserve (router/model_router.py), the simulator schedules it on its clock (kvmesh/sim/router.py).
+  other calls meanwhile: slow, not down) is reserved unconditionally. router/core/reservation_loop.py's
+  :class:`ReservationLoop` is that loop without its I/O: the live router awaits each Reserve
+  (router/model_router.py), the simulator schedules it on its clock (kvmesh/sim/router.py).
 
 No grpc, no redis, no threads, no wall clock: time is the injected ``clock`` (monotonic seconds),
 and the index is anything with a ``lookup`` (router/core/upstream.py's ``PrefixIndex``). Metrics go to
@@ -34,13 +35,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.index_protocol import (
     IndexUnavailable,
+    Pending,
     Reservation,
     ReservationAnswer,
     WorkerMatch,
@@ -48,7 +50,7 @@ from kvmesh.contract.index_protocol import (
     anchors_of,
 )
 from kvmesh.contract.limits import MAX_CHAIN_BLOCKS
-from kvmesh.contract.types import ModelSpec, Pending
+from kvmesh.contract.types import ModelSpec
 from kvmesh.router.core.inflight import InFlight, Ticket
 from kvmesh.router.core.policies.base import Candidate, Decision, RouteQuery, RouterPolicy, uncached_tokens
 from kvmesh.router.core.speculative import SpeculativeIndex
@@ -135,7 +137,7 @@ class PendingPlan:
     index_ok: bool
     max_tokens: int
     asked_at: float = 0.0
-    """The router's clock when the Lookup was asked: its own picks claimed since may be missing from it."""
+    """The router's clock when the Lookup was asked: its own picks reserved since may be missing from it."""
 
 
 @dataclass(slots=True)
@@ -148,18 +150,22 @@ class RoutePlan:
     endpoints: dict[str, WorkerEndpoint]
     model_id: str = ""
     versions: dict[str, int] | None = None
-    """Per worker, its reservation count in the Lookup answer; None = no claims for this plan (the
+    """Per worker, its reservation count in the Lookup answer; None = no reservations for this plan (the
     policy does not read the shared view, it is off, or the index is down)."""
     conditional: bool = True
-    """Claims are conditional on ``versions`` (False: the Lookup was late, the pick blind: reserved
+    """Reservations are conditional on ``versions`` (False: the Lookup was late, the pick blind: reserved
     unconditionally, so the other routers still see it)."""
     ticket: Ticket | None = None
     """The request's in-flight share on the worker it goes to (:meth:`RoutingCore.start`)."""
-    claimed_at: float = 0.0
-    """When its last claim was sent (the refusal's answer may miss this router's picks claimed since)."""
+    reserve_sent_at: float = 0.0
+    """When its last reservation was sent (the refusal's answer may miss this router's picks reserved since)."""
     answered: bool = False
     """The index answered this plan's Lookup: its candidates' ``indexed_blocks`` are the index's word (the
     miss audit's prediction, router/core/audit.py)."""
+    prefill_candidates: list[Candidate] = field(default_factory=list)
+    """Prefill/decode disaggregation: the prefill workers (``candidates`` then holds the workers that decode)."""
+    pd: object | None = None
+    """The plan's prefill/decode decision (router/core/pd.py's PDDecision), once made."""
     folded: Reservation | None = None
     """The pick this router made from its own view and reserved with the Lookup (:meth:`RoutingCore.tentative`)."""
     folded_reserved: bool = False
@@ -182,13 +188,13 @@ class RoutingCore:
         observer: receives decision / fallback / lookup-latency counts; None = not counted.
         shared_view: reserve picks in the kv_service and read the other routers' (when the policy
             reads the view).
-        router_id: this router's id in its claims.
-        claim_attempts: claims per request at most; the last is unconditional.
+        router_id: this router's id in its reservations.
+        reservation_attempts: reservations per request at most; the last is unconditional.
     """
 
     def __init__(self, policy: RouterPolicy, *, speculative_ttl_s: float = 2.0, index_retry_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, observer: DecisionObserver | None = None,
-                 shared_view: bool = False, router_id: str = "router", claim_attempts: int = 10,
+                 shared_view: bool = False, router_id: str = "router", reservation_attempts: int = 10,
                  fold_reserve: bool = False) -> None:
         self.policy = policy
         self.shared_view = shared_view and policy.shares_view
@@ -200,7 +206,7 @@ class RoutingCore:
         """This router's picks reserved since that answer, by worker (finished or not: the workers' reports
         lag them, and the next answer will count them)."""
         self.router_id = router_id
-        self.claim_attempts = claim_attempts
+        self.reservation_attempts = reservation_attempts
         self.clock = clock
         self.speculative = SpeculativeIndex(speculative_ttl_s, clock=clock)
         self.inflight = InFlight()
@@ -262,7 +268,7 @@ class RoutingCore:
     def build(self, spec: ModelSpec, token_ids: Sequence[int], chain: list[bytes],
               endpoints: Iterable[WorkerEndpoint], answer: Sequence[WorkerMatch] | None, index_ok: bool, *,
               adopt: bool, healthy: Callable[[str], bool] = lambda _w: True, max_tokens: int = 0,
-              asked_at: float | None = None, claim_blind: bool = False) -> RoutePlan:
+              asked_at: float | None = None, reserve_blind: bool = False) -> RoutePlan:
         """The candidates of one request.
 
         Args:
@@ -272,8 +278,8 @@ class RoutingCore:
                 (discovery from the index); False with a static worker list.
             healthy: whether a worker is free of a recent failure mark.
             max_tokens: the request's max_tokens, for policies that cost its decode.
-            asked_at: when the Lookup was asked (the shared view adds this router's picks claimed since).
-            claim_blind: the Lookup was late but the index answers: the pick made without it is still
+            asked_at: when the Lookup was asked (the shared view adds this router's picks reserved since).
+            reserve_blind: the Lookup was late but the index answers: the pick made without it is still
                 reserved (unconditionally), so the other routers see it.
         """
         eps = {e.worker_id: e for e in endpoints}
@@ -326,7 +332,7 @@ class RoutingCore:
         usable = [c for c in candidates if healthy(c.worker_id)]
         # NOTE: unhealthy marks are hints: when every worker carries one, try them all anyway.
         versions = ({w: m.pending.version for w, m in pending.items()} if shared
-                    else {} if self.shared_view and claim_blind and self.wants_index(chain) else None)
+                    else {} if self.shared_view and reserve_blind and self.wants_index(chain) else None)
         return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok, max_tokens),
                          usable or candidates, eps, spec.model_id, versions, conditional=shared,
                          answered=answer is not None)
@@ -374,7 +380,7 @@ class RoutingCore:
                 self._since_seen = {}
         plan = self.build(pending.spec, pending.token_ids, pending.chain, endpoints, answer, index_ok, adopt=adopt,
                           healthy=healthy, max_tokens=pending.max_tokens, asked_at=pending.asked_at,
-                          claim_blind=late)
+                          reserve_blind=late)
         if folded is not None:
             # NOTE: reserved, or perhaps reserved (the Lookup failed after it may have landed): a claim
             # elsewhere drops it; a pick of the same worker keeps it (reserve.lua: one pick per request id).
@@ -390,7 +396,7 @@ class RoutingCore:
         speculative map, the in-flight view and the last answer's loads and pending picks (no matches:
         they are the Lookup's), its random state left as it was (``RouterPolicy.fallbacks``). None when
         the plan asks no index, the shared view is off, or no answer was seen yet. When the answer
-        confirms the pick (``pick`` prefers it among equals), :class:`Claims` has nothing to send."""
+        confirms the pick (``pick`` prefers it among equals), the reservation loop has nothing to send."""
         if not (self.fold_reserve and self.shared_view and pending.lookup is not None and self._seen):
             return None
         eps = list(endpoints)
@@ -440,7 +446,7 @@ class RoutingCore:
     def pick(self, plan: RoutePlan, candidates: Sequence[Candidate] | None = None, *, count: bool = True) -> Decision:
         """The policy's pick among ``candidates`` (default: all of the plan's), recorded in the
         speculative map at once (a burst's next same-prefix request follows it) and counted
-        (``count=False``: the caller counts it with :meth:`commit` once its claim is settled)."""
+        (``count=False``: the caller counts it with :meth:`commit` once its reservation is settled)."""
         prefer = plan.folded.worker_id if plan.folded is not None and plan.folded_reserved else None
         decision = self.policy.pick_preferring(plan.query, plan.candidates if candidates is None else candidates,
                                                prefer)
@@ -454,31 +460,27 @@ class RoutingCore:
         self.observer.decision(self.policy.name, decision.reason)
 
     # -- 4b. the shared view --------------------------------------------------------------------
-    def claims(self, plan: RoutePlan, decision: Decision, request_id: str) -> Claims:
-        """The reservation loop of a pick (:class:`Claims`), for a plan with or without the shared view."""
-        return Claims(self, plan, decision, request_id)
-
-    def claim(self, plan: RoutePlan, decision: Decision, request_id: str, tries: int) -> Reservation | None:
+    def reservation(self, plan: RoutePlan, decision: Decision, request_id: str, tries: int) -> Reservation | None:
         """The reservation of the pick to make before forwarding (``tries`` made before it), or None
         when there is none to make: no shared view for this plan, or the attempts are used up."""
-        if plan.versions is None or tries >= self.claim_attempts:
+        if plan.versions is None or tries >= self.reservation_attempts:
             return None
-        # NOTE: in flight from the pick on, so this router's next picks see it while it is claimed.
+        # NOTE: in flight from the pick on, so this router's next picks see it while it is reserved.
         ticket = self.start(plan, decision.worker_id)
-        self.inflight.claim_started(ticket)
-        plan.claimed_at = self.clock()
+        self.inflight.reservation_started(ticket)
+        plan.reserve_sent_at = self.clock()
         q = plan.query
         c = plan.candidate(decision.worker_id)
         seen = (plan.versions.get(decision.worker_id, 0)
-                if plan.conditional and tries < self.claim_attempts - 1 else None)
+                if plan.conditional and tries < self.reservation_attempts - 1 else None)
         blocks = -(-q.prompt_len // q.block_size) if q.block_size else 0
         release = plan.release if plan.release != decision.worker_id else ""
         plan.release = ""
-        self.note_claim(decision.worker_id, uncached_tokens(c, q), blocks)
+        self.note_reservation(decision.worker_id, uncached_tokens(c, q), blocks)
         return Reservation(plan.model_id, decision.worker_id, self.router_id, request_id, uncached_tokens(c, q), blocks,
                            seen, anchors_of(q.block_hashes[:MAX_CHAIN_BLOCKS]), release)
 
-    def note_claim(self, worker_id: str, prefill_tokens: int, blocks: int) -> None:
+    def note_reservation(self, worker_id: str, prefill_tokens: int, blocks: int) -> None:
         """A pick of this router reserved (or being reserved) on ``worker_id``: the next folded pick's view
         counts it until an answer does (:meth:`tentative`)."""
         self._since_seen[worker_id] = _plus(self._since_seen.get(worker_id, Pending()), Pending(1, prefill_tokens,
@@ -486,16 +488,16 @@ class RoutingCore:
 
     def _with_own(self, p: Pending, worker_id: str, since: float) -> Pending:
         """The kv_service's pending picks of a worker plus this router's own that it may not hold yet
-        (claimed after ``since``, when its answer was asked): the view counts each pick once."""
-        n, tokens, blocks = self.inflight.claimed_since(worker_id, since)
+        (reserved after ``since``, when its answer was asked): the view counts each pick once."""
+        n, tokens, blocks = self.inflight.reserved_since(worker_id, since)
         return Pending(p.requests + n, p.prefill_tokens + tokens, p.blocks + blocks, p.version) if n else p
 
-    def claimed(self, plan: RoutePlan, answer: ReservationAnswer) -> Decision | None:
-        """The kv_service's answer to a claim: None when reserved (forward the pick), else the
-        policy's new pick with every candidate's pending picks as they are now (claim it next)."""
+    def reservation_answered(self, plan: RoutePlan, answer: ReservationAnswer) -> Decision | None:
+        """The kv_service's answer to a reservation: None when reserved (forward the pick), else the
+        policy's new pick with every candidate's pending picks as they are now (reserve it next)."""
         self.breaker.answered()
         if answer.reserved:
-            self.claim_settled(plan)
+            self.reservation_settled(plan)
             return None
         assert plan.versions is not None
         if plan.ticket is not None:
@@ -505,7 +507,7 @@ class RoutingCore:
         for c in plan.candidates:
             p = answer.pending.get(c.worker_id)
             if p is not None:
-                c.pending = self._with_own(p, c.worker_id, plan.claimed_at)
+                c.pending = self._with_own(p, c.worker_id, plan.reserve_sent_at)
                 plan.versions[c.worker_id] = p.version
             n = answer.anchored.get(c.worker_id, 0)
             if 0 < n <= len(positions) and positions[n - 1] + 1 > c.matched_blocks:
@@ -514,16 +516,16 @@ class RoutingCore:
         # entries would also remove those of every same-instant record of that worker.
         return self.pick(plan, count=False)
 
-    def claim_settled(self, plan: RoutePlan) -> None:
-        """The plan's claim was reserved, or given up on (the kv_service did not answer)."""
+    def reservation_settled(self, plan: RoutePlan) -> None:
+        """The plan's reservation was granted, or given up on (the kv_service did not answer)."""
         if plan.ticket is not None:
-            self.inflight.claim_settled(plan.ticket, self.clock())
+            self.inflight.reservation_settled(plan.ticket, self.clock())
 
     # -- 5. in-flight accounting ----------------------------------------------------------------
     def start(self, plan: RoutePlan, worker_id: str) -> Ticket:
         """The request goes to ``worker_id``: its uncached tokens wait for prefill there; the policy
-        hears of it (``RouterPolicy.started``). Idempotent per plan and worker (a claimed pick is in
-        flight from its claim on); a plan's earlier ticket on another worker is finished."""
+        hears of it (``RouterPolicy.started``). Idempotent per plan and worker (a reserved pick is in
+        flight from its reservation on); a plan's earlier ticket on another worker is finished."""
         t = plan.ticket
         if t is not None and not t.finished:
             if t.worker_id == worker_id:
@@ -546,66 +548,6 @@ class RoutingCore:
         if self.inflight.finish(ticket):
             self.policy.finished(ticket, output_tokens)
 
-
-class Claims:
-    """One request's reservation loop in the shared router view, without its I/O.
-
-    The caller sends each :meth:`next` reservation to the kv_service and hands back its answer
-    (:meth:`answered`) or its failure (:meth:`unanswered`) until :meth:`next` answers None; then
-    :attr:`decision` is the pick to forward. The live router awaits each Reserve; the simulator
-    schedules it on its virtual clock: one loop for both.
-    """
-
-    __slots__ = ("core", "plan", "decision", "request_id", "tries", "conflicts", "folded", "_done")
-
-    def __init__(self, core: RoutingCore, plan: RoutePlan, decision: Decision, request_id: str) -> None:
-        self.core = core
-        self.plan = plan
-        self.decision = decision
-        self.request_id = request_id
-        self.tries = 0
-        self.conflicts = 0
-        """Reservations refused because another router reserved the worker first."""
-        self._done = plan.versions is None
-        f = plan.folded
-        self.folded = (not self._done and f is not None and plan.folded_reserved and f.worker_id == decision.worker_id
-                       and f.request_id == request_id)
-        """The Lookup's folded reservation is this pick's: nothing to send."""
-        if self.folded:
-            plan.release = ""
-            assert f is not None
-            core.note_claim(f.worker_id, f.prefill_tokens, f.blocks)
-            ticket = core.start(plan, decision.worker_id)
-            core.inflight.claim_started(ticket)
-            plan.claimed_at = core.clock()
-            core.claim_settled(plan)
-            self._done = True
-
-    def next(self) -> Reservation | None:
-        """The reservation to make now, or None: the pick stands (reserved, given up on, or no claims
-        for this plan)."""
-        if self._done:
-            return None
-        r = self.core.claim(self.plan, self.decision, self.request_id, self.tries)
-        if r is None:
-            self._done = True
-        return r
-
-    def answered(self, answer: ReservationAnswer) -> bool:
-        """The kv_service's answer; True when it reserved the pick, False when the policy picked again
-        (the next reservation is that pick's)."""
-        again = self.core.claimed(self.plan, answer)
-        if again is None:
-            self._done = True
-            return True
-        self.decision, self.tries = again, self.tries + 1
-        self.conflicts += 1
-        return False
-
-    def unanswered(self) -> None:
-        """The kv_service did not answer (or the worker left it): the pick is forwarded as it is."""
-        self.core.claim_settled(self.plan)
-        self._done = True
 
 
 def _plus(a: Pending, b: Pending) -> Pending:

@@ -20,7 +20,7 @@ from kvmesh.router.api.gateway import endpoint_of
 from kvmesh.router.config import EppConfig, RouterConfig, RoutingConfig
 from kvmesh.router.core.policies.base import PolicyConfig
 from kvmesh.router.epp import EppServer
-from kvmesh.router.model_router import GenerateInput
+from kvmesh.router.generate_types import GenerateInput
 from kvmesh.transport.channels import dial
 from kvmesh.transport.loop import LoopThread
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from kvmesh.contract.types import SamplingParams
-from kvmesh.router.model_router import GenerateInput
+from kvmesh.router.generate_types import GenerateInput
 from kvmesh.transport.channels import dial
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.v1 import kv_service_pb2 as kv_pb
@@ -17,7 +17,7 @@ from tests.support import wait_until
 
 
 def claims(router, outcome: str) -> float:
-    return router.metrics.claims.labels(outcome)._value.get()
+    return router.metrics.reservations.labels(outcome)._value.get()
 
 
 def pending(kv_address: str, model_id: str) -> dict[str, int]:
