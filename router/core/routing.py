@@ -171,7 +171,7 @@ class RoutePlan:
     folded_reserved: bool = False
     """The kv_service reserved it (False: refused, or not known: the Lookup failed)."""
     release: str = ""
-    """The worker the folded reservation is to be dropped from by the plan's next claim ("" = none)."""
+    """The worker the folded reservation is to be dropped from by the plan's next reservation ("" = none)."""
 
     def candidate(self, worker_id: str) -> Candidate:
         return next(c for c in self.candidates if c.worker_id == worker_id)
