@@ -382,7 +382,7 @@ class RoutingCore:
                           healthy=healthy, max_tokens=pending.max_tokens, asked_at=pending.asked_at,
                           reserve_blind=late)
         if folded is not None:
-            # NOTE: reserved, or perhaps reserved (the Lookup failed after it may have landed): a claim
+            # NOTE: reserved, or perhaps reserved (the Lookup failed after it may have landed): a reservation
             # elsewhere drops it; a pick of the same worker keeps it (reserve.lua: one pick per request id).
             plan.folded, plan.folded_reserved = folded, folded_reserved
             if folded_reserved or answer is None:
