@@ -86,6 +86,7 @@ class KvAwarePolicy(RouterPolicy):
             return self.rendezvous(query, candidates, "fallback")
         scores = self.scores(query, candidates)
         i = self._sample_index(scores) if self.config.temperature > 0 else self._argmin_index(scores)
+        self._scored = (query, {c.worker_id: s for c, s in zip(candidates, scores, strict=True)})
         placed = self._placement(query, candidates, scores)
         if placed is not None:
             i = placed
@@ -159,6 +160,15 @@ class KvAwarePolicy(RouterPolicy):
         tied = [i for i, k in enumerate(keys) if k == least]
         best = min(scores[i] for i in tied)
         return self._choice_index([i for i in tied if scores[i] == best])
+
+    def fallbacks(self, query: RouteQuery, candidates: Sequence[Candidate], n: int) -> list[str]:
+        """The next best by the scores the pick of the same query computed (one prediction per request, not
+        one per fallback); other queries pick again (RouterPolicy.fallbacks)."""
+        scored = getattr(self, "_scored", None)
+        if scored is None or scored[0] is not query or any(c.worker_id not in scored[1] for c in candidates):
+            return super().fallbacks(query, candidates, n)
+        scores = scored[1]
+        return [c.worker_id for c in sorted(candidates, key=lambda c: (scores[c.worker_id], c.worker_id))[:n]]
 
     def _argmin_index(self, scores: Sequence[float]) -> int:
         best = min(scores)
