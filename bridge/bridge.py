@@ -172,7 +172,7 @@ class Bridge:
                               self.cfg.engine, self.cfg.block_size)
         self._status = status
         # NOTE: the engine's cached blocks are the ones its events stored: the mirror holds them.
-        self._load = replace(status.load, num_cached_blocks=len(self.mirror))
+        self._load = replace(status.load, num_cached_blocks=len(self.mirror) if self.mirror is not None else 0)
         return status
 
     def load(self) -> Load:

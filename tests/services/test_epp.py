@@ -90,9 +90,11 @@ def ids_body(ids: list[int], **extra) -> dict:
 
 
 def test_the_pick_is_the_routers_pick_for_the_same_prompt_and_state(kv_server, start_worker, start_router, start_epp):
-    """Same index, same seeded policy, no private state on either side (no speculative map, no shared
-    view, nothing in flight): request after request the picker names the worker the router picks, and
-    the body goes back to the gateway unchanged with the destination in header and metadata alike."""
+    """Same index, same seeded policy, the same private state on either side (no speculative map, no
+    shared view; each front records each pick as handed off and ended, as the gateway's stream does:
+    kv-aware's record of the prompts it routed, router/core/policies/prefix_load.py): request after
+    request the picker names the worker the router picks, and the body goes back to the gateway
+    unchanged with the destination in header and metadata alike."""
     workers = [start_worker(f"w{i}", f"127.0.0.1:{kv_server.port}") for i in range(3)]
     same = dict(speculative_ttl_s=0.0, shared_view=False)
     router = start_router(f"127.0.0.1:{kv_server.port}", **same)
@@ -113,7 +115,8 @@ def test_the_pick_is_the_routers_pick_for_the_same_prompt_and_state(kv_server, s
         assert answer.status is None, answer.error
         assert answer.header == answer.metadata
         assert answer.body == raw
-        _, decision = router.run(router.router.decide(GenerateInput(None, ids, SamplingParams(max_tokens=4))))
+        plan, decision = router.run(router.router.decide(GenerateInput(None, ids, SamplingParams(max_tokens=4))))
+        router.router.hand_off(plan, decision, f"same-{len(agree)}").finished(None, "ended")
         agree.append((answer.endpoints[0], addresses[decision.worker_id]))
     assert all(a == b for a, b in agree), agree
     # the warm prompt's holder is the pick of its extension

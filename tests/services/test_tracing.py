@@ -36,12 +36,14 @@ def traced(model_dir, tmp_path_factory) -> Iterator[tuple[OtlpReceiver, LocalSta
 
 
 def complete(receiver: OtlpReceiver, trace_ids: list[str], timeout: float = 20.0) -> dict:
-    """The traces once each holds spans of the three services (the exporters batch every 0.2 s)."""
+    """The traces once each holds spans of the three services, the worker's last and the router's root
+    (the exporters batch every 0.2 s; the root ends after the client's last message, so a loaded host
+    can export it a batch after the rest)."""
     deadline = time.monotonic() + timeout
     while True:
         traces = receiver.traces()
         done = {t: traces.get(t, []) for t in trace_ids}
-        if all({s.service for s in spans} >= SERVICES and any(s.name == "worker.finish" for s in spans)
+        if all({s.service for s in spans} >= SERVICES and {"worker.finish", "router.request"} <= {s.name for s in spans}
                for spans in done.values()) or time.monotonic() > deadline:
             return done
         time.sleep(0.1)
