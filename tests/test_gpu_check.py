@@ -195,4 +195,4 @@ def test_the_sweep_loop_times_the_default_first_then_split_counts() -> None:
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().endswith("swept 6")
+    assert done.stdout.strip().endswith("swept 10")  # the default, 5 split counts, 4 policies
