@@ -85,6 +85,10 @@ class ModelConfig:
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu")
         num_heads = cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads "
+                             f"({num_kv_heads}): no grouped-query attention serves that")
         num_layers = cfg["num_hidden_layers"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         # NOTE: transformers >= 5 writes rope_parameters {rope_theta, rope_type, ...}; older
@@ -107,7 +111,7 @@ class ModelConfig:
             hidden_size=cfg["hidden_size"],
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"],
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),

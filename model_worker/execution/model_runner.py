@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kvmesh.kernels.attention_configs import check_head_shape
 from kvmesh.kernels.dispatch import attention_backend
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.execution.compile import CompiledForward
@@ -132,6 +133,9 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is not None:
             # NOTE: graph captures, Triton launches and the side stream use the current device.
             torch.cuda.set_device(self.device)
+        if attention_backend(self.device) == "triton":
+            # NOTE: before anything is loaded: a head shape the kernel cannot run is refused, never served wrong.
+            check_head_shape(model_config.num_heads, model_config.num_kv_heads, model_config.head_dim)
         self._share: tuple[DeviceMemory, int, int] | None = None
         if self.device.type == "cuda" and config.num_blocks is None:
             # NOTE: before anything is loaded, and refused at once when the share is not free. What
