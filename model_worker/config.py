@@ -180,6 +180,11 @@ class EngineConfig(SchedulerConfig):
     """torch.compile the forward pass (inductor fuses norms, rotary, activation and residuals; attention
     and the KV write stay opaque custom ops); neither flag = the device's default: on for CUDA, off for
     CPU (docs/engine.md, "Compiled forward")."""
+    async_scheduling: bool | None = None
+    """Plan step n+1 while step n runs (vLLM's async scheduling, SGLang's overlap scheduler): sampled ids stay
+    on the device as the next step's inputs and come to the host behind the next launch; neither flag = the
+    device's default: on for CUDA, off for the CPU, where a step leaves nothing to overlap (docs/engine.md,
+    "Async scheduling")."""
     enforce_eager: bool = False
     """No CUDA graphs: every decode step runs eagerly (vLLM's --enforce-eager). CUDA only; a CPU worker
     never captures graphs."""
@@ -231,6 +236,8 @@ class EngineConfig(SchedulerConfig):
         parse_dtype(self.dtype)
         if self.compile is None:
             self.compile = self.device.startswith("cuda")
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device.startswith("cuda")
 
     def scheduler_config(self, num_scheduler_steps: int | None = None) -> SchedulerConfig:
         """The scheduler's part (``num_scheduler_steps`` overridden: a runner without windows runs 1)."""

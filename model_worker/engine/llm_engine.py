@@ -22,7 +22,13 @@ from kvmesh.model_worker.execution.model_runner import ModelRunner
 from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.scheduling.request import Request
-from kvmesh.model_worker.scheduling.scheduler import RequestOutput, Scheduler, SchedulerConfig, StepWork
+from kvmesh.model_worker.scheduling.scheduler import (
+    RequestOutput,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    StepWork,
+)
 
 
 @dataclass(slots=True)
@@ -145,6 +151,11 @@ class LLMEngine:
         assert config.max_model_len is not None
         self.scheduler = scheduler_factory(
             config.scheduler_config(None if hasattr(self.runner, "execute_window") else 1), self.kv_cache_manager)
+        self.async_scheduling = bool(config.async_scheduling) and hasattr(self.runner, "launch")
+        """Whether step n+1 is planned and launched before step n's tokens are committed (a runner without
+        ``launch``, the simulated one, runs every step to the end)."""
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None
+        """The launched step whose tokens are not committed yet, with its runner's PendingTokens."""
         self._lock = threading.Lock()
         # NOTE: ("add", Request) / ("abort", id) in call order; only step() touches the scheduler.
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -273,7 +284,7 @@ class LLMEngine:
                 self.scheduler.abort_request(item)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._inbox) or self.scheduler.has_unfinished_requests()
+        return bool(self._inbox) or self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self, on_output: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """Schedules one batch, runs it, and returns the requests that got tokens or finished.
@@ -282,8 +293,13 @@ class LLMEngine:
         passes; a request then appears once per inner step in the result. ``on_output`` gets each
         inner step's outputs as soon as its tokens are on the host, so a caller can stream every
         token when it is produced instead of when the window ends.
+
+        With async scheduling a call launches its batch and then commits the batch the call before
+        launched (so its outputs are that batch's): the host plans and launches step n+1 while the
+        device still runs step n (docs/engine.md, "Async scheduling").
         """
         self._drain_inbox()
+        prev, self._in_flight = self._in_flight, None
         out = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
 
@@ -299,38 +315,32 @@ class LLMEngine:
         runner = self.runner
         t0 = time.perf_counter()
         if out.kv_transfers is not None:
-            # NOTE: before the forward pass, which overwrites the evicted blocks and reads the loaded ones.
+            # NOTE: before the forward pass, which overwrites the evicted blocks and reads the loaded ones
+            # (and, on the device's stream, after the step in flight).
             runner.copy_kv_blocks(out.kv_transfers)
             self._host_loaded += len(out.kv_transfers.loads)
-        if out.num_steps == 1:
+        if out.num_steps > 1:
+            if prev is not None:
+                # NOTE: a window's inputs are known tokens: the step in flight is committed first.
+                commit(self.scheduler.update_from_output(prev[0], prev[1].wait()))
+            self._run_window(out, commit)
+        elif self.async_scheduling:
+            if not out.is_empty:
+                self.scheduler.start_step(out)
+            pending = runner.launch(out)
+            if not out.is_empty:
+                self._in_flight = (out, pending)
+                self._work.add(out.work())
+                self._steps += 1
+            if prev is not None:
+                # NOTE: the step before, committed while this one runs: stop checks and streaming
+                # happen behind the launch (its tokens' copy overlapped it).
+                commit(self.scheduler.update_from_output(prev[0], prev[1].wait()))
+        else:
             commit(self.scheduler.update_from_output(out, runner.execute(out)))
             if not out.is_empty:
                 self._work.add(out.work())
                 self._steps += 1
-        else:
-            num_done = 0
-            # NOTE: per row, the context its next token attends to; a runner hands over one token per
-            # row per inner step (the GPU's) or several at once (the simulator's whole windows).
-            context = {s.request.request_id: s.start + 1 for s in out.scheduled}
-            work = self._work
-
-            def on_step(tokens: dict[str, list[int]]) -> list[str]:
-                nonlocal num_done
-                steps = 0
-                for rid, ts in tokens.items():
-                    m, c = len(ts), context[rid]
-                    work.decode_seqs += m
-                    work.decode_context_tokens += m * c + m * (m - 1) // 2
-                    context[rid] = c + m
-                    steps = max(steps, m)
-                num_done += steps
-                commit(self.scheduler.update_from_output(out, tokens))
-                # NOTE: aborts take effect between inner steps; adds only queue until the next schedule().
-                self._drain_inbox()
-                return self.scheduler.prepare_window_step(out) if num_done < out.num_steps else []
-
-            runner.execute_window(out, on_step)
-            self._steps += num_done
         modelled = getattr(runner, "last_step_s", None)
         self.last_step_s = modelled if modelled is not None else time.perf_counter() - t0
         self._busy_s += self.last_step_s
@@ -339,6 +349,32 @@ class LLMEngine:
             self._stats = snap
             self._drained.clear()
         return outputs
+
+    def _run_window(self, out: SchedulerOutput, commit: Callable[[list[RequestOutput]], None]) -> None:
+        """Runs a multi-step window, committing each inner step's tokens as they reach the host."""
+        num_done = 0
+        # NOTE: per row, the context its next token attends to; a runner hands over one token per
+        # row per inner step (the GPU's) or several at once (the simulator's whole windows).
+        context = {s.request.request_id: s.start + 1 for s in out.scheduled}
+        work = self._work
+
+        def on_step(tokens: dict[str, list[int]]) -> list[str]:
+            nonlocal num_done
+            steps = 0
+            for rid, ts in tokens.items():
+                m, c = len(ts), context[rid]
+                work.decode_seqs += m
+                work.decode_context_tokens += m * c + m * (m - 1) // 2
+                context[rid] = c + m
+                steps = max(steps, m)
+            num_done += steps
+            commit(self.scheduler.update_from_output(out, tokens))
+            # NOTE: aborts take effect between inner steps; adds only queue until the next schedule().
+            self._drain_inbox()
+            return self.scheduler.prepare_window_step(out) if num_done < out.num_steps else []
+
+        self.runner.execute_window(out, on_step)
+        self._steps += num_done
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """Block lifecycle events since the last call (to publish to kv_service)."""

@@ -184,6 +184,11 @@ class DecodeGraphs:
         graph.replay()
         return self._logits[: self.num_rows]
 
+    def set_tokens(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Sets the input ids of ``rows`` of the loaded batch (device tensors): tokens the step
+        before sampled on the device (async scheduling). After :meth:`load`, before :meth:`run`."""
+        self._inputs[rows, _TOKEN] = token_ids.to(torch.int32)
+
     def feed(self, token_ids: torch.Tensor) -> None:
         """The next step's input ids (``[num_rows]``, on the device): a window's sampled tokens."""
         self._inputs[: self.num_rows, _TOKEN].copy_(token_ids)

@@ -74,6 +74,9 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        """Tokens sampled by a step still in flight (async scheduling): counted in the request's length
+        by the scheduler, not yet in ``all_token_ids``; at most 1 when ``schedule()`` runs."""
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         # NOTE: block_hashes[i] is the hash of all_token_ids[i*bs:(i+1)*bs] for every full block.
