@@ -335,37 +335,37 @@ class ModelRunner:
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
         torch.cumsum(q_len_t, 0, out=cu[1:])
         positions = torch.arange(total) - cu[:-1][seq_of_token] + torch.tensor(starts)[seq_of_token]
-        dev = self.device
-        cu_dev = cu.to(torch.int32).to(dev)
-        kv_lens_dev = torch.tensor(kv_lens, dtype=torch.int32).to(dev)
+        h2d = self._to_device
+        cu_dev = h2d(cu.to(torch.int32))
+        kv_lens_dev = h2d(torch.tensor(kv_lens, dtype=torch.int32))
         metas = [
             AttentionMetadata(
-                slot_mapping=self._slots(tables[g], positions, seq_of_token).to(dev),
+                slot_mapping=h2d(self._slots(tables[g], positions, seq_of_token)),
                 cu_q_lens=cu_dev,
                 kv_lens=kv_lens_dev,
-                block_tables=tables[g].to(dev),
+                block_tables=h2d(tables[g]),
             )
             for g in range(num_groups)
         ]
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
+        input_ids = h2d(torch.tensor(ids, dtype=torch.int64))
         if placeholders:
-            dst, src = self._placeholder_sources(placeholders)
-            input_ids[dst] = src
+            assert self._last_sampled is not None, "a placeholder token without a step in flight"
+            sampled, row_of = self._last_sampled
+            where = h2d(torch.tensor([[p for p, _ in placeholders], [row_of[rid] for _, rid in placeholders]]))
+            input_ids[where[0]] = sampled[where[1]]
         return (
             input_ids,
-            positions.to(dev),
+            h2d(positions),
             metas,
-            torch.tensor(sample_rows, dtype=torch.int64).to(dev),
+            h2d(torch.tensor(sample_rows, dtype=torch.int64)),
         )
 
-    def _placeholder_sources(self, placeholders: list[tuple[int, str]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """For (input position, request id) pairs whose token the last launched step sampled: the
-        positions and those tokens, on the device (no sync)."""
-        assert self._last_sampled is not None, "a placeholder token without a step in flight"
-        sampled, row_of = self._last_sampled
-        dst = torch.tensor([p for p, _ in placeholders], dtype=torch.int64, device=self.device)
-        rows = torch.tensor([row_of[rid] for _, rid in placeholders], dtype=torch.int64, device=self.device)
-        return dst, sampled[rows]
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without a host sync: on CUDA through pinned memory, non-blocking
+        (a plain ``.to`` waits for the stream, i.e. for the step in flight, under async scheduling)."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
@@ -405,11 +405,15 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and self._graph_decode(out):
             token_ids, positions, tables = self._decode_rows(out)
-            graphs.load(token_ids, positions, tables)
-            placeholders = [(i, s.request.request_id) for i, s in enumerate(out.scheduled)
-                            if s.start >= s.request.num_tokens]
-            if placeholders:
-                graphs.set_tokens(*self._placeholder_sources(placeholders))
+            sources = None
+            if any(s.start >= s.request.num_tokens for s in out.scheduled):
+                assert self._last_sampled is not None, "a placeholder token without a step in flight"
+                sampled, row_of = self._last_sampled
+                sources = [row_of[s.request.request_id] if s.start >= s.request.num_tokens else -1
+                           for s in out.scheduled]
+            graphs.load(token_ids, positions, tables, sources)
+            if sources is not None:
+                graphs.take_tokens(sampled)
             logits = graphs.run()
             rows = [s.request for s in out.scheduled]
         else:
