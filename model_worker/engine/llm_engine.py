@@ -180,7 +180,36 @@ class LLMEngine:
         self.last_step_s = 0.0
         """Seconds the last ``step()`` took: the runner's ``last_step_s`` when it models its time
         (the simulated runner), else the wall time of its forward passes."""
+        self.warm_request_s = self._warm_step_path() if warm_up is not None else 0.0
+        """Seconds the warm-up request took (0: none ran)."""
         self._stats = self._snapshot()
+
+    def _warm_step_path(self) -> float:
+        """Runs one request (a prompt of up to 128 tokens, 2 output tokens: a prefill and a decode)
+        through ``step()`` before the first client's, then leaves no trace of it: no hashes (no
+        prefix-cache entry, no block event), counters at zero, the KV cache zeroed. Returns its time.
+
+        The runner's warm-up runs the model on dummy batches; this reaches the rest of a step, which
+        a first request would otherwise pay for: the scheduler, the input packing and its pinned
+        host buffers (CUDA), the sampler on a real batch, the async launch and commit."""
+        kv, bs = self.kv_cache_manager, self.config.block_size
+        assert self.config.max_model_len is not None
+        n = min(128, self.config.max_model_len - 2, self.config.max_num_batched_tokens, (kv.num_blocks - 1) * bs - 2)
+        if n < 1:
+            return 0.0
+        start = time.perf_counter()
+        vocab = self.model_config.vocab_size
+        self.scheduler.add_request(Request("__warm-up-request__", [1 + i % (vocab - 1) for i in range(n)],
+                                           SamplingParams(max_tokens=2, ignore_eos=True)))
+        while self.scheduler.has_unfinished_requests() or self._in_flight is not None:
+            self.step()
+        self.kv_cache_manager.take_events()
+        self._work, self._busy_s, self._steps, self.last_step_s = StepWork(), 0.0, 0, 0.0
+        kv.prefix_cache_queries = kv.prefix_cache_hits = kv.host_cache_hits = 0
+        for layer in getattr(self.runner, "attention_layers", ()):
+            layer.k_cache.zero_()
+            layer.v_cache.zero_()
+        return time.perf_counter() - start
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                     cache_salt: str = "") -> None:
