@@ -379,8 +379,17 @@ def main() -> int:
                         help="write the launch-config table here (with --sweep on a GPU: the winners; without "
                              "CUDA: the defaults, marked untuned)")
     parser.add_argument("--json", default=None, help="write every figure here")
+    parser.add_argument("--scenarios", default=None, help="comma-separated scenario names (default: all)")
+    parser.add_argument("--launch-once", action="store_true",
+                        help="run the Triton kernel once per shape and scenario, untimed (under a profiler: ncu)")
     args = parser.parse_args()
     shapes = parse_shapes(args.shapes, HeadShape(args.heads, args.kv_heads, args.head_dim))
+    if args.scenarios:
+        wanted = args.scenarios.split(",")
+        unknown = set(wanted) - set(_SCENARIOS_BY_NAME)
+        if unknown:
+            parser.error(f"unknown scenarios {sorted(unknown)}; choose from {list(_SCENARIOS_BY_NAME)}")
+        SCENARIOS[:] = [_SCENARIOS_BY_NAME[n] for n in wanted]
     if not torch.cuda.is_available():
         if args.write_table:
             write_table(args.write_table, defaults_table())
@@ -390,6 +399,16 @@ def main() -> int:
         parser.error("--write-table on a GPU writes what --sweep measured: add --sweep")
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if args.launch_once:
+        from kvmesh.kernels.triton_attention import ragged_paged_attention_triton
+
+        for shape in shapes:
+            for scenario in SCENARIOS:
+                b = _build(scenario, shape, args.block_size, dtype)
+                ragged_paged_attention_triton(b["q"], b["k"], b["v"], b["cu"], b["kv"], b["table"], shape.head_dim**-0.5)
+                torch.cuda.synchronize()
+                print(f"launched {shape.name} {scenario.name}", flush=True)
+        return 0
     device = torch.cuda.get_device_name()
     copy_gbps = copy_bandwidth_gbps()
     torch.cuda.empty_cache()
