@@ -102,7 +102,7 @@ def run(args: argparse.Namespace, host_blocks: int, redis_url: str | None) -> di
         # NOTE: blocks actually loaded back (the engines' host_cache_hits count a hit again at every
         # admission attempt of a request that waited for room)
         host_hits = sum(w.engine.stats().host_loaded_blocks for w in workers) * 16
-        prompt = sum(r.prompt_tokens for r in records if r.success)
+        prompt = sum(r.prompt_len for r in records if r.success)
         return {"host_kv_blocks": host_blocks, "hit_rate": s["prefix_hit_rate"],
                 "loaded_rate": host_hits / prompt if prompt else 0.0, "completed": s["completed"],
                 "failed": s["failed"], "ttft_mean_ms": s["ttft_ms"]["mean"], "req_s": s["request_throughput"],

@@ -33,10 +33,11 @@ from dataclasses import dataclass
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.types import SamplingParams
+from kvmesh.model_worker.scheduling.config import SchedulerConfig
 from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.scheduling.request import Request
-from kvmesh.model_worker.scheduling.scheduler import Scheduler, SchedulerConfig
+from kvmesh.model_worker.scheduling.scheduler import Scheduler
 
 BS = 16
 OUTPUT = 128

@@ -68,12 +68,12 @@ def _run(sim, rate: float) -> dict:
 def cmd_sim(a: argparse.Namespace) -> int:
     from kvmesh.sim.config import SimConfig
     from kvmesh.sim.run import Sim
-    from kvmesh.sim.workload import load_trace
+    from kvmesh.sim.workload import trace_workload
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in a.trace:
-        workload = load_trace(Path(a.traces) / TRACES[name])
+        workload = trace_workload(Path(a.traces) / TRACES[name])
         t0 = time.perf_counter()
         fast = Sim(workload, SimConfig(workers=128, **FAST))
         cap, tried = fast.capacity("kv-aware", start=CAP8[name] * 16)
@@ -192,13 +192,13 @@ async def _costs(url: str, chain_blocks: int, depth: int, reps: int, replica_url
             registered += 1
         for store, node, got in ((idx, "master", lookups), (ridx, "replica", on_replica)):
             await store.lookup(model, chain, now)  # scripts loaded, loads parsed
-            await store.check_replicas()
+            await store.redis.check_replicas()
             c0 = _cpu()
             for _ in range(reps // 4):
                 await store.lookup(model, chain, now)
             got[w_live] = 1e6 * _sub(_cpu(), c0)[node] / (reps // 4)
-    if ridx.replica_lookups < 4 * (reps // 4):
-        raise RuntimeError(f"the replica answered {ridx.replica_lookups} Lookups, not every one")
+    if ridx.redis.replica_lookups < 4 * (reps // 4):
+        raise RuntimeError(f"the replica answered {ridx.redis.replica_lookups} Lookups, not every one")
     out["us_per_lookup"], out["replica_us_per_lookup"] = lookups, on_replica
     for key, points in (("lookup_fit_us", lookups), ("replica_lookup_fit_us", on_replica)):
         # fit: cost = fixed + per_worker * W (least squares over the points)

@@ -35,9 +35,9 @@ from pathlib import Path
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.bench.processes import start_kv_service
-from kvmesh.bench.report import percentile as pct
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import RedisServer
+from kvmesh.replay.records import percentile as pct
 from kvmesh.transport.channels import dial, dial_aio
 from kvmesh.transport.loop import new_event_loop
 from kvmesh.v1 import kv_service_pb2 as pb

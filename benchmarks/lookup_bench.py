@@ -40,11 +40,11 @@ from pathlib import Path
 import redis
 
 from kvmesh.bench.processes import start_kv_service
-from kvmesh.bench.report import percentile as pct
 from kvmesh.contract.index_protocol import Registration
 from kvmesh.contract.types import BlockStored, Load, Tier
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import RedisServer
+from kvmesh.replay.records import percentile as pct
 from kvmesh.transport.channels import dial_aio
 from kvmesh.transport.loop import new_event_loop
 from kvmesh.v1 import kv_service_pb2 as pb

@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 from decode_profile import model_dir
 
-from kvmesh.bench.report import percentile
 from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
 from kvmesh.model_worker.execution.model_runner import set_cpu_threads
-from kvmesh.model_worker.scheduling.scheduler import RequestOutput
+from kvmesh.model_worker.scheduling.output import RequestOutput
+from kvmesh.replay.records import percentile
 
 
 def run_once(model: str, n: int, args: argparse.Namespace) -> dict[str, float]:

@@ -35,12 +35,13 @@ from pathlib import Path
 
 import redis
 
-from kvmesh.bench.report import percentile as pct
 from kvmesh.contract.errors import Unavailable
 from kvmesh.contract.index_protocol import Registration
 from kvmesh.contract.types import BlockRemoved, BlockStored, Load
-from kvmesh.kv_service.store_redis import RedisIndex, home_shard
+from kvmesh.kv_service.redis_cluster import home_shard
+from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import RedisCluster
+from kvmesh.replay.records import percentile as pct
 from kvmesh.transport.loop import new_event_loop
 
 TTL = 3_600_000
@@ -55,8 +56,8 @@ def wid_on(shard: int, prefix: str) -> str:
 async def in_sync(idx: RedisIndex, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        await idx.check_replicas()
-        states = idx.replicas()
+        await idx.redis.check_replicas()
+        states = idx.redis.replicas()
         if states and all(ok for _, _, ok in states):
             return
         if time.monotonic() > deadline:
@@ -70,7 +71,7 @@ async def lag(cluster: RedisCluster, idx: RedisIndex, probes: int) -> list[float
     now = int(time.time() * 1000)
     await idx.register_worker(Registration(wid, "10.0.0.1:50061", "probe", 16, "sha256_128", 10 * probes, 1), TTL, now)
     await in_sync(idx)
-    replica = next(addr for k, addr, _ in idx.replicas() if k == 0)
+    replica = next(addr for k, addr, _ in idx.redis.replicas() if k == 0)
     node = redis.Redis(port=int(replica.rsplit(":", 1)[1]), single_connection_client=True)
     node.execute_command("READONLY")
     key = idx.prefixes[0] + "bh"
@@ -173,7 +174,7 @@ async def paired(a: RedisIndex, b: RedisIndex, chains: list[list[bytes]], second
 async def failover(cluster: RedisCluster, idx: RedisIndex, chain: list[bytes], kill: str) -> dict:
     await in_sync(idx)
     now = int(time.time() * 1000)
-    k, replica, _ = next(s for s in idx.replicas() if s[0] == 0)
+    k, replica, _ = next(s for s in idx.redis.replicas() if s[0] == 0)
     rport = int(replica.rsplit(":", 1)[1])
     master_id = next(n["master"] for n in cluster.nodes() if n["port"] == rport)
     mport = next(n["port"] for n in cluster.nodes() if n["id"] == master_id)

@@ -3,7 +3,7 @@
 Setup: a private redis-server, one `kvmesh kv-service` (defaults), W registered workers. One grpc.aio
 client interleaves, call by call: a bare grpc.health Check, a Lookup of a 16-block chain and a
 Reserve (unconditional, then one conditioned on the version the Lookup returned, as a router's
-claim is). Prints each one's p50/p99 in microseconds and Reserve ÷ Lookup. The pending picks are
+reservation is). Prints each one's p50/p99 in microseconds and Reserve ÷ Lookup. The pending picks are
 retired by their TTL; nothing else runs in the kv_service meanwhile.
 
     python benchmarks/reserve_latency.py [--calls 3000] [--workers 8]
@@ -18,8 +18,8 @@ import time
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.bench.processes import start_kv_service
-from kvmesh.bench.report import percentile as pct
 from kvmesh.loopback import RedisServer
+from kvmesh.replay.records import percentile as pct
 from kvmesh.transport.channels import dial, dial_aio
 from kvmesh.transport.loop import new_event_loop
 from kvmesh.v1 import kv_service_pb2 as pb

@@ -31,17 +31,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.bench.processes import start_kv_service
-from kvmesh.bench.report import percentile as pct
 from kvmesh.contract.types import SamplingParams
 from kvmesh.loopback import RedisServer, free_port
 from kvmesh.make_model import CORPUS, train_tokenizer
+from kvmesh.replay.records import percentile as pct
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.model_router import GenerateInput
+from kvmesh.router.generate_types import GenerateInput
 from kvmesh.router.server import RouterServer
+from kvmesh.stack import wait_serving
 from kvmesh.transport.channels import dial, dial_aio
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
@@ -72,7 +72,7 @@ async def timed_decisions(router, router_server, spec, inputs: list[GenerateInpu
     """On the router's loop: ``iters`` decisions end to end, then each stage alone (in ms)."""
     for inp in inputs * 2:  # warm up channels, tokenizer caches and the Lua script
         plan, _ = await router.decide(inp)
-        if plan.ticket is not None:  # NOTE: never forwarded: its in-flight share (a claimed pick) goes
+        if plan.ticket is not None:  # NOTE: never forwarded: its in-flight share (a reserved pick) goes
             router.core.finish(plan.ticket)
     total, stages = [], {"tokenize": [], "hash": [], "lookup": [], "pick": []}
     for k in range(iters):
@@ -173,20 +173,6 @@ def spawn(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([str(Path(sys.executable).parent / "kvmesh"), *args, "--log-level", "warning"])
 
 
-def wait_serving(address: str, proc: subprocess.Popen) -> None:
-    health = health_pb2_grpc.HealthStub(dial(address))
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"{address}: exited with {proc.returncode}")
-        try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{address} not SERVING")
-
-
 async def first_token_ms(call) -> float:
     t0 = time.perf_counter()
     async for _ in call:
@@ -235,10 +221,10 @@ def ttft(kv_address: str, model_dir: Path, args: argparse.Namespace) -> None:
                     "--max-model-len", "16384"])
     router = None
     try:
-        wait_serving(f"127.0.0.1:{wport}", worker)
+        wait_serving(f"127.0.0.1:{wport}", worker, 60)
         router = spawn(["router", "--host", "127.0.0.1", "--port", str(rport), "--kv-service", kv_address,
                         "--model-id", model_id_of(model), "--metrics-port", "0"])
-        wait_serving(f"127.0.0.1:{rport}", router)
+        wait_serving(f"127.0.0.1:{rport}", router, 60)
         direct, routed, hops = asyncio.run(ttft_pairs(f"127.0.0.1:{wport}", f"127.0.0.1:{rport}", args.ttft_pairs,
                                                       args.ttft_tokens, model_id_of(model)))
     finally:

@@ -32,9 +32,10 @@ from kvmesh.bench.datasets import TokenRange
 from kvmesh.bench.report import summarize
 from kvmesh.bench.routing import RoutingBenchConfig
 from kvmesh.bench.scrape import histogram_quantile, label_counts, scrape
-from kvmesh.bench.trace import TraceSynthesizer, load_trace
+from kvmesh.bench.trace import TraceSynthesizer
 from kvmesh.loopback import RedisServer, free_port_run
 from kvmesh.make_model import ensure_default_model
+from kvmesh.replay.trace import load_trace
 from kvmesh.stack import kvmesh_cmd, wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]

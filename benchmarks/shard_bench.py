@@ -42,11 +42,11 @@ from pathlib import Path
 import redis
 
 from kvmesh.bench.processes import start_kv_service
-from kvmesh.bench.report import percentile as pct
 from kvmesh.contract.index_protocol import Registration
 from kvmesh.contract.types import BlockRemoved, BlockStored, Load
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import RedisCluster, RedisServer
+from kvmesh.replay.records import percentile as pct
 from kvmesh.transport.channels import dial_aio
 from kvmesh.transport.loop import new_event_loop
 from kvmesh.v1 import kv_service_pb2 as pb
@@ -126,7 +126,7 @@ async def lookup_client_main(url: str, shards: int, read_replicas: bool, concurr
     now = int(time.time() * 1000)
     if read_replicas:  # NOTE: until the first check, the masters answer: check before the clock starts
         await idx.lookup("tp", queries[0], now)
-        await idx.check_replicas()
+        await idx.redis.check_replicas()
     for q in queries[:8]:
         await idx.lookup("tp", q, now)
     print("ready", flush=True)
@@ -144,7 +144,7 @@ async def lookup_client_main(url: str, shards: int, read_replicas: bool, concurr
 
     await asyncio.gather(*(caller(k) for k in range(concurrency)))
     elapsed = time.perf_counter() - t0
-    replica_reads = idx.replica_lookups
+    replica_reads = idx.redis.replica_lookups
     await idx.close()
     return {"lookups": done, "elapsed_s": elapsed, "replica_reads": replica_reads}
 

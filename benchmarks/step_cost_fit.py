@@ -60,12 +60,12 @@ def main() -> int:
     from kvmesh.sim.config import SimConfig
     from kvmesh.sim.mesh import Mesh
     from kvmesh.sim.run import Sim, chains_for, sim_model_dir
-    from kvmesh.sim.workload import load_trace, make_workload
+    from kvmesh.sim.workload import make_workload, trace_workload
 
     out: list[dict] = []
     for fleet, name, seed in itertools.product(args.fleets.split(";"), args.workloads.split(","),
                                                [int(x) for x in args.seeds.split(",")]):
-        workload = (load_trace(TRACE, args.max_requests, seed) if name == "trace"
+        workload = (trace_workload(TRACE, args.max_requests, seed) if name == "trace"
                     else make_workload(name, args.max_requests, seed))
         pooled_cap = None
         for variant in args.variants.split(","):

@@ -8,26 +8,24 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 from kvmesh.contract.convert import (
+    LookupReplies,
     algorithm_to_pb,
     audit_from_pb,
     audit_to_pb,
     events_from_pb,
     load_from_pb,
-    load_to_pb,
     registration_from_pb,
     reservation_answer_to_pb,
     reservation_from_pb,
     worker_info_to_pb,
 )
 from kvmesh.contract.errors import InvalidArgument, ResourceExhausted
-from kvmesh.contract.index_protocol import WorkerMatch
 from kvmesh.contract.limits import MAX_EXTRA_KEYS_CHARS, check_length
-from kvmesh.contract.types import Load
 from kvmesh.kv_service.config import FaultConfig, KVServiceConfig, ServiceConfig
 from kvmesh.kv_service.index import BlockIndex
 from kvmesh.kv_service.metrics import KVMetrics
 from kvmesh.kv_service.service import KVService, now_ms
-from kvmesh.transport.loop import LoopThread
+from kvmesh.transport.loop import LoopServer, LoopThread
 from kvmesh.transport.server import AioServer
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
@@ -38,75 +36,6 @@ T = TypeVar("T")
 
 DEFAULT_MAX_PUBLISHERS = KVServiceConfig().max_publishers
 """Workers that may hold a PublishEvents stream on one replica at once (a stream is a coroutine)."""
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-_VARINTS = [_varint(i) for i in range(1 << 14)]
-"""Every varint below 2**14 (matched blocks, lengths of a worker's entry), made once."""
-
-
-def varint(n: int) -> bytes:
-    return _VARINTS[n] if n < len(_VARINTS) else _varint(n)
-
-
-class LookupReplies:
-    """Builds LookupResponses from each worker's match cached as protobuf wire bytes.
-
-    NOTE: a reply names every live worker of the model with its load (the router prefers it to
-    its last discovery poll), so with 64 workers building 64 nested messages field by field cost
-    ~300 us a Lookup, more than the Redis round trip. A worker's address, block size and load
-    change at most once per heartbeat: their encoding is cached per worker (checked by identity
-    first: the store hands out the same Load object until its cache refresh), and a reply is the
-    cached bytes plus each worker's matched_blocks (and host_blocks), parsed once into the message
-    gRPC sends.
-    """
-
-    MAX_CACHED = 8192
-
-    def __init__(self) -> None:
-        self._static: dict[str, tuple[Load, str, int, bytes]] = {}
-
-    def _entry(self, m: WorkerMatch) -> bytes:
-        c = self._static.get(m.worker_id)
-        if c is None or c[1] != m.address or c[2] != m.block_size or (c[0] is not m.load and c[0] != m.load):
-            if len(self._static) >= self.MAX_CACHED:
-                self._static.clear()  # workers that left
-            c = (m.load, m.address, m.block_size, pb.WorkerMatch(
-                worker_id=m.worker_id, address=m.address, load=load_to_pb(m.load), block_size=m.block_size,
-            ).SerializeToString())
-            self._static[m.worker_id] = c
-        elif c[0] is not m.load:
-            self._static[m.worker_id] = (m.load, *c[1:])  # an equal load, refreshed: identity next time
-        # field 3 (matched_blocks, varint): proto3 leaves a 0 out
-        entry = c[3] + b"\x18" + varint(m.matched_blocks) if m.matched_blocks else c[3]
-        p = m.pending
-        if p.version:
-            # field 6 (pending, a PendingPicks of four varints, zeros left out): changes every pick
-            body = b"".join((b"\x08" + varint(p.requests) if p.requests else b"",
-                             b"\x10" + varint(p.prefill_tokens) if p.prefill_tokens else b"",
-                             b"\x18" + varint(p.blocks) if p.blocks else b"", b"\x20" + varint(p.version)))
-            entry += b"\x32" + varint(len(body)) + body
-        if m.pending_blocks:
-            entry += b"\x38" + varint(m.pending_blocks)  # field 7 (pending_blocks, varint)
-        if m.host_blocks:
-            entry += b"\x40" + varint(m.host_blocks)  # field 8 (host_blocks, varint)
-        return entry
-
-    def response(self, matches: list[WorkerMatch], block_size: int, n: int) -> pb.LookupResponse:
-        parts = []
-        for m in matches:
-            entry = self._entry(m)
-            parts += (b"\x0a", varint(len(entry)), entry)  # field 1 (workers), length-delimited
-        parts += (b"\x10", varint(block_size), b"\x18", varint(n))  # fields 2 and 3, varints
-        return pb.LookupResponse.FromString(b"".join(parts))
 
 
 class KVServiceServicer(pb_grpc.KVServiceServicer):
@@ -232,7 +161,7 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         return pb.FlushWorkerResponse(blocks_removed=removed)
 
 
-class KVServiceServer:
+class KVServiceServer(LoopServer):
     """The kv_service process: a grpc.aio server and the reaper of expired workers, on one event
     loop of their own (``start``/``stop`` are called from any other thread).
 
@@ -287,10 +216,3 @@ class KVServiceServer:
             self._reaper.cancel()
         await self.grpc.stop(grace)
         await self.service.index.close()
-
-    def stop(self, grace: float = 2.0) -> None:
-        """Drains open calls for up to ``grace`` seconds, closes the store and the loop."""
-        if not self._loop.running:
-            return
-        self._loop.run(self._stop(grace))
-        self._loop.stop()

@@ -13,21 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.contract.index_protocol import (
+    Pending,
     Registration,
     Reservation,
     ReservationAnswer,
     WorkerInfo,
     WorkerMatch,
 )
-from kvmesh.contract.types import (
-    AllBlocksCleared,
-    BlockStored,
-    KVCacheEvent,
-    Load,
-    ModelSpec,
-    Pending,
-    Tier,
-)
+from kvmesh.contract.types import AllBlocksCleared, BlockStored, KVCacheEvent, Load, ModelSpec, Tier
 from kvmesh.kv_service.config import LOOKUP_WALKS
 from kvmesh.kv_service.index import FLUSHED, Action, BlockIndex, IndexStats, PublishResult
 from kvmesh.kv_service.prefix_search import continue_prefixes, linear_prefix, search_prefixes

@@ -60,13 +60,19 @@ class ModelSpec:
     arch: str = "llama"
     """One of llama, qwen2, mistral."""
     layers: int = 4
+    """Decoder layers."""
     hidden_size: int = 256
+    """Hidden size."""
     heads: int = 8
+    """Attention heads."""
     kv_heads: int = 2
+    """Key/value heads (GQA)."""
     intermediate_size: int = 768
+    """MLP intermediate size."""
     vocab_size: int | None = None
     """None = the trained tokenizer's vocabulary; larger values pad the embedding table."""
     max_position_embeddings: int = 4096
+    """The model's context length (config.json)."""
     sliding_window: int | None = None
     """Mistral: every layer attends to keys at positions > i - window. Qwen2: the layers from
     ``max_window_layers`` on do (``use_sliding_window``), the others are full attention."""
@@ -74,11 +80,11 @@ class ModelSpec:
     """Qwen2 with a sliding window: layers before this index are full attention (transformers'
     rule); None = half the layers."""
     seed: int = 0
+    """Same seed, same weights."""
+    # NOTE: 0.02 (transformers' default) makes the default model repeat one token forever; at 0.1
+    # greedy outputs of the default model vary (tests/model_worker/test_make_model.py checks).
     init_std: float = 0.1
-    """Std of the normal weight init (config initializer_range).
-
-    NOTE: 0.02 (transformers' default) makes the default model repeat one token forever; at 0.1
-    greedy outputs of the default model vary (tests/model_worker/test_make_model.py checks)."""
+    """Std of the normal weight init (config initializer_range)."""
     extra_config: dict[str, Any] = field(default_factory=dict)
     """Raw config.json overrides (e.g. ``rope_parameters`` for llama3 rope scaling)."""
 

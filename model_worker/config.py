@@ -12,7 +12,7 @@ import torch
 
 from kvmesh.contract.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128, algorithm_name
 from kvmesh.contract.settings import flag
-from kvmesh.model_worker.scheduling.scheduler import SchedulerConfig
+from kvmesh.model_worker.scheduling.config import SchedulerConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _DTYPES = {

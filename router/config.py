@@ -32,7 +32,7 @@ class RoutingConfig:
     """Routers share their picks through the kv_service: each pick is reserved before forwarding and every
     router's next Lookup sees it until the worker's report covers it (kv-aware only; docs/router.md, "Several
     routers")."""
-    claim_attempts: int = 10
+    reservation_attempts: int = flag(10, old_names=("claim-attempts",))
     """Reservations per request at most: a refused one (another router reserved the worker since this router's
     Lookup) is picked again; the last is unconditional."""
     max_attempts: int = 3
@@ -50,9 +50,9 @@ class RoutingConfig:
         """Raises ValueError with the flag to fix."""
         if self.lookup_timeout_ms <= 0 or self.request_timeout_s <= 0:
             raise ValueError("--lookup-timeout-ms and --request-timeout must be > 0")
-        if self.max_attempts < 1 or self.claim_attempts < 1:
-            raise ValueError(f"--max-attempts and --claim-attempts must be >= 1, got {self.max_attempts}, "
-                             f"{self.claim_attempts}")
+        if self.max_attempts < 1 or self.reservation_attempts < 1:
+            raise ValueError(f"--max-attempts and --reservation-attempts must be >= 1, got {self.max_attempts}, "
+                             f"{self.reservation_attempts}")
         if self.speculative_ttl_s < 0 or self.index_retry_s < 0 or self.unhealthy_s < 0:
             raise ValueError("--speculative-ttl, --index-retry and --unhealthy-time must be >= 0")
         if not self.discovery_interval_s > 0:

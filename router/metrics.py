@@ -30,7 +30,7 @@ class RouterMetrics:
                                  registry=r)
         self.retries = Counter("kvmesh_router_retries_total", "Retries on another worker before the first token",
                                ["failure"], registry=r)
-        self.claims = Counter("kvmesh_router_claims_total",
+        self.reservations = Counter("kvmesh_router_reservations_total",
                               "Picks reserved in the kv_service (the shared router view), by outcome: reserved, "
                               "conflict (another router reserved the worker first: picked again), failed (the "
                               "kv_service did not answer: forwarded unreserved)", ["outcome"], registry=r)

@@ -2,7 +2,8 @@
 
 The gRPC adapter (router/api/grpc_api.py) and the OpenAI HTTP adapter (router/api/openai_api.py) turn a
 request into a :class:`GenerateInput`, iterate :meth:`ModelRouter.generate` (through router/api/frontend.py,
-which picks the model's ModelRouter) and turn each :class:`GenerateOutput` into their messages. Workers and
+which picks the model's ModelRouter) and turn each :class:`GenerateOutput` into their messages (the
+types: router/generate_types.py). Workers and
 the index are reached through router/core/upstream.py's protocols, so this module imports neither
 grpc nor redis; errors are kvmesh.contract.errors, mapped to status codes by kvmesh/transport/.
 
@@ -24,9 +25,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 from tokenizers import Tokenizer
 
@@ -37,13 +37,14 @@ from kvmesh.contract.errors import (
     Unavailable,
 )
 from kvmesh.contract.index_protocol import IndexUnavailable, WorkerMatch
-from kvmesh.contract.types import DEFAULT_MAX_TOKENS, SamplingParams, Usage
+from kvmesh.contract.types import DEFAULT_MAX_TOKENS, Usage
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core.attempts import Attempts
 from kvmesh.router.core.audit import MissAudit, predicted_blocks
 from kvmesh.router.core.inflight import InFlight
 from kvmesh.router.core.policies import make_policy
 from kvmesh.router.core.policies.base import Decision, RouterPolicy
+from kvmesh.router.core.reservation_loop import ReservationLoop
 from kvmesh.router.core.routing import RoutePlan, RoutingCore
 from kvmesh.router.core.speculative import SpeculativeIndex
 from kvmesh.router.core.upstream import (
@@ -55,6 +56,7 @@ from kvmesh.router.core.upstream import (
     WorkerPool,
     WorkerRequest,
 )
+from kvmesh.router.generate_types import ChatInput, GenerateInput, GenerateOutput
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.text.chat_template import ChatTemplate
 from kvmesh.router.text.detokenize import IncrementalDetokenizer
@@ -73,47 +75,6 @@ log = logging.getLogger("kvmesh.router")
 
 ABORT_DRAIN_S = 2.0
 """After a stop string, how long the worker's final message (with the request's usage) is awaited."""
-
-
-@dataclass(slots=True, frozen=True)
-class ChatInput:
-    """A conversation for the model's chat template (router/text/chat_template.py)."""
-
-    messages: Sequence[Mapping[str, Any]]
-    """``{"role", "content"[, "name"]}`` each, content as text."""
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    """Extra template variables (vLLM's ``chat_template_kwargs``)."""
-
-
-@dataclass(slots=True, frozen=True)
-class GenerateInput:
-    """A client request, already converted from protobuf or JSON; exactly one of text / token_ids /
-    chat is set."""
-
-    text: str | None
-    token_ids: Sequence[int] | None
-    sampling: SamplingParams
-    cache_salt: str = ""
-    request_id: str = ""
-    timeout_s: float | None = None
-    """Time the client has left (its gRPC deadline); None = no client deadline."""
-    chat: ChatInput | None = None
-    stop: Sequence[str] = ()
-    """Stop strings (router/text/stop_strings.py); they need the model's tokenizer."""
-    include_stop_str_in_output: bool = False
-
-
-@dataclass(slots=True, frozen=True)
-class GenerateOutput:
-    token_ids: Sequence[int]
-    text: str
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    served_by: str = ""
-    request_id: str = ""
-    """On the first output only: the id the request has in the router's and the worker's logs."""
 
 
 class ModelRouter:
@@ -153,7 +114,7 @@ class ModelRouter:
         self.core = RoutingCore(policy, speculative_ttl_s=routing.speculative_ttl_s,
                                 index_retry_s=routing.index_retry_s, observer=self.metrics,
                                 shared_view=routing.shared_view and index is not None,
-                                router_id=f"router-{uuid.uuid4().hex[:12]}", claim_attempts=routing.claim_attempts)
+                                router_id=f"router-{uuid.uuid4().hex[:12]}", reservation_attempts=routing.reservation_attempts)
         if speculative is not None:
             self.core.speculative = speculative
         self.audit = MissAudit(config.audit_window, config.audit_miss_rate)
@@ -281,23 +242,23 @@ class ModelRouter:
         return core.complete(pending, self.pool.endpoints(), outcome, time.perf_counter() - t0,
                            adopt=self.pool.discovers_from_index, healthy=self.pool.healthy)
 
-    async def claim(self, plan: RoutePlan, decision: Decision, request_id: str) -> Decision:
+    async def reserve(self, plan: RoutePlan, decision: Decision, request_id: str) -> Decision:
         """Reserves the pick in the kv_service (the shared router view), picking again while another
         router got there first; the pick to forward. A kv_service that does not answer leaves the
-        pick as it is (the request is not held up for the view). router/core/routing.py's
-        ``Claims`` is the loop; this awaits its reservations."""
-        claims = self.core.claims(plan, decision, request_id)
-        while (reservation := claims.next()) is not None:
+        pick as it is (the request is not held up for the view). router/core/reservation_loop.py's
+        ``ReservationLoop`` is the loop; this awaits its reservations."""
+        loop = ReservationLoop(self.core, plan, decision, request_id)
+        while (reservation := loop.next()) is not None:
             assert self.index is not None
             try:
                 answer = await self.index.reserve(reservation)
             except IndexUnavailable as exc:
-                self.metrics.claims.labels("failed").inc()
+                self.metrics.reservations.labels("failed").inc()
                 log.debug("reserve failed, forwarding unreserved: %s", exc)
-                claims.unanswered()
+                loop.unanswered()
                 break
-            self.metrics.claims.labels("reserved" if claims.answered(answer) else "conflict").inc()
-        return claims.decision
+            self.metrics.reservations.labels("reserved" if loop.answered(answer) else "conflict").inc()
+        return loop.decision
 
     async def decide(self, inp: GenerateInput, request_id: str = "") -> tuple[RoutePlan, Decision]:
         """Tokenize + hash + lookup + pick (+ its reservation in the shared view), and the speculative
@@ -322,7 +283,7 @@ class ModelRouter:
             raise Unavailable(self._no_worker_message())
         decision = self.core.pick(plan, count=False)
         if plan.versions is not None:
-            decision = await self.claim(plan, decision, request_id or self.request_id_for(inp))
+            decision = await self.reserve(plan, decision, request_id or self.request_id_for(inp))
         self.core.commit(plan, decision)
         self.metrics.decision_latency_s.observe(time.perf_counter() - t0)
         return plan, decision

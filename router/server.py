@@ -23,7 +23,7 @@ from kvmesh.router.models import ModelSet, ServedModel
 from kvmesh.router.workers.discovery import WorkerDiscovery
 from kvmesh.router.workers.worker_calls import WorkerChannels
 from kvmesh.router.workers.worker_pool import GrpcWorkerPool
-from kvmesh.transport.loop import LoopThread
+from kvmesh.transport.loop import LoopServer, LoopThread
 from kvmesh.transport.server import AioServer
 from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
@@ -36,7 +36,7 @@ MAX_HELD_AUDITS = 4096
 """Workers whose audit counts a router keeps while the kv_service does not take its reports; past it they go."""
 
 
-class RouterServer:
+class RouterServer(LoopServer):
     """The router process: a grpc.aio server (and, with ``http_port``, the OpenAI HTTP server),
     worker discovery and every model's request path, on one event loop of their own (``start``/
     ``stop`` are called from any other thread).
@@ -150,10 +150,3 @@ class RouterServer:
         await self.discovery.stop()
         for served in self.models.all():
             served.router.close()
-
-    def stop(self, grace: float = 2.0) -> None:
-        """Drains open streams for up to ``grace`` seconds, then closes channels and the loop."""
-        if not self._loop.running:
-            return
-        self._loop.run(self._stop(grace))
-        self._loop.stop()

@@ -16,7 +16,7 @@ from tests.support import filter_own_stderr_at_exit
 def pytest_unconfigure(config: pytest.Config) -> None:
     """triton's nanobind extension reports the objects it still holds when the interpreter exits, a
     wall of ``nanobind: leaked ...`` lines after the summary that reads like a failure. Only those
-    lines are dropped (tests/support.py); the exit status and every other line of stderr stay.
+    lines are dropped (tests/support/); the exit status and every other line of stderr stay.
 
     NOTE: at exit, not now: pytest puts its own stderr back after this hook; and before nanobind's
     own exit handler, which triton registered earlier (atexit runs the last registered first)."""

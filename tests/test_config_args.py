@@ -58,6 +58,24 @@ def test_flag_names_types_and_none():
         build_parser(only="worker").parse_args(["worker", "--num-blocks", "many"])
 
 
+def test_a_renamed_flag_keeps_its_old_name_for_a_release_and_says_so(capsys):
+    """--claim-attempts became --reservation-attempts (issue 41): both set the field, the old one warns,
+    and --help names it deprecated; `kvmesh simulate` takes the routing flags under the same names."""
+    for command, extra in (("router", []), ("simulate", ["--workload", "hot-prompt"])):
+        parser = build_parser(only=command)
+        new = parser.parse_args([command, *extra, "--reservation-attempts", "4"])
+        assert new.reservation_attempts == 4 and capsys.readouterr().err == ""
+        old = parser.parse_args([command, *extra, "--claim-attempts", "3"])
+        assert old.reservation_attempts == 3
+        assert "--claim-attempts is deprecated" in capsys.readouterr().err
+    assert config_from_args(RouterConfig, build_parser(only="router").parse_args(
+        ["router", "--claim-attempts", "2"])).routing.reservation_attempts == 2
+    sub = next(a for a in build_parser(only="router")._actions if isinstance(a, argparse._SubParsersAction))
+    action = next(a for a in sub.choices["router"]._actions if a.dest == "reservation_attempts")
+    assert action.option_strings == ["--reservation-attempts", "--claim-attempts"]
+    assert "--claim-attempts: the old name, deprecated" in action.help
+
+
 def test_a_field_without_a_docstring_is_refused():
     @dataclasses.dataclass
     class Undocumented:

@@ -1,4 +1,4 @@
-"""tests/support.py's stderr filter: only nanobind's leak report goes."""
+"""tests/support/'s stderr filter: only nanobind's leak report goes."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ leading hits count and the prompt's last token is always computed.
 
 from __future__ import annotations
 
-from kvmesh.bench.trace import TRACE_BLOCK_TOKENS, TraceRecord
+from kvmesh.replay.trace import TRACE_BLOCK_TOKENS, TraceRecord
 from kvmesh.sim.oracle import lru_hit_rate
 
 

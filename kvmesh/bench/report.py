@@ -1,57 +1,23 @@
-"""Per-request records -> the serving report (vLLM `bench serve` layout), its JSON and plots."""
+"""Per-request records (kvmesh/replay/records.py) -> the serving report (vLLM `bench serve` layout), its
+JSON and plots."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-
-@dataclass(slots=True)
-class RequestRecord:
-    """What the client saw of one request; times in seconds from the benchmark's start."""
-
-    start: float
-    prompt_tokens: int
-    output_len: int
-    """Tokens asked for."""
-    success: bool = False
-    ttft: float = 0.0
-    """First token's arrival - start."""
-    latency: float = 0.0
-    """Last message's arrival - start (E2EL)."""
-    itl: list[float] = field(default_factory=list)
-    """Gaps between consecutive token-carrying messages after the first."""
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    served_by: str = ""
-    error: str = ""
-
-
-PERCENTILES = (50, 90, 99)
-
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """The ``p``-th percentile (0-100) with numpy's linear interpolation; nan when empty."""
-    return float(np.percentile(values, p)) if len(values) else float("nan")
-
-
-def _stats(values: Sequence[float], scale: float = 1000.0) -> dict[str, float]:
-    """mean / median / p90 / p99 (numpy's linear interpolation), times ``scale``; zeros when empty."""
-    if not values:
-        return {"mean": 0.0, "median": 0.0, "std": 0.0, **{f"p{p}": 0.0 for p in PERCENTILES}}
-    a = np.asarray(values, dtype=np.float64) * scale
-    out = {"mean": float(a.mean()), "median": float(np.median(a)), "std": float(a.std())}
-    out.update({f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES})
-    return out
+from kvmesh.replay.records import RequestRecord, stats
+from kvmesh.replay.records import summarize as summarize_records
 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float, time_scale: float = 1.0,
               workers: Sequence[str] = ()) -> dict:
-    """The report as a dict (the `--save-result` JSON).
+    """The report as a dict (the `--save-result` JSON): kvmesh/replay/records.py's summary in vLLM's
+    units (ms, per second of the run).
 
     Args:
         records: one per request sent.
@@ -60,35 +26,27 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, time_scale: f
             times faster than its GPU model reports modelled times); 1 for real stacks.
         workers: every worker that could serve (zero-load workers count in the load share).
     """
-    ok = [r for r in records if r.success]
+    s = summarize_records(records, workers)
     k = 1.0 / time_scale
     duration = duration_s * k
-    prompt = sum(r.prompt_tokens for r in ok)
-    output = sum(r.output_tokens for r in ok)
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    itl = [g for r in ok for g in r.itl]
-    served: dict[str, int] = {w: 0 for w in workers}
-    for r in ok:
-        served[r.served_by] = served.get(r.served_by, 0) + r.prompt_tokens + r.output_tokens
-    total_served = sum(served.values())
-    mean_load = total_served / len(served) if served else 0.0
+    total_served = sum(s.served.values())
     return {
-        "completed": len(ok),
-        "failed": len(records) - len(ok),
+        "completed": s.completed,
+        "failed": s.requests - s.completed,
         "duration_s": duration,
-        "total_input_tokens": prompt,
-        "total_output_tokens": output,
-        "request_throughput": len(ok) / duration if duration else 0.0,
-        "output_throughput": output / duration if duration else 0.0,
-        "total_token_throughput": (prompt + output) / duration if duration else 0.0,
-        "ttft_ms": _stats([r.ttft * k for r in ok]),
-        "tpot_ms": _stats([t * k for t in tpot]),
-        "itl_ms": _stats([g * k for g in itl]),
-        "e2el_ms": _stats([r.latency * k for r in ok]),
-        "prefix_hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
-        "worker_load_share": {w: n / total_served for w, n in sorted(served.items())} if total_served else {},
-        "max_mean_load": max(served.values()) / mean_load if mean_load else 0.0,
-        "errors": sorted({r.error for r in records if not r.success and r.error})[:10],
+        "total_input_tokens": s.prompt_tokens,
+        "total_output_tokens": s.output_tokens,
+        "request_throughput": s.completed / duration if duration else 0.0,
+        "output_throughput": s.output_tokens / duration if duration else 0.0,
+        "total_token_throughput": (s.prompt_tokens + s.output_tokens) / duration if duration else 0.0,
+        "ttft_ms": stats([t * k for t in s.ttft], 1000.0),
+        "tpot_ms": stats([t * k for t in s.tpot], 1000.0),
+        "itl_ms": stats([g * k for g in s.itl], 1000.0),
+        "e2el_ms": stats([t * k for t in s.e2e], 1000.0),
+        "prefix_hit_rate": s.hit_rate,
+        "worker_load_share": {w: n / total_served for w, n in sorted(s.served.items())} if total_served else {},
+        "max_mean_load": s.max_mean_load,
+        "errors": s.errors,
         "time_scale": time_scale,
     }
 
@@ -139,11 +97,11 @@ def load_timeline(records: Sequence[RequestRecord], step_s: float = 1.0) -> tupl
     ok = [r for r in records if r.success]
     if not ok:
         return [], {}
-    end = max(r.start + r.latency for r in ok)
+    end = max(r.finish for r in ok)
     ticks = [i * step_s for i in range(int(end / step_s) + 2)]
     out: dict[str, list[int]] = {}
-    for w in sorted({r.served_by for r in ok}):
-        mine = [(r.start, r.start + r.latency) for r in ok if r.served_by == w]
+    for w in sorted({r.worker for r in ok}):
+        mine = [(r.arrival, r.finish) for r in ok if r.worker == w]
         out[w] = [sum(1 for a, b in mine if a <= t < b) for t in ticks]
     return ticks, out
 
@@ -161,7 +119,7 @@ def write_plots(records: Sequence[RequestRecord], out_dir: str | Path, time_scal
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     k = 1.0 / time_scale
-    ttft = np.sort([r.ttft * k * 1000 for r in records if r.success])
+    ttft = np.sort([r.ttft * k * 1000 for r in records if r.success and r.ttft is not None])
     paths = []
     fig, ax = plt.subplots(figsize=(6, 4))
     if len(ttft):
@@ -174,7 +132,7 @@ def write_plots(records: Sequence[RequestRecord], out_dir: str | Path, time_scal
     paths.append(out / "ttft_cdf.png")
     fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
     plt.close(fig)
-    duration = max((r.start + r.latency for r in records if r.success), default=1.0)
+    duration = max((r.finish for r in records if r.success), default=1.0)
     ticks, load = load_timeline(records, max(duration / 200, 0.05))
     fig, ax = plt.subplots(figsize=(7, 4))
     for w, series in load.items():

@@ -20,8 +20,9 @@ from kvmesh.bench.datasets import BenchRequest, TokenRange
 from kvmesh.bench.oracle import oracle_hit_rate
 from kvmesh.bench.report import summarize
 from kvmesh.bench.scrape import gauge, histogram_quantile, label_counts, scrape
-from kvmesh.bench.trace import TraceSynthesizer, load_trace
+from kvmesh.bench.trace import TraceSynthesizer
 from kvmesh.loopback import free_port_run
+from kvmesh.replay.trace import load_trace
 
 DEFAULT_POLICIES = ("kv-aware", "round-robin", "least-loaded", "prefix-hash", "approx-tree")
 

@@ -16,8 +16,8 @@ import grpc
 import numpy as np
 
 from kvmesh.bench.datasets import BenchRequest
-from kvmesh.bench.report import RequestRecord
 from kvmesh.client import make_request
+from kvmesh.replay.records import RequestRecord
 from kvmesh.transport.channels import CHANNEL_OPTIONS, replicas, resolve_target
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
 
@@ -52,27 +52,26 @@ class Progress:
 async def _one(stub: pb_grpc.RouterStub, req: BenchRequest, ignore_eos: bool, t0: float, timeout: float,
                index: int) -> RequestRecord:
     ids = req.prompt_token_ids.tolist() if isinstance(req.prompt_token_ids, np.ndarray) else list(req.prompt_token_ids)
-    start = time.perf_counter()
-    rec = RequestRecord(start - t0, len(ids), req.output_len)
+    rec = RequestRecord(index, time.perf_counter() - t0, len(ids), req.output_len)
     msg = make_request(ids, max_tokens=req.output_len, ignore_eos=ignore_eos, request_id=f"bench-{index}")
     last = None
     try:
         async for chunk in stub.Generate(msg, timeout=timeout):
-            now = time.perf_counter()
+            now = time.perf_counter() - t0
             if chunk.token_ids:
                 if last is None:
-                    rec.ttft = now - start
+                    rec.first_token = now
                 else:
                     rec.itl.append(now - last)
                 last = now
-                rec.output_tokens += len(chunk.token_ids)
+                rec.completion_tokens += len(chunk.token_ids)
             if chunk.finish_reason:
-                rec.latency = now - start
+                rec.finish = now
                 rec.cached_tokens = chunk.usage.cached_tokens
-                rec.served_by = chunk.served_by
-                rec.success = True
+                rec.worker = chunk.served_by
     except grpc.aio.AioRpcError as exc:
-        rec.error = f"{exc.code().name}: {exc.details()}"
+        if rec.finish is None:  # NOTE: a stream that failed after its finish reason still served the request
+            rec.failed = f"{exc.code().name}: {exc.details()}"
     return rec
 
 

@@ -1,45 +1,16 @@
-"""Mooncake FAST'25 traces: load, and synthesize token ids so equal hash ids share their tokens.
+"""Token ids for Mooncake FAST'25 trace lines (read by kvmesh/replay/trace.py), so equal hash ids share
+their tokens.
 
-A trace line is ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}``,
-one hash id per 512-token block; equal ids mean a shareable prefix. Block ``h``'s tokens are a
-pseudo-random block drawn from ``(seed, h)``; a prompt is its blocks' tokens cut to
-``input_length`` (the last block partial). Cache salt: none.
+Block ``h``'s tokens are a pseudo-random block drawn from ``(seed, h)``; a prompt is its blocks'
+tokens (:meth:`TraceRecord.block_ids`) cut to ``input_length`` (the last block partial). Cache salt: none.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
-
 import numpy as np
 
 from kvmesh.bench.datasets import BenchRequest, TokenRange
-
-TRACE_BLOCK_TOKENS = 512
-
-
-@dataclass(slots=True, frozen=True)
-class TraceRecord:
-    timestamp_ms: int
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def load_trace(path: str | Path, max_requests: int | None = None) -> list[TraceRecord]:
-    """The first ``max_requests`` lines of a Mooncake JSONL trace (all when None)."""
-    out: list[TraceRecord] = []
-    with open(path) as f:
-        for line in f:
-            if max_requests is not None and len(out) >= max_requests:
-                break
-            if not line.strip():
-                continue
-            d = json.loads(line)
-            out.append(TraceRecord(int(d["timestamp"]), int(d["input_length"]), int(d["output_length"]),
-                                   tuple(d["hash_ids"])))
-    return out
+from kvmesh.replay.trace import TRACE_BLOCK_TOKENS, TraceRecord
 
 
 class TraceSynthesizer:
@@ -73,10 +44,7 @@ class TraceSynthesizer:
 
     def prompt_array(self, rec: TraceRecord, index: int = 0) -> np.ndarray:
         """:meth:`prompt` as an int32 array (a 1,500-request replay holds ~20M tokens)."""
-        need = -(-rec.input_length // self.block_tokens)
-        ids = list(rec.hash_ids[:need])
-        # NOTE: negative ids never occur in traces: padding blocks cannot collide with real ones.
-        ids += [-(index * 1_000_003 + k + 1) for k in range(need - len(ids))]
+        ids = rec.block_ids(index, self.block_tokens)
         if not ids:
             return np.zeros(0, dtype=np.int32)
         return np.concatenate([self.block(h) for h in ids])[: rec.input_length]

@@ -111,7 +111,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if not args.trace:
             print("kvmesh bench serve: --dataset trace needs --trace FILE", file=sys.stderr)
             return 2
-        from kvmesh.bench.trace import TraceSynthesizer, load_trace
+        from kvmesh.bench.trace import TraceSynthesizer
+        from kvmesh.replay.trace import load_trace
 
         reqs = TraceSynthesizer(args.seed, tokens).requests(load_trace(args.trace, n), args.speedup)
     if args.dataset != "trace":

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
-import threading
 
-from kvmesh.commands.common import (
-    add_log_level,
-    add_security_args,
-    apply_security,
-    setup_logging,
-    start_metrics_server,
-)
+from kvmesh.commands.common import add_service_args, serve
+
+log = logging.getLogger("kvmesh.bridge")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,10 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "lease. Routers send it requests directly, as token ids. One bridge per server or data-parallel "
                     "rank (a sidecar in Kubernetes).")
     add_config_args(p, BridgeConfig, choices={"engine": ENGINES, "hash_algorithm": ALGORITHMS})
-    p.add_argument("--metrics-port", type=int, default=9103,
-                   help="the bridge's own Prometheus /metrics port, 0 = off (default 9103)")
-    add_security_args(p, serves=None, calls="admin")
-    add_log_level(p)
+    add_service_args(p, metrics_port=9103, serves=None, calls="admin", grace=False,
+                     metrics_help="the bridge's own Prometheus /metrics port")
     p.set_defaults(func=run)
 
 
@@ -41,35 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.bridge.config import BridgeConfig
     from kvmesh.commands.config_args import config_from_args
 
-    setup_logging(args.log_level)
-    log = logging.getLogger("kvmesh.bridge")
     cfg = config_from_args(BridgeConfig, args)
-    try:
-        apply_security(args)
-        bridge = Bridge(cfg)
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
-    if args.metrics_port:
-        start_metrics_server(args.metrics_port, bridge.metrics.registry)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    try:
-        # NOTE: waiting for the engine happens here, so SIGTERM still ends a bridge whose engine never came.
-        starter = threading.Thread(target=_start, args=(bridge, done), daemon=True)
-        starter.start()
-        done.wait()
-    finally:
-        bridge.stop()
-    return getattr(bridge, "exit_code", 0)
-
-
-def _start(bridge, done: threading.Event) -> None:
-    log = logging.getLogger("kvmesh.bridge")
-    try:
-        bridge.start()
-    except (ValueError, TimeoutError) as exc:
-        log.error("%s", exc)
-        bridge.exit_code = 2
-        done.set()
+    # NOTE: waiting for the engine happens in the background, so SIGTERM still ends a bridge whose
+    # engine never came.
+    return serve(args, log, lambda: Bridge(cfg), background=Bridge.start)

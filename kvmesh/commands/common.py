@@ -1,13 +1,19 @@
-"""Flags and start-up steps shared by the server commands."""
+"""Flags and start-up steps shared by the server commands, and their one frame (``serve``)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-from typing import TYPE_CHECKING
+import signal
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
+
+S = TypeVar("S")
+"""A started service: ``.metrics.registry`` (its Prometheus registry) and ``stop([grace])``."""
 
 
 def add_log_level(p: argparse.ArgumentParser) -> None:
@@ -17,6 +23,78 @@ def add_log_level(p: argparse.ArgumentParser) -> None:
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def add_service_args(p: argparse.ArgumentParser, *, metrics_port: int, serves: str | None, calls: str | None,
+                     grace: bool = True, metrics_help: str = "Prometheus /metrics port") -> None:
+    """The flags every service command ends with: ``--metrics-port``, ``--grace`` (a server's drain on
+    SIGTERM), the security flags (``add_security_args``) and ``--log-level``."""
+    p.add_argument("--metrics-port", type=int, default=metrics_port,
+                   help=f"{metrics_help}, 0 = off (default {metrics_port})")
+    if grace:
+        p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
+    add_security_args(p, serves=serves, calls=calls)
+    add_log_level(p)
+
+
+def serve(args: argparse.Namespace, log: logging.Logger, start: Callable[[], S],
+          serving: Callable[[S], None] | None = None, background: Callable[[S], None] | None = None) -> int:
+    """The frame of every service command (kv-service, router, worker, bridge): logging, the security
+    flags, ``start()``, /metrics, ``serving(service)`` (what the command says once it serves), then
+    SIGTERM / SIGINT and the stop: ``service.stop(args.grace)``, or ``service.stop()`` for a command
+    without ``--grace``.
+
+    Args:
+        start: builds and starts the service; a ValueError or OSError it raises is one error line
+            (no traceback) and exit status 2.
+        background: run on a thread once the signals are handled: a start that waits (the bridge
+            waits for its engine) and that SIGTERM must still end; a ValueError or TimeoutError it
+            raises is logged and ends the command with status 2.
+
+    Returns:
+        The exit status.
+    """
+    setup_logging(args.log_level)
+    try:
+        apply_security(args)
+        service = start()
+    except (ValueError, OSError) as exc:
+        log.error("%s", exc)
+        return 2
+    if args.metrics_port:
+        start_metrics_server(args.metrics_port, service.metrics.registry)
+    if serving is not None:
+        serving(service)
+    grace: float | None = getattr(args, "grace", None)
+    done = threading.Event()
+    status = 0
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("signal %d: %s", signum, "stopping" if grace is None else f"draining for up to {grace:.1f}s")
+        done.set()
+
+    def start_in_background(service: S, background: Callable[[S], None]) -> None:
+        nonlocal status
+        try:
+            background(service)
+        except (ValueError, TimeoutError) as exc:
+            log.error("%s", exc)
+            status = 2
+            done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        if background is not None:
+            threading.Thread(target=start_in_background, args=(service, background), daemon=True).start()
+        while not done.wait(0.5):
+            pass
+    finally:
+        if grace is None:
+            service.stop()
+        else:
+            service.stop(grace)
+    return status
 
 
 def start_metrics_server(port: int, registry: CollectorRegistry) -> None:

@@ -9,7 +9,9 @@ Types: ``int``, ``float``, ``str``, ``bool`` (default False: ``--flag`` sets it;
 ``--no-flag`` clears it; ``bool | None``: ``--flag`` / ``--no-flag``, neither = None) and ``list[str]`` / ``list[int]`` (comma-separated). An optional field
 (``X | None``) also takes ``none`` (or an empty value) for None. A field whose type is a dataclass
 is a group: its fields become flags (flat, their defaults those of the group's default), and
-``config_from_args`` builds it back. A field made with ``code_only()`` gets no flag.
+``config_from_args`` builds it back. A field made with ``code_only()`` gets no flag. A flag renamed
+keeps its old spelling for one release (``flag(old_names=...)``): taken, said so in --help, and
+warned about on stderr when used.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import sys
 import textwrap
 import types
 import typing
@@ -26,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import cache
 from typing import Any
 
-from kvmesh.contract.settings import FLAG, METAVAR, NO_FLAG
+from kvmesh.contract.settings import FLAG, METAVAR, NO_FLAG, OLD_NAMES
 
 
 @cache
@@ -48,6 +51,17 @@ def attribute_docs(cls: type) -> dict[str, str]:
 
 def flag_name(f: dataclasses.Field) -> str:
     return f.metadata.get(FLAG) or f.name.replace("_", "-")
+
+
+class _OldNameAction(argparse._StoreAction):
+    """Stores the value as the flag's own action would, and warns when it came by an old name."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if option_string is not None and option_string != self.option_strings[0]:
+            print(f"kvmesh: {option_string} is deprecated (removed in the next release): use {self.option_strings[0]}",
+                  file=sys.stderr)
+        super().__call__(parser, namespace, values, option_string)
 
 
 def _unwrap(tp: Any) -> tuple[Any, bool]:
@@ -161,8 +175,13 @@ def add_config_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: t
                 kwargs["choices"] = list(choices[f.name])
             if f.name not in choices:
                 kwargs["metavar"] = f.metadata.get(METAVAR) or name.upper().replace("-", "_")
+        old = [prefix + o for o in f.metadata.get(OLD_NAMES, ())]
+        if old:
+            assert "action" not in kwargs, f"--{name}: old names are for flags that take a value"
+            kwargs["action"] = _OldNameAction
+            shown += f" ({', '.join('--' + o for o in old)}: the old name, deprecated, removed in the next release)"
         kwargs["help"] = docs[f.name].replace("%", "%%") + shown
-        p.add_argument(f"--{name}", **kwargs)
+        p.add_argument(f"--{name}", *(f"--{o}" for o in old), **kwargs)
 
 
 def _within(exclude: set[str], group: str) -> set[str]:

@@ -5,13 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from kvmesh.commands.common import (
-    add_log_level,
-    add_security_args,
-    apply_security,
-    setup_logging,
-    start_metrics_server,
-)
+from kvmesh.commands.common import add_service_args, serve
+
+log = logging.getLogger("kvmesh.kv_service")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,10 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kv-service", help="run the KV-cache metadata service (gRPC)",
                        description="Run the KV-cache metadata service: which worker holds which block.")
     add_config_args(p, KVServiceConfig, choices={"store": ["redis", "memory"], "lookup_walk": list(LOOKUP_WALKS)})
-    p.add_argument("--metrics-port", type=int, default=9100, help="Prometheus /metrics port, 0 = off (default 9100)")
-    p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
-    add_security_args(p, serves="admin", calls=None)
-    add_log_level(p)
+    add_service_args(p, metrics_port=9100, serves="admin", calls=None)
     p.set_defaults(func=run)
 
 
@@ -34,38 +27,28 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.kv_service.config import DEFAULT_REDIS_URL, KVServiceConfig
     from kvmesh.kv_service.server import KVServiceServer
     from kvmesh.kv_service.stores import make_store
-    from kvmesh.transport.server import wait_for_termination_signal
 
-    setup_logging(args.log_level)
-    log = logging.getLogger("kvmesh.kv_service")
     config = config_from_args(KVServiceConfig, args)
-    try:
-        apply_security(args)
+
+    def start() -> KVServiceServer:
         config.check()
-    except (ValueError, OSError) as exc:
-        log.error("%s", exc)
-        return 2
-    index = make_store(config.store, config.redis_url, config.redis, config.lookup_walk)
-    try:
-        server = KVServiceServer(index, config.host, config.port, config.service,
-                                 max_publishers=config.max_publishers, faults=config.faults).start()
-    except Unavailable as exc:  # the server pings the store at start: one actionable line, no traceback
-        log.error("cannot reach Redis at %s (%s); start one or pass --store memory",
-                  config.redis_url or DEFAULT_REDIS_URL, exc)
-        return 2
-    except FailedPrecondition as exc:  # the namespace is kept in another number of shards
-        log.error("%s", exc)
-        return 2
-    except OSError as exc:
-        log.error("%s", exc)
-        return 2
-    if args.metrics_port:
-        start_metrics_server(args.metrics_port, server.metrics.registry)
-    log.info("kv_service listening on %s:%d (store=%s%s%s)", config.host, server.port, index.name,
-             f", {config.redis.shards} shards" if config.redis.shards > 1 else "",
-             ", Lookups from replicas" if config.redis.read_replicas else "")
-    if config.faults.lookup_delay_ms or config.faults.reserve_delay_ms:
-        log.warning("injecting latency: Lookup +%g ms, Reserve +%g ms (--lookup-delay-ms / --reserve-delay-ms; a "
-                    "stress setting, not for production)", config.faults.lookup_delay_ms, config.faults.reserve_delay_ms)
-    wait_for_termination_signal(server.stop, args.grace)
-    return 0
+        index = make_store(config.store, config.redis_url, config.redis, config.lookup_walk)
+        try:
+            return KVServiceServer(index, config.host, config.port, config.service,
+                                   max_publishers=config.max_publishers, faults=config.faults).start()
+        except Unavailable as exc:  # the server pings the store at start: one actionable line, no traceback
+            raise ValueError(f"cannot reach Redis at {config.redis_url or DEFAULT_REDIS_URL} ({exc}); start one "
+                             "or pass --store memory") from None
+        except FailedPrecondition as exc:  # the namespace is kept in another number of shards
+            raise ValueError(str(exc)) from None
+
+    def serving(server: KVServiceServer) -> None:
+        log.info("kv_service listening on %s:%d (store=%s%s%s)", config.host, server.port, server.service.index.name,
+                 f", {config.redis.shards} shards" if config.redis.shards > 1 else "",
+                 ", Lookups from replicas" if config.redis.read_replicas else "")
+        if config.faults.lookup_delay_ms or config.faults.reserve_delay_ms:
+            log.warning("injecting latency: Lookup +%g ms, Reserve +%g ms (--lookup-delay-ms / --reserve-delay-ms; "
+                        "a stress setting, not for production)", config.faults.lookup_delay_ms,
+                        config.faults.reserve_delay_ms)
+
+    return serve(args, log, start, serving)

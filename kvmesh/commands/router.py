@@ -6,13 +6,9 @@ import argparse
 import gc
 import logging
 
-from kvmesh.commands.common import (
-    add_log_level,
-    add_security_args,
-    apply_security,
-    setup_logging,
-    start_metrics_server,
-)
+from kvmesh.commands.common import add_service_args, serve
+
+log = logging.getLogger("kvmesh.router")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,10 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "register with the kv_service.")
     add_config_args(p, RouterConfig, choices={"policy": policy_names(), "hash_algorithm": ALGORITHMS,
                                               "step_cost_fit": STEP_COST_FITS})
-    p.add_argument("--metrics-port", type=int, default=9101, help="Prometheus /metrics port, 0 = off (default 9101)")
-    p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
-    add_security_args(p, serves="api", calls="admin")
-    add_log_level(p)
+    add_service_args(p, metrics_port=9101, serves="api", calls="admin")
     p.set_defaults(func=run)
 
 
@@ -44,27 +37,21 @@ def config_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.router.server import RouterServer
-    from kvmesh.transport.server import wait_for_termination_signal
 
-    setup_logging(args.log_level)
-    log = logging.getLogger("kvmesh.router")
-    try:
-        apply_security(args)
+    def start() -> RouterServer:
         server = RouterServer(config_from_args(args)).start()
-    except (ValueError, FileNotFoundError, OSError) as exc:
-        log.error("%s", exc)
-        return 2
-    # NOTE: what start-up made lives as long as the process: frozen, the collector's full passes
-    # (which a request that allocates much can trigger) skip it, so they no longer pause every
-    # client on the loop for tens of milliseconds.
-    gc.collect()
-    gc.freeze()
-    if args.metrics_port:
-        start_metrics_server(args.metrics_port, server.metrics.registry)
-    source = f"workers {args.workers}" if args.workers else f"kv_service {args.kv_service}"
-    log.info("router listening on %s:%d (policy %s, %s)", args.host, server.port, args.policy, source)
-    if server.http_port is not None:
-        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if server.http.tls else "http", args.host,
-                 server.http_port)
-    wait_for_termination_signal(server.stop, args.grace)
-    return 0
+        # NOTE: what start-up made lives as long as the process: frozen, the collector's full passes
+        # (which a request that allocates much can trigger) skip it, so they no longer pause every
+        # client on the loop for tens of milliseconds.
+        gc.collect()
+        gc.freeze()
+        return server
+
+    def serving(server: RouterServer) -> None:
+        source = f"workers {args.workers}" if args.workers else f"kv_service {args.kv_service}"
+        log.info("router listening on %s:%d (policy %s, %s)", args.host, server.port, args.policy, source)
+        if server.http_port is not None:
+            log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if server.http.tls else "http", args.host,
+                     server.http_port)
+
+    return serve(args, log, start, serving)

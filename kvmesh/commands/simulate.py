@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.router.core.policies import POLICIES, policy_names
     from kvmesh.sim import report
     from kvmesh.sim.run import Sim, dump, sweep
-    from kvmesh.sim.workload import load_trace, make_workload
+    from kvmesh.sim.workload import make_workload, trace_workload
 
     policies = [p for p in args.policies.split(",") if p]
     unknown = [p for p in policies if p not in POLICIES]
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         relative = []  # NOTE: nothing to scale by
     if args.trace:
         try:
-            workload = load_trace(args.trace, args.max_requests, args.seed, skip=args.skip_requests)
+            workload = trace_workload(args.trace, args.max_requests, args.seed, skip=args.skip_requests)
         except (OSError, ValueError, KeyError) as exc:
             print(f"cannot read trace {args.trace}: {exc}", file=sys.stderr)
             return 2

@@ -6,17 +6,14 @@ import argparse
 import logging
 import os
 import socket
+from typing import TYPE_CHECKING
 
-from kvmesh.commands.common import (
-    add_cost_model_args,
-    add_log_level,
-    add_security_args,
-    apply_security,
-    linear_cost_from,
-    setup_logging,
-    sim_choices,
-    start_metrics_server,
-)
+from kvmesh.commands.common import add_cost_model_args, add_service_args, linear_cost_from, serve, sim_choices
+
+if TYPE_CHECKING:
+    from kvmesh.model_worker.serving.server import WorkerServer
+
+log = logging.getLogger("kvmesh.worker")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -38,12 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None,
                    help="model directory (config.json, *.safetensors, tokenizer.json); default: the tiny demo model")
     add_config_args(p, WorkerConfig)
-    p.add_argument("--metrics-port", type=int, default=9102, help="Prometheus /metrics port, 0 = off (default 9102)")
-    p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
     add_engine_args(p)
     add_sim_args(p)
-    add_security_args(p, serves="admin", calls="admin")
-    add_log_level(p)
+    add_service_args(p, metrics_port=9102, serves="admin", calls="admin")
     p.set_defaults(func=run)
 
 
@@ -74,78 +68,66 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.commands.config_args import config_from_args
     from kvmesh.model_worker.config import EngineConfig, WorkerConfig
 
-    setup_logging(args.log_level)
-    log = logging.getLogger("kvmesh.worker")
     worker = config_from_args(WorkerConfig, args)
-    try:
-        apply_security(args)
+
+    def start() -> WorkerServer:
         worker.check()
-    except (ValueError, OSError) as exc:
-        log.error("%s", exc)
-        return 2
-    from kvmesh.model_worker.engine.llm_engine import LLMEngine
-    from kvmesh.model_worker.serving.server import WorkerServer
-    from kvmesh.transport.server import wait_for_termination_signal
+        from kvmesh.model_worker.engine.llm_engine import LLMEngine
+        from kvmesh.model_worker.serving.server import WorkerServer
 
-    if worker.torch_threads:
-        from kvmesh.model_worker.execution.model_runner import set_cpu_threads
+        if worker.torch_threads:
+            from kvmesh.model_worker.execution.model_runner import set_cpu_threads
 
-        set_cpu_threads(worker.torch_threads)
-    model = args.model
-    if model is None:
-        from kvmesh.make_model import ensure_default_model
+            set_cpu_threads(worker.torch_threads)
+        model = args.model
+        if model is None:
+            from kvmesh.make_model import ensure_default_model
 
-        model = str(ensure_default_model())
-        log.info("no --model given: using the tiny demo model at %s (its output is noise)", model)
-    engine_config = config_from_args(EngineConfig, args, model=model)
-    runner_factory = None
-    if args.simulate:
-        from kvmesh.model_worker.simulated.sim_runner import (
-            DEFAULT_SIM_MAX_MODEL_LEN,
-            SimRunner,
-            export_metrics,
-        )
-        from kvmesh.model_worker.simulated.step_time import StepTimeConfig, gpu_spec
+            model = str(ensure_default_model())
+            log.info("no --model given: using the tiny demo model at %s (its output is noise)", model)
+        engine_config = config_from_args(EngineConfig, args, model=model)
+        runner_factory = None
+        if args.simulate:
+            from kvmesh.model_worker.simulated.sim_runner import (
+                DEFAULT_SIM_MAX_MODEL_LEN,
+                SimRunner,
+                export_metrics,
+            )
+            from kvmesh.model_worker.simulated.step_time import StepTimeConfig, gpu_spec
 
-        step_time = config_from_args(StepTimeConfig, args)
-        try:
+            step_time = config_from_args(StepTimeConfig, args)
             step_time.check()
             cost = step_time.model(linear=linear_cost_from(args))
-        except ValueError as exc:
-            log.error("%s", exc)
-            return 2
-        blocks = engine_config.num_blocks = engine_config.num_blocks or (
-            gpu_spec(step_time.gpu).kv_tokens() // engine_config.block_size)
-        engine_config.max_model_len = engine_config.max_model_len or min(
-            DEFAULT_SIM_MAX_MODEL_LEN, (blocks - 1) * engine_config.block_size)
-        engine_config.device = "cpu"
-        sim: list[SimRunner] = []
+            blocks = engine_config.num_blocks = engine_config.num_blocks or (
+                gpu_spec(step_time.gpu).kv_tokens() // engine_config.block_size)
+            engine_config.max_model_len = engine_config.max_model_len or min(
+                DEFAULT_SIM_MAX_MODEL_LEN, (blocks - 1) * engine_config.block_size)
+            engine_config.device = "cpu"
+            sim: list[SimRunner] = []
 
-        def runner_factory(config: EngineConfig, model_config) -> SimRunner:
-            sim.append(SimRunner(config, model_config, cost, args.sim_time_scale, step_time.step_noise,
-                                 noise_seed=config.seed))
-            return sim[0]
+            def runner_factory(config: EngineConfig, model_config) -> SimRunner:
+                sim.append(SimRunner(config, model_config, cost, args.sim_time_scale, step_time.step_noise,
+                                     noise_seed=config.seed))
+                return sim[0]
 
-    try:
-        engine = LLMEngine(config=engine_config, runner_factory=runner_factory)
-    except (ValueError, FileNotFoundError) as exc:
-        log.error("cannot load %s: %s", model, exc)
-        return 2
-    worker_id = worker.worker_id or socket.gethostname()
-    try:
+        try:
+            engine = LLMEngine(config=engine_config, runner_factory=runner_factory)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ValueError(f"cannot load {model}: {exc}") from None
+        worker_id = worker.worker_id or socket.gethostname()
         server = WorkerServer(engine, worker_id, worker.host, worker.port, worker.kv_service,
                               worker.advertise_address or default_advertise(worker.host, worker.port),
                               worker.max_queued_requests, worker.stream_interval).start()
-    except OSError as exc:
-        log.error("%s", exc)
-        return 2
-    if args.simulate:
-        export_metrics(sim[0], server.metrics.registry)
-        log.info("simulated worker: %s, time scale %g", cost, args.sim_time_scale)
-    if args.metrics_port:
-        start_metrics_server(args.metrics_port, server.metrics.registry)
-    warm = engine.warmup_report
-    log.info("worker %s serving %s on %s:%d (%d KV blocks of %d tokens%s)", worker_id, engine.model_id, worker.host,
-             server.port, engine.kv_cache_manager.num_blocks, engine.config.block_size, f"; {warm}" if warm else "")
-    wait_for_termination_signal(server.stop, args.grace)
-    return 0
+        if args.simulate:
+            export_metrics(sim[0], server.metrics.registry)
+            log.info("simulated worker: %s, time scale %g", cost, args.sim_time_scale)
+        return server
+
+    def serving(server: WorkerServer) -> None:
+        engine = server.engine
+        warm = engine.warmup_report
+        log.info("worker %s serving %s on %s:%d (%d KV blocks of %d tokens%s)", server.worker_id, engine.model_id,
+                 worker.host, server.port, engine.kv_cache_manager.num_blocks, engine.config.block_size,
+                 f"; {warm}" if warm else "")
+
+    return serve(args, log, start, serving)

@@ -8,6 +8,7 @@ thing (a reservation was the router's ``Claim``, the wire's ``ReserveRequest`` a
 
 | concept | record | on the wire (kv_service.proto) |
 |---|---|---|
+| routers' picks of a worker its reports do not cover yet | :class:`Pending` | PendingPicks |
 | a worker joining the index | :class:`Registration` | RegisterWorkerRequest |
 | what the index knows of a worker | :class:`WorkerInfo` | WorkerInfo |
 | one worker's answer to a Lookup | :class:`WorkerMatch` | WorkerMatch |
@@ -24,7 +25,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvmesh.contract.types import NO_PENDING, Load, Pending
+from kvmesh.contract.types import Load
+
+
+@dataclass(slots=True, frozen=True)
+class Pending:
+    """Routers' picks of one worker that its reports do not cover yet: the shared router view.
+
+    A router reserves each pick in the kv_service before it forwards the request; every router's
+    next Lookup sees it here until the worker's own report covers it (docs/router.md, "Several
+    routers"). ``version`` counts the worker's reservations: a router reserves on the condition
+    that no other router reserved the worker since its Lookup.
+    """
+
+    requests: int = 0
+    prefill_tokens: int = 0
+    """Uncached prompt tokens of those requests."""
+    blocks: int = 0
+    """KV blocks their prompts take."""
+    version: int = 0
+
+
+NO_PENDING = Pending()
 
 
 @dataclass(slots=True, frozen=True)

@@ -18,12 +18,15 @@ METAVAR = "metavar"
 """Field metadata key: the value's placeholder in --help."""
 NO_FLAG = "no_flag"
 """Field metadata key: the field has no flag (set by code: a clock, a callback)."""
+OLD_NAMES = "old_names"
+"""Field metadata key: earlier names of the flag, still taken for one release (each use warns)."""
 
 
 def flag(default: Any = dataclasses.MISSING, *, name: str | None = None, metavar: str | None = None,
-         default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field whose flag is ``--name`` (default: the field's name) shown with ``metavar``."""
-    metadata = {k: v for k, v in ((FLAG, name), (METAVAR, metavar)) if v is not None}
+         default_factory: Any = dataclasses.MISSING, old_names: tuple[str, ...] = ()) -> Any:
+    """A dataclass field whose flag is ``--name`` (default: the field's name) shown with ``metavar``;
+    ``old_names``: the flag's earlier spellings (without ``--``), deprecated aliases for one release."""
+    metadata = {k: v for k, v in ((FLAG, name), (METAVAR, metavar), (OLD_NAMES, old_names or None)) if v is not None}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 

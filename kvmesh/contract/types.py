@@ -169,27 +169,6 @@ _ALWAYS_ENCODED = 12
 """Fields every stored load has (those before the miss audit's and the host tier's)."""
 
 
-@dataclass(slots=True, frozen=True)
-class Pending:
-    """Routers' picks of one worker that its reports do not cover yet: the shared router view.
-
-    A router reserves each pick in the kv_service before it forwards the request; every router's
-    next Lookup sees it here until the worker's own report covers it (docs/router.md, "Several
-    routers"). ``version`` counts the worker's reservations: a router reserves on the condition
-    that no other router reserved the worker since its Lookup.
-    """
-
-    requests: int = 0
-    prefill_tokens: int = 0
-    """Uncached prompt tokens of those requests."""
-    blocks: int = 0
-    """KV blocks their prompts take."""
-    version: int = 0
-
-
-NO_PENDING = Pending()
-
-
 H100_8B_KV_BLOCKS = 27_648
 """KV blocks of 16 tokens of an H100-80GB serving Llama-3-8B in bf16: 128 KiB of KV per token
 (2 x 32 layers x 8 KV heads x 128 x 2 B), 0.9 x 80 GB minus 16 GB weights and ~3 GB activations

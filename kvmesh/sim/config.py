@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvmesh.contract.settings import code_only, flag
 from kvmesh.kv_client.event_batcher import BATCH_INTERVAL_S
 from kvmesh.kv_service.config import ServiceConfig
-from kvmesh.model_worker.scheduling.scheduler import SchedulerConfig
+from kvmesh.model_worker.scheduling.config import SchedulerConfig
 from kvmesh.model_worker.simulated.step_time import StepTimeConfig, StepTimeModel, gpu_spec
 from kvmesh.router.config import RoutingConfig
 from kvmesh.sim.fleet import parse_fleet
@@ -84,7 +84,7 @@ class SimConfig:
     reserve_latency_s: float = flag(0.001, name="reserve-latency")
     """Seconds of one Reserve round trip of the shared router view; the pick lands in the index halfway.
     Measured live 0.71 ms p50, 3.8 ms p99 (benchmarks/reserve_latency.py, docs/router.md "Several
-    routers"); 1 ms rounds it up, so the window in which two routers' claims race is not shorter than live."""
+    routers"); 1 ms rounds it up, so the window in which two routers' reservations race is not shorter than live."""
     network_s: float = flag(0.001, name="network-delay")
     """Seconds of one hop router <-> worker (request out, first token and end of stream back)."""
     # -- faults

@@ -21,13 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvmesh.model_worker.scheduling.output import RequestOutput, ScheduledRequest, SchedulerOutput
 from kvmesh.model_worker.scheduling.request import Request, RequestStatus
-from kvmesh.model_worker.scheduling.scheduler import (
-    RequestOutput,
-    ScheduledRequest,
-    Scheduler,
-    SchedulerOutput,
-)
+from kvmesh.model_worker.scheduling.scheduler import Scheduler
 from kvmesh.model_worker.simulated.sim_runner import SimRunner, sim_token_ids
 
 

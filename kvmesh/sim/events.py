@@ -1,40 +1,9 @@
-"""The virtual clock's event queue, and the record of what happened to each request."""
+"""The virtual clock's event queue (what happened to each request: kvmesh/replay/records.py)."""
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """What happened to one request (client view, virtual seconds)."""
-
-    index: int
-    arrival: float
-    prompt_len: int
-    output_len: int
-    worker: str = ""
-    first_token: float | None = None
-    finish: float | None = None
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    failed: str = ""
-    attempts: int = 0
-    slo_ok: bool | None = None
-    counted_miss: bool = False
-    """Already counted as an SLO miss (its TTFT deadline passed before its first token)."""
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
-
-    @property
-    def tpot(self) -> float | None:
-        if self.first_token is None or self.finish is None or self.completion_tokens < 2:
-            return None
-        return (self.finish - self.first_token) / (self.completion_tokens - 1)
 
 
 class EventQueue:

@@ -48,8 +48,9 @@ from pathlib import Path
 
 from kvmesh.contract.block_hash import XXH3_128
 from kvmesh.contract.types import ModelSpec
+from kvmesh.replay.records import RequestRecord
 from kvmesh.sim.config import MODEL_ID, SimConfig, cold_prefill_s, slo_cost
-from kvmesh.sim.events import EventQueue, RequestRecord
+from kvmesh.sim.events import EventQueue
 from kvmesh.sim.index import SimIndex
 from kvmesh.sim.replicas import PeerModes
 from kvmesh.sim.router import SimRouter

@@ -1,4 +1,4 @@
-"""A simulated router: the live router's cores (RoutingCore, its reservation loop Claims, WorkerSet,
+"""A simulated router: the live router's cores (RoutingCore, its ReservationLoop, WorkerSet,
 Attempts) on the virtual clock. Only the waits are the simulator's: the Lookup's and the Reserve's
 round trips, the hops to and from the workers."""
 
@@ -11,14 +11,16 @@ from typing import Protocol
 from kvmesh.contract.errors import NotFound
 from kvmesh.contract.index_protocol import Reservation, ReservationAnswer
 from kvmesh.contract.types import ModelSpec
+from kvmesh.replay.records import RequestRecord
 from kvmesh.router.core.attempts import Attempts
 from kvmesh.router.core.policies import make_policy
 from kvmesh.router.core.policies.base import Decision
-from kvmesh.router.core.routing import Claims, CountingObserver, RoutePlan, RoutingCore
+from kvmesh.router.core.reservation_loop import ReservationLoop
+from kvmesh.router.core.routing import CountingObserver, RoutePlan, RoutingCore
 from kvmesh.router.core.upstream import Failure
 from kvmesh.router.core.worker_set import WorkerSet
 from kvmesh.sim.config import SimConfig
-from kvmesh.sim.events import EventQueue, RequestRecord
+from kvmesh.sim.events import EventQueue
 from kvmesh.sim.index import SimIndex
 from kvmesh.sim.worker import Attempt, SimWorker
 
@@ -53,11 +55,11 @@ class SimRouter:
         self.core = RoutingCore(make_policy(r.policy, pc), speculative_ttl_s=r.speculative_ttl_s,
                                 index_retry_s=r.index_retry_s, clock=lambda: mesh.q.now, observer=self.observer,
                                 shared_view=r.shared_view, router_id=f"router-{index}",
-                                claim_attempts=r.claim_attempts)
+                                reservation_attempts=r.reservation_attempts)
         self.workers = WorkerSet(r.unhealthy_s, clock=lambda: mesh.q.now)
         self.spec = mesh.spec
         self.conflicts = 0
-        """Claims refused because another router reserved the worker first."""
+        """Reservations refused because another router reserved the worker first."""
 
     def discover(self) -> None:
         self.workers.update(self.mesh.index.endpoints())
@@ -81,39 +83,39 @@ class SimRouter:
             # NOTE: the Lookup was answered at once and its latency is spent after the pick: the
             # pick is in flight from now, as live, where it is made when the answer arrives.
             self.core.start(plan, decision.worker_id)
-            claims = self.core.claims(plan, decision, f"r{rec.index}.{rec.attempts + 1}")
+            loop = ReservationLoop(self.core, plan, decision, f"r{rec.index}.{rec.attempts + 1}")
             mesh.expect(delay + mesh.cfg.reserve_latency_s + mesh.cfg.network_s)
-            mesh.q.after(delay, self._claim, rec, claims)
+            mesh.q.after(delay, self._next_reservation, rec, loop)
 
-    def _claim(self, rec: RequestRecord, claims: Claims) -> None:
+    def _next_reservation(self, rec: RequestRecord, loop: ReservationLoop) -> None:
         """The shared view: the core's reservation loop, each Reserve landing in the index halfway
         through its round trip."""
-        reservation = claims.next()
+        reservation = loop.next()
         if reservation is None:
-            self._decided(rec, claims.plan, claims.decision, 0.0)
+            self._decided(rec, loop.plan, loop.decision, 0.0)
             return
         cfg = self.mesh.cfg
         self.mesh.expect(cfg.reserve_latency_s + cfg.network_s)
-        self.mesh.q.after(cfg.reserve_latency_s / 2, self._reserve, rec, claims, reservation)
+        self.mesh.q.after(cfg.reserve_latency_s / 2, self._reserve, rec, loop, reservation)
 
-    def _reserve(self, rec: RequestRecord, claims: Claims, reservation: Reservation) -> None:
+    def _reserve(self, rec: RequestRecord, loop: ReservationLoop, reservation: Reservation) -> None:
         mesh = self.mesh
         try:
             answer = mesh.index.write("reserve", reservation)
         except NotFound:  # NOTE: the worker left since the Lookup: forwarded, as live, unreserved
-            mesh.q.after(mesh.cfg.reserve_latency_s / 2, self._unreserved, rec, claims)
+            mesh.q.after(mesh.cfg.reserve_latency_s / 2, self._unreserved, rec, loop)
             return
         mesh.index.traffic.reserves += 1
-        mesh.q.after(mesh.cfg.reserve_latency_s / 2, self._claimed, rec, claims, answer)
+        mesh.q.after(mesh.cfg.reserve_latency_s / 2, self._answered, rec, loop, answer)
 
-    def _unreserved(self, rec: RequestRecord, claims: Claims) -> None:
-        claims.unanswered()
-        self._decided(rec, claims.plan, claims.decision, 0.0)
+    def _unreserved(self, rec: RequestRecord, loop: ReservationLoop) -> None:
+        loop.unanswered()
+        self._decided(rec, loop.plan, loop.decision, 0.0)
 
-    def _claimed(self, rec: RequestRecord, claims: Claims, answer: ReservationAnswer) -> None:
-        if not claims.answered(answer):
+    def _answered(self, rec: RequestRecord, loop: ReservationLoop, answer: ReservationAnswer) -> None:
+        if not loop.answered(answer):
             self.conflicts += 1
-        self._claim(rec, claims)
+        self._next_reservation(rec, loop)
 
     def _decided(self, rec: RequestRecord, plan: RoutePlan, decision: Decision, delay: float) -> None:
         self.core.commit(plan, decision)

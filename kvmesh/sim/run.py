@@ -22,13 +22,12 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from kvmesh.contract.block_hash import XXH3_128, BlockHasher
 from kvmesh.model_worker.simulated.step_time import gpu_spec
+from kvmesh.replay.records import RequestRecord, stats
+from kvmesh.replay.records import summarize as summarize_records
 from kvmesh.sim import information_limit
 from kvmesh.sim.config import MODEL_ID, SimConfig, fleet_capacity_blocks
-from kvmesh.sim.events import RequestRecord
 from kvmesh.sim.fleet import fleet_counts, fleet_spec
 from kvmesh.sim.information_limit import INFORMATION_LIMIT, ZERO_DELAYS
 from kvmesh.sim.mesh import Mesh
@@ -79,25 +78,14 @@ def oracle_hit_rate(workload: Workload, cfg: SimConfig) -> float:
                         fleet_capacity_blocks(cfg), cfg.block_size)
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else 0.0
-
-
 def summarize(mesh: Mesh, records: Sequence[RequestRecord]) -> dict:
     """One run's figures (virtual seconds)."""
     cfg = mesh.cfg
-    done = [r for r in records if r.finish is not None and not r.failed]
-    ttft = [r.ttft for r in records if r.ttft is not None and not r.failed]
-    tpot = [t for r in done if (t := r.tpot) is not None]
-    e2e = [r.finish - r.arrival for r in done]
+    s = summarize_records(records, [w.worker_id for w in mesh.workers])
+    ttft, tpot, e2e = stats(s.ttft), stats(s.tpot), stats(s.e2e)
     start = records[0].arrival if records else 0.0
-    end = max((r.finish for r in done), default=start)
+    end = max((r.finish for r in records if r.success), default=start)
     span = max(end - start, 1e-9)
-    prompt = sum(r.prompt_len for r in done)
-    served: dict[str, int] = {w.worker_id: 0 for w in mesh.workers}
-    for r in done:
-        served[r.worker] += r.prompt_len + r.completion_tokens
-    mean_load = sum(served.values()) / len(served) if served else 0.0
     met = sum(1 for r in records if r.slo_ok)
     decisions: dict[str, int] = {}
     fallbacks: dict[str, int] = {}
@@ -108,16 +96,15 @@ def summarize(mesh: Mesh, records: Sequence[RequestRecord]) -> dict:
             fallbacks[k] = fallbacks.get(k, 0) + v
     return {
         "policy": cfg.policy, "rate": _r(cfg.rate),
-        "ttft_mean_s": _r(np.mean(ttft)) if ttft else 0.0, "ttft_p50_s": _r(_pct(ttft, 50)),
-        "ttft_p90_s": _r(_pct(ttft, 90)), "ttft_p99_s": _r(_pct(ttft, 99)),
-        "tpot_p50_s": _r(_pct(tpot, 50)), "tpot_p99_s": _r(_pct(tpot, 99)),
-        "e2e_mean_s": _r(np.mean(e2e)) if e2e else 0.0, "e2e_p50_s": _r(_pct(e2e, 50)), "e2e_p99_s": _r(_pct(e2e, 99)),
-        "input_tok_s": _r(prompt / span), "output_tok_s": _r(sum(r.completion_tokens for r in done) / span),
-        "hit_rate": _r(sum(r.cached_tokens for r in done) / prompt) if prompt else 0.0,
+        "ttft_mean_s": _r(ttft["mean"]), "ttft_p50_s": _r(ttft["p50"]),
+        "ttft_p90_s": _r(ttft["p90"]), "ttft_p99_s": _r(ttft["p99"]),
+        "tpot_p50_s": _r(tpot["p50"]), "tpot_p99_s": _r(tpot["p99"]),
+        "e2e_mean_s": _r(e2e["mean"]), "e2e_p50_s": _r(e2e["p50"]), "e2e_p99_s": _r(e2e["p99"]),
+        "input_tok_s": _r(s.prompt_tokens / span), "output_tok_s": _r(s.output_tokens / span),
+        "hit_rate": _r(s.hit_rate),
         "slo_attainment": _r(met / len(records)) if records else 0.0,
-        "max_mean_load": _r(max(served.values()) / mean_load) if mean_load else 0.0,
-        "completed": len(done), "failed": sum(1 for r in records if r.failed),
-        "unfinished": sum(1 for r in records if r.finish is None and not r.failed),
+        "max_mean_load": _r(s.max_mean_load),
+        "completed": s.completed, "failed": s.failed, "unfinished": s.unfinished,
         "stopped_early": mesh.stopped_early,
         "busy_s_per_worker": _r(sum(w.busy_s for w in mesh.workers) / len(mesh.workers)),
         "virtual_s": _r(mesh.q.now),

@@ -16,13 +16,14 @@ from kvmesh.kv_client.event_batcher import EventBatcher, Message
 from kvmesh.kv_service.index import Action
 from kvmesh.model_worker.config import EngineConfig
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.scheduling.output import RequestOutput
 from kvmesh.model_worker.scheduling.request import Request
-from kvmesh.model_worker.scheduling.scheduler import RequestOutput
+from kvmesh.replay.records import RequestRecord
 from kvmesh.router.core.attempts import Attempts
 from kvmesh.router.core.inflight import Ticket
 from kvmesh.sim.config import MODEL_ID, PLACEHOLDER_TOKEN, SimConfig
 from kvmesh.sim.engine import WindowRunner, WindowScheduler
-from kvmesh.sim.events import EventQueue, RequestRecord
+from kvmesh.sim.events import EventQueue
 from kvmesh.sim.index import SimIndex
 from kvmesh.sim.workload import Workload
 

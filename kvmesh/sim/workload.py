@@ -1,10 +1,9 @@
 """What the simulated mesh serves: Mooncake traces and four generators, with prompts as segments.
 
 A request's prompt is a sequence of *segments* ``(segment id, tokens)``; equal ids are equal
-tokens, so equal leading segments are a shareable prefix. A Mooncake trace line is its
-``hash_ids`` as segments of 512 tokens, the last one cut to ``input_length`` (as
-kvmesh/bench/trace.py synthesizes it for the live bench); lines with too few ids are padded with
-segments private to the request (negative ids). Segment ``s``'s tokens are
+tokens, so equal leading segments are a shareable prefix. A Mooncake trace line is its blocks
+(kvmesh/replay/trace.py, the reader the live bench uses too) as segments of 512 tokens, the last one
+cut to ``input_length``. Segment ``s``'s tokens are
 the SHAKE-128 stream of ``(seed, s)`` mapped to [2, 256) (the live bench draws other token values
 for the same ids; only which blocks are equal matters to routing).
 
@@ -30,15 +29,14 @@ Generators (``--workload NAME``), each deterministic for a seed; at ``--rate 1``
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.replay.trace import TRACE_BLOCK_TOKENS, load_trace
 
-TRACE_BLOCK_TOKENS = 512
 TOKEN_LOW, TOKEN_HIGH = 2, 256
 """Synthetic token ids: above BOS/EOS of the demo vocabulary, below 256 so a prompt list holds
 CPython's shared small ints (a 3,000-request replay would otherwise allocate ~36M int objects)."""
@@ -140,36 +138,22 @@ class Workload:
 
 
 # -- Mooncake traces -----------------------------------------------------------------------------
-def load_trace(path: str | Path, max_requests: int | None = None, seed: int = 0, skip: int = 0) -> Workload:
-    """A Mooncake JSONL trace (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``).
+def trace_workload(path: str | Path, max_requests: int | None = None, seed: int = 0, skip: int = 0) -> Workload:
+    """A Mooncake JSONL trace (kvmesh/replay/trace.py reads it) as segments: each of its blocks a
+    segment of 512 tokens, the last cut to ``input_length``.
 
     ``skip`` starts at the trace's request ``skip`` (a later segment); times count from its first.
     """
     reqs: list[SimRequest] = []
     t0: float | None = None
-    seen = 0
-    with open(path) as f:
-        for line in f:
-            if max_requests is not None and len(reqs) >= max_requests:
-                break
-            if not line.strip():
-                continue
-            seen += 1
-            if seen <= skip:
-                continue
-            d = json.loads(line)
-            ts = float(d["timestamp"]) / 1000.0
-            t0 = ts if t0 is None else t0
-            n_in, ids = int(d["input_length"]), list(d["hash_ids"])
-            need = -(-n_in // TRACE_BLOCK_TOKENS)
-            i = len(reqs)
-            # NOTE: the same private padding ids as kvmesh/bench/trace.py, so both replays agree.
-            ids = ids[:need] + [-(i * 1_000_003 + k + 1) for k in range(need - len(ids))]
-            segs = [(h, TRACE_BLOCK_TOKENS) for h in ids]
-            if segs:
-                last = n_in - TRACE_BLOCK_TOKENS * (need - 1)
-                segs[-1] = (segs[-1][0], last)
-            reqs.append(SimRequest(i, ts - t0, n_in, max(1, int(d["output_length"])), tuple(segs)))
+    for i, rec in enumerate(load_trace(path, max_requests, skip)):
+        ts = rec.timestamp_ms / 1000.0
+        t0 = ts if t0 is None else t0
+        ids = rec.block_ids(i)
+        segs = [(h, TRACE_BLOCK_TOKENS) for h in ids]
+        if segs:
+            segs[-1] = (segs[-1][0], rec.input_length - TRACE_BLOCK_TOKENS * (len(ids) - 1))
+        reqs.append(SimRequest(i, ts - t0, rec.input_length, max(1, rec.output_length), tuple(segs)))
     segment = f", requests {skip}-{skip + len(reqs) - 1}" if skip else ""
     return Workload(Path(path).stem, reqs, seed, f"Mooncake trace {path}{segment}")
 

@@ -27,7 +27,7 @@ STATUS_OF: dict[type[Exception], int] = {
     errors.Unauthenticated: 401,
     ValueError: 400,
 }
-"""Every class of kvmesh/transport/'s STATUS_OF has a status here (tests/router/test_openai_http.py checks)."""
+"""Every class of kvmesh/transport/'s STATUS_OF has a status here (tests/router/api/test_openai_http.py checks)."""
 
 ERROR_TYPE_OF: dict[int, str] = {
     400: "invalid_request_error",

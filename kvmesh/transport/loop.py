@@ -69,3 +69,22 @@ class LoopThread:
         if self._thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
+
+
+class LoopServer:
+    """A server whose parts run on one :class:`LoopThread` (``self._loop``): the synchronous stop of
+    the kv_service's and the router's servers. A subclass writes ``_stop(grace)``, the coroutine that
+    drains and closes what it holds."""
+
+    _loop: LoopThread
+
+    async def _stop(self, grace: float) -> None:
+        raise NotImplementedError
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Drains open calls for up to ``grace`` seconds, closes what the server holds (``_stop``),
+        then its loop; a second stop does nothing."""
+        if not self._loop.running:
+            return
+        self._loop.run(self._stop(grace))
+        self._loop.stop()

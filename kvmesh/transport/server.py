@@ -3,12 +3,6 @@ auth and error interceptors, and a graceful stop (SIGTERM: stop accepting, drain
 
 from __future__ import annotations
 
-import logging
-import signal
-import threading
-from collections.abc import Callable
-from typing import Any
-
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -18,8 +12,6 @@ from kvmesh.transport.channels import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
 from kvmesh.transport.drain import DrainGate
 from kvmesh.transport.interceptor import ErrorMappingInterceptor
 from kvmesh.transport.reflection import enable_reflection
-
-log = logging.getLogger("kvmesh.transport.server")
 
 
 class AioServer:
@@ -71,17 +63,3 @@ class AioServer:
         # the wire before the connections close (else clients read "Cancelling all calls").
         await self.server.stop(0.2)
 
-
-def wait_for_termination_signal(stop: Callable[[float], None], grace: float = 5.0) -> None:
-    """Blocks the main thread until SIGTERM/SIGINT, then calls ``stop(grace)`` (drain and exit)."""
-    done = threading.Event()
-
-    def handle(signum: int, _frame: Any) -> None:
-        log.info("signal %d: draining for up to %.1fs", signum, grace)
-        done.set()
-
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
-    while not done.wait(0.5):
-        pass
-    stop(grace)

@@ -25,7 +25,7 @@ from kvmesh.contract.errors import AlreadyExists
 from kvmesh.contract.limits import excerpt
 from kvmesh.contract.types import KVCacheEvent, SamplingParams
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
-from kvmesh.model_worker.scheduling.scheduler import RequestOutput
+from kvmesh.model_worker.scheduling.output import RequestOutput
 
 log = logging.getLogger("kvmesh.worker.engine")
 

@@ -19,16 +19,12 @@ from kvmesh.contract.modelinfo import model_id_for
 from kvmesh.contract.types import DEFAULT_MAX_TOKENS, KVCacheEvent, Load, SamplingParams
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.execution.model_runner import ModelRunner
+from kvmesh.model_worker.scheduling.config import SchedulerConfig
 from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
+from kvmesh.model_worker.scheduling.output import RequestOutput, SchedulerOutput, StepWork
 from kvmesh.model_worker.scheduling.request import Request
-from kvmesh.model_worker.scheduling.scheduler import (
-    RequestOutput,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-    StepWork,
-)
+from kvmesh.model_worker.scheduling.scheduler import Scheduler
 
 
 @dataclass(slots=True)

@@ -13,15 +13,40 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from kvmesh.model_worker.execution.models.attention import AttentionMetadata, PagedAttention
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where the packed tokens of one step live in the paged KV cache.
+
+    ``T`` new tokens of ``S`` sequences, packed back to back (see kernels/reference.py).
+    """
+
+    slot_mapping: torch.Tensor
+    """``[T]`` int64: flat cache slot (block * block_size + offset) of each new token; -1 = write nothing."""
+    cu_q_lens: torch.Tensor
+    """``[S+1]`` int32: sequence s owns tokens ``cu_q_lens[s]:cu_q_lens[s+1]``."""
+    kv_lens: torch.Tensor
+    """``[S]`` int32: KV length of each sequence including its new tokens."""
+    block_tables: torch.Tensor
+    """``[S, max_blocks]`` int32, padded with the null block 0."""
+
+
+class AttentionLayer(Protocol):
+    """What the attention op reads of a layer (models/attention.py's PagedAttention, which reads this
+    module's context: so the context names the shape, not the class)."""
+
+    kv_group: int
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
 class ForwardContext:
-    layers: Sequence[PagedAttention]
+    layers: Sequence[AttentionLayer]
     """The model's attention layers by layer index (each knows its KV cache group)."""
     metas: Sequence[AttentionMetadata]
     """One metadata per KV cache group."""

@@ -20,7 +20,7 @@ NOTE: padding is invisible to real rows. A padding row is token 0 at position 0 
 a block table of null blocks and no slot: it writes nothing, reads only the null block, and every
 op of the model is row-wise but attention, which reads each sequence's own blocks. With
 ``capture=False`` the same buffers, padding and body run eagerly: the CPU tests check the
-padding there (tests/model_worker/test_graph_runner.py).
+padding there (tests/model_worker/execution/test_graph_runner.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvmesh.model_worker.execution.models.attention import AttentionMetadata
+from kvmesh.model_worker.execution.forward_context import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ Where the driver cannot say (no NVML, or a PID namespace that hides this process
 torch's own allocations since the start, and the log says what that leaves out.
 
 The arithmetic is pure (tested with a device's numbers and two workers' interleaved starts injected,
-tests/model_worker/test_memory.py); ``DeviceMemory.read`` and :func:`process_memory` ask the driver.
+tests/model_worker/execution/test_memory.py); ``DeviceMemory.read`` and :func:`process_memory` ask the driver.
 """
 
 from __future__ import annotations

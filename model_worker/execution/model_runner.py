@@ -18,7 +18,7 @@ from kvmesh.kernels.attention_configs import check_head_shape
 from kvmesh.kernels.dispatch import attention_backend
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.execution.compile import CompiledForward
-from kvmesh.model_worker.execution.forward_context import ForwardContext, forward_context
+from kvmesh.model_worker.execution.forward_context import AttentionMetadata, ForwardContext, forward_context
 from kvmesh.model_worker.execution.graph_runner import DecodeGraphs, capture_sizes
 from kvmesh.model_worker.execution.host_allocator import keep_freed_buffers
 from kvmesh.model_worker.execution.kv_offload import HostKVCache, check_host_memory
@@ -32,14 +32,13 @@ from kvmesh.model_worker.execution.memory import (
     worker_share,
 )
 from kvmesh.model_worker.execution.model_loader import load_model
-from kvmesh.model_worker.execution.models.attention import AttentionMetadata
 from kvmesh.model_worker.execution.sampler import Sampler
 from kvmesh.model_worker.execution.warmup import WarmupReport, warm_up
 from kvmesh.model_worker.scheduling.host_block_pool import KVTransfers, host_blocks_for
 from kvmesh.model_worker.scheduling.kv_cache_manager import check_host_tier
 from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
+from kvmesh.model_worker.scheduling.output import SchedulerOutput
 from kvmesh.model_worker.scheduling.request import Request
-from kvmesh.model_worker.scheduling.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

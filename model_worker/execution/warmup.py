@@ -21,15 +21,19 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from kvmesh.contract.types import SamplingParams
-from kvmesh.model_worker.execution.models.attention import AttentionMetadata
+from kvmesh.model_worker.execution.forward_context import AttentionMetadata
 
 if TYPE_CHECKING:
-    from kvmesh.model_worker.execution.model_runner import ModelRunner
+    from kvmesh.model_worker.config import EngineConfig
+    from kvmesh.model_worker.execution.compile import CompiledForward
+    from kvmesh.model_worker.execution.graph_runner import DecodeGraphs
+    from kvmesh.model_worker.execution.sampler import Sampler
+    from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +123,26 @@ def dummy_inputs(batch: WarmupBatch, num_groups: int, device: torch.device
     return ids, positions.to(device), [meta] * num_groups
 
 
+class WarmupRunner(Protocol):
+    """What the warm-up needs of the model runner (model_runner.py's ModelRunner, which calls
+    :func:`warm_up` on itself: so the warm-up names the shape, not the class)."""
+
+    config: EngineConfig
+    device: torch.device
+    block_size: int
+    kv_cache_config: KVCacheConfig
+    model: Any
+    """The loaded model (``compute_logits``)."""
+    compiled: CompiledForward | None
+    graphs: DecodeGraphs | None
+    sampler: Sampler
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                metas: list[AttentionMetadata]) -> torch.Tensor: ...
+
+
 @torch.inference_mode()
-def warm_up(runner: ModelRunner) -> WarmupReport:
+def warm_up(runner: WarmupRunner) -> WarmupReport:
     """Runs the warm-up batches, then captures the decode graphs; logs and returns what it did."""
     start = time.perf_counter()
     cfg = runner.config

@@ -8,13 +8,21 @@ KV cache group (kv_cache_spec.py) draws from this one pool and its one free queu
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 if TYPE_CHECKING:
-    from kvmesh.model_worker.scheduling.host_block_pool import HostBlockPool
     from kvmesh.model_worker.scheduling.request import Request
+
+
+class HostTier(Protocol):
+    """What the pool needs of the tier its evicted blocks go to (host_block_pool.py's HostBlockPool,
+    which builds on this module: so the pool names the shape, not the class)."""
+
+    def offload(self, evicted: Sequence[tuple[bytes, int]]) -> None: ...
+
+    def reset(self) -> bool: ...
 
 
 class KVCacheBlock:
@@ -145,7 +153,7 @@ class BlockPool:
             {} for _ in range(num_groups)
         ]
         self._events: list[KVCacheEvent] = []
-        self.host: HostBlockPool | None = None
+        self.host: HostTier | None = None
         """The host tier evicted blocks go to (host_block_pool.py); None = evicted blocks are gone.
         Set by the KV cache manager, for a pool of one group."""
 

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 from kvmesh.contract.types import H100_8B_KV_BLOCKS
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.scheduling.host_block_pool import KVTransfers, host_blocks_for
+from kvmesh.model_worker.scheduling.output import SchedulerOutput
 from kvmesh.model_worker.scheduling.request import Request
-from kvmesh.model_worker.scheduling.scheduler import SchedulerOutput
 from kvmesh.model_worker.simulated.step_time import Roofline, StepTimeModel
 
 if TYPE_CHECKING:

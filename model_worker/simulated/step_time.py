@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 from kvmesh.contract.settings import flag
 
 if TYPE_CHECKING:
-    from kvmesh.model_worker.scheduling.scheduler import SchedulerOutput, StepWork
+    from kvmesh.model_worker.scheduling.output import SchedulerOutput, StepWork
 
 GIB = 1 << 30
 

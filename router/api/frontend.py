@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from kvmesh.contract.errors import ResourceExhausted
+from kvmesh.router.generate_types import GenerateInput, GenerateOutput
 from kvmesh.router.metrics import RouterMetrics
-from kvmesh.router.model_router import GenerateInput, GenerateOutput
 from kvmesh.router.models import ModelSet, ServedModel
 
 

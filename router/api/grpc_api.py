@@ -15,7 +15,7 @@ from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.limits import MAX_STOP_TOKEN_IDS
 from kvmesh.router.api.frontend import Frontend
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.model_router import ChatInput, GenerateInput
+from kvmesh.router.generate_types import ChatInput, GenerateInput
 from kvmesh.router.text.prompt import check_message_count
 from kvmesh.router.text.stop_strings import MAX_STOP_STRINGS
 from kvmesh.v1 import router_pb2 as pb

@@ -55,7 +55,7 @@ from kvmesh.router.api.openai_protocol import (
 )
 from kvmesh.router.api.request_body import BodyBounds, BodyTooLarge, read_json_body
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.model_router import GenerateOutput
+from kvmesh.router.generate_types import GenerateOutput
 from kvmesh.router.models import ServedModel
 from kvmesh.transport import http, security
 from kvmesh.transport.http_guard import ReadGuard

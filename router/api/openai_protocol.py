@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.types import SamplingParams
-from kvmesh.router.model_router import ChatInput, GenerateInput
+from kvmesh.router.generate_types import ChatInput, GenerateInput
 from kvmesh.router.text.prompt import check_prompt_ids
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0

@@ -12,8 +12,8 @@ import itertools
 import threading
 from dataclasses import dataclass
 
-CLAIM_HORIZON_S = 1.0
-"""A settled claim older than this, counted from the Lookup asking, is in the kv_service's answer."""
+RESERVATION_HORIZON_S = 1.0
+"""A settled reservation older than this, counted from the Lookup asking, is in the kv_service's answer."""
 
 
 @dataclass(slots=True)
@@ -27,10 +27,10 @@ class Ticket:
     finished: bool = False
     serial: int = 0
     """Unique among this router's tickets: what a policy keys its own per-request state by."""
-    claiming: bool = False
+    reserving: bool = False
     """Its pick is being reserved in the kv_service (the shared router view)."""
-    claimed_at: float | None = None
-    """When its reservation was settled (the router's clock); None = never claimed or still claiming."""
+    reserved_at: float | None = None
+    """When its reservation was settled (the router's clock); None = never reserved or still reserving."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,8 +56,8 @@ class InFlight:
         self._w: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._serials = itertools.count(1)
-        # worker -> its claimed tickets not finished, oldest claim first (the shared view's own part)
-        self._claims: dict[str, list[Ticket]] = {}
+        # worker -> its reserved tickets not finished, oldest reservation first (the shared view's own part)
+        self._reserved: dict[str, list[Ticket]] = {}
 
     def start(self, worker_id: str, prefill_tokens: int, blocks: int = 0) -> Ticket:
         with self._lock:
@@ -94,38 +94,38 @@ class InFlight:
                 del self._w[t.worker_id]
             return True
 
-    def claim_started(self, t: Ticket) -> None:
+    def reservation_started(self, t: Ticket) -> None:
         """The ticket's pick is being reserved in the kv_service."""
         with self._lock:
-            if not t.claiming and not t.finished:
-                t.claiming = True
-                self._claims.setdefault(t.worker_id, []).append(t)
+            if not t.reserving and not t.finished:
+                t.reserving = True
+                self._reserved.setdefault(t.worker_id, []).append(t)
 
-    def claim_settled(self, t: Ticket, now: float) -> None:
+    def reservation_settled(self, t: Ticket, now: float) -> None:
         """Its reservation was answered (or given up on) at ``now``."""
         with self._lock:
-            t.claiming = False
-            t.claimed_at = now
+            t.reserving = False
+            t.reserved_at = now
 
-    def claimed_since(self, worker_id: str, since: float) -> tuple[int, int, int]:
+    def reserved_since(self, worker_id: str, since: float) -> tuple[int, int, int]:
         """(requests, uncached prompt tokens not yet prefilled, blocks) of this router's unfinished
         picks of the worker that a Lookup sent at ``since`` may not count yet: still being reserved,
         or reserved after it was sent. Older settled picks leave the list."""
         with self._lock:
-            tickets = self._claims.get(worker_id)
+            tickets = self._reserved.get(worker_id)
             if not tickets:
                 return 0, 0, 0
-            keep = [t for t in tickets if not t.finished and (t.claiming or t.claimed_at >= since - CLAIM_HORIZON_S)]
+            keep = [t for t in tickets if not t.finished and (t.reserving or t.reserved_at >= since - RESERVATION_HORIZON_S)]
             n = p = b = 0
             for t in keep:
-                if t.claiming or t.claimed_at >= since:
+                if t.reserving or t.reserved_at >= since:
                     n += 1
                     p += 0 if t.prefilled else t.prefill_tokens
                     b += t.blocks
             if keep:
-                self._claims[worker_id] = keep
+                self._reserved[worker_id] = keep
             else:
-                del self._claims[worker_id]
+                del self._reserved[worker_id]
             return n, p, b
 
     def view(self, worker_id: str) -> tuple[int, int]:

@@ -15,10 +15,11 @@ that routes in production. Everything here is decision logic:
 - the shared router view (docs/router.md, "Several routers"): for a policy that reads it, each
   pick becomes a :class:`Reservation` the caller makes in the kv_service before forwarding; a
   refused one (another router reserved the worker since this router's Lookup) updates the
-  candidates' pending picks and the policy picks again, ``claim_attempts`` times at most, the last
+  candidates' pending picks and the policy picks again, ``reservation_attempts`` times at most, the last
   one unconditional. A pick made without the Lookup because it came back late (the index answered
-  other calls meanwhile: slow, not down) is reserved unconditionally. :class:`Claims` is that loop without its I/O: the live router awaits each
-  Reserve (router/model_router.py), the simulator schedules it on its clock (kvmesh/sim/router.py).
+  other calls meanwhile: slow, not down) is reserved unconditionally. router/core/reservation_loop.py's
+  :class:`ReservationLoop` is that loop without its I/O: the live router awaits each Reserve
+  (router/model_router.py), the simulator schedules it on its clock (kvmesh/sim/router.py).
 
 No grpc, no redis, no threads, no wall clock: time is the injected ``clock`` (monotonic seconds),
 and the index is anything with a ``lookup`` (router/core/upstream.py's ``PrefixIndex``). Metrics go to
@@ -41,6 +42,7 @@ from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.index_protocol import (
     IndexUnavailable,
+    Pending,
     Reservation,
     ReservationAnswer,
     WorkerMatch,
@@ -48,7 +50,7 @@ from kvmesh.contract.index_protocol import (
     anchors_of,
 )
 from kvmesh.contract.limits import MAX_CHAIN_BLOCKS
-from kvmesh.contract.types import ModelSpec, Pending
+from kvmesh.contract.types import ModelSpec
 from kvmesh.router.core.inflight import InFlight, Ticket
 from kvmesh.router.core.policies.base import Candidate, Decision, RouteQuery, RouterPolicy, uncached_tokens
 from kvmesh.router.core.speculative import SpeculativeIndex
@@ -135,7 +137,7 @@ class PendingPlan:
     index_ok: bool
     max_tokens: int
     asked_at: float = 0.0
-    """The router's clock when the Lookup was asked: its own picks claimed since may be missing from it."""
+    """The router's clock when the Lookup was asked: its own picks reserved since may be missing from it."""
 
 
 @dataclass(slots=True)
@@ -148,15 +150,15 @@ class RoutePlan:
     endpoints: dict[str, WorkerEndpoint]
     model_id: str = ""
     versions: dict[str, int] | None = None
-    """Per worker, its reservation count in the Lookup answer; None = no claims for this plan (the
+    """Per worker, its reservation count in the Lookup answer; None = no reservations for this plan (the
     policy does not read the shared view, it is off, or the index is down)."""
     conditional: bool = True
-    """Claims are conditional on ``versions`` (False: the Lookup was late, the pick blind: reserved
+    """Reservations are conditional on ``versions`` (False: the Lookup was late, the pick blind: reserved
     unconditionally, so the other routers still see it)."""
     ticket: Ticket | None = None
     """The request's in-flight share on the worker it goes to (:meth:`RoutingCore.start`)."""
-    claimed_at: float = 0.0
-    """When its last claim was sent (the refusal's answer may miss this router's picks claimed since)."""
+    reserve_sent_at: float = 0.0
+    """When its last reservation was sent (the refusal's answer may miss this router's picks reserved since)."""
     answered: bool = False
     """The index answered this plan's Lookup: its candidates' ``indexed_blocks`` are the index's word (the
     miss audit's prediction, router/core/audit.py)."""
@@ -176,17 +178,17 @@ class RoutingCore:
         observer: receives decision / fallback / lookup-latency counts; None = not counted.
         shared_view: reserve picks in the kv_service and read the other routers' (when the policy
             reads the view).
-        router_id: this router's id in its claims.
-        claim_attempts: claims per request at most; the last is unconditional.
+        router_id: this router's id in its reservations.
+        reservation_attempts: reservations per request at most; the last is unconditional.
     """
 
     def __init__(self, policy: RouterPolicy, *, speculative_ttl_s: float = 2.0, index_retry_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, observer: DecisionObserver | None = None,
-                 shared_view: bool = False, router_id: str = "router", claim_attempts: int = 10) -> None:
+                 shared_view: bool = False, router_id: str = "router", reservation_attempts: int = 10) -> None:
         self.policy = policy
         self.shared_view = shared_view and policy.shares_view
         self.router_id = router_id
-        self.claim_attempts = claim_attempts
+        self.reservation_attempts = reservation_attempts
         self.clock = clock
         self.speculative = SpeculativeIndex(speculative_ttl_s, clock=clock)
         self.inflight = InFlight()
@@ -248,7 +250,7 @@ class RoutingCore:
     def build(self, spec: ModelSpec, token_ids: Sequence[int], chain: list[bytes],
               endpoints: Iterable[WorkerEndpoint], answer: Sequence[WorkerMatch] | None, index_ok: bool, *,
               adopt: bool, healthy: Callable[[str], bool] = lambda _w: True, max_tokens: int = 0,
-              asked_at: float | None = None, claim_blind: bool = False) -> RoutePlan:
+              asked_at: float | None = None, reserve_blind: bool = False) -> RoutePlan:
         """The candidates of one request.
 
         Args:
@@ -258,8 +260,8 @@ class RoutingCore:
                 (discovery from the index); False with a static worker list.
             healthy: whether a worker is free of a recent failure mark.
             max_tokens: the request's max_tokens, for policies that cost its decode.
-            asked_at: when the Lookup was asked (the shared view adds this router's picks claimed since).
-            claim_blind: the Lookup was late but the index answers: the pick made without it is still
+            asked_at: when the Lookup was asked (the shared view adds this router's picks reserved since).
+            reserve_blind: the Lookup was late but the index answers: the pick made without it is still
                 reserved (unconditionally), so the other routers see it.
         """
         eps = {e.worker_id: e for e in endpoints}
@@ -312,7 +314,7 @@ class RoutingCore:
         usable = [c for c in candidates if healthy(c.worker_id)]
         # NOTE: unhealthy marks are hints: when every worker carries one, try them all anyway.
         versions = ({w: m.pending.version for w, m in pending.items()} if shared
-                    else {} if self.shared_view and claim_blind and self.wants_index(chain) else None)
+                    else {} if self.shared_view and reserve_blind and self.wants_index(chain) else None)
         return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok, max_tokens),
                          usable or candidates, eps, spec.model_id, versions, conditional=shared,
                          answered=answer is not None)
@@ -355,7 +357,7 @@ class RoutingCore:
                 answer = outcome
         return self.build(pending.spec, pending.token_ids, pending.chain, endpoints, answer, index_ok, adopt=adopt,
                           healthy=healthy, max_tokens=pending.max_tokens, asked_at=pending.asked_at,
-                          claim_blind=late)
+                          reserve_blind=late)
 
     def plan(self, spec: ModelSpec, token_ids: Sequence[int], endpoints: Iterable[WorkerEndpoint],
              index: PrefixIndex | None, *, cache_salt: str = "", adopt: bool = True,
@@ -378,7 +380,7 @@ class RoutingCore:
     def pick(self, plan: RoutePlan, candidates: Sequence[Candidate] | None = None, *, count: bool = True) -> Decision:
         """The policy's pick among ``candidates`` (default: all of the plan's), recorded in the
         speculative map at once (a burst's next same-prefix request follows it) and counted
-        (``count=False``: the caller counts it with :meth:`commit` once its claim is settled)."""
+        (``count=False``: the caller counts it with :meth:`commit` once its reservation is settled)."""
         decision = self.policy.pick(plan.query, plan.candidates if candidates is None else candidates)
         self.speculative.record(plan.query.block_hashes, decision.worker_id)
         if count:
@@ -390,39 +392,35 @@ class RoutingCore:
         self.observer.decision(self.policy.name, decision.reason)
 
     # -- 4b. the shared view --------------------------------------------------------------------
-    def claims(self, plan: RoutePlan, decision: Decision, request_id: str) -> Claims:
-        """The reservation loop of a pick (:class:`Claims`), for a plan with or without the shared view."""
-        return Claims(self, plan, decision, request_id)
-
-    def claim(self, plan: RoutePlan, decision: Decision, request_id: str, tries: int) -> Reservation | None:
+    def reservation(self, plan: RoutePlan, decision: Decision, request_id: str, tries: int) -> Reservation | None:
         """The reservation of the pick to make before forwarding (``tries`` made before it), or None
         when there is none to make: no shared view for this plan, or the attempts are used up."""
-        if plan.versions is None or tries >= self.claim_attempts:
+        if plan.versions is None or tries >= self.reservation_attempts:
             return None
-        # NOTE: in flight from the pick on, so this router's next picks see it while it is claimed.
+        # NOTE: in flight from the pick on, so this router's next picks see it while it is reserved.
         ticket = self.start(plan, decision.worker_id)
-        self.inflight.claim_started(ticket)
-        plan.claimed_at = self.clock()
+        self.inflight.reservation_started(ticket)
+        plan.reserve_sent_at = self.clock()
         q = plan.query
         c = plan.candidate(decision.worker_id)
         seen = (plan.versions.get(decision.worker_id, 0)
-                if plan.conditional and tries < self.claim_attempts - 1 else None)
+                if plan.conditional and tries < self.reservation_attempts - 1 else None)
         blocks = -(-q.prompt_len // q.block_size) if q.block_size else 0
         return Reservation(plan.model_id, decision.worker_id, self.router_id, request_id, uncached_tokens(c, q), blocks,
                            seen, anchors_of(q.block_hashes[:MAX_CHAIN_BLOCKS]))
 
     def _with_own(self, p: Pending, worker_id: str, since: float) -> Pending:
         """The kv_service's pending picks of a worker plus this router's own that it may not hold yet
-        (claimed after ``since``, when its answer was asked): the view counts each pick once."""
-        n, tokens, blocks = self.inflight.claimed_since(worker_id, since)
+        (reserved after ``since``, when its answer was asked): the view counts each pick once."""
+        n, tokens, blocks = self.inflight.reserved_since(worker_id, since)
         return Pending(p.requests + n, p.prefill_tokens + tokens, p.blocks + blocks, p.version) if n else p
 
-    def claimed(self, plan: RoutePlan, answer: ReservationAnswer) -> Decision | None:
-        """The kv_service's answer to a claim: None when reserved (forward the pick), else the
-        policy's new pick with every candidate's pending picks as they are now (claim it next)."""
+    def reservation_answered(self, plan: RoutePlan, answer: ReservationAnswer) -> Decision | None:
+        """The kv_service's answer to a reservation: None when reserved (forward the pick), else the
+        policy's new pick with every candidate's pending picks as they are now (reserve it next)."""
         self.breaker.answered()
         if answer.reserved:
-            self.claim_settled(plan)
+            self.reservation_settled(plan)
             return None
         assert plan.versions is not None
         if plan.ticket is not None:
@@ -432,7 +430,7 @@ class RoutingCore:
         for c in plan.candidates:
             p = answer.pending.get(c.worker_id)
             if p is not None:
-                c.pending = self._with_own(p, c.worker_id, plan.claimed_at)
+                c.pending = self._with_own(p, c.worker_id, plan.reserve_sent_at)
                 plan.versions[c.worker_id] = p.version
             n = answer.anchored.get(c.worker_id, 0)
             if 0 < n <= len(positions) and positions[n - 1] + 1 > c.matched_blocks:
@@ -441,16 +439,16 @@ class RoutingCore:
         # entries would also remove those of every same-instant record of that worker.
         return self.pick(plan, count=False)
 
-    def claim_settled(self, plan: RoutePlan) -> None:
-        """The plan's claim was reserved, or given up on (the kv_service did not answer)."""
+    def reservation_settled(self, plan: RoutePlan) -> None:
+        """The plan's reservation was granted, or given up on (the kv_service did not answer)."""
         if plan.ticket is not None:
-            self.inflight.claim_settled(plan.ticket, self.clock())
+            self.inflight.reservation_settled(plan.ticket, self.clock())
 
     # -- 5. in-flight accounting ----------------------------------------------------------------
     def start(self, plan: RoutePlan, worker_id: str) -> Ticket:
         """The request goes to ``worker_id``: its uncached tokens wait for prefill there; the policy
-        hears of it (``RouterPolicy.started``). Idempotent per plan and worker (a claimed pick is in
-        flight from its claim on); a plan's earlier ticket on another worker is finished."""
+        hears of it (``RouterPolicy.started``). Idempotent per plan and worker (a reserved pick is in
+        flight from its reservation on); a plan's earlier ticket on another worker is finished."""
         t = plan.ticket
         if t is not None and not t.finished:
             if t.worker_id == worker_id:
@@ -473,50 +471,3 @@ class RoutingCore:
         if self.inflight.finish(ticket):
             self.policy.finished(ticket, output_tokens)
 
-
-class Claims:
-    """One request's reservation loop in the shared router view, without its I/O.
-
-    The caller sends each :meth:`next` reservation to the kv_service and hands back its answer
-    (:meth:`answered`) or its failure (:meth:`unanswered`) until :meth:`next` answers None; then
-    :attr:`decision` is the pick to forward. The live router awaits each Reserve; the simulator
-    schedules it on its virtual clock: one loop for both.
-    """
-
-    __slots__ = ("core", "plan", "decision", "request_id", "tries", "conflicts", "_done")
-
-    def __init__(self, core: RoutingCore, plan: RoutePlan, decision: Decision, request_id: str) -> None:
-        self.core = core
-        self.plan = plan
-        self.decision = decision
-        self.request_id = request_id
-        self.tries = 0
-        self.conflicts = 0
-        """Reservations refused because another router reserved the worker first."""
-        self._done = plan.versions is None
-
-    def next(self) -> Reservation | None:
-        """The reservation to make now, or None: the pick stands (reserved, given up on, or no claims
-        for this plan)."""
-        if self._done:
-            return None
-        r = self.core.claim(self.plan, self.decision, self.request_id, self.tries)
-        if r is None:
-            self._done = True
-        return r
-
-    def answered(self, answer: ReservationAnswer) -> bool:
-        """The kv_service's answer; True when it reserved the pick, False when the policy picked again
-        (the next reservation is that pick's)."""
-        again = self.core.claimed(self.plan, answer)
-        if again is None:
-            self._done = True
-            return True
-        self.decision, self.tries = again, self.tries + 1
-        self.conflicts += 1
-        return False
-
-    def unanswered(self) -> None:
-        """The kv_service did not answer (or the worker left it): the pick is forwarded as it is."""
-        self.core.claim_settled(self.plan)
-        self._done = True

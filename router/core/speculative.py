@@ -81,7 +81,7 @@ class SpeculativeIndex:
     def forget(self, block_hashes: Sequence[bytes], worker_id: str) -> None:
         """The latest record of ``block_hashes`` for ``worker_id`` was wrong (the request went
         elsewhere): its entries go. Entries other records of the worker stamped at the same instant
-        go with them (under-claiming a few blocks is safe; a hole in a chain is not)."""
+        go with them (under-counting a few blocks is safe; a hole in a chain is not)."""
         if not self.ttl_s or not block_hashes:
             return
         with self._lock:

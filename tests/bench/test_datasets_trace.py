@@ -14,7 +14,8 @@ from kvmesh.bench.datasets import (
     prefix_repetition_dataset,
     random_dataset,
 )
-from kvmesh.bench.trace import TraceRecord, TraceSynthesizer, load_trace
+from kvmesh.bench.trace import TraceSynthesizer
+from kvmesh.replay.trace import TraceRecord, load_trace
 
 
 def test_random_dataset_lengths_and_shared_prefix():

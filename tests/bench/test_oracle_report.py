@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.bench.oracle import oracle_hit_rate, request_blocks
-from kvmesh.bench.report import RequestRecord, format_report, load_timeline, save_result, summarize
-from kvmesh.bench.trace import TraceRecord
+from kvmesh.bench.report import format_report, load_timeline, save_result, summarize
+from kvmesh.replay.records import RequestRecord
+from kvmesh.replay.trace import TraceRecord
 
 
 def test_request_blocks_split_trace_blocks():
@@ -32,8 +33,10 @@ def test_oracle_lru_evicts_least_recent_and_tail_first():
 
 
 def _rec(start, ttft, latency, out, prompt, cached, worker, itl=(), ok=True):
-    return RequestRecord(start, prompt, out, ok, ttft, latency, list(itl), out if ok else 0, cached, worker,
-                         "" if ok else "UNAVAILABLE: x")
+    """A request sent at ``start`` whose first token came ``ttft`` and last message ``latency`` later."""
+    if not ok:
+        return RequestRecord(0, start, prompt, out, worker, cached_tokens=cached, failed="UNAVAILABLE: x")
+    return RequestRecord(0, start, prompt, out, worker, start + ttft, start + latency, out, cached, itl=list(itl))
 
 
 def test_summarize_exact_values():

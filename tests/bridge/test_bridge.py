@@ -1,4 +1,4 @@
-"""The bridge between an engine's outside (tests/bridge/engine_double.py: vLLM's wire formats on
+"""The bridge between an engine's outside (tests/support/engine_double.py: vLLM's wire formats on
 loopback) and a real kv_service on Redis: what the index holds through attach, gaps, loss, engine
 restarts and outages, and bad payloads. tests/vllm/ runs the same against the real vLLM."""
 
@@ -16,8 +16,8 @@ from kvmesh.loopback import free_port
 from kvmesh.transport.channels import dial
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
-from tests.bridge.engine_double import EngineDouble
 from tests.support import wait_until
+from tests.support.engine_double import EngineDouble
 
 HASH = BlockHasher("default", 16)
 A = list(range(0, 96))  # 3 engine blocks of 32 = 6 kvmesh blocks

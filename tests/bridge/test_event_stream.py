@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from kvmesh.bridge.event_stream import Batch, EngineEventStream, Lost, Restarted
-from tests.bridge.engine_double import EngineDouble
+from tests.support.engine_double import EngineDouble
 
 
 @pytest.fixture

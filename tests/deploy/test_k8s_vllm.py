@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 
 from kvmesh.cli import build_parser
-from tests.deploy.test_k8s_manifests import (
+from tests.support.k8s import (
     K8S,
     K8S_VERSIONS,
     POD_IP,

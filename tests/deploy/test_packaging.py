@@ -47,7 +47,7 @@ def test_the_wheel_has_one_top_level_entry_besides_its_dist_info(wheel):
     dist_info = {t for t in top if t.endswith(".dist-info")}
     assert top - dist_info == {"kvmesh"}
     assert len(dist_info) == 1
-    # no test helpers ship: they live in tests/ (tests/support.py, tests/kernels/support.py)
+    # no test helpers ship: they live in tests/ (tests/support/)
     assert not [n for n in names if n.rsplit("/", 1)[-1] in ("testing.py", "support.py", "conftest.py")]
 
 

@@ -18,7 +18,7 @@ from kvmesh.contract.types import SamplingParams
 from kvmesh.kernels.attention_configs import SERVED_HEAD_SHAPES
 from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.model_worker.engine.llm import LLM
-from tests.kernels.support import import_kernel_module
+from tests.support.kernels import import_kernel_module
 
 HAS_CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.usefixtures("interpreter_env")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvmesh.kernels.reference import write_kv_cache_ref
-from tests.kernels.support import import_kernel_module
+from tests.support.kernels import import_kernel_module
 
 HAS_CUDA = torch.cuda.is_available()
 NEEDS_GPU = "needs an NVIDIA GPU with CUDA"

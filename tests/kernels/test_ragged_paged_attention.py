@@ -16,7 +16,7 @@ import torch
 from kvmesh import kernels
 from kvmesh.kernels import attention_configs
 from kvmesh.kernels.reference import ragged_paged_attention_ref
-from tests.kernels.support import import_kernel_module
+from tests.support.kernels import import_kernel_module
 
 HAS_CUDA = torch.cuda.is_available()
 

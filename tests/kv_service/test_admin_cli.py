@@ -7,35 +7,20 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.loopback import free_port
+from kvmesh.stack import wait_serving
 from kvmesh.transport.channels import dial
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 
 KVMESH = str(Path(sys.executable).parent / "kvmesh")
-
-
-def wait_serving(address: str, timeout: float = 20.0) -> None:
-    channel = dial(address)
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                channel.close()
-                return
-        except grpc.RpcError:
-            time.sleep(0.1)
-    raise TimeoutError(f"{address} not SERVING after {timeout}s")
 
 
 @pytest.fixture
@@ -48,7 +33,7 @@ def kv_process(redis_url, redis_namespace):
     )
     address = f"127.0.0.1:{port}"
     try:
-        wait_serving(address)
+        wait_serving(address, proc, 20)
         yield proc, address, metrics_port
     finally:
         if proc.poll() is None:

@@ -11,8 +11,8 @@ import pytest
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import FailedPrecondition, NotFound
-from kvmesh.contract.index_protocol import Registration, Reservation
-from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, Load, Pending, Tier
+from kvmesh.contract.index_protocol import Pending, Registration, Reservation
+from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, Load, Tier
 from kvmesh.kv_service.index import Action, PendingConfig
 from kvmesh.kv_service.store_memory import MemoryIndex
 from kvmesh.kv_service.store_redis import RedisIndex
@@ -412,22 +412,22 @@ async def test_a_batch_in_parts_lets_a_lookup_in_between_and_a_stray_part_resync
         await join(idx, "w2")
         await idx.publish("w2", 1, 1, [BlockStored(h[:2])], T0)
         seen: list[dict[str, int]] = []
-        real_call = idx._call
+        real_call = idx.redis.call
 
         async def spying_call(script: str, *args):
             if script == "publish" and args[0] == "w1" and args[5] == 1:  # between part 0 and part 1
                 seen.append(await matches(idx, h))
             return await real_call(script, *args)
 
-        idx._call = spying_call  # type: ignore[method-assign]
+        idx.redis.call = spying_call  # type: ignore[method-assign]
         assert (await idx.publish("w1", 1, 1, [BlockStored(h)], T0)).action == Action.ACK
-        idx._call = real_call  # type: ignore[method-assign]
+        idx.redis.call = real_call  # type: ignore[method-assign]
         # Between the parts the index held the first part (a prefix of the worker's events).
         assert seen == [{"w1": 4, "w2": 2}]
         assert await matches(idx, h) == {"w1": 10, "w2": 2}
         assert (await idx.workers(T0))[0].last_seq == 1
         # A part that does not continue the pending batch is answered with RESYNC, nothing applied.
-        res = await idx._call("publish", "w1", 1, 2, T0, 0, 1, 1, "S", chain(1, start=500)[0])
+        res = await idx.redis.call("publish", "w1", 1, 2, T0, 0, 1, 1, "S", chain(1, start=500)[0])
         assert [x.decode() if isinstance(x, bytes) else x for x in res][0] == "RESYNC"
         assert await matches(idx, chain(1, start=500)) == {"w1": 0, "w2": 0}
     finally:
@@ -535,7 +535,7 @@ async def test_a_pick_counts_in_every_lookup_until_the_workers_report_lists_its_
     assert info["w0"].pending == Pending(0, 0, 0, 2)
 
 
-async def test_a_pick_another_router_made_since_the_lookup_refuses_the_claim(index):
+async def test_a_pick_another_router_made_since_the_lookup_refuses_the_reservation(index):
     await join(index, "w0")
     await join(index, "w1")
     seen = (await pending(index))["w0"].version
@@ -547,7 +547,7 @@ async def test_a_pick_another_router_made_since_the_lookup_refuses_the_claim(ind
     fresh = refused.pending
     assert fresh["w0"] == Pending(2, 200, 10, 2)
     assert fresh.get("w1", Pending()).requests == 0
-    assert (await pending(index, T0 + 2))["w0"].requests == 2  # a refused claim changes nothing
+    assert (await pending(index, T0 + 2))["w0"].requests == 2  # a refused reservation changes nothing
     # With the fresh version, or unconditionally, it is reserved.
     assert (await index.reserve(pick("w0", "b1", router="rb", seen=fresh["w0"].version), T0 + 2)).reserved
     assert (await index.reserve(pick("w1", "b2", router="rb", seen=None), T0 + 2)).reserved
@@ -582,7 +582,7 @@ async def test_a_reregistered_worker_drops_its_picks_and_keeps_counting_versions
     await index.reserve(pick("w0", "r2"), T0)
     await join(index, "w0", now=T0 + 1, epoch=2)
     assert (await pending(index, T0 + 2))["w0"] == Pending(0, 0, 0, 2)
-    # No pick is pending any more: a claim made with an old version is reserved.
+    # No pick is pending any more: a reservation made with an old version is granted.
     assert (await index.reserve(pick("w0", "r3", router="rb", seen=1), T0 + 3)).reserved
     assert (await pending(index, T0 + 4))["w0"].version == 3
 

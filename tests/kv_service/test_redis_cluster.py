@@ -12,47 +12,20 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from redis.asyncio.connection import Connection
 
-from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import FailedPrecondition, NotFound, Unavailable
-from kvmesh.contract.index_protocol import Registration
 from kvmesh.contract.types import BlockStored, Load
 from kvmesh.kv_service.index import Action
-from kvmesh.kv_service.store_redis import RedisIndex, home_shard, shard_tags
+from kvmesh.kv_service.redis_cluster import home_shard, shard_tags
+from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import RedisCluster
+from tests.support.index import T0, TTL, chain, matches, one_id_per_shard, reg, wait_for
 
 pytestmark = pytest.mark.anyio
-
-TTL = 60_000
-T0 = 1_000_000
-
-
-def chain(n: int, start: int = 0) -> list[bytes]:
-    return BlockHasher("m", 4).hash_prompt(list(range(start, start + 4 * n)))
-
-
-def reg(wid: str, *, bs: int = 4, model: str = "m", epoch: int = 1) -> Registration:
-    return Registration(wid, "127.0.0.1:50061", model, bs, "sha256_128", 1000, epoch)
-
-
-def one_id_per_shard(shards: int, prefix: str = "worker-") -> list[str]:
-    """Worker ids, the k-th of which lives on shard k."""
-    found: dict[int, str] = {}
-    i = 0
-    while len(found) < shards:
-        found.setdefault(home_shard(f"{prefix}{i}", shards), f"{prefix}{i}")
-        i += 1
-    return [found[k] for k in range(shards)]
-
-
-async def matches(index: RedisIndex, hashes: list[bytes], now: int = T0) -> dict[str, int]:
-    return {m.worker_id: m.matched_blocks for m in await index.lookup("m", hashes, now)}
-
 
 async def populated(url: str, namespace: str, shards: int = 3) -> tuple[RedisIndex, list[str], dict[str, list[bytes]]]:
     """An index with one worker per shard, each holding a chain of its own behind a shared one."""
@@ -76,34 +49,7 @@ def shard_keys(cluster: RedisCluster, node: int, namespace: str) -> set[str]:
     return {k.split("{", 1)[1].split("}", 1)[0] for k in keys}
 
 
-async def wait_for(probe, timeout: float, what: str):
-    """Polls ``probe`` (a function, or a coroutine function) until it returns a true value
-    (exceptions count as not yet); returns that value."""
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            got = probe()
-            if asyncio.iscoroutine(got):
-                got = await got
-            if got:
-                return got
-        except Exception as exc:  # noqa: BLE001 - the cluster is still changing
-            last = exc
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what} (last error: {last!r})")
-
-
 # -- where shards live, one round, the shard count ---------------------------------------------
-def test_shard_tags_fall_in_equal_slot_ranges_and_do_not_depend_on_anything_stored():
-    from redis.crc import key_slot
-
-    for n in (2, 3, 4, 7):
-        tags = shard_tags("kvmesh", n)
-        assert [key_slot(t.encode()) * n // 16384 for t in tags] == list(range(n))
-    assert shard_tags("kvmesh", 1) == ["kvmesh"]  # one shard: the layout before sharding
-
-
 async def test_each_shard_lives_on_its_own_master(redis_cluster, redis_namespace):
     idx, wids, chains = await populated(redis_cluster.url, redis_namespace)
     try:
@@ -178,7 +124,7 @@ async def test_two_specs_registering_at_once_on_two_shards_are_never_both_kept(r
             assert len(kept) == sum(g is None for g in got) <= 1
             outcomes.add(len(kept))
             for w in (a, b):  # free the ids for the next model
-                await r1._on(r1.home(w), "admin", "unregister", w, 1)
+                await r1.redis.on(r1.home(w), "admin", "unregister", w, 1)
         assert 0 in outcomes  # the race did happen: both were refused at least once
     finally:
         await r1.close()

@@ -20,7 +20,7 @@ from kvmesh.contract.types import BlockStored, Load
 from kvmesh.kv_service.index import Action
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import RedisCluster, RedisServer
-from tests.kv_service.test_redis_cluster import T0, TTL, chain, matches, one_id_per_shard, reg, wait_for
+from tests.support.index import T0, TTL, chain, matches, one_id_per_shard, reg, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -48,8 +48,8 @@ async def populate(idx: RedisIndex, shards: int) -> tuple[list[str], dict[str, l
 
 
 async def all_in_sync(idx: RedisIndex, expect: int) -> bool:
-    await idx.check_replicas()
-    states = idx.replicas()
+    await idx.redis.check_replicas()
+    states = idx.redis.replicas()
     return len(states) == expect and all(ok for _, _, ok in states)
 
 
@@ -82,7 +82,7 @@ async def test_lookups_go_to_every_shards_replicas_and_writes_to_the_masters(red
                            "the replicas to have the index")
             for i in range(len(cluster.ports)):
                 cluster.cli(i, "CONFIG", "RESETSTAT")
-            before = idx.replica_lookups
+            before = idx.redis.replica_lookups
             for k in range(60):
                 w = wids[k % 3]
                 assert await matches(idx, chains[w]) == expected(wids, w)
@@ -91,7 +91,7 @@ async def test_lookups_go_to_every_shards_replicas_and_writes_to_the_masters(red
             assert all(calls[p] == 0 for p in masters), calls
             assert all(calls[p] > 0 for p in calls if p not in masters), calls  # both replicas of each shard
             assert sum(calls.values()) == 60 * 3
-            assert idx.replica_lookups - before == 60 * 3
+            assert idx.redis.replica_lookups - before == 60 * 3
             # writes and Reserve go to the masters (a replica would refuse them)
             assert (await idx.publish(wids[0], 1, 2, [BlockStored(chain(1, start=9000))], T0)).action == Action.ACK
             assert (await idx.reserve(Reservation("m", wids[0], "r1", "req-1", 100, 2), T0)).reserved
@@ -141,7 +141,7 @@ def _cli(port: int):
 
 def shard_nodes(cluster: RedisCluster, idx: RedisIndex, shard: int) -> tuple[int, int]:
     """(master node, replica node) of a shard, as cluster indices."""
-    replica_port = next(int(addr.rsplit(":", 1)[1]) for k, addr, _ in idx.replicas() if k == shard)
+    replica_port = next(int(addr.rsplit(":", 1)[1]) for k, addr, _ in idx.redis.replicas() if k == shard)
     replica = cluster.ports.index(replica_port)
     master_id = next(n["master"] for n in cluster.nodes() if n["port"] == replica_port)
     master_port = next(n["port"] for n in cluster.nodes() if n["id"] == master_id)
@@ -158,7 +158,7 @@ async def test_a_killed_replica_its_shard_is_read_on_its_master_until_it_is_back
         for k in range(30):  # the first read on it fails over to the masters; then it is skipped
             w = wids[k % 3]
             assert await asyncio.wait_for(matches(idx, chains[w]), 10) == expected(wids, w)
-        assert not dict(((k, a), ok) for k, a, ok in idx.replicas()).get((1, f"127.0.0.1:{cluster.ports[replica]}"))
+        assert not dict(((k, a), ok) for k, a, ok in idx.redis.replicas()).get((1, f"127.0.0.1:{cluster.ports[replica]}"))
         cluster.start_node(replica)  # back, empty: it resyncs from its master before it serves again
         cluster.wait_ok()
         await wait_for(lambda: all_in_sync(idx, 3), 30, "the replica in sync again")
@@ -210,8 +210,8 @@ async def _published(idx: RedisIndex, wid: str) -> Action | None:
 
 
 async def _replica_of_shard(idx: RedisIndex, shard: int, port: int) -> bool:
-    await idx.check_replicas()
-    return any(k == shard and a.endswith(f":{port}") and ok for k, a, ok in idx.replicas())
+    await idx.redis.check_replicas()
+    return any(k == shard and a.endswith(f":{port}") and ok for k, a, ok in idx.redis.replicas())
 
 
 async def test_a_killed_master_its_replica_answers_from_what_it_has_then_as_the_new_master(cluster,

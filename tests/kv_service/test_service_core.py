@@ -34,35 +34,6 @@ def test_run_now_refuses_a_coroutine_that_suspends():
         run_now(suspends())
 
 
-def test_lookup_replies_from_cached_wire_bytes_equal_the_field_by_field_message():
-    from kvmesh.contract.convert import load_to_pb
-    from kvmesh.contract.index_protocol import WorkerMatch
-    from kvmesh.contract.types import Load
-    from kvmesh.kv_service.server import LookupReplies
-    from kvmesh.v1 import kv_service_pb2 as pb
-
-    replies = LookupReplies()
-    # Rounds 0 and 1: new loads (rebuilt); 2: equal loads in new objects; 3: the same objects;
-    # 4: a worker moved to another address.
-    loads: list[Load] = []
-    for round_ in range(5):
-        if round_ != 3:
-            loads = [Load(i, min(round_, 1), 90, 2**20, 2**40 + i) for i in range(40)]
-        # NOTE: a host continuation on every third worker, past 127 on some (a two-byte varint)
-        matches = [WorkerMatch(f"w{i}", f"10.0.0.{i + (round_ == 4)}:50061", (i * 37 + round_) % 300, loads[i], 16,
-                               pending_blocks=(i % 3) * 64 * round_,
-                               host_blocks=(i * 61 + round_) % 400 if i % 3 == 0 else 0)
-                   for i in range(40)]
-        want = pb.LookupResponse(
-            workers=[pb.WorkerMatch(worker_id=m.worker_id, address=m.address, matched_blocks=m.matched_blocks,
-                                    load=load_to_pb(m.load), block_size=m.block_size, pending_blocks=m.pending_blocks,
-                                    host_blocks=m.host_blocks)
-                     for m in matches],
-            block_size=16, num_blocks_queried=300 + round_)
-        assert replies.response(matches, 16, 300 + round_) == want
-    assert replies.response([], 0, 0) == pb.LookupResponse()
-
-
 def test_host_tier_events_are_applied_and_disk_tier_events_counted_not_applied():
     svc = KVService(MemoryIndex())
     run_now(svc.register(Registration("w1", "127.0.0.1:1", "m", 4, "sha256_128", 100, 1, host_blocks=8)))
@@ -132,7 +103,7 @@ def test_a_reserved_pick_tells_every_lookup_and_refusal_which_prefix_its_worker_
     pending = {m.worker_id: m.pending_blocks for m in run_now(svc.lookup("m", yours))}
     assert pending == {"w1": 8, "w2": 0}  # 10 shared blocks, anchored at 8
     assert {m.worker_id: m.pending_blocks for m in run_now(svc.lookup("m", mine))} == {"w1": 12, "w2": 0}
-    # Another router's conditional claim on w1 that saw none of it is refused, with the news.
+    # Another router's conditional reservation of w1 that saw none of it is refused, with the news.
     refused = run_now(svc.reserve(Reservation("m", "w1", "rb", "r2", 64, 16, 0, anchors_of(yours))))
     assert not refused.reserved and refused.anchored == {"w1": 4}  # anchors 1, 2, 4, 8 of yours
     clock[0] += 2000

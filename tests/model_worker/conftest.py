@@ -1,5 +1,5 @@
 """Tiny random checkpoints made once per session by kvmesh's make-model (fp32); the device and dtype
-of the token-exact tests are in tests/model_worker/support.py."""
+of the token-exact tests are in tests/support/model_worker.py."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ SPECS = {
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    from tests.model_worker.support import ENGINE_DEVICE, ORACLE
+    from tests.support.model_worker import ENGINE_DEVICE, ORACLE
 
     return f"token-exact tests: the engine in float32 on {ENGINE_DEVICE}; the oracle: {ORACLE}"
 

@@ -13,7 +13,7 @@ from kvmesh.cli import main
 from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import CHAT_TEMPLATE, ensure_default_model
 from kvmesh.model_worker.engine.llm import LLM
-from tests.model_worker.support import EXACT
+from tests.support.model_worker import EXACT
 
 SMALL = [
     "--layers",

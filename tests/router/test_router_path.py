@@ -3,91 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import InvalidArgument, ResourceExhausted, Unavailable
-from kvmesh.contract.index_protocol import IndexUnavailable, Reservation, ReservationAnswer, WorkerMatch
-from kvmesh.contract.types import Load, ModelSpec, SamplingParams, Usage
+from kvmesh.contract.types import SamplingParams, Usage
 from kvmesh.router.config import RouterConfig, RoutingConfig
 from kvmesh.router.core.policies.base import PolicyConfig
 from kvmesh.router.core.upstream import (
     Failure,
     WorkerChunk,
-    WorkerEndpoint,
     WorkerError,
-    WorkerRequest,
 )
-from kvmesh.router.model_router import GenerateInput, ModelRouter
+from kvmesh.router.generate_types import GenerateInput
+from kvmesh.router.model_router import ModelRouter
+from tests.support.router import FakeIndex, FakePool, collect
 
-SPEC = ModelSpec("m", 4, "sha256_128")
 PROMPT = list(range(1, 33))  # 8 blocks of 4
 CHAIN = BlockHasher("m", 4).hash_prompt(PROMPT)
-
-
-class FakeCall:
-    def __init__(self, script: list) -> None:
-        self.script = script
-        self.cancelled = False
-
-    async def __aiter__(self) -> AsyncIterator[WorkerChunk]:
-        for item in self.script:
-            if isinstance(item, WorkerError):
-                raise item
-            if item == "hang":
-                await asyncio.Event().wait()  # a worker that never answers
-            yield item
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class FakePool:
-    discovers_from_index = True
-    problem = ""
-
-    def __init__(self, scripts: dict[str, list]) -> None:
-        self.scripts = scripts
-        self.calls: list[str] = []
-        self.request_ids: list[str] = []
-        self.unhealthy: set[str] = set()
-
-    def endpoints(self) -> list[WorkerEndpoint]:
-        return [WorkerEndpoint(w, f"{w}:1") for w in self.scripts]
-
-    def model_spec(self) -> ModelSpec:
-        return SPEC
-
-    def healthy(self, worker_id: str) -> bool:
-        return worker_id not in self.unhealthy
-
-    def mark_unhealthy(self, worker_id: str) -> None:
-        self.unhealthy.add(worker_id)
-
-    def generate(self, endpoint: WorkerEndpoint, request: WorkerRequest, timeout_s: float) -> FakeCall:
-        self.calls.append(endpoint.worker_id)
-        self.request_ids.append(request.request_id)
-        self.last_call = FakeCall(self.scripts[endpoint.worker_id])
-        return self.last_call
-
-
-class FakeIndex:
-    def __init__(self, matched: dict[str, int] | None = None, down: bool = False) -> None:
-        self.matched = matched or {}
-        self.down = down
-        self.claims: list[Reservation] = []
-
-    async def lookup(self, model_id: str, block_hashes) -> list[WorkerMatch]:
-        if self.down:
-            raise IndexUnavailable("kv_service at x: UNAVAILABLE")
-        return [WorkerMatch(w, f"{w}:1", n, Load()) for w, n in self.matched.items()]
-
-    async def reserve(self, reservation: Reservation) -> ReservationAnswer:
-        """The one router here never meets another's pick: every claim is reserved."""
-        self.claims.append(reservation)
-        return ReservationAnswer(True)
 
 
 def ok(wid: str) -> list:
@@ -96,10 +30,6 @@ def ok(wid: str) -> list:
 
 def err(failure: Failure) -> WorkerError:
     return WorkerError(failure, f"{failure.value} said the worker")
-
-
-async def collect(stream: AsyncIterator) -> list:
-    return [o async for o in stream]
 
 
 def run(router: ModelRouter, ids=PROMPT) -> list:
@@ -133,14 +63,14 @@ def test_the_pick_is_reserved_under_the_id_the_worker_sees_and_is_in_flight_once
 
     router.core.start = start
     run(router)
-    assert [(c.worker_id, c.request_id, c.seen_version) for c in index.claims] == [("w1", pool.request_ids[0], 0)]
-    assert seen == [1, 1]  # claimed, then forwarded: one request, not two
+    assert [(c.worker_id, c.request_id, c.seen_version) for c in index.reservations] == [("w1", pool.request_ids[0], 0)]
+    assert seen == [1, 1]  # reserved, then forwarded: one request, not two
     assert router.inflight.view("w1") == (0, 0)
     # Without the view (or for a policy that does not read it), nothing is reserved.
     index = FakeIndex({"w1": 8})
     run(make({"w1": ok("w1")}, index, shared_view=False)[0])
     run(make({"w1": ok("w1")}, index, policy="round-robin")[0])
-    assert index.claims == []
+    assert index.reservations == []
 
 
 def test_unavailable_before_first_token_retries_on_next_best_and_marks_unhealthy():

@@ -111,7 +111,7 @@ def test_an_evicted_prefix_lands_again_on_its_host_tier_and_the_index_agrees_wit
         if policy == "dynamo" or decision.worker_id == holder.worker_id:
             # NOTE: dynamo credits a host block 0.75 of a device one, whatever it costs; kv-aware prices
             # it by the learned load time against the prefill it saves, and on a tiny CPU model the
-            # learned prefill cost can be 0 (the pricing itself is tests/router/test_host_tier_routing.py)
+            # learned prefill cost can be 0 (the pricing itself is tests/router/core/test_host_tier_routing.py)
             assert decision.worker_id == holder.worker_id
             # it went to the holder, which loaded the prefix back from host memory
             assert again.usage.cached_tokens == 5 * BS

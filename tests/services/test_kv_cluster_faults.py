@@ -13,8 +13,9 @@ from collections.abc import Iterator
 import pytest
 
 from kvmesh.kv_service.config import ServiceConfig
+from kvmesh.kv_service.redis_cluster import home_shard, shard_tags
 from kvmesh.kv_service.server import KVServiceServer
-from kvmesh.kv_service.store_redis import RedisIndex, home_shard, shard_tags
+from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import RedisCluster, free_port
 from kvmesh.transport.channels import dial
 from kvmesh.v1 import common_pb2

@@ -44,8 +44,8 @@ def prompts(trial: int, n: int) -> list[BenchRequest]:
 
 def send(target: str, reqs: list[BenchRequest]) -> Counter:
     records, _ = run(target, reqs, progress=False, timeout=120)
-    assert all(r.success for r in records), [r.error for r in records if not r.success]
-    return Counter(r.served_by for r in records)
+    assert all(r.success for r in records), [r.failed for r in records if not r.success]
+    return Counter(r.worker for r in records)
 
 
 def workers(kv) -> dict[str, kpb.WorkerInfo]:

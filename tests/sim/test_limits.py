@@ -19,7 +19,7 @@ from kvmesh.sim.oracle import lru_hit_rate
 from kvmesh.sim.run import Sim, chains_for, oracle_hit_rate, sim_model_dir, sweep
 from kvmesh.sim.work_bound import work_bound
 from kvmesh.sim.workload import SimRequest, Workload, shared_prefix
-from tests.sim.test_sim import simulate
+from tests.support.sim import simulate
 
 
 def recurring_prompts(n: int = 150, distinct: int = 40, prompt_len: int = 2048, seed: int = 0) -> Workload:

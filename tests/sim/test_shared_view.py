@@ -3,7 +3,7 @@
 Simultaneous bursts of same-prefix requests are where private in-flight views fail (issue 27): each
 router sees only its own picks, so three routers each send their third of a burst to the workers
 that look idle to them, and those pile up. With the shared view each router's Lookup reads the
-others' picks, and a claim on a worker another router reserved since is refused and picked again.
+others' picks, and a reservation of a worker another router reserved since is refused and picked again.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_three_routers_with_the_shared_view_spread_a_burst_like_one_router():
     # three shared 5.2, three private 6.2 requests on the busiest worker of a burst of 24.
     assert statistics.mean(shared) <= statistics.mean(one) + 1.0 < statistics.mean(private), (one, shared, private)
     assert max(shared) < max(private)
-    # every pick was reserved in the index, refused claims were picked again, and the workers'
+    # every pick was reserved in the index, refused reservations were picked again, and the workers'
     # admission reports retired every pick (the last burst is younger than the picks' TTL)
     assert mesh.index.traffic.reserves > len(mesh.records)
     assert all(not w.picks for w in mesh.index.svc.index._workers.values())

@@ -3,25 +3,18 @@ search on a toy cost model with a known answer, faults and several routers."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 
 from kvmesh.kv_service.service import run_now
-from kvmesh.model_worker.scheduling.scheduler import SchedulerConfig
+from kvmesh.model_worker.scheduling.config import SchedulerConfig
 from kvmesh.model_worker.simulated.step_time import LinearCost
 from kvmesh.sim.config import SimConfig
 from kvmesh.sim.mesh import Mesh
 from kvmesh.sim.run import Sim, chains_for, oracle_hit_rate, sim_model_dir
-from kvmesh.sim.workload import SimRequest, Workload, load_trace, make_workload, shared_prefix
-
-
-def simulate(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvmesh.cli", "simulate", *args], capture_output=True, text=True,
-                          timeout=170, env={**os.environ, **(env or {})})
+from kvmesh.sim.workload import SimRequest, Workload, make_workload, shared_prefix, trace_workload
+from tests.support.sim import simulate
 
 
 @pytest.mark.timeout(180)
@@ -184,7 +177,7 @@ def load_trace_or_generated() -> Workload:
 
     trace = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
     if trace.exists():
-        return load_trace(trace, 200)
+        return trace_workload(trace, 200)
     return make_workload("multi-turn", 200)
 
 

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 from kvmesh.bench.vllm_peer import peer_python
-from tests.bridge.test_mirror import check_vllm_offload_streams
+from tests.support.mirror import check_vllm_offload_streams
 
 HERE = Path(__file__).parent
 

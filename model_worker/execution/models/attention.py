@@ -9,30 +9,11 @@ q, k, v and the layer's index; the caches and the step's metadata come from the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from kvmesh.kernels import ragged_paged_attention, write_kv_cache
-from kvmesh.model_worker.execution.forward_context import current_forward_context
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """Where the packed tokens of one step live in the paged KV cache.
-
-    ``T`` new tokens of ``S`` sequences, packed back to back (see kernels/reference.py).
-    """
-
-    slot_mapping: torch.Tensor
-    """``[T]`` int64: flat cache slot (block * block_size + offset) of each new token; -1 = write nothing."""
-    cu_q_lens: torch.Tensor
-    """``[S+1]`` int32: sequence s owns tokens ``cu_q_lens[s]:cu_q_lens[s+1]``."""
-    kv_lens: torch.Tensor
-    """``[S]`` int32: KV length of each sequence including its new tokens."""
-    block_tables: torch.Tensor
-    """``[S, max_blocks]`` int32, padded with the null block 0."""
+from kvmesh.model_worker.execution.forward_context import AttentionMetadata, current_forward_context
 
 
 class PagedAttention(nn.Module):

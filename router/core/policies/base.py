@@ -30,8 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from kvmesh.contract.index_protocol import NO_PENDING, Pending
 from kvmesh.contract.settings import code_only, flag
-from kvmesh.contract.types import NO_PENDING, Load, Pending
+from kvmesh.contract.types import Load
 from kvmesh.router.core.inflight import Ticket
 
 STEP_COST_FITS = ("worker", "pooled")
