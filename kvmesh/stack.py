@@ -24,6 +24,9 @@ class StackConfig:
     """Model directory served by the workers (the router's default model)."""
     workers: int = 2
     """Workers per model."""
+    prefill_workers: int = 0
+    """Prefill/decode disaggregation: the first N workers of each model run --role prefill and the rest --role
+    decode (docs/architecture.md); 0 = every worker serves whole requests (--role both)."""
     extra_models: list[str] = field(default_factory=list)
     """More model directories, each served by ``workers`` workers of its own behind the same router."""
     http_port: int | None = None
@@ -86,6 +89,9 @@ class StackConfig:
                              f"--kv-service-port or --worker-port")
         if self.workers < 0 or (self.workers == 0 and not self.vllm):
             raise ValueError("--workers must be >= 1, or 0 with --vllm")
+        if self.prefill_workers and not 0 < self.prefill_workers < self.workers:
+            raise ValueError(f"--prefill-workers must leave at least one decode worker: between 1 and --workers - 1 "
+                             f"({self.workers - 1}), got {self.prefill_workers}")
         for spec in self.vllm:
             parts = spec.split(",")
             if not 2 <= len(parts) <= 3 or not parts[0].startswith(("http://", "https://")) or not all(
@@ -186,11 +192,12 @@ class LocalStack:
                 port = c.worker_port + i
                 addr = f"{c.host}:{port}"
                 nice = ["nice", "-n", str(c.worker_nice)] if c.worker_nice else []
+                role = ["--role", "prefill" if i % c.workers < c.prefill_workers else "decode"] if c.prefill_workers else []
                 # NOTE: worker i serves model i // workers: worker-0.. for the first model, then the next.
                 proc = self._spawn(f"worker-{i}", nice + kvmesh_cmd(
                     "worker", "--model", models[i // c.workers], "--host", c.host, "--port", str(port),
                     "--kv-service", kv_addr, "--worker-id", f"worker-{i}", "--advertise-address", addr,
-                    "--torch-threads", threads, *self._metrics(2 + i), *(["--simulate"] if c.simulate else []),
+                    "--torch-threads", threads, *self._metrics(2 + i), *(["--simulate"] if c.simulate else []), *role,
                     *c.worker_args))
                 workers.append((addr, proc))
             for i, (addr, proc) in enumerate(workers):

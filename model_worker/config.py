@@ -278,6 +278,15 @@ class WorkerConfig:
     torch_threads: int = 0
     """torch intra-op threads; 0 = the engine's default (CPU: every usable core but one, at least
     one; OMP_NUM_THREADS in the environment wins)."""
+    role: str = flag("both", metavar="prefill|decode|both")
+    """What this worker serves (prefill/decode disaggregation, docs/architecture.md): prefill = prompts,
+    its KV then handed to a decode worker; decode = decode legs, taking a prompt's KV from a prefill worker
+    (or prefilling it itself when the router says the transfer does not pay); both = every request."""
+    kv_transport: str = flag("auto", metavar="auto|nixl|grpc")
+    """How KV blocks travel between prefill and decode workers: auto = NIXL (UCX) when it loads, else a gRPC
+    stream (named in the log and the kvmesh:kv_transfers metric); nixl = refuse to start without it."""
+    kv_hold_ttl: float = 30.0
+    """Seconds a prefill worker holds a prompt's KV blocks for a decode worker that has not taken them."""
 
     def check(self) -> None:
         """Raises ValueError with the flag to fix."""
@@ -287,3 +296,9 @@ class WorkerConfig:
             raise ValueError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")
         if self.torch_threads < 0:
             raise ValueError(f"--torch-threads must be >= 0, got {self.torch_threads}")
+        if self.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"--role must be prefill, decode or both, got {self.role!r}")
+        if self.kv_transport not in ("auto", "nixl", "grpc"):
+            raise ValueError(f"--kv-transport must be auto, nixl or grpc, got {self.kv_transport!r}")
+        if not self.kv_hold_ttl > 0:
+            raise ValueError(f"--kv-hold-ttl must be > 0 seconds, got {self.kv_hold_ttl}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.contract.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128
 from kvmesh.contract.settings import flag
+from kvmesh.router.core.pd import PDConfig
 from kvmesh.router.core.policies.base import PolicyConfig
 
 
@@ -45,6 +46,8 @@ class RoutingConfig:
     """Seconds a worker that failed a call is skipped (unless every worker is)."""
     discovery_interval_s: float = flag(1.0, name="discovery-interval")
     """Seconds between ListWorkers / GetLoad polls."""
+    pd: PDConfig = field(default_factory=PDConfig)
+    """Prefill/decode disaggregation: the decision whether a prefill worker takes a prompt (a group)."""
 
     def check(self) -> None:
         """Raises ValueError with the flag to fix."""
@@ -58,6 +61,7 @@ class RoutingConfig:
         if not self.discovery_interval_s > 0:
             raise ValueError(f"--discovery-interval must be > 0, got {self.discovery_interval_s}")
         self.policy_config.check()
+        self.pd.check()
 
 
 @dataclass(slots=True)

@@ -34,6 +34,24 @@ class RouterMetrics:
                               "Picks reserved in the kv_service (the shared router view), by outcome: reserved, "
                               "conflict (another router reserved the worker first: picked again), failed (the "
                               "kv_service did not answer: forwarded unreserved)", ["outcome"], registry=r)
+        # prefill/decode disaggregation (docs/router.md): the decision, its inputs, and the legs
+        self.pd_decisions = Counter("kvmesh_router_pd_decisions_total", "Prefill/decode decisions of requests to a "
+                                    "P/D fleet, by reason (disaggregated, short, prefill_busy, cached, no_prefill_worker, "
+                                    "mode, cold_short)", ["reason"], registry=r)
+        self.pd_uncached_tokens = Histogram("kvmesh_router_pd_uncached_tokens", "Prompt tokens the chosen decode "
+                                            "worker lacked, per P/D decision", ["split"],
+                                            buckets=(16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536), registry=r)
+        self.pd_threshold_tokens = Gauge("kvmesh_router_pd_threshold_tokens", "The prompt length at which the last "
+                                         "decision would split, at an idle prefill worker (learned from step costs)",
+                                         registry=r)
+        self.pd_predicted_s = Histogram("kvmesh_router_pd_predicted_seconds", "The decision's predictions: local "
+                                        "(the decode worker prefills) and remote (a prefill worker, then the transfer)",
+                                        ["path"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.pd_transfers = Counter("kvmesh_router_pd_transfers_total", "Decode legs of split requests by how the KV "
+                                    "came (nixl, grpc, local = the transfer failed or nothing was needed)",
+                                    ["transport"], registry=r)
+        self.pd_prefill_failures = Counter("kvmesh_router_pd_prefill_failures_total", "Prefill legs that failed (the "
+                                           "decode worker then prefilled the prompt)", ["failure"], registry=r)
         self.requests = Counter("kvmesh_router_requests_total", "Generate requests by outcome", ["outcome"],
                                 registry=r)
         self.inflight = Gauge("kvmesh_router_inflight_requests", "Generate streams open", registry=r)

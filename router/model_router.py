@@ -37,11 +37,13 @@ from kvmesh.contract.errors import (
     Unavailable,
 )
 from kvmesh.contract.index_protocol import IndexUnavailable, WorkerMatch
-from kvmesh.contract.types import DEFAULT_MAX_TOKENS, Usage
+from kvmesh.contract.kv_transfer import KVSource
+from kvmesh.contract.types import DEFAULT_MAX_TOKENS, SamplingParams, Usage
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core.attempts import Attempts
 from kvmesh.router.core.audit import MissAudit, predicted_blocks
 from kvmesh.router.core.inflight import InFlight
+from kvmesh.router.core.pd import PDDecider, PDDecision, disaggregated_fleet, split_roles
 from kvmesh.router.core.policies import make_policy
 from kvmesh.router.core.policies.base import Decision, RouterPolicy
 from kvmesh.router.core.reservation_loop import ReservationLoop
@@ -118,6 +120,11 @@ class ModelRouter:
         if speculative is not None:
             self.core.speculative = speculative
         self.audit = MissAudit(config.audit_window, config.audit_miss_rate)
+        # NOTE: one step-cost fit for the pick and the P/D decision when the policy learns one (kv-aware).
+        self._tasks: set[asyncio.Task] = set()
+        self.pd = PDDecider(routing.pd, cost=getattr(policy, "cost", None),
+                            default_step_tokens=routing.policy_config.default_step_tokens)
+        self._pd_decisions = 0
 
     @property
     def policy(self) -> RouterPolicy:
@@ -281,12 +288,94 @@ class ModelRouter:
         plan = await self.plan(token_ids, inp.cache_salt, inp.sampling.max_tokens or DEFAULT_MAX_TOKENS)
         if not plan.candidates:
             raise Unavailable(self._no_worker_message())
+        roles = {w: e.role for w, e in plan.endpoints.items()}
+        mode = self.config.routing.pd.pd_mode
+        pd_fleet = disaggregated_fleet(list(roles.values()), mode)
+        if pd_fleet:
+            # NOTE: decode first: the pick, its reservation and any retry are among the workers that decode.
+            plan.candidates, plan.prefill_candidates = split_roles(plan.candidates, roles, mode == "dynamic")
+            if not plan.candidates:
+                raise Unavailable(f"no decode worker is available for model {self.pool.model_spec().model_id!r} "
+                                  "(only prefill workers are live)")
         decision = self.core.pick(plan, count=False)
         if plan.versions is not None:
             decision = await self.reserve(plan, decision, request_id or self.request_id_for(inp))
         self.core.commit(plan, decision)
+        if pd_fleet:
+            plan.pd = self._decide_pd(plan, decision)
+            context = self.context_len or getattr(self.pool, "max_model_len", 0)
+            want = inp.sampling.max_tokens or 0
+            if plan.pd.prefill_worker is not None and context and len(token_ids) + want > context:
+                # NOTE: the decode worker would refuse it: refused here, before a prefill leg and any KV moves
+                raise InvalidArgument(f"max_tokens is {want}, but the prompt's {len(token_ids)} tokens leave room "
+                                      f"for {context - len(token_ids)} of the model's context ({context}); ask for at "
+                                      f"most {context - len(token_ids)}", param="max_tokens")
         self.metrics.decision_latency_s.observe(time.perf_counter() - t0)
         return plan, decision
+
+    def _decide_pd(self, plan: RoutePlan, decision: Decision) -> PDDecision:
+        """Whether a prefill worker takes the prompt (router/core/pd.py), counted with its inputs."""
+        pd = self.pd.decide(plan.query, plan.candidate(decision.worker_id), plan.prefill_candidates, plan.candidates)
+        m = self.metrics
+        m.pd_decisions.labels(pd.reason).inc()
+        m.pd_uncached_tokens.labels("yes" if pd.prefill_worker else "no").observe(pd.uncached_tokens)
+        if pd.local_s or pd.remote_s:
+            m.pd_predicted_s.labels("local").observe(pd.local_s)
+            m.pd_predicted_s.labels("remote").observe(pd.remote_s)
+        self._pd_decisions += 1
+        if plan.prefill_candidates and self.pd.cost.learned and self._pd_decisions % 16 == 1:
+            # NOTE: a bisection of ~20 predictions: every 16th decision keeps the gauge fresh enough
+            m.pd_threshold_tokens.set(self.pd.threshold(plan.query, plan.candidate(decision.worker_id),
+                                                        plan.prefill_candidates[0]))
+        return pd
+
+    async def _prefill_leg(self, plan: RoutePlan, pd: PDDecision, request: WorkerRequest,
+                           deadline: float, route: dict[str, object]) -> KVSource | None:
+        """The prefill leg on ``pd.prefill_worker`` (one token, its KV held for the decode worker); the
+        KV source, or None when it failed (the decode worker then prefills the prompt itself)."""
+        assert pd.prefill_worker is not None
+        endpoint = plan.endpoints[pd.prefill_worker]
+        c = next(c for c in plan.prefill_candidates if c.worker_id == pd.prefill_worker)
+        q = plan.query
+        ticket = self.core.inflight.start(endpoint.worker_id, max(0, q.prompt_len - c.matched_blocks * q.block_size),
+                                          -(-q.prompt_len // q.block_size) if q.block_size else 0)
+        leg = replace(request, sampling=SamplingParams(max_tokens=1, ignore_eos=True), prefill_leg=True)
+        call = None
+        try:
+            timeout = deadline - time.monotonic()
+            first_token_s = self.config.routing.first_token_timeout_s
+            call = self.pool.generate(endpoint, leg, min(timeout, first_token_s) if first_token_s > 0 else timeout)
+            async for chunk in call:
+                if chunk.finish_reason is not None:
+                    route["prefill_cached"] = chunk.usage.cached_tokens if chunk.usage is not None else 0
+                    route["prefill"] = endpoint.worker_id
+                    if chunk.kv_source is None:
+                        raise WorkerError(Failure.OTHER, "the prefill leg ended without a KV source")
+                    return chunk.kv_source
+            raise WorkerError(Failure.OTHER, "the prefill leg's stream ended without a finish reason")
+        except WorkerError as exc:
+            if exc.failure is Failure.CANCELLED:
+                raise asyncio.CancelledError() from None
+            if exc.failure in (Failure.UNAVAILABLE, Failure.TIMEOUT):
+                self.pool.mark_unhealthy(endpoint.worker_id)
+            self.metrics.pd_prefill_failures.labels(exc.failure.value).inc()
+            log.warning("request %s: prefill leg on %s at %s failed (%s: %s); the decode worker prefills it",
+                        request.request_id, endpoint.worker_id, endpoint.address, exc.failure.value, exc)
+            return None
+        finally:
+            self.core.inflight.finish(ticket)
+            if call is not None:
+                call.cancel()
+
+    def _release_kv(self, plan: RoutePlan, source: KVSource) -> None:
+        """The decode leg never took the prefill leg's KV (it failed, or the client left): the prefill
+        worker frees its hold now rather than at its ttl."""
+        endpoint = plan.endpoints.get(source.worker_id)
+        release = getattr(self.pool, "release_kv", None)
+        if endpoint is not None and release is not None:
+            task = asyncio.get_running_loop().create_task(release(endpoint, source.request_id))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _check_limits(self, max_tokens: int | None) -> None:
         cfg = self.config
@@ -323,9 +412,11 @@ class ModelRouter:
             async for out in self._generate(inp, rid, route):
                 if out.finish_reason is not None:
                     u = out.usage or Usage()
-                    log.info("request %s: %s on %s (%s, %s of %s blocks matched): prompt %d cached %d completion %d "
+                    pd = (f", P/D {route['pd']}" + (f" via {route['prefill']}, KV {route.get('kv', 'not taken')}"
+                                                    if "prefill" in route else "")) if "pd" in route else ""
+                    log.info("request %s: %s on %s (%s, %s of %s blocks matched%s): prompt %d cached %d completion %d "
                              "tokens", rid, out.finish_reason, out.served_by, route.get("reason"),
-                             route.get("matched"), route.get("blocks"), u.prompt_tokens, u.cached_tokens,
+                             route.get("matched"), route.get("blocks"), pd, u.prompt_tokens, u.cached_tokens,
                              u.completion_tokens)
                 yield out
         except KVMeshError as exc:
@@ -341,6 +432,23 @@ class ModelRouter:
                                                                                  self.config.routing.request_timeout_s)
         deadline = time.monotonic() + budget
         request = WorkerRequest(rid, plan.token_ids, inp.sampling, inp.cache_salt)
+        pd = plan.pd if isinstance(plan.pd, PDDecision) else None
+        source: KVSource | None = None
+        if pd is not None:
+            route["pd"] = pd.reason
+            if pd.prefill_worker is not None:
+                source = await self._prefill_leg(plan, pd, request, deadline, route)
+                if source is not None:
+                    request = replace(request, kv_source=source)
+        try:
+            async for out in self._attempts(plan, decision, request, deadline, inp, rid, route):
+                yield out
+        finally:
+            if source is not None and not route.get("kv_taken"):
+                self._release_kv(plan, source)
+
+    async def _attempts(self, plan: RoutePlan, decision: Decision, request: WorkerRequest, deadline: float,
+                        inp: GenerateInput, rid: str, route: dict[str, object]) -> AsyncIterator[GenerateOutput]:
         attempts = Attempts(self.core, plan, decision, self.config.routing.max_attempts, deadline, self.pool.mark_unhealthy)
         first = True
         while (decision := attempts.next(time.monotonic())) is not None:
@@ -348,7 +456,7 @@ class ModelRouter:
             route.update(reason=decision.reason, matched=plan.candidate(decision.worker_id).matched_blocks,
                          blocks=len(plan.query.block_hashes))
             try:
-                async for out in self._stream(endpoint, plan, request, deadline - time.monotonic(), inp):
+                async for out in self._stream(endpoint, plan, request, deadline - time.monotonic(), inp, route):
                     if first:
                         out, first = replace(out, request_id=rid), False
                     yield out
@@ -368,7 +476,8 @@ class ModelRouter:
         raise attempts.error()
 
     async def _stream(self, endpoint: WorkerEndpoint, plan: RoutePlan, request: WorkerRequest,
-                      timeout_s: float, inp: GenerateInput) -> AsyncIterator[GenerateOutput]:
+                      timeout_s: float, inp: GenerateInput,
+                      route: dict[str, object] | None = None) -> AsyncIterator[GenerateOutput]:
         """One attempt. Raises WorkerError only before the first chunk has been yielded."""
         ticket = self.core.start(plan, endpoint.worker_id)
         detok = IncrementalDetokenizer(self._decode) if self.tokenizer is not None else None
@@ -414,6 +523,8 @@ class ModelRouter:
                     yield GenerateOutput(ids, text, "stop", usage, endpoint.worker_id)
                     return
                 if chunk.finish_reason is not None:
+                    if request.kv_source is not None:
+                        chunk = self._decode_leg_done(endpoint, request, chunk, route if route is not None else {})
                     finish = chunk.finish_reason
                     if detok is not None:
                         tail = detok.flush()
@@ -422,8 +533,13 @@ class ModelRouter:
                             finish = "stop" if stops.matched is not None else finish
                             tail += stops.flush()
                         text += tail
-                    self._audit(plan, endpoint.worker_id, chunk.usage)
-                    yield GenerateOutput(ids, text, finish, chunk.usage, chunk.worker_id or endpoint.worker_id)
+                    self._audit(plan, endpoint.worker_id, chunk.usage, chunk.kv_blocks_pulled)
+                    usage = chunk.usage
+                    if usage is not None and chunk.kv_blocks_pulled and route is not None and "prefill_cached" in route:
+                        # NOTE: the pulled blocks were computed for this request (on the prefill worker): what
+                        # the mesh served from a cache is what the prefill worker's cache served.
+                        usage = replace(usage, cached_tokens=int(route["prefill_cached"]))  # type: ignore[call-overload]
+                    yield GenerateOutput(ids, text, finish, usage, chunk.worker_id or endpoint.worker_id)
                     return
                 yield GenerateOutput(ids, text)
                 try:
@@ -442,15 +558,26 @@ class ModelRouter:
             if call is not None:
                 call.cancel()  # a no-op once the call has ended; frees it when the client left
 
-    def _audit(self, plan: RoutePlan, worker_id: str, usage: Usage | None) -> None:
+    def _decode_leg_done(self, endpoint: WorkerEndpoint, request: WorkerRequest, chunk: WorkerChunk,
+                         route: dict[str, object]) -> WorkerChunk:
+        """A decode leg's last chunk: how its KV came, learned (the link) and counted."""
+        route["kv_taken"] = True
+        route["kv"] = f"{chunk.kv_transport or 'local'} {chunk.kv_blocks_pulled} blocks"
+        self.metrics.pd_transfers.labels(chunk.kv_transport or "local").inc()
+        if chunk.kv_blocks_pulled:
+            self.pd.link.observe(endpoint.worker_id, chunk.kv_blocks_pulled, chunk.kv_pull_s)
+        return chunk
+
+    def _audit(self, plan: RoutePlan, worker_id: str, usage: Usage | None, pulled_blocks: int = 0) -> None:
         """The miss audit of a finished request (router/core/audit.py): the index's prediction for the
-        worker that served it against the engine's cached tokens."""
+        worker that served it against the engine's cached tokens (less the blocks a decode leg pulled from
+        a prefill worker: those the index could not predict, and they are no miss)."""
         if not plan.answered or usage is None or not usage.prompt_tokens:
             return
         bs = plan.query.block_size
         c = plan.candidate(worker_id)
         predicted = predicted_blocks(c.indexed_blocks, len(plan.token_ids), bs, c.load.cache_block_tokens)
-        cached = usage.cached_tokens // bs
+        cached = usage.cached_tokens // bs - pulled_blocks
         self.metrics.audited(worker_id, predicted, cached)
         alarm = self.audit.observe(worker_id, predicted, cached)
         if alarm is not None:

@@ -4,7 +4,7 @@
 --   reap now              -> number of workers removed
 --   workers               -> per registered worker: wid, model, addr, bs, algo, nb, epoch, seq, load,
 --                            lease, engine, host blocks declared, pending picks, device blocks indexed,
---                            host blocks indexed (15 values each, flat)
+--                            host blocks indexed, role (16 values each, flat)
 --   pending model         -> the model's workers' pending picks here: wid, "picks,prefill,blocks,version", ...
 --   spec model            -> {bs, algo, the latest lease of its workers here (0: none)} | {}
 --   livespec model now wid -> {bs, algo} if a worker of the model other than wid is live here | {}
@@ -49,6 +49,7 @@ elseif op == 'workers' then
       out[#out + 1] = redis.call('HGET', pre .. 'pd:' .. h[1], wid) or ''
       out[#out + 1] = redis.call('ZCARD', pre .. 'l:' .. wid)
       out[#out + 1] = redis.call('ZCARD', pre .. 'hl:' .. wid)
+      out[#out + 1] = redis.call('HGET', pre .. 'w:' .. wid, 'role') or ''
     end
   end
   return out

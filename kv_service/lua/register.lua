@@ -1,5 +1,5 @@
 -- ARGV: pre, wid, addr, model, bs, algo, nb, epoch, now, ttl, engine, hb (the host tier's blocks as
--- declared, 0 = none), hnb (the host tier's cap in the index)
+-- declared, 0 = none), hnb (the host tier's cap in the index), role (prefill, decode or both)
 local wid, addr, model, bs, algo, nb, epoch = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]
 local now, ttl = tonumber(ARGV[9]), tonumber(ARGV[10])
 local mkey = pre .. 'm:' .. model
@@ -28,7 +28,7 @@ redis.call('HSET', mkey, 'bs', bs, 'algo', algo)
 redis.call('SADD', pre .. 'models', model)
 redis.call('HSET', wkey, 'model', model, 'addr', addr, 'bs', bs, 'algo', algo, 'nb', nb,
   'epoch', epoch, 'seq', 0, 'ctr', 0, 'load', '', 'lease', lease, 'num', num, 'engine', ARGV[11],
-  'hb', ARGV[12], 'hnb', ARGV[13],
+  'hb', ARGV[12], 'hnb', ARGV[13], 'role', ARGV[14],
   -- NOTE: the picks died with the process; their count goes on, so routers' seen versions stay comparable.
   'pv', old[5] or 0)
 redis.call('ZADD', pre .. 'mw:' .. model, lease, wid)

@@ -64,6 +64,8 @@ class VllmServer:
     dev_mode: bool = False
     """VLLM_SERVER_DEV_MODE=1: POST /reset_prefix_cache empties its cache (benchmarks between runs)."""
     extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment (e.g. VLLM_NIXL_SIDE_CHANNEL_PORT for a server with a NIXL KV connector)."""
     port: int = 0
     events_port: int = 0
     replay_port: int = 0
@@ -103,7 +105,7 @@ class VllmServer:
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm-log-"))
         self.log_path = log_dir / f"vllm-{self.port}.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1",
-               **({"VLLM_SERVER_DEV_MODE": "1"} if self.dev_mode else {})}
+               **({"VLLM_SERVER_DEV_MODE": "1"} if self.dev_mode else {}), **self.env}
         env.pop("PYTHONPATH", None)
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen([*die_with_parent(), *self.command()], cwd=self._cwd, stdout=log,

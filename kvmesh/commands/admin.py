@@ -125,12 +125,12 @@ def workers(args: argparse.Namespace) -> int:
         data = _as_dict(r)["workers"]
         # NOTE: blocks per tier: on the device (capacity: num_blocks) and in the host tier (capacity as
         # registered; - = none declared)
-        rows = [[d["worker_id"], d.get("engine") or "kvmesh", d["address"], d["model_id"], d["blocks_indexed"],
+        rows = [[d["worker_id"], d.get("engine") or "kvmesh", d.get("role") or "both", d["address"], d["model_id"], d["blocks_indexed"],
                  d["num_blocks"], d.get("host_blocks_indexed", 0), d.get("host_blocks") or "-",
                  d["load"]["num_running"], d["load"]["num_waiting"],
                  d.get("pending", {}).get("requests", 0), d["lease_remaining_ms"], "yes" if d["live"] else "no"]
                 for d in data]
-        return data, _table(rows, ["worker", "engine", "address", "model", "blocks", "capacity", "host_blocks",
+        return data, _table(rows, ["worker", "engine", "role", "address", "model", "blocks", "capacity", "host_blocks",
                                    "host_capacity", "running", "waiting", "picked", "lease_ms", "live"])
 
     return _call(args, go)

@@ -13,7 +13,7 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
-EXCLUDE = ("routing.policy", "routing.first_token_timeout_s", "routing.policy_config.seed")
+EXCLUDE = ("routing.policy", "routing.pd.pd_mode", "routing.first_token_timeout_s", "routing.policy_config.seed")
 """Settings with no simulate flag: the policies come from --policies, the simulator derives each router's
 seed from --seed, and no request waits for its first token past a timeout in virtual time."""
 
@@ -74,13 +74,23 @@ def config_from(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from kvmesh.router.core.policies import POLICIES, policy_names
     from kvmesh.sim import report
+    from kvmesh.sim.pd import parse_policy
     from kvmesh.sim.run import Sim, dump, sweep
     from kvmesh.sim.workload import make_workload, trace_workload
 
     policies = [p for p in args.policies.split(",") if p]
-    unknown = [p for p in policies if p not in POLICIES]
+    try:
+        bases = [parse_policy(p) for p in policies]
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    unknown = [p for p, (base, _) in zip(policies, bases, strict=True) if base not in POLICIES]
     if unknown:
-        print(f"unknown policy {unknown[0]!r}; choose from {', '.join(policy_names())}", file=sys.stderr)
+        print(f"unknown policy {unknown[0]!r}; choose from {', '.join(policy_names())} (with --pd, add +always, "
+              "+auto or a peer's +pd: kvmesh/sim/pd.py)", file=sys.stderr)
+        return 2
+    if any(split for _, split in bases) and not args.pd:
+        print("a policy with +always, +auto or +pd needs a P/D fleet: --pd PREFILL:DECODE", file=sys.stderr)
         return 2
     try:
         rates, relative = _floats(args.rates), _floats(args.relative_rates)

@@ -15,6 +15,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="model directory; repeat it to serve several models behind one router, each with "
                         "--workers workers (default: the tiny demo model, made once)")
     p.add_argument("--workers", type=int, default=2, help="kvmesh workers per model; 0 with --vllm (default 2)")
+    p.add_argument("--prefill-workers", type=int, default=0, metavar="N",
+                   help="prefill/decode disaggregation: of each model's --workers, N run --role prefill and the "
+                        "rest --role decode; the router decides per request whether a prefill worker takes the "
+                        "prompt (docs/router.md) (default 0: every worker serves whole requests)")
     p.add_argument("--vllm", action="append", default=[], metavar="URL,EVENTS[,REPLAY]",
                    help="a running vLLM server of the first model as a worker, repeatable: its base URL, its KV "
                         "event endpoint and (optional) its replay endpoint, e.g. "
@@ -59,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
         models = [str(ensure_default_model())]
         print(f"using the tiny demo model {models[0]} (random weights: its output is noise)", flush=True)
-    cfg = StackConfig(model=models[0], extra_models=models[1:], workers=args.workers, host=args.host,
+    cfg = StackConfig(model=models[0], extra_models=models[1:], workers=args.workers, prefill_workers=args.prefill_workers,
+                      host=args.host,
                       http_port=args.http_port or None, router_port=args.router_port, routers=args.routers,
                       kv_service_port=args.kv_service_port, worker_port=args.worker_port,
                       metrics_port=args.metrics_port, redis_url=args.redis_url, store=args.store,

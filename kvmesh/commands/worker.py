@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         worker_id = worker.worker_id or socket.gethostname()
         server = WorkerServer(engine, worker_id, worker.host, worker.port, worker.kv_service,
                               worker.advertise_address or default_advertise(worker.host, worker.port),
-                              worker.max_queued_requests, worker.stream_interval).start()
+                              worker.max_queued_requests, worker.stream_interval, worker.role, worker.kv_transport,
+                              worker.kv_hold_ttl).start()
         if args.simulate:
             export_metrics(sim[0], server.metrics.registry)
             log.info("simulated worker: %s, time scale %g", cost, args.sim_time_scale)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvmesh.contract.block_hash import SHA256_128, XXH3_128
+from kvmesh.contract.block_hash import HASH_LEN, SHA256_128, XXH3_128
 from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.index_protocol import (
     NO_PENDING,
@@ -21,6 +21,7 @@ from kvmesh.contract.index_protocol import (
     WorkerInfo,
     WorkerMatch,
 )
+from kvmesh.contract.kv_transfer import GRPC, KVLayout, KVSource
 from kvmesh.contract.types import (
     AllBlocksCleared,
     BlockRemoved,
@@ -34,6 +35,7 @@ from kvmesh.contract.types import (
 )
 from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as kv_pb
+from kvmesh.v1 import worker_pb2 as w_pb
 
 FINISH_TO_PB: dict[FinishReason, int] = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -126,13 +128,13 @@ def registration_to_pb(r: Registration) -> kv_pb.RegisterWorkerRequest:
     return kv_pb.RegisterWorkerRequest(worker_id=r.worker_id, address=r.address, model_id=r.model_id,
                                        block_size=r.block_size, hash_algorithm=algorithm_to_pb(r.hash_algorithm),
                                        num_blocks=r.num_blocks, epoch=r.epoch, engine=r.engine,
-                                       host_blocks=r.host_blocks)
+                                       host_blocks=r.host_blocks, role=r.role)
 
 
 def registration_from_pb(m: kv_pb.RegisterWorkerRequest) -> Registration:
     """Raises InvalidArgument for an unset or unknown hash algorithm (the kv_service checks the rest)."""
     return Registration(m.worker_id, m.address, m.model_id, m.block_size, algorithm_from_pb(m.hash_algorithm),
-                        m.num_blocks, m.epoch, m.engine or "kvmesh", m.host_blocks)
+                        m.num_blocks, m.epoch, m.engine or "kvmesh", m.host_blocks, m.role or "both")
 
 
 def worker_info_to_pb(info: WorkerInfo, now_ms: int) -> kv_pb.WorkerInfo:
@@ -144,6 +146,7 @@ def worker_info_to_pb(info: WorkerInfo, now_ms: int) -> kv_pb.WorkerInfo:
         last_seq=info.last_seq, blocks_indexed=info.blocks_indexed, load=load_to_pb(info.load),
         lease_remaining_ms=info.lease_expiry_ms - now_ms, live=info.live(now_ms), engine=r.engine,
         pending=pending_to_pb(info.pending), host_blocks=r.host_blocks, host_blocks_indexed=info.host_blocks_indexed,
+        role=r.role,
     )
 
 
@@ -151,7 +154,7 @@ def worker_info_from_pb(m: kv_pb.WorkerInfo, now_ms: int) -> WorkerInfo:
     """The lease ends ``lease_remaining_ms`` after ``now_ms`` on the receiver's clock. A hash algorithm
     this side does not know reads as ""."""
     reg = Registration(m.worker_id, m.address, m.model_id, m.block_size, PB_TO_ALGO.get(m.hash_algorithm, ""),
-                       m.num_blocks, m.epoch, m.engine or "kvmesh", m.host_blocks)
+                       m.num_blocks, m.epoch, m.engine or "kvmesh", m.host_blocks, m.role or "both")
     return WorkerInfo(reg, m.last_seq, m.blocks_indexed, load_from_pb(m.load), now_ms + m.lease_remaining_ms,
                       pending_from_pb(m.pending) if m.HasField("pending") else NO_PENDING, m.host_blocks_indexed)
 
@@ -319,3 +322,39 @@ def audit_to_pb(worker_id: str, a: WorkerAudit) -> kv_pb.WorkerAudit:
 
 def audit_from_pb(m: kv_pb.WorkerAudit) -> tuple[str, WorkerAudit]:
     return m.worker_id, WorkerAudit(**{f: getattr(m, f) for f in _AUDIT_FIELDS}, engine=m.engine)
+
+
+# -- prefill/decode disaggregation (kvmesh/contract/kv_transfer.py) ------------------------------------
+def kv_layout_to_pb(x: KVLayout) -> w_pb.KVLayout:
+    return w_pb.KVLayout(model_id=x.model_id, block_size=x.block_size, dtype=x.dtype, num_layers=x.num_layers,
+                         num_kv_heads=x.num_kv_heads, head_dim=x.head_dim, hash_algorithm=x.hash_algorithm)
+
+
+def kv_layout_from_pb(m: w_pb.KVLayout) -> KVLayout:
+    return KVLayout(m.model_id, m.block_size, m.dtype, m.num_layers, m.num_kv_heads, m.head_dim, m.hash_algorithm)
+
+
+def kv_source_to_pb(s: KVSource) -> w_pb.KVSource:
+    if s.layout is None:
+        raise InvalidArgument("a vLLM prefill leg's KV cannot go to a kvmesh decode worker: prefill and decode "
+                              "workers of one model are both kvmesh workers or both vLLM servers")
+    m = w_pb.KVSource(request_id=s.request_id, worker_id=s.worker_id, address=s.address,
+                      layout=kv_layout_to_pb(s.layout), block_hashes=list(s.block_hashes),
+                      transports=list(s.transports), nixl_metadata=s.nixl_metadata, ttl_ms=s.ttl_ms)
+    if s.first_token is not None:
+        m.first_token = s.first_token
+    return m
+
+
+def kv_source_from_pb(m: w_pb.KVSource) -> KVSource:
+    """Raises InvalidArgument on a source a decode worker cannot use (checked before any KV moves)."""
+    if not m.request_id or not m.address or not m.HasField("layout"):
+        raise InvalidArgument("kv_transfer.source needs request_id, address and layout (the prefill leg's "
+                              "kv_source, passed on unchanged)", param="kv_transfer")
+    bad = next((i for i, h in enumerate(m.block_hashes) if len(h) != HASH_LEN), None)
+    if bad is not None:
+        raise InvalidArgument(f"kv_transfer.source.block_hashes[{bad}] is {len(m.block_hashes[bad])} bytes, not "
+                              f"{HASH_LEN}", param="kv_transfer")
+    return KVSource(m.request_id, m.worker_id, m.address, kv_layout_from_pb(m.layout), tuple(m.block_hashes),
+                    tuple(m.transports) or (GRPC,), m.nixl_metadata, m.ttl_ms,
+                    m.first_token if m.HasField("first_token") else None)

@@ -67,6 +67,8 @@ class Registration:
     that tier for the worker, as ``num_blocks`` caps the device's. 0 = not declared (no tier, or an
     engine behind a bridge whose tier kvmesh cannot size): the index caps it at
     ``UNDECLARED_HOST_FACTOR`` x ``num_blocks``."""
+    role: str = "both"
+    """What it serves: prefill, decode or both (kvmesh/contract/kv_transfer.py, docs/architecture.md)."""
 
     @property
     def host_cap(self) -> int:

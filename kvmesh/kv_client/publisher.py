@@ -252,9 +252,10 @@ class KVPublisher:
 
 
 def registration(worker_id: str, address: str, model_id: str, block_size: int, hash_algorithm: str,
-                 num_blocks: int, engine: str = "kvmesh", host_blocks: int = 0) -> Registration:
+                 num_blocks: int, engine: str = "kvmesh", host_blocks: int = 0, role: str = "both") -> Registration:
     """What a worker registers: ``address`` is host:port for kvmesh's gRPC Worker, or an
     http(s):// base URL for an engine served over the OpenAI API (``engine`` "vllm", "sglang");
     ``host_blocks`` its host KV tier's blocks (0: none, or not known). The epoch is the publisher's
     (0 until it registers)."""
-    return Registration(worker_id, address, model_id, block_size, hash_algorithm, num_blocks, 0, engine, host_blocks)
+    return Registration(worker_id, address, model_id, block_size, hash_algorithm, num_blocks, 0, engine, host_blocks,
+                        role)

@@ -37,6 +37,12 @@ class RequestRecord:
     slo_ok: bool | None = None
     counted_miss: bool = False
     """Already counted as an SLO miss (its TTFT deadline passed before its first token)."""
+    pulled_tokens: int = 0
+    """Prompt tokens whose KV a decode leg took in from a prefill worker (prefill/decode disaggregation, the
+    simulator: no cache hit, computed for it)."""
+    last_token: float | None = None
+    max_itl: float = 0.0
+    """The simulator's longest gap between two of its tokens (a multi-step window's tokens spread evenly over it)."""
 
     @property
     def success(self) -> bool:

@@ -14,6 +14,21 @@ from kvmesh.router.config import RoutingConfig
 from kvmesh.sim.fleet import parse_fleet
 
 MODEL_ID = "sim-8b"
+
+LINKS = {"nvlink": 450e9, "rdma": 50e9, "pcie": 64e9}
+"""Prefill/decode disaggregation: a link's bytes per second, one direction (sources in kvmesh/sim/pd.py)."""
+
+
+def parse_pd(spec: str) -> tuple[int, int]:
+    """``"2:6"`` -> (2 prefill workers, 6 decode workers) (``--pd``). Raises ValueError naming the flag."""
+    p, sep, d = spec.partition(":")
+    try:
+        np_, nd = int(p), int(d)
+    except ValueError:
+        raise ValueError(f"--pd takes PREFILL:DECODE worker counts, e.g. 2:6, got {spec!r}") from None
+    if not sep or np_ < 1 or nd < 1:
+        raise ValueError(f"--pd takes PREFILL:DECODE worker counts, each >= 1, e.g. 2:6, got {spec!r}")
+    return np_, nd
 PLACEHOLDER_TOKEN = 2
 
 
@@ -103,8 +118,27 @@ class SimConfig:
     """... plus this many times the request's own cold prefill time on the cost model."""
     slo_tpot_s: float = flag(0.1, name="slo-tpot")
     """Mean TPOT limit in seconds."""
+    slo_itl_s: float = flag(0.0, name="slo-itl")
+    """ITL limit in seconds: a request's longest gap between two tokens (what a chat user feels as a stall), beside
+    the TTFT and TPOT limits; 0 = none."""
     slo_target: float = 0.9
     """Capacity = the highest rate with at least this share of requests meeting the SLO."""
+    # -- prefill/decode disaggregation (kvmesh/sim/pd.py)
+    pd: str = flag("", metavar="P:D")
+    """A P/D fleet: P prefill and D decode workers (instead of --workers); policies with +always, +auto (kvmesh's
+    decision) or +pd (a peer's own decider) split requests, the others run the same P + D workers aggregated."""
+    pd_link: str = flag("rdma", metavar="nvlink|rdma|pcie")
+    """The link a prompt's KV crosses from a prefill worker to a decode worker: nvlink 450 GB/s, rdma 50 GB/s, pcie
+    64 GB/s one way (sources in kvmesh/sim/pd.py)."""
+    llmd_non_cached_tokens: int = 0
+    """llm-d+pd: the prefix-based P/D decider's nonCachedTokens (0 = always split: its code's default and its P/D
+    guide's value)."""
+    dynamo_max_local_prefill: int = 1000
+    """dynamo+pd: max_local_prefill_length of Dynamo's conditional disaggregation (its default)."""
+    dynamo_max_prefill_queue: int = 2
+    """dynamo+pd: max_prefill_queue_size (its default)."""
+    pd_split: str = code_only("")
+    """The run's P/D mode from its policy name's suffix ("" aggregated, always, auto, pd)."""
     stop_when_slo_lost: bool = code_only(False)
     """End the run as soon as more than ``1 - slo_target`` of the requests missed the SLO (the
     capacity search only needs to know that attainment fell below the target)."""
@@ -118,7 +152,9 @@ class SimConfig:
         return self.routing.policy
 
     def worker_gpus(self) -> list[str]:
-        """Each worker's GPU type, in worker order."""
+        """Each worker's GPU type, in worker order (a P/D fleet: its P + D workers of --sim-gpu)."""
+        if self.pd:
+            return [self.step_time.gpu] * sum(parse_pd(self.pd))
         return parse_fleet(self.workers, self.step_time.gpu)
 
     @property
@@ -156,6 +192,12 @@ class SimConfig:
             raise ValueError(f"--load-reports must be events or heartbeat, got {self.load_reports!r}")
         self.routing.check()
         self.engine.validate()
+        if self.pd:
+            parse_pd(self.pd)
+            if self.pd_link not in LINKS:
+                raise ValueError(f"--pd-link must be one of {', '.join(LINKS)}, got {self.pd_link!r}")
+        if self.slo_itl_s < 0:
+            raise ValueError(f"--slo-itl must be >= 0 seconds (0 = none), got {self.slo_itl_s}")
 
     def blocks_per_worker(self, gpu: str | None = None) -> int:
         """KV blocks of a worker on ``gpu`` (default: --sim-gpu): --num-blocks, or what the GPU holds."""

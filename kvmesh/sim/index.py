@@ -105,5 +105,5 @@ class SimIndex:
     def endpoints(self) -> list[WorkerEndpoint]:
         """ListWorkers: the live workers of the model, with their last reported load."""
         now_ms = int(self.q.now * 1000)
-        return [WorkerEndpoint(w.registration.worker_id, w.registration.address, w.load)
+        return [WorkerEndpoint(w.registration.worker_id, w.registration.address, w.load, w.registration.role)
                 for w in run_now(self.svc.index.workers(now_ms)) if w.registration.model_id == MODEL_ID]

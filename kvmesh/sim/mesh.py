@@ -52,6 +52,7 @@ from kvmesh.replay.records import RequestRecord
 from kvmesh.sim.config import MODEL_ID, SimConfig, cold_prefill_s, slo_cost
 from kvmesh.sim.events import EventQueue
 from kvmesh.sim.index import SimIndex
+from kvmesh.sim.pd import PDSimRouter, PDStats, worker_roles
 from kvmesh.sim.replicas import PeerModes
 from kvmesh.sim.router import SimRouter
 from kvmesh.sim.worker import SimWorker
@@ -72,8 +73,12 @@ class Mesh:
         self.spec = ModelSpec(MODEL_ID, cfg.block_size, XXH3_128)
         self.index = SimIndex(self.q, cfg)
         self.workers = [SimWorker(self, i, gpu) for i, gpu in enumerate(cfg.worker_gpus())]
+        for w, role in zip(self.workers, worker_roles(cfg.pd, cfg.pd_split, len(self.workers)), strict=True):
+            w.role = role
         self.workers_by_id = {w.worker_id: w for w in self.workers}
-        self.routers = [SimRouter(self, i) for i in range(cfg.routers)]
+        self.pd_stats = PDStats()
+        self.routers = [PDSimRouter(self, i, cfg.pd_split) if cfg.pd and cfg.pd_split else SimRouter(self, i)
+                        for i in range(cfg.routers)]
         self.peer_modes = PeerModes(self.q, cfg, self.routers, self.workers)
         self.slo_cost = slo_cost(cfg)
         """The step-time model the SLO's cold prefill is costed on: the fleet's slowest."""
@@ -189,4 +194,6 @@ class Mesh:
         if rec.ttft > self.ttft_limit(rec.prompt_len):
             return False
         tpot = rec.tpot
+        if self.cfg.slo_itl_s and rec.max_itl > self.cfg.slo_itl_s:
+            return False
         return tpot is None or tpot <= self.cfg.slo_tpot_s

@@ -32,6 +32,7 @@ from kvmesh.sim.fleet import fleet_counts, fleet_spec
 from kvmesh.sim.information_limit import INFORMATION_LIMIT, ZERO_DELAYS
 from kvmesh.sim.mesh import Mesh
 from kvmesh.sim.oracle import lru_hit_rate
+from kvmesh.sim.pd import parse_policy
 from kvmesh.sim.work_bound import work_bound
 from kvmesh.sim.workload import Workload
 
@@ -112,7 +113,15 @@ def summarize(mesh: Mesh, records: Sequence[RequestRecord]) -> dict:
         "lost_event_batches": mesh.lost_batches, "resyncs": sum(w.resyncs for w in mesh.workers),
         # NOTE: added after the results of 2026-11-22; every key above keeps its meaning
         "index_traffic": mesh.index.traffic.as_dict(),
-    }
+    } | (pd_summary(mesh, records) if cfg.pd or cfg.slo_itl_s else {})
+
+
+def pd_summary(mesh: Mesh, records: Sequence[RequestRecord]) -> dict:
+    """A P/D fleet's or an ITL SLO's figures (issue 44): inter-token gaps and what the split requests did."""
+    done = [r for r in records if r.finish is not None and not r.failed and r.completion_tokens > 1]
+    itl = stats([r.max_itl for r in done])
+    return {"max_itl_p50_s": _r(itl["p50"]), "max_itl_p99_s": _r(itl["p99"]),
+            "pd": mesh.pd_stats.as_dict()}
 
 
 class RunFailed(Exception):
@@ -140,6 +149,10 @@ class Sim:
         """One run's settings; the information limit's are kv-aware's with no delays."""
         if policy == INFORMATION_LIMIT:
             policy, changes = "kv-aware", {**ZERO_DELAYS, **changes}
+        # NOTE: a P/D mode rides on the policy's name (kvmesh/sim/pd.py): kv-aware+auto, llm-d+pd, ...
+        policy, split = parse_policy(policy)
+        if split:
+            changes = {**changes, "pd_split": split}
         routing = dataclasses.replace(self.base.routing, policy=policy)
         return dataclasses.replace(self.base, routing=routing, rate=rate, **changes)
 

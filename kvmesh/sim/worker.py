@@ -15,7 +15,7 @@ from kvmesh.contract.types import AllBlocksCleared, BlockStored, KVCacheEvent, L
 from kvmesh.kv_client.event_batcher import EventBatcher, Message
 from kvmesh.kv_service.index import Action
 from kvmesh.model_worker.config import EngineConfig
-from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.engine.llm_engine import KVImport, LLMEngine
 from kvmesh.model_worker.scheduling.output import RequestOutput
 from kvmesh.model_worker.scheduling.request import Request
 from kvmesh.replay.records import RequestRecord
@@ -64,6 +64,8 @@ class Attempt:
     attempts: Attempts
     ticket: Ticket
     request_id: str
+    kv_import: KVImport | None = None
+    """A decode leg's blocks from a prefill worker (kvmesh/sim/pd.py)."""
 
 
 
@@ -76,6 +78,8 @@ class SimWorker:
         self.gpu = gpu
         """Its GPU type: the step-time model and KV capacity it runs with (nothing it reports names it)."""
         self.worker_id = f"worker-{index:03d}"
+        self.role = "both"
+        """prefill, decode or both (kvmesh/sim/pd.py sets it for a P/D fleet)."""
         self.address = f"sim:{50061 + index}"
         self.epoch = 0
         self.up = False
@@ -125,7 +129,7 @@ class SimWorker:
         kv = self.engine.kv_cache_manager
         self.mesh.index.write("register", Registration(self.worker_id, self.address, MODEL_ID, cfg.block_size,
                                                        XXH3_128, kv.num_blocks, self.epoch,
-                                                       host_blocks=kv.num_host_blocks))
+                                                       host_blocks=kv.num_host_blocks, role=self.role))
         # NOTE: its first message: the index starts empty for this epoch.
         self.batcher.register()
         self._flush_by(self.batcher.next_due())
@@ -141,7 +145,10 @@ class SimWorker:
             self.mesh.q.after(self.mesh.cfg.network_s, a.router.worker_failed, a, self.worker_id)
 
     # -- requests ----------------------------------------------------------------------------------
-    def submit(self, a: Attempt) -> None:
+    def submit(self, a: Attempt, max_tokens: int | None = None, hold_kv_s: float | None = None,
+               kv_import: KVImport | None = None) -> None:
+        """A request arrives. Prefill/decode disaggregation (kvmesh/sim/pd.py): a prefill leg has ``max_tokens``
+        1 and holds its KV ``hold_kv_s``; a decode leg brings the blocks that arrived (``kv_import``)."""
         if not self.up:
             self.mesh.q.after(self.mesh.cfg.network_s, a.router.worker_failed, a, self.worker_id)
             return
@@ -152,8 +159,9 @@ class SimWorker:
         # none, and they only ever feed the hashes of generated blocks, which no prompt shares.
         try:
             self.engine.submit(Request(a.request_id, [PLACEHOLDER_TOKEN] * r.prompt_len,
-                                       SamplingParams(max_tokens=r.output_len, ignore_eos=True),
-                                       block_hasher=self.engine.block_hasher, block_hashes=self.mesh.chains[r.index]))
+                                       SamplingParams(max_tokens=max_tokens or r.output_len, ignore_eos=True),
+                                       block_hasher=self.engine.block_hasher, block_hashes=self.mesh.chains[r.index]),
+                               hold_kv_s=hold_kv_s, kv_import=kv_import)
         except ValueError as exc:
             # NOTE: what a live worker answers INVALID_ARGUMENT to (e.g. longer than max_model_len):
             # the router does not retry it, the request fails.
@@ -204,8 +212,14 @@ class SimWorker:
             if o.new_token_ids:
                 if rec.first_token is None:
                     rec.first_token = t + hop
-                    rec.cached_tokens = max(o.num_cached_tokens, 0)
+                    if a.kv_import is not None and a.kv_import.taken > 0:
+                        rec.pulled_tokens = a.kv_import.taken * self.mesh.cfg.block_size
+                    # NOTE: the blocks a decode leg took in were computed for it: no cache hit
+                    rec.cached_tokens = max(o.num_cached_tokens, 0) - rec.pulled_tokens
                     q.at(t + hop, a.router.first_token, a)
+                elif rec.last_token is not None:
+                    rec.max_itl = max(rec.max_itl, (t + hop - rec.last_token) / len(o.new_token_ids))
+                rec.last_token = t + hop
                 rec.completion_tokens += len(o.new_token_ids)
             if o.finished:
                 rec.finish = t + hop

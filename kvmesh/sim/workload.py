@@ -238,7 +238,24 @@ def no_reuse(num_requests: int = 3000, input_len: int = 4096, output_len: int = 
                                             f"{output_len} output tokens, Poisson {base_rate:g} req/s at rate 1")
 
 
-GENERATORS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "hot-prompt": hot_prompt, "no-reuse": no_reuse}
+def long_beside_chat(num_requests: int = 3000, chat_len: int = 256, long_len: int = 8192, long_share: float = 0.1,
+                     chat_output: int = 256, long_output: int = 64, base_rate: float = 12.0, seed: int = 0) -> Workload:
+    """Short chats, and long documents arriving beside them (prefill/decode disaggregation's case: a long
+    prefill stalls every chat decoding with it): private prompts, ``long_share`` of them ``long_len`` tokens."""
+    rng = np.random.default_rng([seed, 5])
+    t = _poisson_times(rng, num_requests, base_rate)
+    long = rng.random(num_requests) < long_share
+    reqs = []
+    for i in range(num_requests):
+        n, out = (long_len, long_output) if long[i] else (chat_len, chat_output)
+        reqs.append(SimRequest(i, float(t[i]), n, out, ((-(i + 1), n),)))
+    return Workload("long-beside-chat", reqs, seed,
+                    f"{chat_len}-token chats ({chat_output} out) and {long_share:.0%} {long_len}-token documents "
+                    f"({long_output} out), private prompts, Poisson {base_rate:g} req/s at rate 1")
+
+
+GENERATORS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "hot-prompt": hot_prompt, "no-reuse": no_reuse,
+              "long-beside-chat": long_beside_chat}
 
 
 def make_workload(name: str, num_requests: int | None = None, seed: int = 0) -> Workload:

@@ -38,7 +38,7 @@ PUBLISH_ACTION_ACK: PublishAction
 PUBLISH_ACTION_RESYNC: PublishAction
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "address", "model_id", "block_size", "hash_algorithm", "num_blocks", "epoch", "extra_keys", "engine", "host_blocks")
+    __slots__ = ("worker_id", "address", "model_id", "block_size", "hash_algorithm", "num_blocks", "epoch", "extra_keys", "engine", "host_blocks", "role")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class RegisterWorkerRequest(_message.Message):
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model_id: str
@@ -59,7 +60,8 @@ class RegisterWorkerRequest(_message.Message):
     extra_keys: str
     engine: str
     host_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[int] = ..., extra_keys: _Optional[str] = ..., engine: _Optional[str] = ..., host_blocks: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[int] = ..., extra_keys: _Optional[str] = ..., engine: _Optional[str] = ..., host_blocks: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("lease_ttl_ms", "next_seq")
@@ -288,7 +290,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, include_expired: _Optional[bool] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "model_id", "block_size", "hash_algorithm", "num_blocks", "epoch", "last_seq", "blocks_indexed", "load", "lease_remaining_ms", "live", "engine", "pending", "host_blocks", "host_blocks_indexed")
+    __slots__ = ("worker_id", "address", "model_id", "block_size", "hash_algorithm", "num_blocks", "epoch", "last_seq", "blocks_indexed", "load", "lease_remaining_ms", "live", "engine", "pending", "host_blocks", "host_blocks_indexed", "role")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +307,7 @@ class WorkerInfo(_message.Message):
     PENDING_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCKS_INDEXED_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model_id: str
@@ -321,7 +324,8 @@ class WorkerInfo(_message.Message):
     pending: PendingPicks
     host_blocks: int
     host_blocks_indexed: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., blocks_indexed: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., lease_remaining_ms: _Optional[int] = ..., live: _Optional[bool] = ..., engine: _Optional[str] = ..., pending: _Optional[_Union[PendingPicks, _Mapping]] = ..., host_blocks: _Optional[int] = ..., host_blocks_indexed: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., blocks_indexed: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., lease_remaining_ms: _Optional[int] = ..., live: _Optional[bool] = ..., engine: _Optional[str] = ..., pending: _Optional[_Union[PendingPicks, _Mapping]] = ..., host_blocks: _Optional[int] = ..., host_blocks_indexed: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\x86\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\x8f\x01\n\x16WorkerGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x11\n\tworker_id\x18\x04 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x86\x01\n\x0fGetLoadResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r2\xd9\x01\n\x06Worker\x12Q\n\x08Generate\x12 .kvmesh.v1.WorkerGenerateRequest\x1a!.kvmesh.v1.WorkerGenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12@\n\x07GetLoad\x12\x19.kvmesh.v1.GetLoadRequest\x1a\x1a.kvmesh.v1.GetLoadResponseBQ\n\rdev.kvmesh.v1P\x01Z2github.com/kvmesh/kvmesh/gen/go/kvmesh/v1;kvmeshv1\xaa\x02\tKvmesh.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\x93\x01\n\x08KVLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x16\n\x0ehash_algorithm\x18\x07 \x01(\t\"\xe2\x01\n\x08KVSource\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.KVLayout\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x12\n\ntransports\x18\x06 \x03(\t\x12\x15\n\rnixl_metadata\x18\x07 \x01(\x0c\x12\x0e\n\x06ttl_ms\x18\x08 \x01(\r\x12\x18\n\x0b\x66irst_token\x18\t \x01(\rH\x00\x88\x01\x01\x42\x0e\n\x0c_first_token\"K\n\nKVTransfer\x12\x18\n\x10\x64o_remote_decode\x18\x01 \x01(\x08\x12#\n\x06source\x18\x02 \x01(\x0b\x32\x13.kvmesh.v1.KVSource\"p\n\rPullKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bstart_block\x18\x02 \x01(\r\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.KVLayout\x12\x11\n\tworker_id\x18\x04 \x01(\t\"E\n\x0cKVBlockChunk\x12\x13\n\x0bstart_block\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xb2\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12*\n\x0bkv_transfer\x18\x05 \x01(\x0b\x32\x15.kvmesh.v1.KVTransfer\"\x99\x02\n\x16WorkerGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12&\n\tkv_source\x18\x05 \x01(\x0b\x32\x13.kvmesh.v1.KVSource\x12\x14\n\x0ckv_transport\x18\x06 \x01(\t\x12\x18\n\x10kv_blocks_pulled\x18\x07 \x01(\r\x12\x17\n\x0fkv_bytes_pulled\x18\x08 \x01(\x04\x12\x17\n\x0fkv_pull_seconds\x18\t \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x94\x01\n\x0fGetLoadResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x0c\n\x04role\x18\x06 \x01(\t2\xe0\x02\n\x06Worker\x12Q\n\x08Generate\x12 .kvmesh.v1.WorkerGenerateRequest\x1a!.kvmesh.v1.WorkerGenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12@\n\x07GetLoad\x12\x19.kvmesh.v1.GetLoadRequest\x1a\x1a.kvmesh.v1.GetLoadResponse\x12=\n\x06PullKV\x12\x18.kvmesh.v1.PullKVRequest\x1a\x17.kvmesh.v1.KVBlockChunk0\x01\x12\x46\n\tReleaseKV\x12\x1b.kvmesh.v1.ReleaseKVRequest\x1a\x1c.kvmesh.v1.ReleaseKVResponseBQ\n\rdev.kvmesh.v1P\x01Z2github.com/kvmesh/kvmesh/gen/go/kvmesh/v1;kvmeshv1\xaa\x02\tKvmesh.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,18 +33,32 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.worker_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rdev.kvmesh.v1P\001Z2github.com/kvmesh/kvmesh/gen/go/kvmesh/v1;kvmeshv1\252\002\tKvmesh.V1'
-  _globals['_WORKERGENERATEREQUEST']._serialized_start=62
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=196
-  _globals['_WORKERGENERATERESPONSE']._serialized_start=199
-  _globals['_WORKERGENERATERESPONSE']._serialized_end=342
-  _globals['_ABORTREQUEST']._serialized_start=344
-  _globals['_ABORTREQUEST']._serialized_end=378
-  _globals['_ABORTRESPONSE']._serialized_start=380
-  _globals['_ABORTRESPONSE']._serialized_end=412
-  _globals['_GETLOADREQUEST']._serialized_start=414
-  _globals['_GETLOADREQUEST']._serialized_end=430
-  _globals['_GETLOADRESPONSE']._serialized_start=433
-  _globals['_GETLOADRESPONSE']._serialized_end=567
-  _globals['_WORKER']._serialized_start=570
-  _globals['_WORKER']._serialized_end=787
+  _globals['_KVLAYOUT']._serialized_start=62
+  _globals['_KVLAYOUT']._serialized_end=209
+  _globals['_KVSOURCE']._serialized_start=212
+  _globals['_KVSOURCE']._serialized_end=438
+  _globals['_KVTRANSFER']._serialized_start=440
+  _globals['_KVTRANSFER']._serialized_end=515
+  _globals['_PULLKVREQUEST']._serialized_start=517
+  _globals['_PULLKVREQUEST']._serialized_end=629
+  _globals['_KVBLOCKCHUNK']._serialized_start=631
+  _globals['_KVBLOCKCHUNK']._serialized_end=700
+  _globals['_RELEASEKVREQUEST']._serialized_start=702
+  _globals['_RELEASEKVREQUEST']._serialized_end=740
+  _globals['_RELEASEKVRESPONSE']._serialized_start=742
+  _globals['_RELEASEKVRESPONSE']._serialized_end=779
+  _globals['_WORKERGENERATEREQUEST']._serialized_start=782
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=960
+  _globals['_WORKERGENERATERESPONSE']._serialized_start=963
+  _globals['_WORKERGENERATERESPONSE']._serialized_end=1244
+  _globals['_ABORTREQUEST']._serialized_start=1246
+  _globals['_ABORTREQUEST']._serialized_end=1280
+  _globals['_ABORTRESPONSE']._serialized_start=1282
+  _globals['_ABORTRESPONSE']._serialized_end=1314
+  _globals['_GETLOADREQUEST']._serialized_start=1316
+  _globals['_GETLOADREQUEST']._serialized_end=1332
+  _globals['_GETLOADRESPONSE']._serialized_start=1335
+  _globals['_GETLOADRESPONSE']._serialized_end=1483
+  _globals['_WORKER']._serialized_start=1486
+  _globals['_WORKER']._serialized_end=1838
 # @@protoc_insertion_point(module_scope)

@@ -50,6 +50,16 @@ class WorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.GetLoadResponse.FromString,
                 _registered_method=True)
+        self.PullKV = channel.unary_stream(
+                '/kvmesh.v1.Worker/PullKV',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.PullKVRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.KVBlockChunk.FromString,
+                _registered_method=True)
+        self.ReleaseKV = channel.unary_unary(
+                '/kvmesh.v1.Worker/ReleaseKV',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -74,6 +84,23 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullKV(self, request, context):
+        """Prefill/decode disaggregation (docs/architecture.md). A decode worker pulls the KV blocks a
+        prefill leg left held for it, as a stream of block bytes (the transport when NIXL cannot load);
+        the hold is released when the stream ends. NOT_FOUND: nothing is held under that request id
+        (released, expired, or never prefilled here); FAILED_PRECONDITION: the layouts differ.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseKV(self, request, context):
+        """The decode worker has the blocks (or gave up on them): the prefill worker frees its hold.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +118,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.GetLoadResponse.SerializeToString,
+            ),
+            'PullKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullKV,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.PullKVRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.KVBlockChunk.SerializeToString,
+            ),
+            'ReleaseKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKV,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKVRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +212,60 @@ class Worker:
             '/kvmesh.v1.Worker/GetLoad',
             kvmesh_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.Worker/PullKV',
+            kvmesh_dot_v1_dot_worker__pb2.PullKVRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.KVBlockChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/ReleaseKV',
+            kvmesh_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvmesh.contract.errors import AlreadyExists
 from kvmesh.contract.limits import excerpt
@@ -167,16 +168,22 @@ class EngineLoop:
         return self._iterate(request_id, stream)
 
     def submit_async(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     cache_salt: str = "") -> AsyncTokenStream:
+                     cache_salt: str = "", **kv: Any) -> AsyncTokenStream:
         """As ``submit``, for a caller on an event loop (this one receives the events). The caller
-        aborts the request when it stops reading early (a no-op after the end)."""
+        aborts the request when it stops reading early (a no-op after the end). ``kv``: a prefill or
+        decode leg's ``hold_kv_s`` / ``kv_import`` (LLMEngine.add_request)."""
         reader = AsyncTokenStream()
         self._add(request_id, Stream(loop=asyncio.get_running_loop(), reader=reader), prompt_token_ids, params,
-                  cache_salt)
+                  cache_salt, **kv)
         return reader
 
+    def in_flight(self, request_id: str) -> bool:
+        """Whether a stream of this id is open here."""
+        with self._lock:
+            return request_id in self._streams
+
     def _add(self, request_id: str, stream: Stream, prompt_token_ids: list[int], params: SamplingParams,
-             cache_salt: str) -> None:
+             cache_salt: str, **kv: Any) -> None:
         stream.prompt_tokens = len(prompt_token_ids)
         with self._lock:
             if request_id in self._streams:
@@ -184,7 +191,7 @@ class EngineLoop:
                                     "give every request its own id")
             self._streams[request_id] = stream
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params, cache_salt)
+            self.engine.add_request(request_id, prompt_token_ids, params, cache_salt, **kv)
         except Exception:
             with self._lock:
                 self._streams.pop(request_id, None)

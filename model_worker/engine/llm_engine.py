@@ -18,12 +18,14 @@ from kvmesh.contract.limits import MAX_ADMITTED_IDS, MAX_SNAPSHOT_HOST_BLOCKS, e
 from kvmesh.contract.modelinfo import model_id_for
 from kvmesh.contract.types import DEFAULT_MAX_TOKENS, KVCacheEvent, Load, SamplingParams
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
+from kvmesh.model_worker.execution.kv_blocks import KVBlocks
 from kvmesh.model_worker.execution.model_runner import ModelRunner
 from kvmesh.model_worker.scheduling.config import SchedulerConfig
 from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
+from kvmesh.model_worker.scheduling.kv_holds import KVHolds
 from kvmesh.model_worker.scheduling.output import RequestOutput, SchedulerOutput, StepWork
-from kvmesh.model_worker.scheduling.request import Request
+from kvmesh.model_worker.scheduling.request import Request, RequestStatus
 from kvmesh.model_worker.scheduling.scheduler import Scheduler
 
 
@@ -69,6 +71,23 @@ class EngineStats:
                     self.queued_prefill_tokens, self.busy_s, self.steps, w.prefill_tokens, w.prefill_pairs,
                     w.decode_seqs, w.decode_context_tokens, self.max_num_batched_tokens, admitted,
                     reports_admissions, host_loaded_blocks=self.host_loaded_blocks, host_load_s=self.host_load_s)
+
+
+@dataclass(slots=True)
+class KVImport:
+    """KV blocks that arrived from a prefill worker for one request (prefill/decode disaggregation):
+    taken into the pool on the step thread right before the request joins the scheduler."""
+
+    block_hashes: list[bytes]
+    """The prompt's full blocks as the prefill worker held them, from the root."""
+    start: int
+    """``blocks[0]`` is ``block_hashes[start]``'s."""
+    blocks: Any
+    """A tensor ``[n, *KVBlocks.block_shape]`` in wire layout; None on a simulated worker (no bytes)."""
+    num_blocks: int = -1
+    """Blocks that arrived when ``blocks`` is None (the simulator's transfers)."""
+    taken: int = -1
+    """Set on the step thread: blocks the pool took in (-1 until then)."""
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:
@@ -176,6 +195,15 @@ class LLMEngine:
         self.last_step_s = 0.0
         """Seconds the last ``step()`` took: the runner's ``last_step_s`` when it models its time
         (the simulated runner), else the wall time of its forward passes."""
+        # NOTE: prefill/decode disaggregation (model_worker/scheduling/kv_holds.py): the blocks held
+        # for decode workers, the blocks taken in from prefill workers; both on the step thread.
+        self.kv_holds = KVHolds(self.kv_cache_manager.block_pool)
+        attns = getattr(self.runner, "attention_layers", None)
+        self.kv_blocks = (KVBlocks([(a.k_cache, a.v_cache) for a in attns], self.model_id, config.hash_algorithm)
+                          if attns else None)
+        """The KV cache as blocks of bytes (None for a runner without a KV cache: the simulated one)."""
+        self._hold_on_finish: dict[str, tuple[Request, float]] = {}
+        self._imports: dict[str, KVImport] = {}
         self.warm_request_s = self._warm_step_path() if warm_up is not None else 0.0
         """Seconds the warm-up request took (0: none ran)."""
         self._stats = self._snapshot()
@@ -208,8 +236,12 @@ class LLMEngine:
         return time.perf_counter() - start
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                    cache_salt: str = "") -> None:
+                    cache_salt: str = "", hold_kv_s: float | None = None, kv_import: KVImport | None = None) -> None:
         """Queues a request; it starts at the next ``step()``.
+
+        ``hold_kv_s``: a prefill leg: when it ends, its prompt's full blocks are held for a decode
+        worker this many seconds at most (:meth:`release_kv` ends it sooner). ``kv_import``: a decode
+        leg: these blocks are taken into the pool first.
 
         Raises:
             ValueError: the request is malformed or can never fit; nothing else is affected.
@@ -224,16 +256,28 @@ class LLMEngine:
         extra_eos = self.eos_token_ids[1:]
         if extra_eos and not params.ignore_eos:
             params = replace(params, stop_token_ids=[*params.stop_token_ids, *extra_eos])
-        self.submit(Request(
+        request = Request(
             request_id,
             prompt_token_ids,
             params,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             block_hasher=self.block_hasher if self.config.enable_prefix_caching else None,
             cache_salt=cache_salt,
-        ))
+        )
+        self.submit(request, hold_kv_s=hold_kv_s, kv_import=kv_import)
 
-    def submit(self, request: Request) -> None:
+    def check_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
+        """Raises ValueError as :meth:`add_request` would for this prompt and these parameters, adding
+        nothing (a decode leg is checked before its KV moves)."""
+        sampling_params.validate()
+        self.check_prompt(prompt_token_ids)
+        room = self.config.max_model_len - len(prompt_token_ids)
+        if sampling_params.max_tokens is not None and sampling_params.max_tokens > room:
+            raise ValueError(f"max_tokens is {sampling_params.max_tokens}, but the prompt's {len(prompt_token_ids)} "
+                             f"tokens leave room for {room} of max_model_len {self.config.max_model_len}; ask for at "
+                             f"most {room}")
+
+    def submit(self, request: Request, hold_kv_s: float | None = None, kv_import: KVImport | None = None) -> None:
         """Queues a request the caller built (:meth:`add_request` builds them from a prompt; the
         simulator builds its own, with its workload's block hashes). Checks what every request must
         meet: a non-empty prompt that leaves room for its ``max_tokens`` in ``max_model_len``.
@@ -254,6 +298,10 @@ class LLMEngine:
             if request.request_id in self._live:
                 raise AlreadyExists(f"request id {excerpt(request.request_id)} is already in use")
             self._live.add(request.request_id)
+            if hold_kv_s is not None:
+                self._hold_on_finish[request.request_id] = (request, hold_kv_s)
+            if kv_import is not None:
+                self._imports[request.request_id] = kv_import
             self._inbox.append(("add", request))
             self._unreported[request.request_id] = None
             if len(self._unreported) > MAX_ADMITTED_IDS:
@@ -304,9 +352,50 @@ class LLMEngine:
                     # NOTE: in the scheduler but not in the last snapshot: stats() counts it until the next.
                     self._drained.append(item)
             if kind == "add":
+                kv_import = self._imports.pop(item.request_id, None)
+                if kv_import is not None:
+                    self._take_in(item.request_id, kv_import)
                 self.scheduler.add_request(item)
+            elif kind == "call":
+                item(self)
             else:
+                self._hold_on_finish.pop(item, None)
                 self.scheduler.abort_request(item)
+
+    def _take_in(self, request_id: str, kv: KVImport) -> None:
+        """A decode leg's arrived blocks into the pool (kv_holds.py), on the step thread."""
+        n = len(kv.blocks) if kv.blocks is not None else kv.num_blocks
+        first, ids = self.kv_holds.take_in(request_id, kv.block_hashes[:kv.start + n], kv.start)
+        if ids and kv.blocks is not None:
+            assert self.kv_blocks is not None, "KV blocks arrived at a runner without a KV cache"
+            self.kv_blocks.write(ids, kv.blocks[first - kv.start:first - kv.start + len(ids)])
+        kv.taken = len(ids)
+
+    def call_on_step_thread(self, fn: Callable[[LLMEngine], None]) -> None:
+        """Runs ``fn(engine)`` on the step thread before the next step's schedule (in call order with
+        adds and aborts): what touches the pool from another thread goes through here."""
+        with self._lock:
+            self._inbox.append(("call", fn))
+
+    def release_kv(self, request_id: str) -> None:
+        """Ends a prefill leg's hold (kv_holds.py) at the next step; a no-op when there is none."""
+        self.call_on_step_thread(lambda e: e.kv_holds.release(request_id))
+
+    def _hold_finished(self, step_outputs: list[RequestOutput]) -> None:
+        """Prefill legs that just ended hold their prompt's full blocks (still cached: freed this step,
+        nothing allocated since) for a decode worker."""
+        now = time.monotonic()
+        bs = self.config.block_size
+        for o in step_outputs:
+            if not o.finished:
+                continue
+            held = self._hold_on_finish.pop(o.request_id, None)
+            if held is None or o.finish_reason == "abort":
+                continue
+            request, ttl = held
+            # NOTE: the decode worker recomputes the prompt's last token (every engine does), so the
+            # blocks it can use are those before it.
+            self.kv_holds.hold(o.request_id, request.block_hashes[:(request.num_prompt_tokens - 1) // bs], now + ttl)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -326,9 +415,19 @@ class LLMEngine:
         self._drain_inbox()
         prev, self._in_flight = self._in_flight, None
         out = self.scheduler.schedule()
+        if self.kv_holds.imports:
+            requests = self.scheduler.requests
+            for rid in list(self.kv_holds.imports):
+                r = requests.get(rid)
+                if r is None or r.status != RequestStatus.WAITING:
+                    self.kv_holds.admitted(rid)
+        if self.kv_holds.holds:
+            self.kv_holds.expire(time.monotonic())
         outputs: list[RequestOutput] = []
 
         def commit(step_outputs: list[RequestOutput]) -> None:
+            if self._hold_on_finish:
+                self._hold_finished(step_outputs)
             outputs.extend(step_outputs)
             finished = [o.request_id for o in step_outputs if o.finished]
             if finished:

@@ -203,6 +203,19 @@ class BlockPool:
             parent = request.block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
             self._events.append(BlockStored(block_hashes=stored, parent_block_hash=parent, group_id=group_id))
 
+    def cache_imported(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
+                       parent: bytes | None) -> None:
+        """Caches blocks whose KV arrived from another worker (kv_holds.py) under ``block_hashes``, one
+        chain run parented on ``parent``: one BlockStored, as a request's own run would give."""
+        cached = self.cached_blocks_by_group[0]
+        for block, h in zip(blocks, block_hashes, strict=True):
+            assert block.block_hash is None, f"{block} is already cached"
+            block.block_hash = h
+            block.group_id = 0
+            cached.setdefault(h, {})[block.block_id] = block
+        if self.enable_events and blocks:
+            self._events.append(BlockStored(block_hashes=list(block_hashes), parent_block_hash=parent, group_id=0))
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Takes blocks from the head of the free queue (least recently freed first), ref 1 each."""
         if num_blocks > self.free_block_queue.num_free_blocks:

@@ -37,5 +37,17 @@ class WorkerMetrics:
                              registry=r)
         self.prompt_tokens = Counter("kvmesh:prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
         self.generation_tokens = Counter("kvmesh:generation_tokens", "Generated tokens", m, registry=r)
+        # prefill/decode disaggregation (docs/architecture.md): transfers by side, transport and outcome
+        self.kv_transfers = Counter("kvmesh:kv_transfers", "KV transfers: side (prefill: sent, decode: received), "
+                                    "transport (nixl, grpc, local = the decode worker prefilled it itself) and outcome",
+                                    ["model_name", "side", "transport", "outcome"], registry=r)
+        self.kv_transfer_blocks = Counter("kvmesh:kv_transfer_blocks", "KV blocks sent or received", ["model_name", "side"],
+                                          registry=r)
+        self.kv_transfer_bytes = Counter("kvmesh:kv_transfer_bytes", "KV bytes sent or received", ["model_name", "side"],
+                                         registry=r)
+        self.kv_transfer_seconds = Histogram("kvmesh:kv_transfer_seconds", "A decode leg's pull, start to blocks in hand",
+                                             ["model_name", "transport"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_held_requests = Gauge("kvmesh:kv_held_requests", "Prefill legs whose blocks are held for a decode worker",
+                                      ["model_name"], registry=r)
         self.requests = Counter("kvmesh:request_success", "Finished requests by reason", ["model_name", "finished_reason"],
                                 registry=r)

@@ -5,13 +5,22 @@ from __future__ import annotations
 import logging
 import uuid
 
-from kvmesh.contract.convert import FINISH_TO_PB, load_to_pb, sampling_from_pb, usage_to_pb
+from kvmesh.contract.convert import (
+    FINISH_TO_PB,
+    kv_source_from_pb,
+    kv_source_to_pb,
+    load_to_pb,
+    sampling_from_pb,
+    usage_to_pb,
+)
 from kvmesh.contract.errors import ResourceExhausted, Unavailable
+from kvmesh.contract.kv_transfer import check_role
 from kvmesh.contract.limits import MAX_CACHE_SALT_CHARS, MAX_WORKER_REQUEST_ID_CHARS, check_id, check_length
 from kvmesh.contract.types import Usage
 from kvmesh.kv_client.publisher import KVPublisher, registration
 from kvmesh.model_worker.engine.engine_loop import EngineLoop, Stream, TokenEvent
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.serving.kv_transfer import KVTransfers, Pulled
 from kvmesh.model_worker.serving.metrics import WorkerMetrics
 from kvmesh.transport.loop import LoopThread
 from kvmesh.transport.server import AioServer
@@ -19,6 +28,17 @@ from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvmesh.worker")
+
+
+def check_disaggregation(engine: LLMEngine) -> None:
+    """Raises ValueError unless the engine can hand over or take in a prompt's KV: prefix caching on
+    (blocks travel under their hashes), one full-attention KV cache group (kv_holds.py)."""
+    if not engine.config.enable_prefix_caching:
+        raise ValueError("a prefill or decode worker needs prefix caching (KV blocks travel under their hashes): "
+                         "drop --no-prefix-caching, or run --role both")
+    if not engine.kv_cache_manager.kv_cache_config.full_attention_only:
+        raise ValueError("prefill/decode disaggregation needs full attention in every layer (sliding-window "
+                         "blocks are not all kept); run this model with --role both")
 
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 """Streams one worker accepts at once (``--max-queued-requests``); each is a coroutine."""
@@ -40,12 +60,32 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         check_id("request_id", request.request_id, MAX_WORKER_REQUEST_ID_CHARS, allow_empty=True)
         check_length("cache_salt", request.cache_salt, MAX_CACHE_SALT_CHARS)
         rid = request.request_id or uuid.uuid4().hex
-        stream = w.loop.submit_async(rid, list(request.prompt_token_ids), params, request.cache_salt)
+        kvt = request.kv_transfer if request.HasField("kv_transfer") else None
+        prompt = list(request.prompt_token_ids)
+        kv: dict = {}
+        pulled: Pulled | None = None
+        if kvt is not None and kvt.do_remote_decode:
+            # NOTE: a prefill leg: the prompt's blocks are held for a decode worker when it ends.
+            w.kv.check_prefill_leg(params.max_tokens)
+            kv["hold_kv_s"] = w.kv.hold_ttl_s
+        elif kvt is not None and kvt.HasField("source"):
+            # NOTE: a decode leg: everything is checked before any KV moves; a pull that fails leaves
+            # the request to prefill here.
+            source = kv_source_from_pb(kvt.source)
+            w.engine.check_request(prompt, params)
+            w.kv.check_decode_leg(rid, prompt, request.cache_salt, source)
+            pulled = await w.kv.pull(rid, source)
+            if pulled.kv_import is not None:
+                kv["kv_import"] = pulled.kv_import
+        stream = w.loop.submit_async(rid, prompt, params, request.cache_salt, **kv)
         ended = "cancelled"  # the caller went away (or its deadline passed) unless set below
+        first: int | None = None
         try:
             while True:
                 batch = await stream.next_batch()
                 tokens = [ev.token_id for ev in batch if ev.token_id is not None]
+                if tokens and first is None:
+                    first = tokens[0]
                 if tokens:
                     yield pb.WorkerGenerateResponse(token_ids=tokens, worker_id=w.worker_id)
                 ev = batch[-1]
@@ -56,9 +96,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 if ev.error:
                     ended = f"failed: {ev.error}"
                     raise Unavailable(f"worker {w.worker_id}: {ev.error}")
-                yield pb.WorkerGenerateResponse(
+                last = pb.WorkerGenerateResponse(
                     finish_reason=FINISH_TO_PB[ev.finish_reason or "stop"], worker_id=w.worker_id,
                     usage=usage_to_pb(Usage(ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)))
+                if "hold_kv_s" in kv and ev.finish_reason != "abort":
+                    last.kv_source.CopyFrom(kv_source_to_pb(w.kv.source_for(rid, first)))
+                    ended += f", {len(last.kv_source.block_hashes)} KV blocks held"
+                if pulled is not None:
+                    last.kv_transport, last.kv_blocks_pulled, last.kv_bytes_pulled, last.kv_pull_seconds = (
+                        pulled.transport, pulled.blocks, pulled.bytes, pulled.seconds)
+                    ended += f", KV {pulled.transport} ({pulled.blocks} blocks pulled, {pulled.skipped} held here)"
+                yield last
                 return
         finally:
             # NOTE: one line per request at the default level, under the id the router logged.
@@ -78,7 +126,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         w = self.w
         return pb.GetLoadResponse(worker_id=w.worker_id, load=load_to_pb(w.engine.stats().load), model_id=w.engine.model_id,
                                   block_size=w.engine.config.block_size,
-                                  max_model_len=w.engine.config.max_model_len or 0)
+                                  max_model_len=w.engine.config.max_model_len or 0, role=w.role)
+
+    async def PullKV(self, request, context):
+        check_length("request_id", request.request_id, MAX_WORKER_REQUEST_ID_CHARS)
+        async for chunk in self.w.kv.serve_pull(request):
+            yield chunk
+
+    async def ReleaseKV(self, request, context):
+        check_length("request_id", request.request_id, MAX_WORKER_REQUEST_ID_CHARS)
+        return pb.ReleaseKVResponse(released=self.w.kv.release(request.request_id))
 
 
 class WorkerServer:
@@ -92,11 +149,18 @@ class WorkerServer:
         advertise_address: host:port routers dial (default 127.0.0.1:<port>).
         max_queued_requests: streams accepted at once; one more gets RESOURCE_EXHAUSTED.
         stream_interval: tokens per stream message after the first (EngineLoop).
+        role: prefill, decode or both (prefill/decode disaggregation, kv_transfer.py).
+        kv_transport: auto (NIXL when it loads, else gRPC streaming), nixl or grpc.
+        kv_hold_ttl_s: seconds a prefill leg's blocks are held for a decode worker at most.
     """
 
     def __init__(self, engine: LLMEngine, worker_id: str, host: str = "0.0.0.0", port: int = 50061,
                  kv_service: str | None = None, advertise_address: str | None = None,
-                 max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, stream_interval: int = 1) -> None:
+                 max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, stream_interval: int = 1,
+                 role: str = "both", kv_transport: str = "auto", kv_hold_ttl_s: float = 30.0) -> None:
+        self.role = check_role(role)
+        if self.role != "both":
+            check_disaggregation(engine)
         self.engine = engine
         self.worker_id = worker_id
         self.max_queued_requests = max_queued_requests
@@ -106,6 +170,7 @@ class WorkerServer:
         self.grpc: AioServer = self._aio.run(self._build(host, port))
         self.port = self.grpc.port
         self.address = advertise_address or f"127.0.0.1:{self.port}"
+        self.kv = KVTransfers(self, self.role, kv_transport, kv_hold_ttl_s)
         model = engine.model_id
         self._labels = {"model_name": model}
         # NOTE: the per-token series resolved once, not a label lookup per token.
@@ -115,7 +180,8 @@ class WorkerServer:
         self.publisher: KVPublisher | None = None
         if kv_service:
             reg = registration(worker_id, self.address, model, engine.config.block_size, engine.config.hash_algorithm,
-                               engine.kv_cache_manager.num_blocks, host_blocks=engine.kv_cache_manager.num_host_blocks)
+                               engine.kv_cache_manager.num_blocks, host_blocks=engine.kv_cache_manager.num_host_blocks,
+                               role=self.role)
             self.publisher = KVPublisher(kv_service, reg, engine.report_load, ack_admitted=engine.ack_admitted)
         self.loop = EngineLoop(engine, self.publisher, on_step=self._on_step, on_finish=self._on_finish,
                                on_token=self._on_token, stream_interval=stream_interval)
@@ -145,6 +211,7 @@ class WorkerServer:
             return
         self.draining = True
         self._aio.run(self.grpc.stop(grace))
+        self._aio.run(self.kv.close())
         self._aio.stop()
         self.loop.stop()
         if self.publisher is not None:
@@ -167,6 +234,7 @@ class WorkerServer:
             if s.host_cache_hits > host0:
                 wm.host_hits.labels(**m).inc(s.host_cache_hits - host0)
         self._prefix = (s.prefix_cache_queries, s.prefix_cache_hits, s.host_cache_hits)
+        wm.kv_held_requests.labels(**m).set(self.engine.kv_holds.num_held)
 
     def _on_token(self, stream: Stream, now: float) -> None:
         self._tokens.inc()

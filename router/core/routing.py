@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvmesh.contract.block_hash import BlockHasher
@@ -162,6 +162,10 @@ class RoutePlan:
     answered: bool = False
     """The index answered this plan's Lookup: its candidates' ``indexed_blocks`` are the index's word (the
     miss audit's prediction, router/core/audit.py)."""
+    prefill_candidates: list[Candidate] = field(default_factory=list)
+    """Prefill/decode disaggregation: the prefill workers (``candidates`` then holds the workers that decode)."""
+    pd: object | None = None
+    """The plan's prefill/decode decision (router/core/pd.py's PDDecision), once made."""
 
     def candidate(self, worker_id: str) -> Candidate:
         return next(c for c in self.candidates if c.worker_id == worker_id)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvmesh.contract.index_protocol import Reservation, ReservationAnswer, WorkerMatch
+from kvmesh.contract.kv_transfer import KVSource
 from kvmesh.contract.types import Load, ModelSpec, SamplingParams, Usage
 
 
@@ -31,6 +32,8 @@ class WorkerEndpoint:
     worker_id: str
     address: str
     load: Load = field(default_factory=Load)
+    role: str = "both"
+    """prefill, decode or both (kvmesh/contract/kv_transfer.py): which legs of a request it takes."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,6 +42,11 @@ class WorkerRequest:
     prompt_token_ids: Sequence[int]
     sampling: SamplingParams
     cache_salt: str = ""
+    prefill_leg: bool = False
+    """Prefill/decode disaggregation: compute the prompt (max_tokens 1) and hold its KV for a decode
+    worker (vLLM's do_remote_decode); the last chunk carries the :class:`KVSource`."""
+    kv_source: KVSource | None = None
+    """A decode leg: take the prompt's KV from there (the prefill leg's answer)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,6 +58,13 @@ class WorkerChunk:
     """"stop", "length" or "abort" on the last message; None before."""
     usage: Usage | None = None
     worker_id: str = ""
+    kv_source: KVSource | None = None
+    """A prefill leg's last chunk: where its KV is held."""
+    kv_transport: str = ""
+    """A decode leg's last chunk: nixl, grpc, or local (it prefilled itself)."""
+    kv_blocks_pulled: int = 0
+    kv_bytes_pulled: int = 0
+    kv_pull_s: float = 0.0
 
 
 class Failure(enum.Enum):

@@ -113,7 +113,8 @@ class WorkerDiscovery:
             problem = "" if mine else (
                 f"no live worker of model {pool.model_id!r} in kv_service"
                 + (f" (it has: {', '.join(sorted(by_model))})" if by_model else ""))
-            pool.update([WorkerEndpoint(w.worker_id, w.address, loads[w.worker_id]) for w in mine], spec, problem)
+            pool.update([WorkerEndpoint(w.worker_id, w.address, loads[w.worker_id], w.role) for w in mine], spec,
+                        problem)
 
     async def _refresh_static(self) -> None:
         found: dict[str, list[WorkerEndpoint]] = {}
@@ -127,7 +128,8 @@ class WorkerDiscovery:
             except grpc.aio.AioRpcError as exc:
                 problems.append(f"{address}: {exc.code().name}")
                 continue
-            found.setdefault(r.model_id, []).append(WorkerEndpoint(r.worker_id, address, load_from_pb(r.load)))
+            found.setdefault(r.model_id, []).append(WorkerEndpoint(r.worker_id, address, load_from_pb(r.load),
+                                                                   r.role or "both"))
             block_size.setdefault(r.model_id, r.block_size)
             lens.setdefault(r.model_id, []).append(r.max_model_len)
         # NOTE: problem is shown to clients (UNAVAILABLE messages): no address in it.

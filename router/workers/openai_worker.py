@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from kvmesh.contract.kv_transfer import KVSource
 from kvmesh.contract.types import Usage
 from kvmesh.router.core.upstream import Failure, WorkerChunk, WorkerEndpoint, WorkerError, WorkerRequest
 
@@ -41,8 +42,20 @@ def is_http(address: str) -> bool:
     return address.startswith(("http://", "https://"))
 
 
+VLLM = "vllm"
+"""The transport a vLLM decode leg names: vLLM's own KV connector moved the blocks (NixlConnector)."""
+
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+"""A prefill leg's ``kv_transfer_params`` (vLLM's contract: its disaggregated-serving proxies send these)."""
+
+
 def completion_body(request: WorkerRequest) -> dict[str, Any]:
-    """The /v1/completions JSON of one request (no "model": the server's base model answers)."""
+    """The /v1/completions JSON of one request (no "model": the server's base model answers).
+
+    Prefill/decode disaggregation through vLLM's own contract: a prefill leg carries ``kv_transfer_params``
+    with ``do_remote_decode``, ``max_tokens`` 1 and no streaming; its answer's ``kv_transfer_params`` go,
+    unchanged, with the decode leg, whose vLLM connector (NixlConnector) then reads the blocks."""
     sp = request.sampling
     body: dict[str, Any] = {
         "prompt": list(request.prompt_token_ids),
@@ -64,6 +77,11 @@ def completion_body(request: WorkerRequest) -> dict[str, Any]:
         body["ignore_eos"] = True
     if request.cache_salt:
         body["cache_salt"] = request.cache_salt
+    if request.prefill_leg:
+        body.update(kv_transfer_params=dict(PREFILL_PARAMS), stream=False, max_tokens=1)
+        del body["stream_options"]
+    elif request.kv_source is not None and request.kv_source.engine_params:
+        body["kv_transfer_params"] = json.loads(request.kv_source.engine_params)
     return body
 
 
@@ -118,7 +136,13 @@ class OpenAIWorkerCall:
                     text = _error_text(await resp.content.read(64 << 10))
                     failure = _STATUS_FAILURE.get(resp.status, Failure.OTHER)
                     raise WorkerError(failure, f"HTTP {resp.status}: {text}", text)
+                if self._request.prefill_leg:
+                    yield prefill_answer(await resp.read(), self._endpoint, self._request)
+                    return
                 async for chunk in self._chunks(resp):
+                    if chunk.finish_reason is not None and self._request.kv_source is not None:
+                        chunk = WorkerChunk(chunk.token_ids, chunk.finish_reason, chunk.usage, chunk.worker_id,
+                                            kv_transport=VLLM)
                     yield chunk
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):  # noqa: UP041 - 3.10's TimeoutError
             raise WorkerError(Failure.TIMEOUT, f"no answer within {self._timeout_s:g}s") from None
@@ -187,6 +211,30 @@ class OpenAIWorkerCall:
         """Closes the connection if the response is still open: the engine aborts the request."""
         if self._resp is not None and not self._resp.closed:
             self._resp.close()
+
+
+def prefill_answer(raw: bytes, endpoint: WorkerEndpoint, request: WorkerRequest) -> WorkerChunk:
+    """A vLLM prefill leg's (non-streamed) answer: its one token, its usage and its ``kv_transfer_params``
+    as the KV source of the decode leg. Raises WorkerError (OTHER) when the answer carries no params: the
+    server runs no KV connector (start it with --kv-transfer-config, docs/vllm.md)."""
+    try:
+        msg = json.loads(raw)
+        choice = (msg.get("choices") or [{}])[0]
+        ids = list(choice.get("token_ids") or [])
+        usage = msg.get("usage") or {}
+        params = msg.get("kv_transfer_params")
+    except (ValueError, AttributeError, IndexError):
+        raise WorkerError(Failure.OTHER, "a prefill answer that is not a completion's JSON") from None
+    if not params:
+        raise WorkerError(Failure.OTHER, "the prefill answer has no kv_transfer_params: the vLLM server runs no KV "
+                                         "connector (--kv-transfer-config with kv_role kv_both, docs/vllm.md)")
+    details = usage.get("prompt_tokens_details") or {}
+    source = KVSource(request.request_id, endpoint.worker_id, endpoint.address, None, (), (VLLM,),
+                      first_token=ids[0] if ids else None, engine_params=json.dumps(params))
+    return WorkerChunk(ids, _FINISH.get(choice.get("finish_reason") or "length", "stop"),
+                       Usage(int(usage.get("prompt_tokens", len(request.prompt_token_ids))),
+                             int(details.get("cached_tokens") or 0), int(usage.get("completion_tokens", len(ids)))),
+                       endpoint.worker_id, kv_source=source)
 
 
 def new_session() -> aiohttp.ClientSession:

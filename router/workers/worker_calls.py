@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvmesh.contract.convert import PB_TO_FINISH, usage_from_pb
+from kvmesh.contract.convert import PB_TO_FINISH, kv_source_from_pb, usage_from_pb
 from kvmesh.router.core.upstream import (
     Failure,
     WorkerChunk,
@@ -44,11 +44,16 @@ class GrpcWorkerCall:
     async def __aiter__(self) -> AsyncIterator[WorkerChunk]:
         try:
             async for m in self._call:
+                if not m.finish_reason:
+                    yield WorkerChunk(list(m.token_ids), None, None, m.worker_id)
+                    continue
                 yield WorkerChunk(
                     list(m.token_ids),
-                    PB_TO_FINISH.get(m.finish_reason) if m.finish_reason else None,
+                    PB_TO_FINISH.get(m.finish_reason),
                     usage_from_pb(m.usage) if m.HasField("usage") else None,
                     m.worker_id,
+                    kv_source_from_pb(m.kv_source) if m.HasField("kv_source") else None,
+                    m.kv_transport, m.kv_blocks_pulled, m.kv_bytes_pulled, m.kv_pull_seconds,
                 )
         except grpc.aio.AioRpcError as exc:
             failure = FAILURE_OF.get(exc.code(), Failure.OTHER)

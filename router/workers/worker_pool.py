@@ -8,7 +8,7 @@ import logging
 import grpc
 
 from kvmesh.contract.block_hash import algorithm_name
-from kvmesh.contract.convert import sampling_to_pb
+from kvmesh.contract.convert import kv_source_to_pb, sampling_to_pb
 from kvmesh.contract.types import ModelSpec
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core.upstream import (
@@ -69,10 +69,13 @@ class GrpcWorkerPool:
                  timeout_s: float) -> GrpcWorkerCall | OpenAIWorkerCall:
         if is_http(endpoint.address):
             return OpenAIWorkerCall(self._channels.http(), endpoint, request, timeout_s)
-        call = self._channels.stub(endpoint.address).Generate(
-            w_pb.WorkerGenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                                       sampling=sampling_to_pb(request.sampling), cache_salt=request.cache_salt),
-            timeout=timeout_s, metadata=self._md)
+        msg = w_pb.WorkerGenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                                         sampling=sampling_to_pb(request.sampling), cache_salt=request.cache_salt)
+        if request.prefill_leg:
+            msg.kv_transfer.do_remote_decode = True
+        elif request.kv_source is not None:
+            msg.kv_transfer.source.CopyFrom(kv_source_to_pb(request.kv_source))
+        call = self._channels.stub(endpoint.address).Generate(msg, timeout=timeout_s, metadata=self._md)
         return GrpcWorkerCall(call, endpoint)
 
     async def abort(self, endpoint: WorkerEndpoint, request_id: str) -> bool:
@@ -85,6 +88,18 @@ class GrpcWorkerPool:
             log.info("abort of %s on worker %s failed: %s", request_id, endpoint.worker_id, exc.code().name)
             return False
         return r.aborted
+
+    async def release_kv(self, endpoint: WorkerEndpoint, request_id: str) -> bool:
+        """Prefill/decode disaggregation: the prefill worker frees the KV it holds for ``request_id``."""
+        if is_http(endpoint.address):
+            return False  # NOTE: vLLM frees a prefill's blocks by its own timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
+        try:
+            r = await self._channels.stub(endpoint.address).ReleaseKV(
+                w_pb.ReleaseKVRequest(request_id=request_id), timeout=self.config.rpc_timeout_s, metadata=self._md)
+        except grpc.aio.AioRpcError as exc:
+            log.info("KV release of %s on worker %s failed: %s", request_id, endpoint.worker_id, exc.code().name)
+            return False
+        return r.released
 
     # -- fed by WorkerDiscovery ------------------------------------------------------------------
     def update(self, endpoints: list[WorkerEndpoint], spec: ModelSpec | None, problem: str = "") -> None:

@@ -75,7 +75,7 @@ def test_admin_commands_against_a_real_server(kv_process):
              w["last_seq"]) for w in workers] == [("w1", "10.0.0.1:50061", 2, 1, 32, 3, 2)]
     table = [row.split() for row in admin(address, "workers").stdout.splitlines()]
     assert dict(zip(table[0], table[1], strict=True)) | {"lease_ms": ""} == {
-        "worker": "w1", "engine": "kvmesh", "address": "10.0.0.1:50061", "model": "tiny", "blocks": "2",
+        "worker": "w1", "engine": "kvmesh", "role": "both", "address": "10.0.0.1:50061", "model": "tiny", "blocks": "2",
         "capacity": "64", "host_blocks": "1", "host_capacity": "32", "running": "0", "waiting": "0", "picked": "0",
         "lease_ms": "", "live": "yes"}
 

@@ -730,3 +730,13 @@ async def test_a_hole_in_the_union_is_answered_by_the_end_of_a_run_it_holds(inde
     await index.publish("w1", 1, 1, [BlockStored(h[:2]), BlockStored([h[3], h[4], h[5], h[7]], tier=HOST)], T0)
     await index.publish("w2", 1, 1, [BlockStored([*h[:4], h[5]])], T0)  # device answer 4, a block past it
     assert await tiers(index, h) == {"w1": (2, 4), "w2": (4, 0)}
+
+
+async def test_a_workers_role_is_kept_as_registered(index):
+    """Prefill/decode disaggregation: the role a worker registers with is what ListWorkers answers."""
+    for wid, role in [("w0", "prefill"), ("w1", "decode"), ("w2", "both")]:
+        r = reg(wid)
+        await index.register_worker(Registration(r.worker_id, r.address, r.model_id, r.block_size, r.hash_algorithm,
+                                                 r.num_blocks, r.epoch, role=role), TTL, T0)
+    assert {i.registration.worker_id: i.registration.role for i in await index.workers(T0)} == {
+        "w0": "prefill", "w1": "decode", "w2": "both"}

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation's transports between workers (NIXL); no grpc."""

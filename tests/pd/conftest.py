@@ -1,0 +1,87 @@
+"""Prefill/decode disaggregation on loopback: real Redis, a kv_service, tiny-model workers with roles."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvmesh.kv_service.config import ServiceConfig
+from kvmesh.kv_service.server import KVServiceServer
+from kvmesh.kv_service.store_redis import RedisIndex
+from kvmesh.loopback import free_port
+from kvmesh.make_model import ModelSpec, make_model
+from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.serving.server import WorkerServer
+
+TINY = ModelSpec(arch="llama", layers=2, hidden_size=64, heads=4, kv_heads=2, intermediate_size=128,
+                 max_position_embeddings=512, seed=11, init_std=0.05)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("pd") / "tiny-llama", TINY)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def kv_server(redis_url, redis_namespace) -> Iterator[KVServiceServer]:
+    server = KVServiceServer(RedisIndex(redis_url, redis_namespace), "127.0.0.1", free_port(),
+                             ServiceConfig(lease_ttl_ms=1500, reap_interval_s=0.25)).start()
+    yield server
+    server.stop(0.5)
+
+
+@pytest.fixture
+def start_worker(model_dir) -> Iterator[Callable[..., WorkerServer]]:
+    """Starts a worker: ``start_worker(id, kv_address, role="prefill", kv_transport="grpc", **engine_kwargs)``."""
+    started: list[WorkerServer] = []
+
+    def start(worker_id: str, kv_address: str | None, role: str = "both", kv_transport: str = "auto",
+              kv_hold_ttl_s: float = 30.0, **engine_kwargs) -> WorkerServer:
+        kwargs = dict(num_blocks=128, max_num_batched_tokens=256, max_model_len=512) | engine_kwargs
+        engine = LLMEngine(model=str(model_dir), **kwargs)
+        server = WorkerServer(engine, worker_id, "127.0.0.1", free_port(), kv_address, role=role,
+                              kv_transport=kv_transport, kv_hold_ttl_s=kv_hold_ttl_s).start(
+                                  wait_registered=10 if kv_address else 0)
+        started.append(server)
+        return server
+
+    yield start
+    for s in started:
+        s.stop(0.5)
+
+
+@pytest.fixture
+def start_router(model_dir) -> Iterator[Callable[..., object]]:
+    """In-process routers over ``kv_address`` (discovery every 0.2 s, seeded policy); keyword arguments go to
+    RoutingConfig, ``pd`` to its PDConfig."""
+    from kvmesh.router.config import RouterConfig, RoutingConfig
+    from kvmesh.router.core.pd import PDConfig
+    from kvmesh.router.core.policies.base import PolicyConfig
+    from kvmesh.router.server import RouterServer
+    from kvmesh.stack import wait_serving
+
+    started = []
+
+    def start(kv_address: str, pd: PDConfig | None = None, **routing_kw):
+        cfg = RouterConfig(host="127.0.0.1", port=free_port(), kv_service=kv_address, model_dirs=[str(model_dir)],
+                           routing=RoutingConfig(discovery_interval_s=0.2, policy_config=PolicyConfig(seed=0),
+                                                 pd=pd or PDConfig(), **routing_kw))
+        server = RouterServer(cfg).start()
+        started.append(server)
+        wait_serving(f"127.0.0.1:{server.port}", timeout=20)
+        return server
+
+    yield start
+    for s in started:
+        s.stop(0.5)
