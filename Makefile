@@ -10,6 +10,12 @@ STAMP := $(VENV)/.kvmesh-setup
 
 setup: $(STAMP)
 
+# xds-protos (ext_proc's stubs) ships an old copy of opentelemetry/proto/ that overwrites
+# opentelemetry-proto's files when pip installs it second, and the OTLP exporter then fails to import;
+# reinstalling opentelemetry-proto (the version pip resolved) puts its own files back (docs/tracing.md).
+OTEL_PROTO_FIX = $(PIP) install -q --force-reinstall --no-deps \
+  "opentelemetry-proto==$$($(PY) -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
+
 # Idempotent: installs redis-server if missing, creates .venv, installs the CPU torch first
 # (so pip never pulls a CUDA build), then this project editable with its dev extras.
 $(STAMP): pyproject.toml
@@ -20,6 +26,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q "torch==$(TORCH_VERSION)"
 	$(PIP) install -q -e ".[dev]"
+	$(OTEL_PROTO_FIX)
 	@touch $(STAMP)
 
 # Every test but tests/vllm/, which needs vLLM's peer virtualenv: `make test-vllm` (CI runs both).

@@ -40,6 +40,7 @@ import redis
 
 from kvmesh.bench.processes import rss_kib
 from kvmesh.client import make_request
+from kvmesh.kv_service.store_redis import BH_TABLE_FIELD
 from kvmesh.loopback import free_port
 from kvmesh.make_model import ensure_default_model
 from kvmesh.stack import LocalStack, StackConfig
@@ -126,6 +127,8 @@ def index_sets(r: redis.Redis, workers: list[str]) -> tuple[dict[str, set[bytes]
     bad = 0
     seen = 0
     for h, v in r.hscan_iter(PREFIX + "bh", count=1000):
+        if h == BH_TABLE_FIELD.encode():
+            continue  # no block: it keeps the hash a hash table (kv_service/lua/common.lua)
         seen += 1
         if {ids.get(n, "?" + n) for n in v.decode().strip(",").split(",") if n} != holders.get(h, set()):
             bad += 1

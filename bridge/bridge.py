@@ -44,6 +44,7 @@ from kvmesh.contract.types import (
     Tier,
 )
 from kvmesh.kv_client.publisher import KVPublisher, registration
+from kvmesh.transport import tracing
 
 log = logging.getLogger("kvmesh.bridge")
 
@@ -253,36 +254,46 @@ class Bridge:
                 continue
             assert isinstance(item, Batch)
             self.metrics.batches.labels("replayed" if item.replayed else "live").inc()
-            try:
-                batch = decode_batch(item.payload)
-            except BadPayload as exc:
-                self.metrics.bad_payloads.labels(exc.reason).inc()
-                log.warning("dropped engine batch %d: %s", item.seq, exc)
-                continue
-            for reason in batch.bad:
-                self.metrics.bad_payloads.labels(reason).inc()
-            for name in batch.unknown:
-                self.metrics.events.labels("unknown").inc()
-                log.debug("skipped an unknown engine event type %r", name)
-            skipped = dict(m.skipped)
-            out: list[KVCacheEvent] = []
-            for ev in batch.events:
-                self.metrics.events.labels(_TYPE_NAMES[type(ev)]).inc()
-                out += m.apply(ev)
-            for reason, n in m.skipped.items():
-                if n > skipped.get(reason, 0):
-                    self.metrics.skipped.labels(reason).inc(n - skipped.get(reason, 0))
-            if any(isinstance(e, AllBlocksCleared) for e in out):
-                self.metrics.degraded.set(0)
-            for e in out:
-                if isinstance(e, BlockStored):
-                    self.metrics.forwarded.labels("stored", e.tier.name.lower()).inc(len(e.block_hashes))
-                elif isinstance(e, BlockRemoved):
-                    self.metrics.forwarded.labels("removed", e.tier.name.lower()).inc(len(e.block_hashes))
-            if publish and out and self.publisher is not None:
-                self.publisher.publish(out)
+            if tracing.ON:
+                with tracing.span("bridge.translate", None, {"kvmesh.engine_seq": item.seq}):
+                    self._translate(item, publish)
+            else:
+                self._translate(item, publish)
         for tier in Tier:
             self.metrics.mirror_blocks.labels(tier.name.lower()).set(m.held(tier))
+
+    def _translate(self, item: Batch, publish: bool) -> None:
+        """One engine batch: decoded, applied to the mirror, forwarded as kvmesh block events."""
+        m = self.mirror
+        assert m is not None
+        try:
+            batch = decode_batch(item.payload)
+        except BadPayload as exc:
+            self.metrics.bad_payloads.labels(exc.reason).inc()
+            log.warning("dropped engine batch %d: %s", item.seq, exc)
+            return
+        for reason in batch.bad:
+            self.metrics.bad_payloads.labels(reason).inc()
+        for name in batch.unknown:
+            self.metrics.events.labels("unknown").inc()
+            log.debug("skipped an unknown engine event type %r", name)
+        skipped = dict(m.skipped)
+        out: list[KVCacheEvent] = []
+        for ev in batch.events:
+            self.metrics.events.labels(_TYPE_NAMES[type(ev)]).inc()
+            out += m.apply(ev)
+        for reason, n in m.skipped.items():
+            if n > skipped.get(reason, 0):
+                self.metrics.skipped.labels(reason).inc(n - skipped.get(reason, 0))
+        if any(isinstance(e, AllBlocksCleared) for e in out):
+            self.metrics.degraded.set(0)
+        for e in out:
+            if isinstance(e, BlockStored):
+                self.metrics.forwarded.labels("stored", e.tier.name.lower()).inc(len(e.block_hashes))
+            elif isinstance(e, BlockRemoved):
+                self.metrics.forwarded.labels("removed", e.tier.name.lower()).inc(len(e.block_hashes))
+        if publish and out and self.publisher is not None:
+            self.publisher.publish(out)
 
     def _engine_down(self) -> None:
         if not self._up:

@@ -121,6 +121,9 @@ class BlockIndex(abc.ABC):
         set and another router reserved the worker after it (then nothing changes and the answer
         lists the model's live workers' pending picks).
 
+        ``release_worker_id``: this request's pick on that worker is dropped first (its previous
+        reservation, which a folded Lookup made).
+
         Raises:
             NotFound: the worker is not live, or serves another model.
         """

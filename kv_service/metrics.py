@@ -31,6 +31,7 @@ class KVMetrics:
         self.resyncs = Counter("kvmesh_kv_resyncs_total", "Event batches answered with RESYNC", registry=r)
         self.rejected = Counter("kvmesh_kv_rejected_total", "Requests refused", ["reason"], registry=r)
         self.reservations = Counter("kvmesh_kv_reservations_total",
-                                    "Routers' picks reserved (the shared router view), by outcome: reserved or "
-                                    "conflict (another router reserved the worker since the router's Lookup)",
+                                    "Routers' picks reserved (the shared router view), by outcome: reserved, "
+                                    "conflict (another router reserved the worker since the router's Lookup), "
+                                    "fold_skipped (a Lookup's folded pick the answer contradicts: not reserved)",
                                     ["outcome"], registry=r)

@@ -25,6 +25,7 @@ from kvmesh.kv_service.config import FaultConfig, KVServiceConfig, ServiceConfig
 from kvmesh.kv_service.index import BlockIndex
 from kvmesh.kv_service.metrics import KVMetrics
 from kvmesh.kv_service.service import KVService, now_ms
+from kvmesh.transport import tracing
 from kvmesh.transport.loop import LoopServer, LoopThread
 from kvmesh.transport.server import AioServer
 from kvmesh.v1 import kv_service_pb2 as pb
@@ -83,7 +84,12 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
                 else:
                     if req.snapshot_hashes or req.snapshot_host_hashes:
                         raise InvalidArgument("snapshot_hashes / snapshot_host_hashes given without snapshot=true")
-                    result = await self.svc.publish(req.worker_id, req.epoch, req.seq, events_from_pb(req.events), load)
+                    # NOTE: an event batch belongs to no request: each is a trace of its own (while on).
+                    with tracing.span("kv.apply_events", None, {"kvmesh.worker_id": req.worker_id,
+                                                                "kvmesh.seq": req.seq, "kvmesh.events": len(req.events)}
+                                      if tracing.ON else None):
+                        result = await self.svc.publish(req.worker_id, req.epoch, req.seq, events_from_pb(req.events),
+                                                        load)
                 yield pb.PublishEventsResponse(seq=req.seq, action=int(result.action), reason=result.reason)
         finally:
             self._publishers -= 1
@@ -108,12 +114,26 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         return result
 
     async def Lookup(self, request, context):
-        matches = await self._late(self._lookup_delay_s, self.svc.lookup(request.model_id, request.block_hashes))
+        reserve = reservation_from_pb(request.reserve) if request.HasField("reserve") else None
+        call = self.svc.lookup_reserve(request.model_id, request.block_hashes, reserve)
+        if tracing.ON:
+            with tracing.span("kv.lookup", tracing.extract(context.invocation_metadata()),
+                              {"kvmesh.blocks": len(request.block_hashes), "kvmesh.reserve": reserve is not None},
+                              kind="server"):
+                matches, reserved = await self._late(self._lookup_delay_s, call)
+        else:
+            matches, reserved = await self._late(self._lookup_delay_s, call)
         bs = matches[0].block_size if matches else 0
-        return self._replies.response(matches, bs, len(request.block_hashes))
+        return self._replies.response(matches, bs, len(request.block_hashes), reserved)
 
     async def Reserve(self, request, context):
-        answer = await self._late(self._reserve_delay_s, self.svc.reserve(reservation_from_pb(request)))
+        call = self._late(self._reserve_delay_s, self.svc.reserve(reservation_from_pb(request)))
+        if tracing.ON:
+            with tracing.span("kv.reserve", tracing.extract(context.invocation_metadata()),
+                              {"kvmesh.worker_id": request.worker_id}, kind="server"):
+                answer = await call
+        else:
+            answer = await call
         return reservation_answer_to_pb(answer)
 
     async def ReportAudit(self, request, context):

@@ -15,7 +15,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from kvmesh.contract.block_hash import ALGORITHMS, HASH_LEN, BlockHasher
-from kvmesh.contract.errors import InvalidArgument
+from kvmesh.contract.errors import InvalidArgument, KVMeshError
 from kvmesh.contract.index_protocol import (
     Registration,
     Reservation,
@@ -261,6 +261,24 @@ class KVService:
     # -- the shared router view -----------------------------------------------------------
     async def reserve(self, r: Reservation) -> ReservationAnswer:
         """A router's pick, visible to every Lookup until the worker's report covers it."""
+        self._check_reservation(r)
+        now = self._now()
+        if r.release_worker_id:
+            # NOTE: the prefix the released pick said its worker would hold goes with it.
+            self.prefixes.forget(r.release_worker_id, r.anchors)
+        result = await self.index.reserve(r, now)
+        self.metrics.reservations.labels("reserved" if result.reserved else "conflict").inc()
+        if result.reserved:
+            self.prefixes.add(r.worker_id, r.anchors, now)
+        elif r.anchors:
+            # NOTE: a burst's Lookups are all answered before any of its picks lands: the refusal is
+            # where a router first learns of the other routers' copies of its prefix.
+            anchored = self.prefixes.match_anchors(r.anchors, now)
+            if anchored:
+                result = dataclasses.replace(result, anchored=anchored)
+        return result
+
+    def _check_reservation(self, r: Reservation) -> None:
         _check_model_id(r.model_id)
         _check_id("worker_id", r.worker_id)
         _check_id("router_id", r.router_id)
@@ -274,35 +292,61 @@ class KVService:
             raise InvalidArgument(f"anchors has {len(r.anchors)} hashes; at most {MAX_ANCHORS} (blocks 1, 2, 4, ... "
                                   "and the last of a chain)")
         _check_hashes("anchors", r.anchors)
-        now = self._now()
-        result = await self.index.reserve(r, now)
-        self.metrics.reservations.labels("reserved" if result.reserved else "conflict").inc()
-        if result.reserved:
-            self.prefixes.add(r.worker_id, r.anchors, now)
-        elif r.anchors:
-            # NOTE: a burst's Lookups are all answered before any of its picks lands: the refusal is
-            # where a router first learns of the other routers' copies of its prefix.
-            anchored = self.prefixes.match_anchors(r.anchors, now)
-            if anchored:
-                result = dataclasses.replace(result, anchored=anchored)
-        return result
+        if r.release_worker_id:
+            _check_id("release_worker_id", r.release_worker_id)
 
     # -- lookups -------------------------------------------------------------------------
     async def lookup(self, model_id: str, hashes: Sequence[bytes]) -> list[WorkerMatch]:
+        return (await self.lookup_reserve(model_id, hashes, None))[0]
+
+    async def lookup_reserve(self, model_id: str, hashes: Sequence[bytes],
+                             reservation: Reservation | None) -> tuple[list[WorkerMatch], bool]:
+        """:meth:`lookup`, and with ``reservation`` that pick reserved in the same atomic step, after the
+        answer was read (the Reserve folded into the Lookup, docs/router.md): (the answer, reserved)."""
         _check_model_id(model_id)
         chain = _check_hashes("block_hashes", hashes, allow_empty=False)
+        if reservation is not None:
+            self._check_reservation(reservation)
+            if reservation.model_id != model_id:
+                raise InvalidArgument(f"reserve.model_id {excerpt(reservation.model_id)} is not the Lookup's model")
         t0 = time.perf_counter()
         now = self._now()
         found = await self.index.lookup(model_id, chain, now)
         held = self.prefixes.match(chain, now)
         if held:
             found = [w._replace(pending_blocks=held[w.worker_id]) if w.worker_id in held else w for w in found]
+        reserved = False
+        if reservation is not None:
+            reserved = await self._fold(reservation, found, now)
         m = self.metrics
         m.lookup_latency.observe(time.perf_counter() - t0)
         m.lookups.inc()
         m.matched_blocks.observe(max((w.matched_blocks for w in found), default=0))
         self.lookups_total += 1
-        return sorted(found, key=lambda m: (-m.matched_blocks, m.worker_id))
+        return sorted(found, key=lambda m: (-m.matched_blocks, m.worker_id)), reserved
+
+    async def _fold(self, r: Reservation, found: list[WorkerMatch], now: int) -> bool:
+        """The Lookup's folded reservation (issue 45), made after its answer was read, conditioned on that
+        answer (no other router reserved the worker since it: the version it holds), and only when the
+        answer gives the router no reason to move its guess: the guessed worker holds (or will hold, by a
+        reserved pick's anchors) the longest prefix of the chain any worker does, or none holds any. A guess
+        the answer contradicts would advertise a copy of the prefix nobody makes (its anchors) until the
+        router released it: three routers then piled a burst onto those phantoms (kvmesh simulate)."""
+        guess = next((m for m in found if m.worker_id == r.worker_id), None)
+        if guess is None:
+            return False
+        best = max(max(m.matched_blocks, m.pending_blocks) for m in found)
+        if best and max(guess.matched_blocks, guess.pending_blocks) < best:
+            self.metrics.reservations.labels("fold_skipped").inc()
+            return False
+        try:
+            answer = await self.index.reserve(dataclasses.replace(r, seen_version=guess.pending.version), now)
+        except KVMeshError:
+            return False
+        self.metrics.reservations.labels("reserved" if answer.reserved else "conflict").inc()
+        if answer.reserved:
+            self.prefixes.add(r.worker_id, r.anchors, now)
+        return answer.reserved
 
     async def lookup_tokens(self, model_id: str, token_ids: Sequence[int], cache_salt: str = "") -> tuple[int, list[WorkerMatch]]:
         """Hashes ``token_ids`` with the model's registered spec; returns (block_size, matches).

@@ -264,62 +264,74 @@ class MemoryIndex(BlockIndex):
 
     async def lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
         with self._lock:
-            live = {
-                wid: w for wid, w in self._workers.items()
-                if w.reg.model_id == model_id and w.lease_expiry_ms > now_ms
-            }
-            matched = dict.fromkeys(live, 0)
-            blocks, host, n = self._blocks, self._host, len(hashes)
+            return self._lookup(model_id, hashes, now_ms)
+
+    def _lookup(self, model_id: str, hashes: list[bytes], now_ms: int) -> list[WorkerMatch]:
+        """Under self._lock."""
+        live = {
+            wid: w for wid, w in self._workers.items()
+            if w.reg.model_id == model_id and w.lease_expiry_ms > now_ms
+        }
+        matched = dict.fromkeys(live, 0)
+        blocks, host, n = self._blocks, self._host, len(hashes)
+        if self.lookup_walk == "search":
+            first = blocks.get(hashes[0], _NOBODY) if hashes else _NOBODY
+            matched.update(search_prefixes(n, (wid for wid in first if wid in live),
+                                           lambda at: [blocks.get(hashes[i], _NOBODY) for i in at]))
+        else:
+            candidates = set(live)
+            for i, h in enumerate(hashes):
+                candidates &= blocks.get(h, _NOBODY)
+                if not candidates:
+                    break
+                for wid in candidates:
+                    matched[wid] = i + 1
+        reach: dict[str, int] = {}
+        if host and hashes:
+            # NOTE: the host tier's continuation: its blocks searched from each worker's device
+            # answer on (prefix_search.continue_prefixes); nothing to search while no worker
+            # holds a host-tier block.
+            first_host = host.get(hashes[0], _NOBODY)
             if self.lookup_walk == "search":
-                first = blocks.get(hashes[0], _NOBODY) if hashes else _NOBODY
-                matched.update(search_prefixes(n, (wid for wid in first if wid in live),
-                                               lambda at: [blocks.get(hashes[i], _NOBODY) for i in at]))
+                reach = continue_prefixes(n, {w: k for w, k in matched.items() if k},
+                                          (wid for wid in first_host if wid in live),
+                                          lambda at: [host.get(hashes[i], _NOBODY) for i in at])
             else:
-                candidates = set(live)
-                for i, h in enumerate(hashes):
-                    candidates &= blocks.get(h, _NOBODY)
-                    if not candidates:
-                        break
-                    for wid in candidates:
-                        matched[wid] = i + 1
-            reach: dict[str, int] = {}
-            if host and hashes:
-                # NOTE: the host tier's continuation: its blocks searched from each worker's device
-                # answer on (prefix_search.continue_prefixes); nothing to search while no worker
-                # holds a host-tier block.
-                first_host = host.get(hashes[0], _NOBODY)
-                if self.lookup_walk == "search":
-                    reach = continue_prefixes(n, {w: k for w, k in matched.items() if k},
-                                              (wid for wid in first_host if wid in live),
-                                              lambda at: [host.get(hashes[i], _NOBODY) for i in at])
-                else:
-                    for wid in {w for w, k in matched.items() if k} | (first_host & live.keys()):
-                        k = matched[wid]
-                        reach[wid] = k + linear_prefix(n - k, lambda i, k=k, wid=wid: wid in host.get(
-                            hashes[k + i], _NOBODY))
-            return [
-                WorkerMatch(wid, w.reg.address, matched[wid], w.load, w.reg.block_size, self._pending(w),
-                            host_blocks=reach.get(wid, 0) and reach[wid] - matched[wid])
-                for wid, w in live.items()
-            ]
+                for wid in {w for w, k in matched.items() if k} | (first_host & live.keys()):
+                    k = matched[wid]
+                    reach[wid] = k + linear_prefix(n - k, lambda i, k=k, wid=wid: wid in host.get(
+                        hashes[k + i], _NOBODY))
+        return [
+            WorkerMatch(wid, w.reg.address, matched[wid], w.load, w.reg.block_size, self._pending(w),
+                        host_blocks=reach.get(wid, 0) and reach[wid] - matched[wid])
+            for wid, w in live.items()
+        ]
 
     async def reserve(self, res: Reservation, now_ms: int) -> ReservationAnswer:
         with self._lock:
-            w = self._workers.get(res.worker_id)
-            if w is None or w.lease_expiry_ms <= now_ms or w.reg.model_id != res.model_id:
-                raise refuse(Refusal.NOT_LIVE_FOR_MODEL, res.worker_id, model_id=res.model_id)
-            self._expire_picks(w, now_ms - self.pending_config.ttl_ms)  # NOTE: expired picks conflict with nobody
-            seen = res.seen_version
-            if seen is not None and any(v > seen and router != res.router_id for _, router, v, _, _ in w.picks.values()):
-                model = w.reg.model_id
-                return ReservationAnswer(False, {wid: self._pending(o) for wid, o in sorted(self._workers.items())
-                                                 if o.reg.model_id == model and o.lease_expiry_ms > now_ms})
-            w.pick_version += 1
-            w.picks.pop(res.request_id, None)  # NOTE: re-reserved: it moves to the end (newest)
-            w.picks[res.request_id] = (now_ms, res.router_id, w.pick_version, res.prefill_tokens, res.blocks)
-            while len(w.picks) > self.pending_config.max_per_worker:
-                del w.picks[next(iter(w.picks))]
-            return ReservationAnswer(True)
+            return self._reserve(res, now_ms)
+
+    def _reserve(self, res: Reservation, now_ms: int) -> ReservationAnswer:
+        """Under self._lock."""
+        if res.release_worker_id:
+            old = self._workers.get(res.release_worker_id)
+            if old is not None:
+                old.picks.pop(res.request_id, None)
+        w = self._workers.get(res.worker_id)
+        if w is None or w.lease_expiry_ms <= now_ms or w.reg.model_id != res.model_id:
+            raise refuse(Refusal.NOT_LIVE_FOR_MODEL, res.worker_id, model_id=res.model_id)
+        self._expire_picks(w, now_ms - self.pending_config.ttl_ms)  # NOTE: expired picks conflict with nobody
+        seen = res.seen_version
+        if seen is not None and any(v > seen and router != res.router_id for _, router, v, _, _ in w.picks.values()):
+            model = w.reg.model_id
+            return ReservationAnswer(False, {wid: self._pending(o) for wid, o in sorted(self._workers.items())
+                                             if o.reg.model_id == model and o.lease_expiry_ms > now_ms})
+        w.pick_version += 1
+        w.picks.pop(res.request_id, None)  # NOTE: re-reserved: it moves to the end (newest)
+        w.picks[res.request_id] = (now_ms, res.router_id, w.pick_version, res.prefill_tokens, res.blocks)
+        while len(w.picks) > self.pending_config.max_per_worker:
+            del w.picks[next(iter(w.picks))]
+        return ReservationAnswer(True)
 
     async def holders(self, block_hash: bytes, now_ms: int, tier: Tier = Tier.DEVICE) -> list[str]:
         with self._lock:

@@ -10,7 +10,8 @@ Key layout of one shard (all under the prefix ``kvm:{<tag>}:``; ``<tag>`` is the
 one shard, :func:`shard_tags` with more):
 
     bh            HASH  block hash -> ",n1,n2," the worker numbers holding it on their device
-                        (refcount = live holders; the field is deleted at 0, so HLEN = distinct blocks)
+                        (refcount = live holders; the field is deleted at 0, so HLEN - 1 = distinct blocks:
+                        one field ``table`` keeps the hash a hash table, never a listpack, lua/common.lua)
     hh            HASH  the same for the host KV tier (absent while no worker holds a host-tier block)
     wn / nw       HASH  worker id <-> its number (new at every registration)
     wseq          INT   the last worker number given out
@@ -66,6 +67,8 @@ from kvmesh.kv_service.redis_cluster import as_str as _s
 from kvmesh.kv_service.refusals import Refusal, refuse
 
 _LUA_DIR = Path(__file__).parent / "lua"
+BH_TABLE_FIELD = "table"
+"""The one field of ``bh`` that is no block hash (lua/common.lua: it keeps the hash a hash table)."""
 
 _DEFAULTS = RedisStoreConfig()
 DEFAULT_MAX_BLOCKS_PER_CALL = _DEFAULTS.max_blocks_per_call
@@ -369,6 +372,10 @@ class RedisIndex(BlockIndex):
     # -- the shared router view ------------------------------------------------------------
     async def reserve(self, r: Reservation, now_ms: int) -> ReservationAnswer:
         cfg = self.pending_config
+        if r.release_worker_id:
+            # NOTE: the folded reservation the pick moved away from goes first (on its worker's shard).
+            await self.redis.on(self.redis.home(r.release_worker_id), "admin", "release", r.release_worker_id,
+                                r.request_id)
         res = await self.redis.call("reserve", r.worker_id, r.model_id, r.router_id, r.request_id,
                                r.prefill_tokens, r.blocks,
                                "" if r.seen_version is None else r.seen_version, now_ms,
@@ -427,7 +434,9 @@ class RedisIndex(BlockIndex):
         held on two shards is one block: with shards, the shards' block hashes are read (HSCAN, 4096 a
         call) and counted once; an admin call."""
         if self.shards == 1:
-            return int((await self.redis.round([(0, ("HLEN", self.prefix + key))]))[0] or 0)
+            n, table = await self.redis.round([(0, ("HLEN", self.prefix + key)),
+                                               (0, ("HEXISTS", self.prefix + key, BH_TABLE_FIELD))])
+            return int(n or 0) - int(table or 0)
         seen: set[bytes] = set()
         cursors: dict[int, bytes] = dict.fromkeys(range(self.shards), b"0")
         while cursors:
@@ -435,7 +444,7 @@ class RedisIndex(BlockIndex):
             pages = await self.redis.round([(k, ("HSCAN", self.prefixes[k] + key, cursors[k], "COUNT", 4096))
                                        for k in shards])
             for k, (cursor, flat) in zip(shards, pages, strict=True):
-                seen.update(flat[0::2])
+                seen.update(f for f in flat[0::2] if len(f) == HASH_LEN)  # not the table field
                 if cursor in (b"0", 0, "0"):
                     del cursors[k]
                 else:

@@ -16,6 +16,7 @@ COMMAND_MODULES: dict[str, str] = {
     "make-model": "kvmesh.commands.make_model",
     "offline": "kvmesh.commands.offline",
     "router": "kvmesh.commands.router",
+    "epp": "kvmesh.commands.epp",
     "worker": "kvmesh.commands.worker",
     "generate": "kvmesh.commands.generate",
     "up": "kvmesh.commands.up",

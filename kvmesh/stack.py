@@ -69,6 +69,8 @@ class StackConfig:
     worker_start_timeout: float = 900.0
     """Seconds to wait for each worker to report SERVING: loading, compiling and capturing CUDA graphs
     (a worker warms up before it serves)."""
+    otlp_endpoint: str | None = None
+    """Every part exports OpenTelemetry traces to this OTLP/gRPC collector (docs/tracing.md); None = off."""
     worker_nice: int = 0
     """Start the workers this much nicer (``nice -n``). For simulated stacks on one small host: in
     a real mesh every worker has its own machine, so Redis, kv_service and router should not queue
@@ -165,6 +167,9 @@ class LocalStack:
         self.procs.append((name, proc))
         return proc
 
+    def _tracing(self) -> list[str]:
+        return ["--otlp-endpoint", self.cfg.otlp_endpoint] if self.cfg.otlp_endpoint else []
+
     def _metrics(self, offset: int) -> list[str]:
         port = self.cfg.metrics_port + offset if self.cfg.metrics_port else 0
         return ["--metrics-port", str(port)]
@@ -181,7 +186,8 @@ class LocalStack:
                 kv_args = ["--redis-url", url]
             kv_addr = f"{c.host}:{c.kv_service_port}"
             kv = self._spawn("kv_service", kvmesh_cmd("kv-service", "--host", c.host, "--port", str(c.kv_service_port),
-                                                      *kv_args, *self._metrics(0), *c.kv_service_args))
+                                                      *kv_args, *self._metrics(0), *self._tracing(),
+                                                      *c.kv_service_args))
             wait_serving(kv_addr, kv, 30)
             self.endpoints["kv_service"] = kv_addr
             models = [c.model, *c.extra_models]
@@ -198,6 +204,7 @@ class LocalStack:
                     "worker", "--model", models[i // c.workers], "--host", c.host, "--port", str(port),
                     "--kv-service", kv_addr, "--worker-id", f"worker-{i}", "--advertise-address", addr,
                     "--torch-threads", threads, *self._metrics(2 + i), *(["--simulate"] if c.simulate else []), *role,
+                    *self._tracing(),
                     *c.worker_args))
                 workers.append((addr, proc))
             for i, (addr, proc) in enumerate(workers):
@@ -213,7 +220,7 @@ class LocalStack:
                 proc = self._spawn(name, kvmesh_cmd(
                     "router", "--host", c.host, "--port", str(port), "--kv-service", kv_addr,
                     *(["--model", ",".join(models)] if c.router_tokenizer else []),
-                    *http, *metrics, *c.router_args))
+                    *http, *metrics, *self._tracing(), *c.router_args))
                 addrs.append((name, f"{c.host}:{port}", proc))
             for i, (name, addr, proc) in enumerate(addrs):
                 wait_serving(addr, proc, 60)
@@ -238,7 +245,8 @@ class LocalStack:
                        if c.metrics_port else "0"]
             self._spawn(f"bridge-{i}", kvmesh_cmd(
                 "bridge", "--url", url, "--events", events, *(["--replay", replay[0]] if replay else []),
-                "--kv-service", kv_addr, "--model-id", model_id_for(model), *metrics, *c.bridge_args))
+                "--kv-service", kv_addr, "--model-id", model_id_for(model), *metrics, *self._tracing(),
+                *c.bridge_args))
         if c.vllm:
             _wait_workers(kv_addr, len(c.vllm), lambda: self.failed())
             for i, spec in enumerate(c.vllm):

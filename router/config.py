@@ -33,6 +33,10 @@ class RoutingConfig:
     """Routers share their picks through the kv_service: each pick is reserved before forwarding and every
     router's next Lookup sees it until the worker's report covers it (kv-aware only; docs/router.md, "Several
     routers")."""
+    fold_reserve: bool = False
+    """The Lookup carries the pick this router would make from its own view, reserved in the same call: when the
+    answer confirms that pick, no Reserve round trip follows. Off by default: in the simulator it makes bursts of
+    one prefix pile onto its first holder (docs/router.md, "The hop in bare hops")."""
     reservation_attempts: int = flag(10, old_names=("claim-attempts",))
     """Reservations per request at most: a refused one (another router reserved the worker since this router's
     Lookup) is picked again; the last is unconditional."""
@@ -161,3 +165,45 @@ class RouterConfig:
                              f"{self.audit_miss_rate}")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+
+
+EPP_BODY_MODES = ("full-duplex", "buffered")
+
+
+@dataclass(slots=True)
+class EppConfig:
+    """The endpoint picker's own flags (`kvmesh epp`, docs/epp.md); the routing ones are RouterConfig's."""
+
+    port: int = 9002
+    """The ext_proc gRPC port the gateway calls (the InferencePool's endpointPickerRef port; grpc health on the
+    same port); 0 picks a free one (tests)."""
+    fallbacks: int = 2
+    """Endpoints listed after the pick, in the order a retry would try them (the policy's next picks); the
+    gateway goes down the list when one fails."""
+    target_port: int | None = None
+    """The port the gateway sends requests to on a picked pod (the InferencePool's target port): replaces the port
+    of each worker's registered address; none = the address's own (a vLLM or SGLang server's behind its bridge)."""
+    destination_header: str = "x-gateway-destination-endpoint"
+    """The request header (and dynamic metadata key) that names the picked endpoints."""
+    metadata_namespace: str = "envoy.lb"
+    """The dynamic metadata namespace of the pick (and of the served endpoint on the response path)."""
+    subset_namespace: str = "envoy.lb.subset_hint"
+    """The filter metadata namespace of the gateway's subset hint (x-gateway-destination-endpoint-subset)."""
+    request_body_mode: str = "full-duplex"
+    """How the gateway sends bodies when its messages do not say (ext_proc's protocol_config): full-duplex
+    (FULL_DUPLEX_STREAMED, the protocol's) answers the headers with the pick once the body is read; buffered
+    (BUFFERED) lets the headers through and puts the pick in the body's answer."""
+
+    def check(self) -> None:
+        """Raises ValueError with the flag to fix."""
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535] (0 = a free port), got {self.port}")
+        if self.fallbacks < 0:
+            raise ValueError(f"--fallbacks must be >= 0, got {self.fallbacks}")
+        if self.target_port is not None and not 0 < self.target_port < 65536:
+            raise ValueError(f"--target-port must be in [1, 65535], got {self.target_port}")
+        if self.request_body_mode not in EPP_BODY_MODES:
+            raise ValueError(f"--request-body-mode must be one of {', '.join(EPP_BODY_MODES)}, "
+                             f"got {self.request_body_mode!r}")
+        if not self.destination_header or not self.metadata_namespace:
+            raise ValueError("--destination-header and --metadata-namespace must not be empty")

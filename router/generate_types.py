@@ -39,6 +39,9 @@ class GenerateInput:
     stop: Sequence[str] = ()
     """Stop strings (router/text/stop_strings.py); they need the model's tokenizer."""
     include_stop_str_in_output: bool = False
+    trace_parent: Any = None
+    """The caller's trace context (kvmesh/transport/tracing.py ``extract``: a client's or a gateway's
+    ``traceparent``); None = a trace of its own while tracing is on."""
 
 
 @dataclass(slots=True, frozen=True)

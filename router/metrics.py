@@ -31,8 +31,8 @@ class RouterMetrics:
         self.retries = Counter("kvmesh_router_retries_total", "Retries on another worker before the first token",
                                ["failure"], registry=r)
         self.reservations = Counter("kvmesh_router_reservations_total",
-                              "Picks reserved in the kv_service (the shared router view), by outcome: reserved, "
-                              "conflict (another router reserved the worker first: picked again), failed (the "
+                              "Picks reserved in the kv_service (the shared router view), by outcome: folded (the "
+                              "Lookup's own reservation was the pick: no Reserve), reserved, conflict (another router reserved the worker first: picked again), failed (the "
                               "kv_service did not answer: forwarded unreserved)", ["outcome"], registry=r)
         # prefill/decode disaggregation (docs/router.md): the decision, its inputs, and the legs
         self.pd_decisions = Counter("kvmesh_router_pd_decisions_total", "Prefill/decode decisions of requests to a "

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 from tokenizers import Tokenizer
@@ -72,6 +72,7 @@ from kvmesh.router.text.prompt import (
     check_prompt_ids,
 )
 from kvmesh.router.text.stop_strings import StopStrings, check_stop_strings
+from kvmesh.transport import tracing
 
 log = logging.getLogger("kvmesh.router")
 
@@ -116,7 +117,8 @@ class ModelRouter:
         self.core = RoutingCore(policy, speculative_ttl_s=routing.speculative_ttl_s,
                                 index_retry_s=routing.index_retry_s, observer=self.metrics,
                                 shared_view=routing.shared_view and index is not None,
-                                router_id=f"router-{uuid.uuid4().hex[:12]}", reservation_attempts=routing.reservation_attempts)
+                                router_id=f"router-{uuid.uuid4().hex[:12]}", reservation_attempts=routing.reservation_attempts,
+                                fold_reserve=routing.fold_reserve)
         if speculative is not None:
             self.core.speculative = speculative
         self.audit = MissAudit(config.audit_window, config.audit_miss_rate)
@@ -185,7 +187,9 @@ class ModelRouter:
             # numpy and the worker request copies it in C; a list() of 4,096 ids cost ~0.25 ms.
             return inp.token_ids
         if inp.chat is not None:
-            return await self._encode(await self._render(inp.chat), limits, add_special_tokens=False)
+            with tracing.span("router.render"):
+                text = await self._render(inp.chat)
+            return await self._encode(text, limits, add_special_tokens=False)
         if inp.text is None:
             raise InvalidArgument("the request sets no input: set text, token_ids or chat")
         if not inp.text:
@@ -233,21 +237,34 @@ class ModelRouter:
             self._refused("tokens")
             raise
 
-    async def plan(self, token_ids: Sequence[int], cache_salt: str = "", max_tokens: int = 0) -> RoutePlan:
+    async def plan(self, token_ids: Sequence[int], cache_salt: str = "", max_tokens: int = 0,
+                   request_id: str = "") -> RoutePlan:
         """Hashes the prompt, asks the index at most once and builds the candidates: router/core/routing.py's
-        ``prepare`` / ``complete`` around the awaited Lookup."""
+        ``prepare`` / ``complete`` around the awaited Lookup. With ``request_id`` (and the shared view) the
+        Lookup carries the pick this router would make from its own view, reserved in the same call
+        (``RoutingCore.tentative``: the Reserve folded into the Lookup)."""
         core, spec = self.core, self.pool.model_spec()
-        pending = core.prepare(spec, token_ids, self.index is not None, cache_salt=cache_salt, max_tokens=max_tokens)
+        with tracing.span("router.hash"):
+            pending = core.prepare(spec, token_ids, self.index is not None, cache_salt=cache_salt,
+                                   max_tokens=max_tokens)
         outcome: list[WorkerMatch] | IndexUnavailable | None = None
+        folded = core.tentative(pending, self.pool.endpoints(), request_id, healthy=self.pool.healthy) \
+            if request_id else None
+        reserved = False
         t0 = time.perf_counter()
         if pending.lookup is not None:
             assert self.index is not None
             try:
-                outcome = await self.index.lookup(spec.model_id, pending.lookup)
+                with tracing.span("router.lookup", kind="client"):
+                    if folded is not None:
+                        outcome, reserved = await self.index.lookup_reserve(spec.model_id, pending.lookup, folded)
+                    else:
+                        outcome = await self.index.lookup(spec.model_id, pending.lookup)
             except IndexUnavailable as exc:
                 outcome = exc
         return core.complete(pending, self.pool.endpoints(), outcome, time.perf_counter() - t0,
-                           adopt=self.pool.discovers_from_index, healthy=self.pool.healthy)
+                             adopt=self.pool.discovers_from_index, healthy=self.pool.healthy, folded=folded,
+                             folded_reserved=reserved)
 
     async def reserve(self, plan: RoutePlan, decision: Decision, request_id: str) -> Decision:
         """Reserves the pick in the kv_service (the shared router view), picking again while another
@@ -255,6 +272,8 @@ class ModelRouter:
         pick as it is (the request is not held up for the view). router/core/reservation_loop.py's
         ``ReservationLoop`` is the loop; this awaits its reservations."""
         loop = ReservationLoop(self.core, plan, decision, request_id)
+        if loop.folded:
+            self.metrics.reservations.labels("folded").inc()
         while (reservation := loop.next()) is not None:
             assert self.index is not None
             try:
@@ -267,10 +286,13 @@ class ModelRouter:
             self.metrics.reservations.labels("reserved" if loop.answered(answer) else "conflict").inc()
         return loop.decision
 
-    async def decide(self, inp: GenerateInput, request_id: str = "") -> tuple[RoutePlan, Decision]:
+    async def decide(self, inp: GenerateInput, request_id: str = "",
+                     only: Callable[[str, str], bool] | None = None) -> tuple[RoutePlan, Decision]:
         """Tokenize + hash + lookup + pick (+ its reservation in the shared view), and the speculative
         record: all the server does before forwarding (benchmarks/router_overhead.py times exactly
-        this). ``request_id``: the id the worker will see (the reservation names it)."""
+        this). ``request_id``: the id the worker will see (the reservation names it); ``only(worker id,
+        address)``: the workers the pick may choose (a gateway's subset hint; Unavailable when none is
+        left). Each stage is a span of the request's trace while tracing is on (docs/tracing.md)."""
         t0 = time.perf_counter()
         if inp.stop:
             try:
@@ -283,9 +305,15 @@ class ModelRouter:
         if inp.chat is not None:
             check_message_count(len(inp.chat.messages), self.config.max_messages)
         check_input(inp.request_id, inp.cache_salt)
-        token_ids = await self.tokenize(inp)
+        with tracing.span("router.tokenize"):
+            token_ids = await self.tokenize(inp)
         self._check_limits(inp.sampling.max_tokens)
-        plan = await self.plan(token_ids, inp.cache_salt, inp.sampling.max_tokens or DEFAULT_MAX_TOKENS)
+        request_id = request_id or self.request_id_for(inp)
+        plan = await self.plan(token_ids, inp.cache_salt, inp.sampling.max_tokens or DEFAULT_MAX_TOKENS, request_id)
+        if only is not None and plan.candidates:
+            plan.candidates = [c for c in plan.candidates if only(c.worker_id, c.address)]
+            if not plan.candidates:
+                raise Unavailable("no ready worker is in the gateway's subset of endpoints")
         if not plan.candidates:
             raise Unavailable(self._no_worker_message())
         roles = {w: e.role for w, e in plan.endpoints.items()}
@@ -297,9 +325,11 @@ class ModelRouter:
             if not plan.candidates:
                 raise Unavailable(f"no decode worker is available for model {self.pool.model_spec().model_id!r} "
                                   "(only prefill workers are live)")
-        decision = self.core.pick(plan, count=False)
+        with tracing.span("router.pick"):
+            decision = self.core.pick(plan, count=False)
         if plan.versions is not None:
-            decision = await self.reserve(plan, decision, request_id or self.request_id_for(inp))
+            with tracing.span("router.reserve"):
+                decision = await self.reserve(plan, decision, request_id)
         self.core.commit(plan, decision)
         if pd_fleet:
             plan.pd = self._decide_pd(plan, decision)
@@ -408,6 +438,9 @@ class ModelRouter:
         """
         rid = request_id or self.request_id_for(inp)
         route: dict[str, object] = {}
+        # NOTE: the request's span is current only around awaits that do not yield (the decision in
+        # _generate): an async generator's context may be closed from another task.
+        route["span"] = tracing.start("router.request", inp.trace_parent, {"kvmesh.request_id": rid}, kind="server")
         try:
             async for out in self._generate(inp, rid, route):
                 if out.finish_reason is not None:
@@ -425,9 +458,13 @@ class ModelRouter:
         except asyncio.CancelledError:
             log.info("request %s: cancelled (the client went away or its deadline passed)", rid)
             raise
+        finally:
+            if route["span"] is not None:
+                route["span"].end()
 
     async def _generate(self, inp: GenerateInput, rid: str, route: dict[str, object]) -> AsyncIterator[GenerateOutput]:
-        plan, decision = await self.decide(inp, rid)
+        with tracing.current(route["span"]):
+            plan, decision = await self.decide(inp, rid)
         budget = self.config.routing.request_timeout_s if inp.timeout_s is None else min(inp.timeout_s,
                                                                                  self.config.routing.request_timeout_s)
         deadline = time.monotonic() + budget
@@ -480,6 +517,12 @@ class ModelRouter:
                       route: dict[str, object] | None = None) -> AsyncIterator[GenerateOutput]:
         """One attempt. Raises WorkerError only before the first chunk has been yielded."""
         ticket = self.core.start(plan, endpoint.worker_id)
+        forward = None
+        if tracing.ON:
+            forward = tracing.start("router.forward", tracing.context_of((route or {}).get("span")),
+                                    {"kvmesh.worker_id": endpoint.worker_id}, kind="client")
+            with tracing.current(forward):
+                request = replace(request, traceparent=tracing.current_traceparent() or "")
         detok = IncrementalDetokenizer(self._decode) if self.tokenizer is not None else None
         stops = StopStrings(inp.stop, inp.include_stop_str_in_output) if inp.stop and detok is not None else None
         completion = 0
@@ -503,6 +546,8 @@ class ModelRouter:
                 raise WorkerError(Failure.OTHER, "the stream ended without a finish reason") from None
             started = True
             self.core.prefilled(ticket)
+            if forward is not None:
+                forward.add_event("first_token")
             while True:
                 if stops is None:
                     ids = chunk.token_ids
@@ -557,6 +602,21 @@ class ModelRouter:
             self.core.finish(ticket, completion)
             if call is not None:
                 call.cancel()  # a no-op once the call has ended; frees it when the client left
+            if forward is not None:
+                forward.set_attribute("kvmesh.completion_tokens", completion)
+                forward.end()
+
+    # -- a request another front forwards (kvmesh epp) ----------------------------------------
+    def fallbacks(self, plan: RoutePlan, decision: Decision, n: int) -> list[str]:
+        """The workers a retry would try after ``decision``, in order, at most ``n``: the policy's next
+        picks among the candidates left, leaving the policy's state as it was (RouterPolicy.fallbacks)."""
+        left = [c for c in plan.candidates if c.worker_id != decision.worker_id]
+        return self.core.policy.fallbacks(plan.query, left, n) if left and n else []
+
+    def hand_off(self, plan: RoutePlan, decision: Decision, request_id: str) -> Handoff:
+        """The pick goes to a front that forwards it itself (the gateway behind ``kvmesh epp``): its
+        in-flight share is held until :class:`Handoff` hears how it ended, as ``_stream`` holds it."""
+        return Handoff(self, plan, decision, request_id)
 
     def _decode_leg_done(self, endpoint: WorkerEndpoint, request: WorkerRequest, chunk: WorkerChunk,
                          route: dict[str, object]) -> WorkerChunk:
@@ -603,3 +663,42 @@ class ModelRouter:
     def _decode(self, ids: Sequence[int]) -> str:
         assert self.tokenizer is not None
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class Handoff:
+    """A request this router picked a worker for and another front forwards (docs/epp.md): the same
+    in-flight accounting, policy hooks and miss audit as a request the router forwards itself, fed by
+    what that front learns from the response path. Every method is idempotent past the end."""
+
+    __slots__ = ("router", "plan", "worker_id", "request_id", "ticket", "_ended")
+
+    def __init__(self, router: ModelRouter, plan: RoutePlan, decision: Decision, request_id: str) -> None:
+        self.router = router
+        self.plan = plan
+        self.worker_id = decision.worker_id
+        self.request_id = request_id
+        self.ticket = router.core.start(plan, decision.worker_id)
+        self._ended = False
+
+    def served_by(self, worker_id: str) -> None:
+        """The worker that served was another than the pick (the gateway went down the fallbacks)."""
+        if not self._ended and worker_id != self.worker_id and worker_id in self.plan.endpoints:
+            self.worker_id = worker_id
+            self.ticket = self.router.core.start(self.plan, worker_id)
+
+    def first_token(self) -> None:
+        if not self._ended:
+            self.router.core.prefilled(self.ticket)
+
+    def finished(self, usage: Usage | None = None, outcome: str = "ok") -> None:
+        """It ended: ``usage`` from the response (None: not seen, not audited), ``outcome`` for the log."""
+        if self._ended:
+            return
+        self._ended = True
+        completion = usage.completion_tokens if usage is not None else 0
+        self.router.core.finish(self.ticket, completion)
+        if usage is not None:
+            self.router._audit(self.plan, self.worker_id, usage)
+        u = usage or Usage()
+        log.info("request %s: %s on %s (handed off): prompt %d cached %d completion %d tokens", self.request_id,
+                 outcome, self.worker_id, u.prompt_tokens, u.cached_tokens, u.completion_tokens)

@@ -74,6 +74,12 @@ class RouterServer(LoopServer):
         self.discovery = WorkerDiscovery(config, self.kv, channels, self.models.pool_for, self.models.pools,
                                          on_change=self._on_workers)
         self.frontend = Frontend(self.models, config.max_streams, self.metrics)
+        self._fronts()
+
+    def _fronts(self) -> None:
+        """The doors requests come in by: the Router gRPC service and, with ``http_port``, the OpenAI HTTP API
+        (router/epp.py's EppServer has the ext_proc one instead)."""
+        config = self.config
         self.grpc = AioServer(config.host, config.port, token_name="api token", max_receive_bytes=config.max_body_bytes)
         pb_grpc.add_RouterServicer_to_server(RouterServicer(self.frontend, config), self.grpc.server)
         self.grpc.add_service(pb.DESCRIPTOR.services_by_name["Router"].full_name)

@@ -9,6 +9,8 @@
 --   spec model            -> {bs, algo, the latest lease of its workers here (0: none)} | {}
 --   livespec model now wid -> {bs, algo} if a worker of the model other than wid is live here | {}
 --   unregister wid epoch  -> 1 if the worker was registered with that epoch and is now removed, else 0
+--   release wid rid       -> drops the request's pending pick of the worker (a folded reservation the
+--                            router's pick moved away from): 1 if it was there, else 0
 local op = ARGV[2]
 if op == 'holders' then
   local now = tonumber(ARGV[4])
@@ -73,5 +75,11 @@ elseif op == 'unregister' then
     return 1
   end
   return 0
+elseif op == 'release' then
+  local model = redis.call('HGET', pre .. 'w:' .. ARGV[3], 'model')
+  if not model or redis.call('HEXISTS', pre .. 'pk:' .. ARGV[3], ARGV[4]) == 0 then return 0 end
+  local rid = ARGV[4]
+  settle_picks(ARGV[3], model, function(_, r) return r == rid end)
+  return 1
 end
 return redis.error_reply('unknown admin op ' .. tostring(op))

@@ -6,6 +6,13 @@ local pre = ARGV[1]
 local BH = pre .. 'bh'
 -- The host KV tier's holders, as BH holds the device's (a worker holding a block in both tiers is in both).
 local HH = pre .. 'hh'
+-- NOTE: one field of BH that is no block hash (its name is not HL bytes long), whose value is longer than
+-- Redis's hash-max-listpack-value (64), keeps BH a hash table from the first registration on. A small
+-- index (a fresh one: fewer than hash-max-listpack-entries blocks) is otherwise a listpack, which every
+-- probe scans field by field: a Lookup's ~8 HMGETs over 250 blocks cost 9 us instead of 1 (issue 45).
+-- Redis never turns a hash table back into a listpack. store_redis.py does not count it as a block.
+local BH_TABLE_FIELD = 'table'
+local BH_TABLE_VALUE = 'keeps this hash a hash table: its fields are block hashes -> ",n1,n2," (docs/kv-service.md)'
 
 -- NOTE: the holders of every block live in ONE hash, field = block hash, value = ",n1,n2,"
 -- (the holders' worker numbers). A batch of blocks is then one HMGET + one HSET/HDEL instead

@@ -23,6 +23,7 @@ end
 local num = redis.call('INCR', pre .. 'wseq')
 redis.call('HSET', pre .. 'wn', wid, num)
 redis.call('HSET', pre .. 'nw', num, wid)
+redis.call('HSETNX', BH, BH_TABLE_FIELD, BH_TABLE_VALUE)
 local lease = now + ttl
 redis.call('HSET', mkey, 'bs', bs, 'algo', algo)
 redis.call('SADD', pre .. 'models', model)

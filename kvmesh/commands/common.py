@@ -34,6 +34,7 @@ def add_service_args(p: argparse.ArgumentParser, *, metrics_port: int, serves: s
     if grace:
         p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM (default 5)")
     add_security_args(p, serves=serves, calls=calls)
+    add_tracing_args(p)
     add_log_level(p)
 
 
@@ -57,6 +58,8 @@ def serve(args: argparse.Namespace, log: logging.Logger, start: Callable[[], S],
     setup_logging(args.log_level)
     try:
         apply_security(args)
+        # NOTE: the service's name in its spans is its logger's: kvmesh.kv_service -> kvmesh-kv-service.
+        apply_tracing(args, log.name.replace(".", "-").replace("_", "-"), getattr(args, "worker_id", None) or "")
         service = start()
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
@@ -94,6 +97,9 @@ def serve(args: argparse.Namespace, log: logging.Logger, start: Callable[[], S],
             service.stop()
         else:
             service.stop(grace)
+        from kvmesh.transport import tracing
+
+        tracing.shutdown()  # the spans still buffered go out before the process ends
     return status
 
 
@@ -189,3 +195,18 @@ def apply_security(args: argparse.Namespace) -> None:
     client_tls = security.TLSFiles(getattr(args, "tls_client_cert", None), getattr(args, "tls_client_key", None),
                                    getattr(args, "tls_ca", None))
     security.configure(security.Security(server_tls, client_tls, token(serves), token(calls)))
+
+
+def add_tracing_args(p: argparse.ArgumentParser) -> None:
+    """``--otlp-endpoint`` (docs/tracing.md): traces off unless given."""
+    p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
+                   help="export OpenTelemetry traces over OTLP/gRPC to this collector (e.g. 127.0.0.1:4317); "
+                        "default: off (docs/tracing.md)")
+
+
+def apply_tracing(args: argparse.Namespace, service: str, instance: str = "") -> None:
+    """Turns tracing on for this process when ``--otlp-endpoint`` was given."""
+    if getattr(args, "otlp_endpoint", None):
+        from kvmesh.transport import tracing
+
+        tracing.configure(args.otlp_endpoint, service, instance=instance)

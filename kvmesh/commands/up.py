@@ -50,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--worker-start-timeout", type=float, default=900.0, metavar="S",
                    help="seconds to wait for each worker to report SERVING; a worker loads its model and warms "
                         "up (compiles, CUDA graphs) before it serves (default 900)")
+    p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
+                   help="every part exports OpenTelemetry traces to this OTLP/gRPC collector (docs/tracing.md); "
+                        "default: off")
     p.add_argument("--log-dir", default=None, help="where the children's logs go (default: a new temp dir)")
     p.set_defaults(func=run)
 
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
                       kv_service_port=args.kv_service_port, worker_port=args.worker_port,
                       metrics_port=args.metrics_port, redis_url=args.redis_url, store=args.store,
                       worker_args=args.worker_arg, router_args=args.router_arg, log_dir=args.log_dir,
-                      simulate=args.simulate, vllm=args.vllm, worker_start_timeout=args.worker_start_timeout)
+                      simulate=args.simulate, vllm=args.vllm, worker_start_timeout=args.worker_start_timeout,
+                      otlp_endpoint=args.otlp_endpoint)
     try:
         cfg.check()
     except ValueError as exc:

@@ -234,24 +234,29 @@ class LookupReplies:
             entry += b"\x40" + varint(m.host_blocks)  # field 8 (host_blocks, varint)
         return entry
 
-    def response(self, matches: list[WorkerMatch], block_size: int, n: int) -> kv_pb.LookupResponse:
+    def response(self, matches: list[WorkerMatch], block_size: int, n: int,
+                 reserved: bool = False) -> kv_pb.LookupResponse:
         parts = []
         for m in matches:
             entry = self._entry(m)
             parts += (b"\x0a", varint(len(entry)), entry)  # field 1 (workers), length-delimited
         parts += (b"\x10", varint(block_size), b"\x18", varint(n))  # fields 2 and 3, varints
+        if reserved:
+            parts.append(b"\x20\x01")  # field 4 (reserved, a bool): the Lookup's folded reservation was made
         return kv_pb.LookupResponse.FromString(b"".join(parts))
 
 
 def reservation_to_pb(r: Reservation) -> kv_pb.ReserveRequest:
     return kv_pb.ReserveRequest(model_id=r.model_id, worker_id=r.worker_id, router_id=r.router_id,
                                 request_id=r.request_id, prefill_tokens=r.prefill_tokens, blocks=r.blocks,
-                                seen_version=r.seen_version, anchors=r.anchors)
+                                seen_version=r.seen_version, anchors=r.anchors,
+                                release_worker_id=r.release_worker_id)
 
 
 def reservation_from_pb(m: kv_pb.ReserveRequest) -> Reservation:
     return Reservation(m.model_id, m.worker_id, m.router_id, m.request_id, m.prefill_tokens, m.blocks,
-                       m.seen_version if m.HasField("seen_version") else None, tuple(m.anchors))
+                       m.seen_version if m.HasField("seen_version") else None, tuple(m.anchors),
+                       m.release_worker_id)
 
 
 def reservation_answer_to_pb(a: ReservationAnswer) -> kv_pb.ReserveResponse:

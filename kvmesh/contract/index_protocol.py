@@ -141,6 +141,9 @@ class Reservation:
     anchors: tuple[bytes, ...] = ()
     """Hashes of the prompt's blocks 1, 2, 4, 8, ... and its last: the prefixes the worker will hold
     (kv_service/pending_prefixes.py); every router's next Lookup sees them."""
+    release_worker_id: str = ""
+    """A worker this request was reserved on before (a Lookup's folded reservation the pick moved away
+    from): its pick there is dropped first. "" = none."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -28,6 +28,7 @@ from kvmesh.contract.index_protocol import (
     WorkerInfo,
     WorkerMatch,
 )
+from kvmesh.transport import tracing
 from kvmesh.transport.channels import dial_aio
 from kvmesh.transport.security import call_metadata
 from kvmesh.v1 import kv_service_pb2 as kv_pb
@@ -71,20 +72,29 @@ class KVServiceClient:
         return found
 
     async def lookup(self, model_id: str, block_hashes: Sequence[bytes]) -> list[WorkerMatch]:
+        return (await self._lookup(kv_pb.LookupRequest(model_id=model_id, block_hashes=block_hashes)))[0]
+
+    async def lookup_reserve(self, model_id: str, block_hashes: Sequence[bytes],
+                             reservation: Reservation) -> tuple[list[WorkerMatch], bool]:
+        """The Lookup with the Reserve folded in (one round trip): (the answer, reserved)."""
+        return await self._lookup(kv_pb.LookupRequest(model_id=model_id, block_hashes=block_hashes,
+                                                      reserve=reservation_to_pb(reservation)))
+
+    async def _lookup(self, request: kv_pb.LookupRequest) -> tuple[list[WorkerMatch], bool]:
         try:
-            answer = await self._stub.Lookup(kv_pb.LookupRequest(model_id=model_id, block_hashes=block_hashes),
-                                             timeout=self.lookup_timeout_s, metadata=self._md)
+            answer = await self._stub.Lookup(request, timeout=self.lookup_timeout_s,
+                                             metadata=tracing.grpc_metadata(self._md))
         except grpc.aio.AioRpcError as exc:
             # NOTE: INVALID_ARGUMENT is about this Lookup, not the index being down: the breaker
             # must not open for every client because of one request (router/core/routing.py).
             cause = "lookup_invalid" if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else "lookup_failed"
             raise IndexUnavailable(f"kv_service at {self.target}: {exc.code().name}: {exc.details()}", cause) from None
-        return [self._match(m) for m in answer.workers]
+        return [self._match(m) for m in answer.workers], answer.reserved
 
     async def reserve(self, reservation: Reservation) -> ReservationAnswer:
         try:
             answer = await self._stub.Reserve(reservation_to_pb(reservation), timeout=self.lookup_timeout_s,
-                                              metadata=self._md)
+                                              metadata=tracing.grpc_metadata(self._md))
         except grpc.aio.AioRpcError as exc:
             raise IndexUnavailable(f"kv_service at {self.target}: Reserve: {exc.code().name}: {exc.details()}",
                                    "reserve_failed") from None

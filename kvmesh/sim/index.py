@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.contract.errors import KVMeshError
-from kvmesh.contract.index_protocol import IndexUnavailable, WorkerMatch
+from kvmesh.contract.index_protocol import IndexUnavailable, Reservation, WorkerMatch
 from kvmesh.kv_service.service import KVService, run_now
 from kvmesh.kv_service.stores import make_store
 from kvmesh.router.core.upstream import WorkerEndpoint
@@ -101,6 +101,22 @@ class SimIndex:
         self._catch_up(replica)
         self._replayed_at = int(self.q.now * 1000)  # NOTE: the Lookup itself runs on the replica's clock: now
         return run_now(replica.lookup(model_id, chain))
+
+    def lookup_reserve(self, model_id: str, chain: Sequence[bytes],
+                       reservation: Reservation) -> tuple[list[WorkerMatch], bool]:
+        """The Lookup with the router's folded reservation: one round trip; the reservation is a write on
+        the primary (replayed on the replica like a Reserve's)."""
+        if self.replica is None:
+            self.traffic.lookups += 1
+            self.traffic.lookup_chain_blocks += len(chain)
+            if self.cfg.lookup_latency_s * 1000 > self.cfg.routing.lookup_timeout_ms:
+                raise IndexUnavailable("Lookup past its deadline (simulated)")
+            return run_now(self.svc.lookup_reserve(model_id, chain, reservation))
+        found = self.lookup(model_id, chain)
+        try:
+            return found, self.write("reserve", reservation).reserved
+        except KVMeshError:
+            return found, False
 
     def endpoints(self) -> list[WorkerEndpoint]:
         """ListWorkers: the live workers of the model, with their last reported load."""

@@ -55,7 +55,7 @@ class SimRouter:
         self.core = RoutingCore(make_policy(r.policy, pc), speculative_ttl_s=r.speculative_ttl_s,
                                 index_retry_s=r.index_retry_s, clock=lambda: mesh.q.now, observer=self.observer,
                                 shared_view=r.shared_view, router_id=f"router-{index}",
-                                reservation_attempts=r.reservation_attempts)
+                                reservation_attempts=r.reservation_attempts, fold_reserve=r.fold_reserve)
         self.workers = WorkerSet(r.unhealthy_s, clock=lambda: mesh.q.now)
         self.spec = mesh.spec
         self.conflicts = 0
@@ -69,8 +69,9 @@ class SimRouter:
         mesh = self.mesh
         mesh.index.traffic.routed_requests += 1
         chain = mesh.chains[rec.index]
+        rid = f"r{rec.index}.{rec.attempts + 1}"
         plan = self.core.plan(self.spec, _Length(rec.prompt_len), self.workers.endpoints, mesh.index, chain=chain,
-                              healthy=self.workers.healthy, max_tokens=rec.output_len)
+                              healthy=self.workers.healthy, max_tokens=rec.output_len, request_id=rid)
         if not plan.candidates:
             rec.failed = "no worker"
             mesh.request_done(rec)
@@ -83,8 +84,9 @@ class SimRouter:
             # NOTE: the Lookup was answered at once and its latency is spent after the pick: the
             # pick is in flight from now, as live, where it is made when the answer arrives.
             self.core.start(plan, decision.worker_id)
-            loop = ReservationLoop(self.core, plan, decision, f"r{rec.index}.{rec.attempts + 1}")
-            mesh.expect(delay + mesh.cfg.reserve_latency_s + mesh.cfg.network_s)
+            loop = ReservationLoop(self.core, plan, decision, rid)
+            # NOTE: a pick the Lookup's folded reservation holds already sends no Reserve.
+            mesh.expect(delay + (0.0 if loop.folded else mesh.cfg.reserve_latency_s) + mesh.cfg.network_s)
             mesh.q.after(delay, self._next_reservation, rec, loop)
 
     def _next_reservation(self, rec: RequestRecord, loop: ReservationLoop) -> None:

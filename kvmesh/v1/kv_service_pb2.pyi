@@ -156,12 +156,14 @@ class PublishEventsResponse(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., action: _Optional[_Union[PublishAction, str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("model_id", "block_hashes")
+    __slots__ = ("model_id", "block_hashes", "reserve")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, model_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    reserve: ReserveRequest
+    def __init__(self, model_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., reserve: _Optional[_Union[ReserveRequest, _Mapping]] = ...) -> None: ...
 
 class WorkerMatch(_message.Message):
     __slots__ = ("worker_id", "address", "matched_blocks", "load", "block_size", "pending", "pending_blocks", "host_blocks")
@@ -196,7 +198,7 @@ class PendingPicks(_message.Message):
     def __init__(self, requests: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("model_id", "worker_id", "router_id", "request_id", "prefill_tokens", "blocks", "seen_version", "anchors")
+    __slots__ = ("model_id", "worker_id", "router_id", "request_id", "prefill_tokens", "blocks", "seen_version", "anchors", "release_worker_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +207,7 @@ class ReserveRequest(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SEEN_VERSION_FIELD_NUMBER: _ClassVar[int]
     ANCHORS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     worker_id: str
     router_id: str
@@ -213,7 +216,8 @@ class ReserveRequest(_message.Message):
     blocks: int
     seen_version: int
     anchors: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, model_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., router_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., seen_version: _Optional[int] = ..., anchors: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    release_worker_id: str
+    def __init__(self, model_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., router_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., seen_version: _Optional[int] = ..., anchors: _Optional[_Iterable[bytes]] = ..., release_worker_id: _Optional[str] = ...) -> None: ...
 
 class WorkerPending(_message.Message):
     __slots__ = ("worker_id", "pending", "anchored")
@@ -234,14 +238,16 @@ class ReserveResponse(_message.Message):
     def __init__(self, reserved: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerPending, _Mapping]]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("workers", "block_size", "num_blocks_queried")
+    __slots__ = ("workers", "block_size", "num_blocks_queried", "reserved")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_QUERIED_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerMatch]
     block_size: int
     num_blocks_queried: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerMatch, _Mapping]]] = ..., block_size: _Optional[int] = ..., num_blocks_queried: _Optional[int] = ...) -> None: ...
+    reserved: bool
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerMatch, _Mapping]]] = ..., block_size: _Optional[int] = ..., num_blocks_queried: _Optional[int] = ..., reserved: _Optional[bool] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -26,6 +26,7 @@ from kvmesh.contract.errors import AlreadyExists
 from kvmesh.contract.limits import excerpt
 from kvmesh.contract.types import KVCacheEvent, SamplingParams
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.engine.timeline import RequestTimeline
 from kvmesh.model_worker.scheduling.output import RequestOutput
 
 log = logging.getLogger("kvmesh.worker.engine")
@@ -91,6 +92,8 @@ class Stream:
     prompt_tokens: int = 0
     cached_tokens: int = -1
     """Prompt tokens the prefix cache served at admission; -1 until an output said (step thread)."""
+    timeline: RequestTimeline | None = None
+    """A traced request's steps (engine/timeline.py); None = not traced (the step thread skips it)."""
 
 
 class EventSink:
@@ -131,6 +134,9 @@ class EngineLoop:
         self._on_finish = on_finish
         self._on_token = on_token
         self._streams: dict[str, Stream] = {}
+        self._traced: dict[str, RequestTimeline] = {}
+        self._step_ns = 0
+        """The streams that carry a timeline (tracing on and a trace came with the request)."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -168,13 +174,14 @@ class EngineLoop:
         return self._iterate(request_id, stream)
 
     def submit_async(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     cache_salt: str = "", **kv: Any) -> AsyncTokenStream:
+                     cache_salt: str = "", timeline: RequestTimeline | None = None, **kv: Any) -> AsyncTokenStream:
         """As ``submit``, for a caller on an event loop (this one receives the events). The caller
         aborts the request when it stops reading early (a no-op after the end). ``kv``: a prefill or
-        decode leg's ``hold_kv_s`` / ``kv_import`` (LLMEngine.add_request)."""
+        decode leg's ``hold_kv_s`` / ``kv_import`` (LLMEngine.add_request); ``timeline``: kept up to
+        date by the step thread (a traced request), read by the caller once the stream ended."""
         reader = AsyncTokenStream()
-        self._add(request_id, Stream(loop=asyncio.get_running_loop(), reader=reader), prompt_token_ids, params,
-                  cache_salt, **kv)
+        self._add(request_id, Stream(loop=asyncio.get_running_loop(), reader=reader, timeline=timeline),
+                  prompt_token_ids, params, cache_salt, **kv)
         return reader
 
     def in_flight(self, request_id: str) -> bool:
@@ -190,11 +197,14 @@ class EngineLoop:
                 raise AlreadyExists(f"request id {excerpt(request_id)} is already in use on this worker; "
                                     "give every request its own id")
             self._streams[request_id] = stream
+            if stream.timeline is not None:
+                self._traced[request_id] = stream.timeline
         try:
             self.engine.add_request(request_id, prompt_token_ids, params, cache_salt, **kv)
         except Exception:
             with self._lock:
                 self._streams.pop(request_id, None)
+                self._traced.pop(request_id, None)
             raise
         self._wake.set()
 
@@ -220,6 +230,7 @@ class EngineLoop:
     def abort(self, request_id: str) -> bool:
         with self._lock:
             stream = self._streams.pop(request_id, None)
+            self._traced.pop(request_id, None)
         if stream is None:
             return False
         # NOTE: read before the abort takes the request out of the scheduler; an output already
@@ -241,15 +252,28 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             t0 = time.monotonic()
+            t0_ns = self._step_ns = time.time_ns() if self._traced else 0
             try:
                 outputs = self.engine.step(on_output=self._deliver_now)
             except Exception as exc:  # noqa: BLE001 - fail the batch loudly, keep the worker alive
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 continue
+            if t0_ns:
+                self._trace_step(t0_ns, time.time_ns())
             self._sync_sink()
             if self._on_step is not None:
                 self._on_step(outputs, time.monotonic() - t0)
+
+    def _trace_step(self, start_ns: int, end_ns: int) -> None:
+        """The step's part in each traced request (its computed and output tokens now)."""
+        requests = self.engine.scheduler.requests
+        with self._lock:
+            traced = list(self._traced.items())
+        for rid, timeline in traced:
+            r = requests.get(rid)
+            if r is not None:
+                timeline.step(start_ns, end_ns, r.num_computed_tokens, r.num_output_tokens)
 
     def _sync_sink(self) -> None:
         events = self.engine.take_kv_events()
@@ -283,6 +307,7 @@ class EngineLoop:
                 stream = self._streams.get(out.request_id)
                 if stream is not None and out.finished:
                     del self._streams[out.request_id]
+                    self._traced.pop(out.request_id, None)
             if stream is None:
                 continue  # aborted meanwhile
             if out.num_cached_tokens >= 0:
@@ -296,6 +321,11 @@ class EngineLoop:
                 stream.last_token = now
                 stream.pending.append(TokenEvent(tok))
             if out.finished:
+                if stream.timeline is not None:  # its last step (the step thread is in it now)
+                    end_ns = time.time_ns()
+                    stream.timeline.step(self._step_ns or end_ns, end_ns, stream.timeline.prompt_tokens,
+                                         stream.completion_tokens)
+                    stream.timeline.finished_ns = end_ns
                 end = TokenEvent(None, out.finish_reason or "stop", out.num_prompt_tokens,
                                  max(out.num_cached_tokens, 0), stream.completion_tokens)
                 if self._on_finish is not None:

@@ -20,8 +20,10 @@ from kvmesh.contract.types import Usage
 from kvmesh.kv_client.publisher import KVPublisher, registration
 from kvmesh.model_worker.engine.engine_loop import EngineLoop, Stream, TokenEvent
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.engine.timeline import RequestTimeline
 from kvmesh.model_worker.serving.kv_transfer import KVTransfers, Pulled
 from kvmesh.model_worker.serving.metrics import WorkerMetrics
+from kvmesh.transport import tracing
 from kvmesh.transport.loop import LoopThread
 from kvmesh.transport.server import AioServer
 from kvmesh.v1 import worker_pb2 as pb
@@ -42,6 +44,25 @@ def check_disaggregation(engine: LLMEngine) -> None:
 
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 """Streams one worker accepts at once (``--max-queued-requests``); each is a coroutine."""
+
+
+def record_timeline(span, timeline: RequestTimeline, ended: str) -> None:
+    """A traced request's engine timeline as the children of its ``worker.generate`` span: the wait in the
+    queue, each prefill chunk, the first token, each decode window, the finish (docs/tracing.md)."""
+    parent = tracing.context_of(span)
+    t = timeline
+    if t.scheduled_ns is not None:
+        tracing.record("worker.queue", t.arrival_ns, t.scheduled_ns, parent)
+    for i, (a, b, n) in enumerate(t.prefill):
+        tracing.record("worker.prefill", a, b, parent, {"kvmesh.chunk": i, "kvmesh.tokens": n})
+    if t.first_token_ns is not None:
+        tracing.record("worker.first_token", t.first_token_ns, t.first_token_ns, parent)
+    for a, b, n in t.decode:
+        tracing.record("worker.decode", a, b, parent, {"kvmesh.tokens": n})
+    end = t.finished_ns or tracing.now_ns()
+    tracing.record("worker.finish", end, end, parent, {"kvmesh.outcome": ended})
+    span.set_attribute("kvmesh.outcome", ended)
+    span.end(end_time=max(end, span.start_time))
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -77,7 +98,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             pulled = await w.kv.pull(rid, source)
             if pulled.kv_import is not None:
                 kv["kv_import"] = pulled.kv_import
-        stream = w.loop.submit_async(rid, prompt, params, request.cache_salt, **kv)
+        span = timeline = None
+        if tracing.ON:
+            span = tracing.start("worker.generate", tracing.extract(context.invocation_metadata()),
+                                 {"kvmesh.request_id": rid, "kvmesh.worker_id": w.worker_id}, kind="server")
+            timeline = RequestTimeline(span.start_time, len(prompt))
+        try:
+            stream = w.loop.submit_async(rid, prompt, params, request.cache_salt, timeline, **kv)
+        except BaseException:
+            if span is not None:
+                span.end()
+            raise
         ended = "cancelled"  # the caller went away (or its deadline passed) unless set below
         first: int | None = None
         try:
@@ -114,6 +145,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             # NOTE: a cancelled or expired RPC (CancelledError here) aborts the request at once
             # (blocks freed next step); after a normal finish the abort is a no-op.
             w.loop.abort(rid)
+            if span is not None:
+                record_timeline(span, timeline, ended)
 
     async def Abort(self, request, context):
         check_length("request_id", request.request_id, MAX_WORKER_REQUEST_ID_CHARS)

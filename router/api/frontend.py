@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from kvmesh.contract.errors import ResourceExhausted
+from kvmesh.router.api.request_body import BodyBounds
+from kvmesh.router.config import RouterConfig
 from kvmesh.router.generate_types import GenerateInput, GenerateOutput
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.models import ModelSet, ServedModel
@@ -40,6 +42,32 @@ class Frontend:
         nbytes = 0 if not limits or any(not lim.max_bytes for lim in limits) else max(lim.max_bytes for lim in limits)
         return tokens, nbytes
 
+    def body_bounds(self, config: RouterConfig) -> BodyBounds:
+        """The bounds of an OpenAI body now (both HTTP-speaking fronts: the API and the endpoint picker):
+        the flags, and the largest prompt any served model accepts."""
+        tokens, nbytes = self.prompt_bounds()
+        # NOTE: twice the largest prompt: these bound the work a body costs; a prompt over its own model's
+        # bound (but under these) gets the request path's message, which names the limit and the flag.
+        return BodyBounds(config.max_body_bytes, config.max_messages, config.max_content_parts,
+                          max_prompt_ids=2 * tokens + 16 if tokens else 0,
+                          max_token_bytes=6 * nbytes + 1024 if nbytes else 0)
+
+    def admit(self) -> None:
+        """Counts one more open stream, or refuses it past ``max_streams`` (ResourceExhausted); the
+        caller ends it with :meth:`release`. (:meth:`generate` does both itself.)"""
+        if self.streams >= self.max_streams:
+            self.metrics.refused.inc()
+            raise ResourceExhausted(f"this router has {self.max_streams} streams open (--max-streams); "
+                                    "retry later or on another router")
+        self.streams += 1
+        self.metrics.inflight.inc()
+
+    def release(self, outcome: str) -> None:
+        """An admitted stream ended: ``ok``, ``error`` or ``cancelled``."""
+        self.streams -= 1
+        self.metrics.inflight.dec()
+        self.metrics.requests.labels(outcome).inc()
+
     def model(self, name: str) -> ServedModel:
         """Raises NotFound / InvalidArgument (router/models.py)."""
         return self.models.resolve(name)
@@ -48,13 +76,7 @@ class Frontend:
                        request_id: str | None = None) -> AsyncIterator[GenerateOutput]:
         """The model's request path under the stream limit; raises what ModelRouter.generate raises.
         ``request_id``: the id ``model.router.request_id_for(inp)`` made (None: made on the way)."""
-        m = self.metrics
-        if self.streams >= self.max_streams:
-            m.refused.inc()
-            raise ResourceExhausted(f"this router has {self.max_streams} streams open (--max-streams); "
-                                    "retry later or on another router")
-        self.streams += 1
-        m.inflight.inc()
+        self.admit()
         outcome = "error"
         try:
             # NOTE: aclosing: an adapter that stops reading (client gone) closes this generator, and
@@ -69,6 +91,4 @@ class Frontend:
                 outcome = "cancelled"  # the client went away (or the call's deadline passed)
             raise
         finally:
-            self.streams -= 1
-            m.inflight.dec()
-            m.requests.labels(outcome).inc()
+            self.release(outcome)

@@ -18,6 +18,7 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.router.generate_types import ChatInput, GenerateInput
 from kvmesh.router.text.prompt import check_message_count
 from kvmesh.router.text.stop_strings import MAX_STOP_STRINGS
+from kvmesh.transport import tracing
 from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
 
@@ -69,6 +70,7 @@ def input_from_pb(request: pb.GenerateRequest, context: grpc.aio.ServicerContext
         chat=chat,
         stop=list(request.stop),
         include_stop_str_in_output=request.include_stop_str_in_output,
+        trace_parent=tracing.extract(context.invocation_metadata()) if tracing.ON else None,
     )
 
 

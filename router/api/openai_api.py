@@ -24,6 +24,7 @@ with a request (rendering a long conversation, tokenizing a long text) runs on t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import socket
@@ -52,12 +53,14 @@ from kvmesh.router.api.openai_protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    public_param,
+    validation_error,
 )
 from kvmesh.router.api.request_body import BodyBounds, BodyTooLarge, read_json_body
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.generate_types import GenerateOutput
 from kvmesh.router.models import ServedModel
-from kvmesh.transport import http, security
+from kvmesh.transport import http, security, tracing
 from kvmesh.transport.http_guard import ReadGuard
 
 log = logging.getLogger("kvmesh.router.http")
@@ -80,7 +83,7 @@ def error_response(exc: BaseException, chat: bool | None = None) -> JSONResponse
     if status == 500:
         log.error("unhandled error in an HTTP request", exc_info=exc)
     code = {401: "invalid_api_key", 404: "model_not_found"}.get(status)
-    param = _public_param(http.param_of(exc), chat)
+    param = public_param(http.param_of(exc), chat)
     return JSONResponse(http.error_body(status, message, param=param, code=code), status_code=status,
                         headers=_headers(status))
 
@@ -90,13 +93,6 @@ def _headers(status: int) -> dict[str, str] | None:
         name, value = http.WWW_AUTHENTICATE
         return {name.decode(): value.decode()}
     return None
-
-
-def _public_param(param: str | None, chat: bool | None) -> str | None:
-    """The request path's names for the prompt (``prompt``, gRPC's ``token_ids``) as this API calls it."""
-    if param in ("prompt", "token_ids") and chat is not None:
-        return "messages" if chat else "prompt"
-    return param
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -110,25 +106,6 @@ SSE_DONE = "data: [DONE]\n\n"
 def _is_json(content_type: str) -> bool:
     kind = content_type.split(";", 1)[0].strip().lower()
     return kind == "application/json" or kind.endswith("+json")
-
-
-def _validation_error(exc: pydantic.ValidationError) -> InvalidArgument:
-    """The first problems of a body the models refuse, each named as a parameter (``messages[0].role``)."""
-    problems: list[str] = []
-    first: str | None = None
-    for e in exc.errors()[:3]:
-        where = ""
-        for part in e.get("loc", ()):
-            if isinstance(part, int):
-                where += f"[{part}]"
-            elif where and not part[:1].isalpha():
-                continue  # pydantic's union-member labels ("str", "list[TextPart]") are not fields
-            else:
-                where += f".{part}"
-        where = where.lstrip(".")
-        first = first or where or None
-        problems.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
-    return InvalidArgument("invalid request body: " + "; ".join(problems), param=first)
 
 
 class OpenAIApi:
@@ -216,14 +193,8 @@ class OpenAIApi:
         return await self._post(request, chat=False)
 
     def bounds(self) -> BodyBounds:
-        """The body bounds now: the flags, and the largest prompt any served model accepts."""
-        cfg = self.config
-        tokens, nbytes = self.frontend.prompt_bounds()
-        # NOTE: twice the largest prompt: these bound the work a body costs; a prompt over its own model's
-        # bound (but under these) gets the request path's message, which names the limit and the flag.
-        return BodyBounds(cfg.max_body_bytes, cfg.max_messages, cfg.max_content_parts,
-                          max_prompt_ids=2 * tokens + 16 if tokens else 0,
-                          max_token_bytes=6 * nbytes + 1024 if nbytes else 0)
+        """The body bounds now (Frontend.body_bounds)."""
+        return self.frontend.body_bounds(self.config)
 
     async def _post(self, request: Request, chat: bool) -> Response:
         """Authenticate (headers only), check the declared size and type, read the body within its bounds,
@@ -253,7 +224,7 @@ class OpenAIApi:
                 request.scope[BODY_READ] = True
                 body = (ChatCompletionRequest if chat else CompletionRequest).model_validate(raw)
             except pydantic.ValidationError as exc:
-                raise _validation_error(exc) from None
+                raise validation_error(exc) from None
             return await self._generate(request, body, chat)
         except BodyTooLarge as exc:
             return JSONResponse(http.error_body(413, str(exc)), status_code=413)
@@ -269,6 +240,8 @@ class OpenAIApi:
             raise InvalidArgument(f"the x-request-id header has {len(rid)} characters; at most {MAX_REQUEST_ID_CHARS}")
         model = self.frontend.model(body.model)
         inp = body.to_input(rid)
+        if tracing.ON:
+            inp = dataclasses.replace(inp, trace_parent=tracing.extract(request.headers))
         outputs = self.frontend.generate(model, inp)
         response_id = ("chatcmpl-" if chat else "cmpl-") + rid
         created = int(time.time())
@@ -338,7 +311,7 @@ class OpenAIApi:
                 yield _sse({**head, "choices": [], "usage": usage_json(last.usage)})
         except (KVMeshError, ValueError) as exc:
             status, message = http.status_for(exc)
-            yield _sse(http.error_body(status, message, param=_public_param(http.param_of(exc), chat)))
+            yield _sse(http.error_body(status, message, param=public_param(http.param_of(exc), chat)))
         except Exception as exc:  # noqa: BLE001 - the stream is open: end it with an error event
             log.error("unhandled error in an HTTP stream", exc_info=exc)
             yield _sse(http.error_body(500, f"internal error ({type(exc).__name__}); see the server log"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvmesh.contract.errors import InvalidArgument
@@ -195,7 +196,9 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # NOTE: token ids first: pydantic's smart union picks the same member whatever the order (strict
+    # matches first), but validates a 4k-id list 13x faster with list[int] tried first (0.07 vs 0.94 ms).
+    prompt: list[int] | str | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     suffix: str | None = None
@@ -219,6 +222,32 @@ class CompletionRequest(_Sampling):
         return GenerateInput(
             text=text, token_ids=ids, sampling=self._sampling(self.max_tokens), cache_salt=self.cache_salt or "",
             request_id=request_id, stop=self._stops(), include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+def public_param(param: str | None, chat: bool | None) -> str | None:
+    """The request path's names for the prompt (``prompt``, gRPC's ``token_ids``) as this API calls it."""
+    if param in ("prompt", "token_ids") and chat is not None:
+        return "messages" if chat else "prompt"
+    return param
+
+
+def validation_error(exc: pydantic.ValidationError) -> InvalidArgument:
+    """The first problems of a body the models refuse, each named as a parameter (``messages[0].role``)."""
+    problems: list[str] = []
+    first: str | None = None
+    for e in exc.errors()[:3]:
+        where = ""
+        for part in e.get("loc", ()):
+            if isinstance(part, int):
+                where += f"[{part}]"
+            elif where and not part[:1].isalpha():
+                continue  # pydantic's union-member labels ("str", "list[TextPart]") are not fields
+            else:
+                where += f".{part}"
+        where = where.lstrip(".")
+        first = first or where or None
+        problems.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    return InvalidArgument("invalid request body: " + "; ".join(problems), param=first)
 
 
 class ModelCard(BaseModel):

@@ -25,7 +25,7 @@ class ReservationLoop:
     schedules it on its virtual clock: one loop for both.
     """
 
-    __slots__ = ("core", "plan", "decision", "request_id", "tries", "conflicts", "_done")
+    __slots__ = ("core", "plan", "decision", "request_id", "tries", "conflicts", "folded", "_done")
 
     def __init__(self, core: RoutingCore, plan: RoutePlan, decision: Decision, request_id: str) -> None:
         self.core = core
@@ -36,6 +36,19 @@ class ReservationLoop:
         self.conflicts = 0
         """Reservations refused because another router reserved the worker first."""
         self._done = plan.versions is None
+        f = plan.folded
+        self.folded = (not self._done and f is not None and plan.folded_reserved and f.worker_id == decision.worker_id
+                       and f.request_id == request_id)
+        """The Lookup's folded reservation is this pick's (RoutingCore.tentative): nothing to send."""
+        if self.folded:
+            assert f is not None
+            plan.release = ""
+            core.note_reservation(f.worker_id, f.prefill_tokens, f.blocks)
+            ticket = core.start(plan, decision.worker_id)
+            core.inflight.reservation_started(ticket)
+            plan.reserve_sent_at = core.clock()
+            core.reservation_settled(plan)
+            self._done = True
 
     def next(self) -> Reservation | None:
         """The reservation to make now, or None: the pick stands (reserved, given up on, or no reservations

@@ -166,6 +166,12 @@ class RoutePlan:
     """Prefill/decode disaggregation: the prefill workers (``candidates`` then holds the workers that decode)."""
     pd: object | None = None
     """The plan's prefill/decode decision (router/core/pd.py's PDDecision), once made."""
+    folded: Reservation | None = None
+    """The pick this router made from its own view and reserved with the Lookup (:meth:`RoutingCore.tentative`)."""
+    folded_reserved: bool = False
+    """The kv_service reserved it (False: refused, or not known: the Lookup failed)."""
+    release: str = ""
+    """The worker the folded reservation is to be dropped from by the plan's next reservation ("" = none)."""
 
     def candidate(self, worker_id: str) -> Candidate:
         return next(c for c in self.candidates if c.worker_id == worker_id)
@@ -188,9 +194,17 @@ class RoutingCore:
 
     def __init__(self, policy: RouterPolicy, *, speculative_ttl_s: float = 2.0, index_retry_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, observer: DecisionObserver | None = None,
-                 shared_view: bool = False, router_id: str = "router", reservation_attempts: int = 10) -> None:
+                 shared_view: bool = False, router_id: str = "router", reservation_attempts: int = 10,
+                 fold_reserve: bool = False) -> None:
         self.policy = policy
         self.shared_view = shared_view and policy.shares_view
+        self.fold_reserve = fold_reserve
+        self._seen: dict[str, WorkerMatch] = {}
+        """The last Lookup answer, by worker: the loads, pending picks and versions the folded reservation's
+        pick is made on (:meth:`tentative`)."""
+        self._since_seen: dict[str, Pending] = {}
+        """This router's picks reserved since that answer, by worker (finished or not: the workers' reports
+        lag them, and the next answer will count them)."""
         self.router_id = router_id
         self.reservation_attempts = reservation_attempts
         self.clock = clock
@@ -346,9 +360,11 @@ class RoutingCore:
 
     def complete(self, pending: PendingPlan, endpoints: Iterable[WorkerEndpoint],
                outcome: Sequence[WorkerMatch] | IndexUnavailable | None, seconds: float = 0.0, *,
-               adopt: bool, healthy: Callable[[str], bool] = lambda _w: True) -> RoutePlan:
+               adopt: bool, healthy: Callable[[str], bool] = lambda _w: True,
+               folded: Reservation | None = None, folded_reserved: bool = False) -> RoutePlan:
         """Steps 3 of a plan: the Lookup's ``outcome`` (its answer, or the IndexUnavailable it raised;
-        None when none was asked) taken in, the candidates built."""
+        None when none was asked) taken in, the candidates built; ``folded``: the reservation the Lookup
+        carried (:meth:`tentative`), ``folded_reserved`` whether the answer says it was made."""
         answer: Sequence[WorkerMatch] | None = None
         index_ok = pending.index_ok
         late = False
@@ -356,36 +372,84 @@ class RoutingCore:
             if isinstance(outcome, IndexUnavailable):
                 late = self.lookup_failed(outcome, pending.asked_at)
                 index_ok = False
+                folded_reserved = False
             else:
                 self.lookup_succeeded(seconds)
                 answer = outcome
-        return self.build(pending.spec, pending.token_ids, pending.chain, endpoints, answer, index_ok, adopt=adopt,
+                self._seen = {m.worker_id: m for m in answer}
+                self._since_seen = {}
+        plan = self.build(pending.spec, pending.token_ids, pending.chain, endpoints, answer, index_ok, adopt=adopt,
                           healthy=healthy, max_tokens=pending.max_tokens, asked_at=pending.asked_at,
                           reserve_blind=late)
+        if folded is not None:
+            # NOTE: reserved, or perhaps reserved (the Lookup failed after it may have landed): a reservation
+            # elsewhere drops it; a pick of the same worker keeps it (reserve.lua: one pick per request id).
+            plan.folded, plan.folded_reserved = folded, folded_reserved
+            if folded_reserved or answer is None:
+                plan.release = folded.worker_id
+        return plan
+
+    def tentative(self, pending: PendingPlan, endpoints: Iterable[WorkerEndpoint], request_id: str, *,
+                  healthy: Callable[[str], bool] = lambda _w: True) -> Reservation | None:
+        """The pick this router would make before the Lookup answers, as the reservation the Lookup
+        carries (issue 45: the Reserve folded into the Lookup): the policy on its own view, that is the
+        speculative map, the in-flight view and the last answer's loads and pending picks (no matches:
+        they are the Lookup's), its random state left as it was (``RouterPolicy.fallbacks``). None when
+        the plan asks no index, the shared view is off, or no answer was seen yet. When the answer
+        confirms the pick (``pick`` prefers it among equals), the reservation loop has nothing to send."""
+        if not (self.fold_reserve and self.shared_view and pending.lookup is not None and self._seen):
+            return None
+        eps = list(endpoints)
+        known = {e.worker_id for e in eps}
+        own = self._since_seen
+        view = [m._replace(matched_blocks=0, host_blocks=0, pending_blocks=0,
+                           pending=_plus(m.pending, own[w]) if w in own else m.pending)
+                for w, m in self._seen.items() if w in known]
+        if not view:
+            return None
+        plan = self.build(pending.spec, pending.token_ids, pending.chain, eps, view, True, adopt=False,
+                          healthy=healthy, max_tokens=pending.max_tokens, asked_at=pending.asked_at)
+        if not plan.candidates or plan.versions is None:
+            return None
+        worker = self.policy.fallbacks(plan.query, plan.candidates, 1)[0]
+        q, c = plan.query, plan.candidate(worker)
+        blocks = -(-q.prompt_len // q.block_size) if q.block_size else 0
+        return Reservation(plan.model_id, worker, self.router_id, request_id, uncached_tokens(c, q), blocks,
+                           plan.versions.get(worker, 0), anchors_of(q.block_hashes[:MAX_CHAIN_BLOCKS]))
 
     def plan(self, spec: ModelSpec, token_ids: Sequence[int], endpoints: Iterable[WorkerEndpoint],
              index: PrefixIndex | None, *, cache_salt: str = "", adopt: bool = True,
              healthy: Callable[[str], bool] = lambda _w: True, chain: list[bytes] | None = None,
-             max_tokens: int = 0) -> RoutePlan:
-        """:meth:`prepare` + at most one Lookup of a synchronous index + :meth:`complete` (the simulator's)."""
+             max_tokens: int = 0, request_id: str = "") -> RoutePlan:
+        """:meth:`prepare` + at most one Lookup of a synchronous index (carrying :meth:`tentative`'s
+        reservation when ``request_id`` is given) + :meth:`complete` (the simulator's)."""
         pending = self.prepare(spec, token_ids, index is not None, cache_salt=cache_salt, chain=chain,
                              max_tokens=max_tokens)
+        endpoints = list(endpoints)
+        folded = self.tentative(pending, endpoints, request_id, healthy=healthy) if request_id else None
+        reserved = False
         outcome: Sequence[WorkerMatch] | IndexUnavailable | None = None
         t0 = self.clock()
         if pending.lookup is not None:
             assert index is not None
             try:
-                outcome = index.lookup(spec.model_id, pending.lookup)
+                if folded is not None:
+                    outcome, reserved = index.lookup_reserve(spec.model_id, pending.lookup, folded)
+                else:
+                    outcome = index.lookup(spec.model_id, pending.lookup)
             except IndexUnavailable as exc:
                 outcome = exc
-        return self.complete(pending, endpoints, outcome, self.clock() - t0, adopt=adopt, healthy=healthy)
+        return self.complete(pending, endpoints, outcome, self.clock() - t0, adopt=adopt, healthy=healthy,
+                             folded=folded, folded_reserved=reserved)
 
     # -- 4. the pick ----------------------------------------------------------------------------
     def pick(self, plan: RoutePlan, candidates: Sequence[Candidate] | None = None, *, count: bool = True) -> Decision:
         """The policy's pick among ``candidates`` (default: all of the plan's), recorded in the
         speculative map at once (a burst's next same-prefix request follows it) and counted
         (``count=False``: the caller counts it with :meth:`commit` once its reservation is settled)."""
-        decision = self.policy.pick(plan.query, plan.candidates if candidates is None else candidates)
+        prefer = plan.folded.worker_id if plan.folded is not None and plan.folded_reserved else None
+        decision = self.policy.pick_preferring(plan.query, plan.candidates if candidates is None else candidates,
+                                               prefer)
         self.speculative.record(plan.query.block_hashes, decision.worker_id)
         if count:
             self.commit(plan, decision)
@@ -410,8 +474,17 @@ class RoutingCore:
         seen = (plan.versions.get(decision.worker_id, 0)
                 if plan.conditional and tries < self.reservation_attempts - 1 else None)
         blocks = -(-q.prompt_len // q.block_size) if q.block_size else 0
+        release = plan.release if plan.release != decision.worker_id else ""
+        plan.release = ""
+        self.note_reservation(decision.worker_id, uncached_tokens(c, q), blocks)
         return Reservation(plan.model_id, decision.worker_id, self.router_id, request_id, uncached_tokens(c, q), blocks,
-                           seen, anchors_of(q.block_hashes[:MAX_CHAIN_BLOCKS]))
+                           seen, anchors_of(q.block_hashes[:MAX_CHAIN_BLOCKS]), release)
+
+    def note_reservation(self, worker_id: str, prefill_tokens: int, blocks: int) -> None:
+        """A pick of this router reserved (or being reserved) on ``worker_id``: the next folded pick's view
+        counts it until an answer does (:meth:`tentative`)."""
+        self._since_seen[worker_id] = _plus(self._since_seen.get(worker_id, Pending()), Pending(1, prefill_tokens,
+                                                                                               blocks))
 
     def _with_own(self, p: Pending, worker_id: str, since: float) -> Pending:
         """The kv_service's pending picks of a worker plus this router's own that it may not hold yet
@@ -475,3 +548,7 @@ class RoutingCore:
         if self.inflight.finish(ticket):
             self.policy.finished(ticket, output_tokens)
 
+
+
+def _plus(a: Pending, b: Pending) -> Pending:
+    return Pending(a.requests + b.requests, a.prefill_tokens + b.prefill_tokens, a.blocks + b.blocks, a.version)

@@ -47,6 +47,9 @@ class WorkerRequest:
     worker (vLLM's do_remote_decode); the last chunk carries the :class:`KVSource`."""
     kv_source: KVSource | None = None
     """A decode leg: take the prompt's KV from there (the prefill leg's answer)."""
+    traceparent: str = ""
+    """The W3C ``traceparent`` of the router's forward span ("" = tracing off): the worker's spans join
+    the request's trace (docs/tracing.md)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -143,12 +146,23 @@ class PrefixIndex(Protocol):
         """Raises IndexUnavailable when the answer cannot be had within the lookup deadline."""
         ...
 
+    def lookup_reserve(self, model_id: str, block_hashes: Sequence[bytes],
+                       reservation: Reservation) -> tuple[list[WorkerMatch], bool]:
+        """The Lookup with ``reservation`` made in the same step (AsyncPrefixIndex.lookup_reserve)."""
+        ...
+
 
 class AsyncPrefixIndex(Protocol):
     """The kv_service's Lookup (and Reserve) over the network (the live router awaits them)."""
 
     async def lookup(self, model_id: str, block_hashes: Sequence[bytes]) -> list[WorkerMatch]:
         """Raises IndexUnavailable when the answer cannot be had within the lookup deadline."""
+        ...
+
+    async def lookup_reserve(self, model_id: str, block_hashes: Sequence[bytes],
+                             reservation: Reservation) -> tuple[list[WorkerMatch], bool]:
+        """The Lookup with ``reservation`` made in the same call, after the answer is read: (the answer,
+        whether it was reserved). Raises IndexUnavailable as ``lookup`` does."""
         ...
 
     async def reserve(self, reservation: Reservation) -> ReservationAnswer:

@@ -129,7 +129,7 @@ class OpenAIWorkerCall:
         url = f"{self._endpoint.address}/v1/completions"
         try:
             async with self._session.post(url, json=completion_body(self._request),
-                                          headers={"X-Request-Id": self._request.request_id},
+                                          headers=self._headers(),
                                           timeout=aiohttp.ClientTimeout(total=self._timeout_s)) as resp:
                 self._resp = resp
                 if resp.status != 200:
@@ -150,6 +150,12 @@ class OpenAIWorkerCall:
             raise WorkerError(Failure.UNAVAILABLE, f"cannot connect: {exc}") from None
         except aiohttp.ClientError as exc:
             raise WorkerError(Failure.UNAVAILABLE, f"{type(exc).__name__}: {exc}") from None
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"X-Request-Id": self._request.request_id}
+        if self._request.traceparent:
+            headers["traceparent"] = self._request.traceparent  # an engine with OpenTelemetry joins the trace
+        return headers
 
     async def _events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         """The ``data:`` payloads of the server-sent events, in order, up to ``[DONE]`` (read: a

@@ -75,7 +75,8 @@ class GrpcWorkerPool:
             msg.kv_transfer.do_remote_decode = True
         elif request.kv_source is not None:
             msg.kv_transfer.source.CopyFrom(kv_source_to_pb(request.kv_source))
-        call = self._channels.stub(endpoint.address).Generate(msg, timeout=timeout_s, metadata=self._md)
+        md = (*(self._md or ()), ("traceparent", request.traceparent)) if request.traceparent else self._md
+        call = self._channels.stub(endpoint.address).Generate(msg, timeout=timeout_s, metadata=md)
         return GrpcWorkerCall(call, endpoint)
 
     async def abort(self, endpoint: WorkerEndpoint, request_id: str) -> bool:

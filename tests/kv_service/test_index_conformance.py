@@ -576,6 +576,22 @@ async def test_picks_expire_after_their_ttl_and_a_worker_without_admissions_cove
     assert (await index.reserve(pick("w1", "new", router="ra", seen=0), T0 + 10_200)).reserved
 
 
+async def test_a_claim_that_moves_a_folded_pick_releases_it(index):
+    """A Lookup's folded pick was w0, the router's pick (on the answer) w1: the claim on w1 drops the same
+    request's pick on w0 first; one pick per request counts anywhere."""
+    await join(index, "w0")
+    await join(index, "w1")
+    assert (await index.reserve(pick("w0", "r1"), T0)).reserved
+    moved = replace(pick("w1", "r1"), release_worker_id="w0")
+    assert (await index.reserve(moved, T0 + 1)).reserved
+    got = await pending(index, T0 + 2)
+    assert (got["w0"].requests, got["w1"].requests) == (0, 1)
+    # releasing a pick that is not there (the Lookup failed before it landed) changes nothing
+    assert (await index.reserve(replace(pick("w1", "r2"), release_worker_id="w0"), T0 + 3)).reserved
+    got = await pending(index, T0 + 4)
+    assert (got["w0"].requests, got["w1"].requests) == (0, 2)
+
+
 async def test_a_reregistered_worker_drops_its_picks_and_keeps_counting_versions(index):
     await join(index, "w0")
     await index.reserve(pick("w0", "r1"), T0)

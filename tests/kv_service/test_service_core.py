@@ -127,3 +127,30 @@ def test_a_reserved_picks_anchors_stop_counting_once_the_worker_evicts_those_blo
     assert [(m.matched_blocks, m.pending_blocks) for m in run_now(svc.lookup("m", chain))] == [(4, 4)]
     run_now(svc.publish("w1", 1, 3, [BlockRemoved(chain[:4][::-1])]))
     assert [(m.matched_blocks, m.pending_blocks) for m in run_now(svc.lookup("m", chain))] == [(0, 0)]
+
+
+def test_a_lookups_folded_reservation_is_made_after_its_answer_on_that_answers_version():
+    """The Reserve folded into the Lookup (issue 45): the answer does not count the request's own pick; the
+    pick is reserved on the answer's version of the worker (not the router's older one); a guess the answer
+    contradicts (another worker holds a longer prefix of the chain) is not reserved, so it advertises no
+    phantom copy of the prefix; a worker that is not live is no error."""
+    from kvmesh.contract.index_protocol import Reservation, anchors_of
+    from kvmesh.kv_service.config import PendingConfig, ServiceConfig
+
+    clock = [1_000_000]
+    svc = KVService(MemoryIndex(), ServiceConfig(pending=PendingConfig(prefix_ttl_ms=2000)), clock=lambda: clock[0])
+    for w in ("w1", "w2"):
+        run_now(svc.register(Registration(w, "127.0.0.1:1", "m", 4, "sha256_128", 100, 1)))
+    chain = BlockHasher("m", 4).hash_prompt(list(range(4 * 8)))
+    run_now(svc.reserve(Reservation("m", "w1", "rb", "other", 10, 1, None)))  # another router, version 1
+    stale = Reservation("m", "w1", "ra", "r1", 32, 8, 0, anchors_of(chain))  # seen_version 0: ignored
+    found, reserved = run_now(svc.lookup_reserve("m", chain, stale))
+    assert reserved and {m.worker_id: m.pending.requests for m in found} == {"w1": 1, "w2": 0}
+    assert {m.worker_id: m.pending.requests for m in run_now(svc.lookup("m", chain))} == {"w1": 2, "w2": 0}
+    # w1 will hold the chain (r1's anchors): a guess of w2 for the same chain is not reserved
+    found, reserved = run_now(svc.lookup_reserve("m", chain, Reservation("m", "w2", "ra", "r2", 32, 8, None,
+                                                                          anchors_of(chain))))
+    assert not reserved and {m.worker_id: m.pending_blocks for m in found} == {"w1": 8, "w2": 0}
+    assert {m.worker_id: m.pending.requests for m in run_now(svc.lookup("m", chain))} == {"w1": 2, "w2": 0}
+    found, reserved = run_now(svc.lookup_reserve("m", chain, Reservation("m", "nobody", "ra", "r3", 1, 1, None)))
+    assert not reserved and len(found) == 2

@@ -104,6 +104,7 @@ class ApproxTreePolicy(RouterPolicy):
     """SGLang's cache-aware routing on a router-local prefix tree (module docstring)."""
 
     name = "approx-tree"
+    pick_records = True
 
     def __init__(self, config: PolicyConfig | None = None, tree_config: ApproxTreeConfig | None = None) -> None:
         super().__init__(config)

@@ -190,10 +190,44 @@ class RouterPolicy(abc.ABC):
         self.config = config or PolicyConfig()
         self._rng = random.Random(self.config.seed)
         self._lock = threading.Lock()
+        self._prefer: int | None = None
+        """The index of the candidate that wins a tie (:meth:`pick_preferring`)."""
+
+    pick_records: ClassVar[bool] = False
+    """A pick changes the policy's own state (a rotation, a tree insert): :meth:`fallbacks` ranks by queued
+    work instead of picking again."""
 
     @abc.abstractmethod
     def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
         """Returns the chosen worker; ``candidates`` is never empty."""
+
+    def pick_preferring(self, query: RouteQuery, candidates: Sequence[Candidate], worker_id: str | None) -> Decision:
+        """:meth:`pick`, ``worker_id`` winning a tie it is part of instead of a random draw (the worker a
+        Lookup's folded reservation holds, router/core/routing.py: of equals, keep the one reserved)."""
+        self._prefer = next((i for i, c in enumerate(candidates) if c.worker_id == worker_id), None)
+        try:
+            return self.pick(query, candidates)
+        finally:
+            self._prefer = None
+
+    def fallbacks(self, query: RouteQuery, candidates: Sequence[Candidate], n: int) -> list[str]:
+        """The workers a retry would try, best first, at most ``n``: the policy's next picks among
+        ``candidates``, the policy left as it was (its random state restored), so listing fallbacks
+        changes no later pick (kvmesh epp lists them for the gateway)."""
+        if self.pick_records:
+            return [c.worker_id for c in sorted(candidates, key=lambda c: (self._queued(c), c.worker_id))[:n]]
+        with self._lock:
+            state = self._rng.getstate()
+        left, out = list(candidates), []
+        try:
+            while left and len(out) < n:
+                w = self.pick(query, left).worker_id
+                out.append(w)
+                left = [c for c in left if c.worker_id != w]
+        finally:
+            with self._lock:
+                self._rng.setstate(state)
+        return out
 
     # -- the policy's record of its requests (optional) -----------------------------------
     def started(self, ticket: Ticket, query: RouteQuery, chosen: Candidate) -> None:  # noqa: B027 - optional hook
@@ -223,6 +257,8 @@ class RouterPolicy(abc.ABC):
     def _choice_index(self, tied: Sequence[int]) -> int:
         if len(tied) == 1:
             return tied[0]
+        if self._prefer is not None and self._prefer in tied:
+            return self._prefer
         with self._lock:  # one RNG shared by the server's threads
             return tied[self._rng.randrange(len(tied))]
 

@@ -19,6 +19,7 @@ class RoundRobinPolicy(RouterPolicy):
     """Each request to the next worker in worker-id order, from a random start; ignores cache and load."""
 
     name = "round-robin"
+    pick_records = True
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         super().__init__(config)

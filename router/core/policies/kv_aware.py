@@ -82,10 +82,20 @@ class KvAwarePolicy(RouterPolicy):
             ttft, own = predicted_ttft(model, query, c, self.config.default_step_tokens, link)
             scores.append(ttft + (lam * decoders(c) + kappa) * own)
         i = self._sample_index(scores) if self.config.temperature > 0 else self._argmin_index(scores)
+        self._scored = (query, {c.worker_id: s for c, s in zip(candidates, scores, strict=True)})
         chosen = candidates[i]
         # NOTE: no token-count guard: a hot spot's queue is in its predicted time already.
         return Decision(chosen.worker_id, "prefix" if chosen.matched_blocks or chosen.host_blocks else "load",
                         round(scores[i] * (1000 if learned else 1)))
+
+    def fallbacks(self, query: RouteQuery, candidates: Sequence[Candidate], n: int) -> list[str]:
+        """The next best by the scores the pick of the same query computed (one prediction per request, not
+        one per fallback); other queries pick again (RouterPolicy.fallbacks)."""
+        scored = getattr(self, "_scored", None)
+        if scored is None or scored[0] is not query or any(c.worker_id not in scored[1] for c in candidates):
+            return super().fallbacks(query, candidates, n)
+        scores = scored[1]
+        return [c.worker_id for c in sorted(candidates, key=lambda c: (scores[c.worker_id], c.worker_id))[:n]]
 
     def _argmin_index(self, scores: Sequence[float]) -> int:
         best = min(scores)

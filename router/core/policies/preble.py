@@ -130,6 +130,7 @@ class PreblePolicy(RouterPolicy):
     otherwise, least windowed load plus eviction cost, rebalance hot spots. Reads no index."""
 
     name = "preble"
+    pick_records = True
     uses_index = False
 
     def __init__(self, config: PolicyConfig | None = None) -> None:

@@ -1,0 +1,106 @@
+"""One trace per request across processes: a stack (router, kv_service, worker, each its own process,
+`kvmesh up`'s LocalStack) exporting to a real OTLP receiver in this process (kvmesh/bench/otlp_receiver.py).
+The client's own ``traceparent`` is the trace's root; every request's spans arrive from the three
+services, each under its caller's, in the order the request went."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvmesh.bench.otlp_receiver import OtlpReceiver
+from kvmesh.loopback import free_port, free_port_run
+from kvmesh.stack import LocalStack, StackConfig
+from kvmesh.transport.channels import dial
+from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+TRACE_IDS = [f"{i + 1:032x}" for i in range(8)]
+SERVICES = {"kvmesh-router", "kvmesh-kv-service", "kvmesh-worker"}
+
+
+@pytest.fixture(scope="module")
+def traced(model_dir, tmp_path_factory) -> Iterator[tuple[OtlpReceiver, LocalStack]]:
+    with OtlpReceiver() as receiver:
+        cfg = StackConfig(model=str(model_dir), workers=1, router_port=free_port(), kv_service_port=free_port(),
+                          worker_port=free_port(), metrics_port=free_port_run(3), http_port=free_port(),
+                          log_dir=str(tmp_path_factory.mktemp("traced-logs")), otlp_endpoint=receiver.address,
+                          worker_args=["--num-blocks=128", "--max-model-len=512", "--torch-threads=1"],
+                          router_args=["--discovery-interval=0.2"])
+        stack = LocalStack(cfg).start()
+        try:
+            yield receiver, stack
+        finally:
+            stack.stop()
+
+
+def complete(receiver: OtlpReceiver, trace_ids: list[str], timeout: float = 20.0) -> dict:
+    """The traces once each holds spans of the three services (the exporters batch every 0.2 s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        traces = receiver.traces()
+        done = {t: traces.get(t, []) for t in trace_ids}
+        if all({s.service for s in spans} >= SERVICES and any(s.name == "worker.finish" for s in spans)
+               for spans in done.values()) or time.monotonic() > deadline:
+            return done
+        time.sleep(0.1)
+
+
+def test_every_request_is_one_trace_across_router_kv_service_and_worker_in_order(traced):
+    receiver, stack = traced
+    stub = router_pb2_grpc.RouterStub(dial(stack.endpoints["router"]))
+    for i, trace_id in enumerate(TRACE_IDS):
+        parent = f"00-{trace_id}-{i + 1:016x}-01"
+        ids = [(7 * i + k) % 200 + 3 for k in range(48)]  # three full blocks: the router asks the index
+        out = list(stub.Generate(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids),
+                                                            sampling=common_pb2.SamplingParams(max_tokens=20)),
+                                 metadata=(("traceparent", parent),), timeout=60))
+        assert out[-1].finish_reason
+    traces = complete(receiver, TRACE_IDS)
+    for i, trace_id in enumerate(TRACE_IDS):
+        spans = traces[trace_id]
+        assert {s.service for s in spans} >= SERVICES, (trace_id, [(s.service, s.name) for s in spans])
+        by_name = {s.name: s for s in spans}
+        by_id = {s.span_id: s for s in spans}
+        root = by_name["router.request"]
+        assert root.parent_id == f"{i + 1:016x}"  # under the client's own span
+        lookup, kv, forward, worker = (by_name[n] for n in ("router.lookup", "kv.lookup", "router.forward",
+                                                            "worker.generate"))
+        # each callee's span hangs under its caller's
+        assert by_id[kv.parent_id].name == "router.lookup"
+        assert by_id[worker.parent_id].name == "router.forward"
+        assert by_id[forward.parent_id].name == "router.request"
+        assert by_id[lookup.parent_id].name == "router.request"
+        if "kv.reserve" in by_name:
+            assert by_id[by_name["kv.reserve"].parent_id].name == "router.reserve"
+        # in the order the request went: render/tokenize, hash, Lookup, pick, (Reserve,) forward; then the worker
+        order = [by_name[n].start_ns for n in ("router.tokenize", "router.hash", "router.lookup", "router.pick")]
+        assert order == sorted(order)
+        assert lookup.start_ns <= kv.start_ns and kv.end_ns <= lookup.end_ns + 5_000_000  # clocks of one host
+        assert by_name["router.pick"].end_ns <= forward.start_ns <= worker.start_ns
+        worker_parts = [s for s in spans if s.service == "kvmesh-worker" and s.parent_id == worker.span_id]
+        names = [s.name for s in sorted(worker_parts, key=lambda s: (s.start_ns, s.end_ns))]
+        assert names[0] == "worker.queue" and names[-1] == "worker.finish"
+        assert "worker.prefill" in names and "worker.first_token" in names and "worker.decode" in names
+        assert names.index("worker.first_token") > names.index("worker.prefill")
+        assert sum(s.attributes.get("kvmesh.tokens", 0) for s in worker_parts if s.name == "worker.prefill") == 48
+
+
+def test_an_openai_http_request_joins_the_callers_trace(traced):
+    """The W3C header of an HTTP client (or of a gateway in front) is the trace's root, as gRPC metadata is."""
+    import json
+    import urllib.request
+
+    receiver, stack = traced
+    trace_id = "ab" * 16
+    req = urllib.request.Request(f"{stack.endpoints['openai']}/completions",
+                                 data=json.dumps({"prompt": list(range(3, 51)), "max_tokens": 3}).encode(),
+                                 headers={"content-type": "application/json",
+                                          "traceparent": f"00-{trace_id}-{'cd' * 8}-01"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+    spans = complete(receiver, [trace_id])[trace_id]
+    assert {s.service for s in spans} >= SERVICES
+    root = next(s for s in spans if s.name == "router.request")
+    assert root.parent_id == "cd" * 8
