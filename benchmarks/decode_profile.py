@@ -13,10 +13,14 @@ scheduler, sampling and streaming included). Then a few more steps run under ``t
 
 On a CPU only the wall time means something (modes eager and compiled; GPU columns "n/a").
 The 1B shape (``--model 1b``) is the Llama shape of docs/notes on the H200 (16 layers, 2048 wide,
-32/8 heads, MLP 8192, vocab 128,256: 1.5B parameters untied), made once by kvmesh's make-model.
+32/8 heads, MLP 8192, vocab 128,256: 1.5B parameters untied), made once by kvmesh's make-model;
+``--model qwen05`` the Qwen2-0.5B shape (24 layers, 896 wide, 14/2 heads of 64, MLP 4864, vocab
+151,936, tied). ``--prompt-lens 128,2048`` runs every batch at each context length. Each row also
+gives the bytes a step must read (the weights once, and the batch's KV cache at its mean context)
+so that a step can be compared with the device's copy bandwidth.
 
-Run: python benchmarks/decode_profile.py [--model 1b|micro|default|DIR] [--batches 1,16,64]
-     [--modes eager,compiled,graphs] [--steps 20] [--device auto] [--json OUT]
+Run: python benchmarks/decode_profile.py [--model 1b|qwen05|micro|default|DIR] [--batches 1,16,64]
+     [--prompt-lens 128] [--modes eager,compiled,graphs] [--steps 20] [--device auto] [--json OUT]
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from kvmesh.model_worker.execution.model_runner import set_cpu_threads
 LLAMA_1B = ModelSpec(layers=16, hidden_size=2048, heads=32, kv_heads=8, intermediate_size=8192,
                      vocab_size=128_256, max_position_embeddings=4096, seed=0, init_std=0.02)
 """The decode-profile shape of the first GPU run (docs/notes: 1.5B parameters, 3.0 GB in bf16)."""
+QWEN2_05B = ModelSpec(arch="qwen2", layers=24, hidden_size=896, heads=14, kv_heads=2, intermediate_size=4864,
+                      vocab_size=151_936, max_position_embeddings=4096, seed=0, init_std=0.02)
+"""Qwen2(.5)-0.5B's shape (head dim 64, seven query heads per KV head, tied embeddings)."""
 MICRO = ModelSpec(layers=1, hidden_size=32, heads=2, kv_heads=1, intermediate_size=64, seed=5)
 MODES = {
     "eager": {"compile": False, "enforce_eager": True},
@@ -56,7 +63,7 @@ def model_dir(name: str) -> str:
     """``1b`` and ``micro`` are made once (under $KVMESH_CACHE_DIR); ``default`` is the demo model."""
     if name == "default":
         return str(ensure_default_model())
-    spec = {"1b": LLAMA_1B, "micro": MICRO}.get(name)
+    spec = {"1b": LLAMA_1B, "qwen05": QWEN2_05B, "micro": MICRO}.get(name)
     if spec is None:
         return name
     target = cache_dir() / "models" / f"bench-{name}"
@@ -96,6 +103,18 @@ def profile_counts(prof, steps: int) -> dict[str, float]:
     return {"gpu_busy_ms": busy_us(kernels) / 1e3 / steps, "launches": launches / steps, "copies": copies / steps}
 
 
+def weight_bytes(engine: LLMEngine) -> int:
+    """Bytes of the model's parameters (a decode step reads each once; tied embeddings count once)."""
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in engine.runner.model.parameters()}
+    return sum(seen.values())
+
+
+def kv_bytes_per_token(engine: LLMEngine) -> int:
+    """K and V bytes of one token over every layer."""
+    mc = engine.model_config
+    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * engine.config.torch_dtype.itemsize
+
+
 def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int, profile_steps: int,
                  cuda: bool) -> dict[str, float]:
     """Puts ``batch`` requests into decode, times ``steps`` steps, profiles ``profile_steps`` more."""
@@ -116,7 +135,9 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int, pro
         outs = engine.step()
         times.append(time.perf_counter() - t0)
         assert len(outs) == batch, f"a step of {len(outs)} rows, not {batch}"
-    row = {"wall_ms": 1e3 * statistics.median(times), "wall_ms_mean": 1e3 * statistics.fmean(times)}
+    row = {"wall_ms": 1e3 * statistics.median(times), "wall_ms_mean": 1e3 * statistics.fmean(times),
+           "weight_bytes": weight_bytes(engine),
+           "kv_bytes": batch * (prompt_len + 2 + steps // 2) * kv_bytes_per_token(engine)}
     if cuda and profile_steps:
         from torch.profiler import ProfilerActivity, profile
 
@@ -143,24 +164,31 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"unknown modes {unknown}; choose from {list(MODES)}")
     if not cuda:
         modes = [m for m in modes if m != "graphs"]  # no CUDA graphs on a CPU
-    max_len = args.prompt_len + args.steps + args.profile_steps + 128
+    prompt_lens = [int(p) for p in args.prompt_lens.split(",")]
+    max_len = max(prompt_lens) + args.steps + args.profile_steps + 128
     result: dict = {"model": model, "device": torch.cuda.get_device_name() if cuda else "cpu", "batches": batches,
-                    "prompt_len": args.prompt_len, "steps": args.steps, "modes": {}}
+                    "prompt_len": prompt_lens[0], "prompt_lens": prompt_lens, "steps": args.steps, "modes": {}}
     print(f"decode profile: {Path(model).name} on {result['device']}, batches {batches}, "
           f"{args.steps} timed steps each (MS-1)", flush=True)
-    print(f"{'mode':<10}{'batch':>6}{'wall ms':>9}{'GPU busy ms':>13}{'launches':>10}{'copies':>8}{'start s':>9}")
+    print(f"{'mode':<10}{'prompt':>7}{'batch':>6}{'wall ms':>9}{'GPU busy ms':>13}{'launches':>10}{'copies':>8}"
+          f"{'start s':>9}")
     for mode in modes:
         t0 = time.perf_counter()
         engine = LLMEngine(model=model, device=device, dtype=args.dtype, max_num_seqs=max(batches),
                            max_model_len=max_len, max_num_batched_tokens=max(2048, max_len),
-                           num_blocks=max(batches) * -(-max_len // 16) + 16, **MODES[mode])
+                           num_blocks=max(batches) * -(-max_len // 16) + 16,
+                           **({} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}),
+                           **MODES[mode])
         start_s = time.perf_counter() - t0
-        rows = result["modes"][mode] = {"start_s": start_s, "batches": {}}
-        for b in batches:
-            r = rows["batches"][b] = decode_steps(engine, b, args.prompt_len, args.steps, args.profile_steps, cuda)
-            gpu = f"{r['gpu_busy_ms']:>13.3f}{r['launches']:>10.0f}{r['copies']:>8.0f}" if "launches" in r else \
-                f"{'n/a':>13}{'n/a':>10}{'n/a':>8}"
-            print(f"{mode:<10}{b:>6}{r['wall_ms']:>9.2f}{gpu}{start_s:>9.1f}", flush=True)
+        rows = result["modes"][mode] = {"start_s": start_s, "prompts": {}}
+        for p in prompt_lens:
+            by_batch = rows["prompts"][str(p)] = {}
+            for b in batches:
+                r = by_batch[str(b)] = decode_steps(engine, b, p, args.steps, args.profile_steps, cuda)
+                gpu = f"{r['gpu_busy_ms']:>13.3f}{r['launches']:>10.0f}{r['copies']:>8.0f}" if "launches" in r else \
+                    f"{'n/a':>13}{'n/a':>10}{'n/a':>8}"
+                print(f"{mode:<10}{p:>7}{b:>6}{r['wall_ms']:>9.2f}{gpu}{start_s:>9.1f}", flush=True)
+        rows["batches"] = rows["prompts"][str(prompt_lens[0])]  # the first context length (issue 34's reading)
         del engine
         if cuda:
             torch.cuda.empty_cache()
@@ -174,7 +202,9 @@ def main() -> int:
     ap.add_argument("--modes", default="eager,compiled,graphs")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per batch (default 20)")
     ap.add_argument("--profile-steps", type=int, default=5, help="profiled steps per batch on CUDA (default 5)")
-    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prompt-lens", "--prompt-len", default="128", help="context lengths, comma-separated")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine's async scheduling (default: the device's)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = the engine's default")

@@ -12,17 +12,30 @@ TTFT  One request whose prefix was computed before, served three ways on the sam
     token of the request alone (add to first token), median of ``--repeats``; the ratio host hit /
     device hit is the issue's measure (goal <= 2.0 on a GPU; on CPU both pools are host memory).
 
-Run: .venv/bin/python benchmarks/host_tier_bench.py [--model DIR] [--threads N] [--quick]
+On a GPU (``--device cuda``: the tier's pinned memory and copy stream) ``--ttft-only --one-engine``
+measures the TTFT part on one warm engine (compile and CUDA graphs as a worker runs them, built once:
+a start costs tens of seconds there): per repeat and prefix, a device hit (the prefix computed just
+before), a host hit (computed, then pushed off the device by unrelated prompts into the tier) and a
+miss (a fresh prefix of the same length: recomputed), each a fresh random prefix. ``make gpu-check``
+runs it on the 1B shape (its "host-tier" part).
+
+Run: .venv/bin/python benchmarks/host_tier_bench.py [--model DIR|1b] [--threads N] [--quick]
+     [--device cpu|cuda] [--ttft-only] [--one-engine] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_profile import model_dir  # noqa: E402
 
 from kvmesh.contract.types import SamplingParams
 from kvmesh.make_model import ensure_default_model
@@ -109,6 +122,28 @@ def bench_ttft(model: str, prefix_len: int, repeats: int, vocab: int, host_block
     return {case: med(v) for case, v in times.items()} | {"served": served}
 
 
+def bench_ttft_one_engine(llm: LLM, prefix_len: int, repeats: int, vocab: int, fill_len: int) -> dict:
+    """Device hit, host hit and miss TTFTs of ``prefix_len``-token prefixes on one warm engine (its
+    device pool holds about two prompts of ``fill_len``; three unrelated prompts of that length push
+    a prefix off the device into the host tier)."""
+    gen = torch.Generator().manual_seed(prefix_len)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    times: dict[str, list[float]] = {"device": [], "host": [], "recomputed": []}
+    served: dict[str, list[tuple[int, int]]] = {k: [] for k in times}
+    for _ in range(repeats):
+        for case in ("device", "host", "recomputed"):
+            prefix = random_tokens(prefix_len, gen, vocab)
+            if case != "recomputed":
+                llm.generate([prefix + random_tokens(16, gen, vocab)], params)
+            if case == "host":
+                llm.generate([random_tokens(fill_len, gen, vocab) for _ in range(3)], params)
+            t, cached, host = ttft(llm, prefix + random_tokens(16, gen, vocab))
+            times[case].append(t)
+            served[case].append((cached, host))
+    med = statistics.median
+    return {case: med(v) for case, v in times.items()} | {"served": served}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model dir (default: the kvmesh default model)")
@@ -120,15 +155,44 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="alternate runs; the median is shown")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="16 requests of 512 tokens, prefix 512, 1 repeat")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (the tier's CUDA path: pinned memory, a copy stream)")
+    ap.add_argument("--ttft-only", action="store_true", help="skip the cost at h = 0")
+    ap.add_argument("--one-engine", action="store_true",
+                    help="TTFT on one warm engine (what a GPU needs: its start compiles and captures)")
+    ap.add_argument("--json", default=None, help="write the TTFT figures here")
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.prompt_len, args.prefix_lens, args.repeats = 16, 512, "512", 1
     set_cpu_threads(args.threads)
-    model = str(args.model or ensure_default_model())
+    model = model_dir(args.model) if args.model else str(ensure_default_model())
     cfg = ModelConfig.from_dir(model)
     bs = 16
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "fp32 CPU"
     print(f"model: {Path(model).name} ({cfg.architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-          f"{cfg.num_kv_heads} KV heads x {cfg.head_dim}), fp32 CPU, {args.threads} torch thread(s)")
+          f"{cfg.num_kv_heads} KV heads x {cfg.head_dim}), {where}, {args.threads} torch thread(s)")
+    if args.one_engine:
+        lens = [int(x) for x in args.prefix_lens.split(",")]
+        fill = max(lens) + 16
+        blocks = 2 * -(-(fill + 16) // bs) + 2
+        llm = LLM(model, device=args.device, num_blocks=blocks, host_kv_blocks=8 * blocks, max_num_seqs=4,
+                  max_model_len=max(fill + 64, 1024), max_num_batched_tokens=max(2048, fill + 16))
+        print(f"\nTTFT on one warm engine: device pool {blocks} blocks, host tier {8 * blocks}; median of "
+              f"{args.repeats}")
+        print(f"{'prefix':>7}{'device hit ms':>15}{'host hit ms':>13}{'recomputed ms':>15}{'host/device':>13}"
+              f"{'recomputed/device':>19}")
+        figures: dict = {"model": model, "device": where, "prefixes": {}}
+        for n in lens:
+            r = bench_ttft_one_engine(llm, n, args.repeats, vocab=min(cfg.vocab_size, 32_000), fill_len=fill)
+            d, h, c = r["device"], r["host"], r["recomputed"]
+            host_served = all(host > 0 for _, host in r["served"]["host"])
+            figures["prefixes"][str(n)] = {"device_ms": d * 1e3, "host_ms": h * 1e3, "recomputed_ms": c * 1e3,
+                                           "host_over_device": h / d, "host_hits_served": host_served,
+                                           "served": r["served"]}
+            print(f"{n:>7}{d * 1e3:>15.1f}{h * 1e3:>13.1f}{c * 1e3:>15.1f}{h / d:>13.2f}{c / d:>19.2f}"
+                  + ("" if host_served else "  (a host probe was not served from the tier)"))
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=1))
+        return
 
     gen = torch.Generator().manual_seed(0)
     vocab = cfg.vocab_size
@@ -136,19 +200,20 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     seq_blocks = -(-(args.prompt_len + args.output_len) // bs)
     whole = args.num_requests * seq_blocks + 1
-    base = {"max_model_len": max(args.prompt_len + args.output_len, 1024), "device": "cpu",
+    base = {"max_model_len": max(args.prompt_len + args.output_len, 1024), "device": args.device,
             "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.num_requests}
-    print(f"\nH0  {args.num_requests} requests x {args.prompt_len} random tokens (no shared prefix: h = 0), "
-          f"{args.output_len} output tokens, tier of {whole} blocks, median of {args.repeats}")
-    print(f"{'device pool':<34}{'on s':>8}{'off s':>8}{'on/off':>8}{'CPU on/off':>12}{'offloaded':>11}{'hits':>6}")
-    for name, blocks in (("whole workload (no eviction)", whole),
-                         ("1/4 of it (every block evicted)", max(whole // 4, seq_blocks * 2 + 1))):
-        r = bench_h0(model, prompts, params, args.repeats, host_blocks=whole, num_blocks=blocks,
-                     max_num_seqs=min(args.num_requests, (blocks - 1) // seq_blocks),
-                     **{k: v for k, v in base.items() if k != "max_num_seqs"})
-        print(f"{name:<34}{r['on']:>8.2f}{r['off']:>8.2f}{r['on'] / r['off']:>8.3f}"
-              f"{r['cpu_on'] / r['cpu_off']:>12.3f}{r['offloaded']:>11}{r['hit']:>6}")
-    print("cost at h = 0, tier on / off (goal <= 1.02): the ratios above")
+    if not args.ttft_only:
+        print(f"\nH0  {args.num_requests} requests x {args.prompt_len} random tokens (no shared prefix: h = 0), "
+              f"{args.output_len} output tokens, tier of {whole} blocks, median of {args.repeats}")
+        print(f"{'device pool':<34}{'on s':>8}{'off s':>8}{'on/off':>8}{'CPU on/off':>12}{'offloaded':>11}{'hits':>6}")
+        for name, blocks in (("whole workload (no eviction)", whole),
+                             ("1/4 of it (every block evicted)", max(whole // 4, seq_blocks * 2 + 1))):
+            r = bench_h0(model, prompts, params, args.repeats, host_blocks=whole, num_blocks=blocks,
+                         max_num_seqs=min(args.num_requests, (blocks - 1) // seq_blocks),
+                         **{k: v for k, v in base.items() if k != "max_num_seqs"})
+            print(f"{name:<34}{r['on']:>8.2f}{r['off']:>8.2f}{r['on'] / r['off']:>8.3f}"
+                  f"{r['cpu_on'] / r['cpu_off']:>12.3f}{r['offloaded']:>11}{r['hit']:>6}")
+        print("cost at h = 0, tier on / off (goal <= 1.02): the ratios above")
 
     print(f"\nTTFT  one request of prefix + 16 tokens, 4 output tokens; device pool of two prefixes, median of "
           f"{args.repeats}")

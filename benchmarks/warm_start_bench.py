@@ -90,6 +90,7 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64, help="the engine's (graph sizes follow it)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--starts", type=int, default=3, help="fresh processes per cell; the median is shown")
+    ap.add_argument("--warm-only", action="store_true", help="only the cells with the warm-up (make gpu-check)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: one cell, JSON on stdout
     ap.add_argument("--no-warm-up", action="store_true", help=argparse.SUPPRESS)
@@ -105,7 +106,7 @@ def main() -> int:
     print(f"{'config':<10}{'warm-up':<9}{'start s':>9}{'first TTFT ms':>15}{'warm TTFT ms':>14}{'first/warm':>12}")
     result: dict = {"model": model, "device": device, "prompt_len": args.prompt_len, "configs": {}}
     for name in args.configs.split(","):
-        for warm in (True, False):
+        for warm in (True,) if args.warm_only else (True, False):
             runs = [one_start(name, warm, args) for _ in range(args.starts)]
             r = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
             r["runs"] = runs

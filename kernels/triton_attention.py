@@ -5,7 +5,8 @@ the design. In short:
 
 * One program owns one query tile of one sequence and one KV head. The tile packs ``BLOCK_Q``
   tokens times all ``GROUP`` query heads that read that KV head (GQA/MQA packing), so every K/V
-  tile loaded from the cache is reused by the whole group.
+  tile loaded from the cache is reused by the whole group. The ``BLOCK_Q * GROUP`` rows are padded
+  once, to ``BLOCK_M`` (a power of two), not per token: a group of 7 fills 63 of 64 rows.
 * The grid's first axis enumerates query tiles without a host sync: sequence s owns tile ids
   ``[cu_q_lens[s] // BLOCK_Q + s, cu_q_lens[s + 1] // BLOCK_Q + s + 1)``, enough for
   ``cdiv(q_len, BLOCK_Q)`` tiles; a program finds its sequence by binary search.
@@ -14,20 +15,30 @@ the design. In short:
   never loaded.
 * Split-KV: for decode-heavy batches whose grid is too small to fill the GPU, the key range is
   cut into ``num_splits`` parts that write partial (acc, max, sum) to a workspace, and a second
-  kernel combines them.
+  kernel combines them (all splits of a (token, head) in one vector load).
+* Block-table loads: one per page of a key tile (one per tile when a page holds the tile), not
+  one per key.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kvmesh.kernels.attention_configs import (
+    AttentionConfig,
+    SplitKVPolicy,
+    attention_config,
+    check_head_shape,
+    default_attention_config,
+    head_dim_pad,
+    split_kv_policy,
+)
+
 _LOG2E = 1.4426950408889634
-_MAX_KV_SPLITS = 16
 
 
 @triton.jit
@@ -88,15 +99,35 @@ def _attend_kv_range(
     for n0 in range(kv_start, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_len
-        # NOTE: physical block ids go to int64 before the multiply; num_blocks * stride_kb
-        # overflows int32 for caches of a few GiB.
-        if MASKED:
-            page = tl.load(block_table_row_ptr + pos // PAGE_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        else:
-            page = tl.load(block_table_row_ptr + pos // PAGE_SIZE).to(tl.int64)
         in_page = (pos % PAGE_SIZE).to(tl.int64)
-        k_offs = page * stride_kb + in_page * stride_ks + kv_head * stride_kh
-        v_offs = page * stride_vb + in_page * stride_vs + kv_head * stride_vh
+        # NOTE: physical block ids go to int64 before the multiply; num_blocks * stride_kb
+        # overflows int32 for caches of a few GiB. Tiles start at multiples of BLOCK_N (every
+        # range does), so a tile covers whole pages, or lies inside one.
+        if PAGE_SIZE % BLOCK_N == 0:
+            # one page holds the tile: one table load (n0 < kv_len in every range)
+            page = tl.load(block_table_row_ptr + n0 // PAGE_SIZE).to(tl.int64)
+            k_offs = page * stride_kb + in_page * stride_ks + kv_head * stride_kh
+            v_offs = page * stride_vb + in_page * stride_vs + kv_head * stride_vh
+        elif BLOCK_N % PAGE_SIZE == 0 and (PAGE_SIZE & (PAGE_SIZE - 1)) == 0:
+            # one table load per page, its base offset broadcast over the page's keys
+            NUM_PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
+            page_idx = n0 // PAGE_SIZE + tl.arange(0, NUM_PAGES)
+            if MASKED:
+                pages = tl.load(block_table_row_ptr + page_idx, mask=page_idx * PAGE_SIZE < kv_len, other=0)
+            else:
+                pages = tl.load(block_table_row_ptr + page_idx)
+            pages = pages.to(tl.int64)
+            k_base = tl.reshape(tl.broadcast_to((pages * stride_kb)[:, None], (NUM_PAGES, PAGE_SIZE)), (BLOCK_N,))
+            v_base = tl.reshape(tl.broadcast_to((pages * stride_vb)[:, None], (NUM_PAGES, PAGE_SIZE)), (BLOCK_N,))
+            k_offs = k_base + in_page * stride_ks + kv_head * stride_kh
+            v_offs = v_base + in_page * stride_vs + kv_head * stride_vh
+        else:  # a page size that is not a power of two: a table load per key
+            if MASKED:
+                page = tl.load(block_table_row_ptr + pos // PAGE_SIZE, mask=pos_ok, other=0).to(tl.int64)
+            else:
+                page = tl.load(block_table_row_ptr + pos // PAGE_SIZE).to(tl.int64)
+            k_offs = page * stride_kb + in_page * stride_ks + kv_head * stride_kh
+            v_offs = page * stride_vb + in_page * stride_vs + kv_head * stride_vh
         if MASKED or HEAD_DIM != HEAD_DIM_PAD:
             k = tl.load(
                 k_cache_ptr + k_offs[None, :] + dims[:, None] * stride_kd,
@@ -180,8 +211,8 @@ def _ragged_paged_attention_kernel(
     stride_od,
     stride_bt,
     GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -191,7 +222,6 @@ def _ragged_paged_attention_kernel(
     SPLIT_KV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -205,12 +235,12 @@ def _ragged_paged_attention_kernel(
     kv_len = tl.load(kv_lens_ptr + seq)
     ctx_len = kv_len - q_len
 
-    # Row r of the tile is token r // GROUP_PAD, query head kv_head * GROUP + r % GROUP_PAD.
+    # Row r of the tile is token r // GROUP, query head kv_head * GROUP + r % GROUP; rows from
+    # BLOCK_Q * GROUP to BLOCK_M are padding (masked).
     rows = tl.arange(0, BLOCK_M)
-    tok = q_tile * BLOCK_Q + rows // GROUP_PAD
-    head_in_group = rows % GROUP_PAD
-    q_head = kv_head * GROUP + head_in_group
-    row_ok = (tok < q_len) & (head_in_group < GROUP)
+    tok = q_tile * BLOCK_Q + rows // GROUP
+    q_head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
     q_pos = ctx_len + tok
     token = (q_start + tok).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -297,26 +327,26 @@ def _combine_kv_splits_kernel(
     stride_od,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
-    """Merges the split partials of one (token, query head) into the final output."""
+    """Merges the split partials of one (token, query head) into the final output: every split's
+    (max, sum) and accumulator in one masked vector load each, one pass."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     if token >= tl.load(cu_q_lens_ptr + num_seqs):
         return  # padding token past the last sequence: never written by the attention kernel
     dims = tl.arange(0, HEAD_DIM_PAD)
-    m_all = tl.full([], float("-inf"), dtype=tl.float32)
-    for j in range(num_splits):
-        m_all = tl.maximum(m_all, tl.load(part_ml_ptr + ((j * num_tokens + token) * num_q_heads + head) * 2))
-    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
-    l_all = tl.zeros([], dtype=tl.float32)
-    for j in range(num_splits):
-        row = (j * num_tokens + token).to(tl.int64) * num_q_heads + head
-        m_j = tl.load(part_ml_ptr + row * 2)
-        l_j = tl.load(part_ml_ptr + row * 2 + 1)
-        w = tl.exp2(m_j - m_all)  # 0 for a split that saw no key (m_j = -inf)
-        acc += w * tl.load(part_acc_ptr + row * HEAD_DIM_PAD + dims)
-        l_all += w * l_j
-    out = acc / l_all
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < num_splits
+    row = (splits * num_tokens + token).to(tl.int64) * num_q_heads + head
+    m = tl.load(part_ml_ptr + row * 2, mask=split_ok, other=float("-inf"))
+    l_j = tl.load(part_ml_ptr + row * 2 + 1, mask=split_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_PAD + dims[None, :], mask=split_ok[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    # NOTE: a split that saw no key has m = -inf and weight 0; every valid row sees its own key in
+    # some split, so m_all is finite.
+    w = tl.where(split_ok, tl.exp2(m - m_all), 0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(w * l_j, axis=0)
     tl.store(
         out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims * stride_od,
         out.to(out_ptr.dtype.element_ty),
@@ -329,52 +359,17 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@dataclass(frozen=True, slots=True)
-class AttentionConfig:
-    """The launch of one kind of batch: tile sizes and pipelining (docs/kernels.md, "Launch parameters")."""
-
-    block_m: int
-    """Rows of a program's tile: query tokens x the padded GQA group (at least the group)."""
-    block_n: int
-    """Keys per inner-loop tile."""
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-@dataclass(frozen=True, slots=True)
-class SplitKVPolicy:
-    """When a decode-heavy batch splits each program's keys (docs/kernels.md, "Split-KV")."""
-
-    max_splits: int = _MAX_KV_SPLITS
-    min_tiles_per_split: int = 4
-    """Key tiles each split keeps at least."""
-
-
-SPLIT_KV = SplitKVPolicy()
-
-ConfigKey = tuple[bool, torch.dtype, int]
-"""(decode-heavy, q's dtype, padded head size)."""
-
-
-def default_attention_config(decode_heavy: bool, dtype: torch.dtype, head_dim_pad: int) -> AttentionConfig:
-    """The untuned starting point, for every head size and dtype: a decode tile is one token's head
-    group (tl.dot needs 16 rows), a prefill tile 64 rows; 64 keys a tile (32 for D > 128), half
-    for float32. Untuned: on an H100 0.64-0.89x of SDPA (docs/kernels.md, "Tuning")."""
-    block_n = 64 if head_dim_pad <= 128 else 32
-    if dtype == torch.float32:
-        block_n //= 2  # twice the bytes per element: keep K/V tiles in shared memory
-    return AttentionConfig(block_m=16 if decode_heavy else 64, block_n=block_n)
-
-
-ATTENTION_CONFIGS: dict[ConfigKey, AttentionConfig] = {}
-"""Tuned launches by (decode-heavy, dtype, padded head size); a key not here takes
-:func:`default_attention_config`. Empty: nothing is tuned yet (benchmarks/kernel_bench.py --sweep
-measures candidates on a GPU)."""
-
-
-def attention_config(decode_heavy: bool, dtype: torch.dtype, head_dim_pad: int) -> AttentionConfig:
-    key = (decode_heavy, dtype, head_dim_pad)
-    return ATTENTION_CONFIGS.get(key) or default_attention_config(*key)
+def choose_num_kv_splits(decode_heavy: bool, programs: int, max_kv: int, block_n: int, sms: int,
+                         policy: SplitKVPolicy) -> int:
+    """Split-KV count of a batch, from shapes only (no host sync): 1 unless a decode-heavy grid has
+    fewer than ``policy.programs_per_sm`` programs per SM; then enough splits to fill them, each
+    keeping ``min_tiles_per_split`` key tiles of the table's width, a power of two (a batch shape
+    gives one count), at most ``max_splits``."""
+    target = policy.programs_per_sm * sms
+    if not decode_heavy or programs >= target:
+        return 1
+    want = min(policy.max_splits, triton.cdiv(target, programs), max(1, max_kv // (policy.min_tiles_per_split * block_n)))
+    return 1 << (want.bit_length() - 1)
 
 
 def ragged_paged_attention_triton(
@@ -392,16 +387,20 @@ def ragged_paged_attention_triton(
     block_q: int | None = None,
     block_n: int | None = None,
     config: AttentionConfig | None = None,
+    split_policy: SplitKVPolicy | None = None,
 ) -> torch.Tensor:
     """Triton ragged paged attention; same contract as ``ragged_paged_attention_ref``.
 
     Args:
         num_kv_splits: force the split-KV path with this many splits (1 disables it); by default
             it is chosen from the batch shape without a host sync (see docs/kernels.md).
-        block_q: query tokens per program (tests / tuning); BLOCK_M = block_q * next_pow2(group).
+        block_q: query tokens per program (tests / tuning); the tile has ``block_q * group`` rows,
+            padded to a power of two.
         block_n: keys per inner-loop tile (tests / tuning).
-        config: the launch (tests / tuning); by default :func:`attention_config` of the batch
-            (under the interpreter 16 x 16 tiles, so small tests cross tile boundaries).
+        config: the launch (tests / tuning); by default the committed table's entry for this head
+            shape, phase and dtype (attention_configs.py; under the interpreter 16 x 16 tiles, so
+            small tests cross tile boundaries).
+        split_policy: when to split (tuning); by default the committed table's.
 
     Returns:
         ``[T, Hq, D]`` in q's dtype. Rows of padding tokens past ``cu_q_lens[-1]`` are undefined.
@@ -432,34 +431,26 @@ def ragged_paged_attention_triton(
 
     interpret = not q.is_cuda
     group = num_q_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    d_pad = head_dim_pad(head_dim)
     decode_heavy = num_tokens <= 2 * num_seqs  # mean query length <= 2, known without a sync
     if config is None:
-        config = AttentionConfig(16, 16) if interpret else attention_config(decode_heavy, q.dtype, head_dim_pad)
-    block_q = block_q or max(1, config.block_m // group_pad)
+        config = AttentionConfig(16, 16) if interpret else attention_config(decode_heavy, q.dtype, head_dim, group)
+    block_q = block_q or max(1, config.block_m // group)
+    block_m = max(16, triton.next_power_of_2(block_q * group))  # tl.dot needs 16 rows
     block_n = block_n or config.block_n
     num_q_tiles = num_tokens // block_q + num_seqs  # upper bound, see the module docstring
 
+    policy = split_policy or split_kv_policy()
     if num_kv_splits is None:
         num_kv_splits = 1
-        if not interpret and decode_heavy:
-            programs = num_q_tiles * num_kv_heads
-            max_kv = block_tables.shape[1] * page_size
+        if not interpret:
             sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
-            if programs < sms:
-                # each split keeps some key tiles; a power of two (a batch shape gives one count)
-                want = min(SPLIT_KV.max_splits, triton.cdiv(sms, programs),
-                           max(1, max_kv // (SPLIT_KV.min_tiles_per_split * block_n)))
-                num_kv_splits = 1 << (want.bit_length() - 1)
+            num_kv_splits = choose_num_kv_splits(decode_heavy, num_q_tiles * num_kv_heads,
+                                                 block_tables.shape[1] * page_size, block_n, sms, policy)
     split_kv = num_kv_splits > 1
     if split_kv:
-        part_acc = torch.empty(
-            (num_kv_splits, num_tokens, num_q_heads, head_dim_pad), dtype=torch.float32, device=q.device
-        )
-        part_ml = torch.empty(
-            (num_kv_splits, num_tokens, num_q_heads, 2), dtype=torch.float32, device=q.device
-        )
+        part_acc = torch.empty((num_kv_splits, num_tokens, num_q_heads, d_pad), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((num_kv_splits, num_tokens, num_q_heads, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
 
@@ -470,27 +461,29 @@ def ragged_paged_attention_triton(
         num_seqs, num_seqs.bit_length(), num_kv_splits, num_tokens, num_q_heads,
         scale * _LOG2E, float(softcap or 1.0), int(sliding_window or 0),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, PAGE_SIZE=page_size,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(softcap),
         SPLIT_KV=split_kv, DOT_PRECISION=precision,
         **launch,
     )  # fmt: skip
     if split_kv:
+        # NOTE: one variant for every split count up to the policy's bound (the warm-up compiles it).
+        splits_pad = triton.next_power_of_2(max(num_kv_splits, policy.max_splits))
         _combine_kv_splits_kernel[(num_tokens, num_q_heads)](
             out, part_acc, part_ml, cu_q_lens, num_seqs, num_kv_splits, num_tokens, num_q_heads,
-            *out.stride(), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            **({} if interpret else {"num_warps": 1}),
+            *out.stride(), HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, SPLITS_PAD=splits_pad,
+            **({} if interpret else {"num_warps": 2 if d_pad * splits_pad >= 2048 else 1}),
         )  # fmt: skip
     return out
 
 
 __all__ = [
-    "ATTENTION_CONFIGS",
-    "SPLIT_KV",
     "AttentionConfig",
     "SplitKVPolicy",
     "attention_config",
+    "check_head_shape",
+    "choose_num_kv_splits",
     "default_attention_config",
     "ragged_paged_attention_triton",
 ]

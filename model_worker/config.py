@@ -85,6 +85,10 @@ class ModelConfig:
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu")
         num_heads = cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads "
+                             f"({num_kv_heads}): no grouped-query attention serves that")
         num_layers = cfg["num_hidden_layers"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         # NOTE: transformers >= 5 writes rope_parameters {rope_theta, rope_type, ...}; older
@@ -107,7 +111,7 @@ class ModelConfig:
             hidden_size=cfg["hidden_size"],
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"],
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
@@ -176,6 +180,11 @@ class EngineConfig(SchedulerConfig):
     """torch.compile the forward pass (inductor fuses norms, rotary, activation and residuals; attention
     and the KV write stay opaque custom ops); neither flag = the device's default: on for CUDA, off for
     CPU (docs/engine.md, "Compiled forward")."""
+    async_scheduling: bool | None = None
+    """Plan step n+1 while step n runs (vLLM's async scheduling, SGLang's overlap scheduler): sampled ids stay
+    on the device as the next step's inputs and come to the host behind the next launch; neither flag = the
+    device's default: on for CUDA, off for the CPU, where a step leaves nothing to overlap (docs/engine.md,
+    "Async scheduling")."""
     enforce_eager: bool = False
     """No CUDA graphs: every decode step runs eagerly (vLLM's --enforce-eager). CUDA only; a CPU worker
     never captures graphs."""
@@ -227,6 +236,8 @@ class EngineConfig(SchedulerConfig):
         parse_dtype(self.dtype)
         if self.compile is None:
             self.compile = self.device.startswith("cuda")
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device.startswith("cuda")
 
     def scheduler_config(self, num_scheduler_steps: int | None = None) -> SchedulerConfig:
         """The scheduler's part (``num_scheduler_steps`` overridden: a runner without windows runs 1)."""

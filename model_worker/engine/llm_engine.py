@@ -24,7 +24,7 @@ from kvmesh.model_worker.scheduling.config import SchedulerConfig
 from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.scheduling.kv_holds import KVHolds
-from kvmesh.model_worker.scheduling.output import RequestOutput, StepWork
+from kvmesh.model_worker.scheduling.output import RequestOutput, SchedulerOutput, StepWork
 from kvmesh.model_worker.scheduling.request import Request, RequestStatus
 from kvmesh.model_worker.scheduling.scheduler import Scheduler
 
@@ -169,6 +169,11 @@ class LLMEngine:
         assert config.max_model_len is not None
         self.scheduler = scheduler_factory(
             config.scheduler_config(None if hasattr(self.runner, "execute_window") else 1), self.kv_cache_manager)
+        self.async_scheduling = bool(config.async_scheduling) and hasattr(self.runner, "launch")
+        """Whether step n+1 is planned and launched before step n's tokens are committed (a runner without
+        ``launch``, the simulated one, runs every step to the end)."""
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None
+        """The launched step whose tokens are not committed yet, with its runner's PendingTokens."""
         self._lock = threading.Lock()
         # NOTE: ("add", Request) / ("abort", id) in call order; only step() touches the scheduler.
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -202,7 +207,36 @@ class LLMEngine:
         """The KV cache as blocks of bytes (None for a runner without a KV cache: the simulated one)."""
         self._hold_on_finish: dict[str, tuple[Request, float]] = {}
         self._imports: dict[str, KVImport] = {}
+        self.warm_request_s = self._warm_step_path() if warm_up is not None else 0.0
+        """Seconds the warm-up request took (0: none ran)."""
         self._stats = self._snapshot()
+
+    def _warm_step_path(self) -> float:
+        """Runs one request (a prompt of up to 128 tokens, 2 output tokens: a prefill and a decode)
+        through ``step()`` before the first client's, then leaves no trace of it: no hashes (no
+        prefix-cache entry, no block event), counters at zero, the KV cache zeroed. Returns its time.
+
+        The runner's warm-up runs the model on dummy batches; this reaches the rest of a step, which
+        a first request would otherwise pay for: the scheduler, the input packing and its pinned
+        host buffers (CUDA), the sampler on a real batch, the async launch and commit."""
+        kv, bs = self.kv_cache_manager, self.config.block_size
+        assert self.config.max_model_len is not None
+        n = min(128, self.config.max_model_len - 2, self.config.max_num_batched_tokens, (kv.num_blocks - 1) * bs - 2)
+        if n < 1:
+            return 0.0
+        start = time.perf_counter()
+        vocab = self.model_config.vocab_size
+        self.scheduler.add_request(Request("__warm-up-request__", [1 + i % (vocab - 1) for i in range(n)],
+                                           SamplingParams(max_tokens=2, ignore_eos=True)))
+        while self.scheduler.has_unfinished_requests() or self._in_flight is not None:
+            self.step()
+        self.kv_cache_manager.take_events()
+        self._work, self._busy_s, self._steps, self.last_step_s = StepWork(), 0.0, 0, 0.0
+        kv.prefix_cache_queries = kv.prefix_cache_hits = kv.host_cache_hits = 0
+        for layer in getattr(self.runner, "attention_layers", ()):
+            layer.k_cache.zero_()
+            layer.v_cache.zero_()
+        return time.perf_counter() - start
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                     cache_salt: str = "", hold_kv_s: float | None = None, kv_import: KVImport | None = None) -> None:
@@ -367,7 +401,7 @@ class LLMEngine:
             self.kv_holds.hold(o.request_id, request.block_hashes[:(request.num_prompt_tokens - 1) // bs], now + ttl)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._inbox) or self.scheduler.has_unfinished_requests()
+        return bool(self._inbox) or self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self, on_output: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """Schedules one batch, runs it, and returns the requests that got tokens or finished.
@@ -376,8 +410,13 @@ class LLMEngine:
         passes; a request then appears once per inner step in the result. ``on_output`` gets each
         inner step's outputs as soon as its tokens are on the host, so a caller can stream every
         token when it is produced instead of when the window ends.
+
+        With async scheduling a call launches its batch and then commits the batch the call before
+        launched (so its outputs are that batch's): the host plans and launches step n+1 while the
+        device still runs step n (docs/engine.md, "Async scheduling").
         """
         self._drain_inbox()
+        prev, self._in_flight = self._in_flight, None
         out = self.scheduler.schedule()
         if self.kv_holds.imports:
             requests = self.scheduler.requests
@@ -403,38 +442,32 @@ class LLMEngine:
         runner = self.runner
         t0 = time.perf_counter()
         if out.kv_transfers is not None:
-            # NOTE: before the forward pass, which overwrites the evicted blocks and reads the loaded ones.
+            # NOTE: before the forward pass, which overwrites the evicted blocks and reads the loaded ones
+            # (and, on the device's stream, after the step in flight).
             runner.copy_kv_blocks(out.kv_transfers)
             self._host_loaded += len(out.kv_transfers.loads)
-        if out.num_steps == 1:
+        if out.num_steps > 1:
+            if prev is not None:
+                # NOTE: a window's inputs are known tokens: the step in flight is committed first.
+                commit(self.scheduler.update_from_output(prev[0], prev[1].wait()))
+            self._run_window(out, commit)
+        elif self.async_scheduling:
+            if not out.is_empty:
+                self.scheduler.start_step(out)
+            pending = runner.launch(out)
+            if not out.is_empty:
+                self._in_flight = (out, pending)
+                self._work.add(out.work())
+                self._steps += 1
+            if prev is not None:
+                # NOTE: the step before, committed while this one runs: stop checks and streaming
+                # happen behind the launch (its tokens' copy overlapped it).
+                commit(self.scheduler.update_from_output(prev[0], prev[1].wait()))
+        else:
             commit(self.scheduler.update_from_output(out, runner.execute(out)))
             if not out.is_empty:
                 self._work.add(out.work())
                 self._steps += 1
-        else:
-            num_done = 0
-            # NOTE: per row, the context its next token attends to; a runner hands over one token per
-            # row per inner step (the GPU's) or several at once (the simulator's whole windows).
-            context = {s.request.request_id: s.start + 1 for s in out.scheduled}
-            work = self._work
-
-            def on_step(tokens: dict[str, list[int]]) -> list[str]:
-                nonlocal num_done
-                steps = 0
-                for rid, ts in tokens.items():
-                    m, c = len(ts), context[rid]
-                    work.decode_seqs += m
-                    work.decode_context_tokens += m * c + m * (m - 1) // 2
-                    context[rid] = c + m
-                    steps = max(steps, m)
-                num_done += steps
-                commit(self.scheduler.update_from_output(out, tokens))
-                # NOTE: aborts take effect between inner steps; adds only queue until the next schedule().
-                self._drain_inbox()
-                return self.scheduler.prepare_window_step(out) if num_done < out.num_steps else []
-
-            runner.execute_window(out, on_step)
-            self._steps += num_done
         modelled = getattr(runner, "last_step_s", None)
         self.last_step_s = modelled if modelled is not None else time.perf_counter() - t0
         self._busy_s += self.last_step_s
@@ -443,6 +476,32 @@ class LLMEngine:
             self._stats = snap
             self._drained.clear()
         return outputs
+
+    def _run_window(self, out: SchedulerOutput, commit: Callable[[list[RequestOutput]], None]) -> None:
+        """Runs a multi-step window, committing each inner step's tokens as they reach the host."""
+        num_done = 0
+        # NOTE: per row, the context its next token attends to; a runner hands over one token per
+        # row per inner step (the GPU's) or several at once (the simulator's whole windows).
+        context = {s.request.request_id: s.start + 1 for s in out.scheduled}
+        work = self._work
+
+        def on_step(tokens: dict[str, list[int]]) -> list[str]:
+            nonlocal num_done
+            steps = 0
+            for rid, ts in tokens.items():
+                m, c = len(ts), context[rid]
+                work.decode_seqs += m
+                work.decode_context_tokens += m * c + m * (m - 1) // 2
+                context[rid] = c + m
+                steps = max(steps, m)
+            num_done += steps
+            commit(self.scheduler.update_from_output(out, tokens))
+            # NOTE: aborts take effect between inner steps; adds only queue until the next schedule().
+            self._drain_inbox()
+            return self.scheduler.prepare_window_step(out) if num_done < out.num_steps else []
+
+        self.runner.execute_window(out, on_step)
+        self._steps += num_done
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """Block lifecycle events since the last call (to publish to kv_service)."""

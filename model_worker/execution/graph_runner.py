@@ -7,7 +7,8 @@ start-up, and a step replays its graph: one launch. A batch of ``n`` sequences r
 the smallest captured ``B >= n``; larger batches, prefills and mixed steps run as before.
 
 Every input of a step lives in one static int32 buffer, ``[B_max, C]``, one row per sequence:
-KV length, a real-row flag, position, token id, then the block table of each KV cache group.
+KV length, a real-row flag, position, token id, where the token is still on the device (async
+scheduling), then the block table of each KV cache group.
 A step copies its rows in with one host-to-device copy, and the captured body reads them:
 
 1. token ids and positions (as int64), each row's cache slot from its block table, or -1;
@@ -38,10 +39,12 @@ MAX_CAPTURE_SIZE = 512
 """The largest batch captured by default (vLLM's and nano-vllm's bound): larger batches run eagerly,
 where a step's launches weigh little against its work."""
 
-# Columns of the static buffer.
-_KV_LEN, _REAL, _POS, _TOKEN, _TABLES = 0, 1, 2, 3, 4
+# Columns of the static buffer. _SOURCE: 1 + the row of the previous step's sampled ids that holds
+# this row's input token (async scheduling), 0 = the token column holds it.
+_KV_LEN, _REAL, _POS, _TOKEN, _SOURCE = 0, 1, 2, 3, 4
 _ALIGN = 4
 """int32 columns per 16 bytes: each block table starts 16-byte aligned (what Triton specialises on)."""
+_TABLES = 8
 
 ForwardLogits = Callable[[torch.Tensor, torch.Tensor, list[AttentionMetadata]], torch.Tensor]
 """(token ids ``[T]``, positions ``[T]``, metadata per KV cache group) -> float32 logits ``[T, vocab]``."""
@@ -114,6 +117,7 @@ class DecodeGraphs:
         self._row_len: list[list[int]] = [[0] * self.max_size for _ in range(num_groups)]
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self._has_sources = False
         self.num_rows = 0
         """Real rows of the loaded batch."""
         self.size = 0
@@ -126,10 +130,12 @@ class DecodeGraphs:
     def fits(self, n: int) -> bool:
         return 0 < n <= self.max_size
 
-    def load(self, token_ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[Sequence]]) -> None:
+    def load(self, token_ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[Sequence]],
+             sources: Sequence[int] | None = None) -> None:
         """Loads a decode batch: row i is token ``token_ids[i]`` at ``positions[i]`` (KV length
         position + 1) with block table ``tables[g][i]`` in group g (block ids, or blocks with a
-        ``block_id``); pads it to its graph's size.
+        ``block_id``); pads it to its graph's size. ``sources[i] >= 0``: the row's token is that row
+        of the previous step's sampled ids, still on the device (:meth:`take_tokens`).
 
         A row's table is written whole when its list differs from the last step's, else (append-only
         tables) only the blocks appended since: a decode step costs O(rows), not O(context).
@@ -149,6 +155,9 @@ class DecodeGraphs:
         head[:n, _REAL] = 1
         head[:n, _POS] = pos
         head[:n, _TOKEN] = torch.tensor(token_ids, dtype=torch.int32)
+        self._has_sources = sources is not None and any(i >= 0 for i in sources)
+        if self._has_sources:
+            head[:n, _SOURCE] = torch.tensor(sources, dtype=torch.int32) + 1
         for g, group in enumerate(tables):
             start = _TABLES + g * self._stride
             src, held = self._row_src[g], self._row_len[g]
@@ -183,6 +192,16 @@ class DecodeGraphs:
             graph = self._capture(self.size)
         graph.replay()
         return self._logits[: self.num_rows]
+
+    def take_tokens(self, sampled: torch.Tensor) -> None:
+        """Async scheduling: the rows :meth:`load` gave a source take their input id from
+        ``sampled`` (the previous step's ids, on the device), without a host sync. Before :meth:`run`."""
+        if not self._has_sources:
+            return
+        rows = self._inputs[: self.size]
+        source = rows[:, _SOURCE].long()
+        picked = sampled.to(torch.int32)[(source - 1).clamp_(0, sampled.numel() - 1)]
+        rows[:, _TOKEN] = torch.where(source > 0, picked, rows[:, _TOKEN])
 
     def feed(self, token_ids: torch.Tensor) -> None:
         """The next step's input ids (``[num_rows]``, on the device): a window's sampled tokens."""

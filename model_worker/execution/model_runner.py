@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kvmesh.kernels.attention_configs import check_head_shape
 from kvmesh.kernels.dispatch import attention_backend
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.execution.compile import CompiledForward
@@ -23,9 +24,11 @@ from kvmesh.model_worker.execution.host_allocator import keep_freed_buffers
 from kvmesh.model_worker.execution.kv_offload import HostKVCache, check_host_memory
 from kvmesh.model_worker.execution.memory import (
     DeviceMemory,
+    Footprint,
     activation_reserve,
     graph_reserve,
     kv_cache_budget,
+    process_memory,
     worker_share,
 )
 from kvmesh.model_worker.execution.model_loader import load_model
@@ -41,6 +44,27 @@ log = logging.getLogger(__name__)
 
 WindowStepCallback = Callable[[dict[str, list[int]]], list[str]]
 """Called after each inner step of a window with request id -> its token; returns the ids still running."""
+
+
+class PendingTokens:
+    """A launched step's sampled tokens on their way to the host (async scheduling).
+
+    Args:
+        request_ids: the sampling rows' requests, in row order.
+        wait: waits for the copy and returns the tokens (row order); None when nothing samples.
+    """
+
+    __slots__ = ("_request_ids", "_wait")
+
+    def __init__(self, request_ids: list[str], wait: Callable[[], list[int]] | None) -> None:
+        self._request_ids = request_ids
+        self._wait = wait
+
+    def wait(self) -> dict[str, list[int]]:
+        """Request id -> its token, once the copy is done (what ``execute`` returns)."""
+        if self._wait is None:
+            return {}
+        return {rid: [t] for rid, t in zip(self._request_ids, self._wait(), strict=True)}
 
 _DEFAULT_CPU_FRACTION = 0.05
 _TORCH_DEFAULT_THREADS = torch.get_num_threads()
@@ -100,6 +124,8 @@ def apply_cpu_threads() -> None:
                  "OMP_NUM_THREADS or --torch-threads to choose)", torch.get_num_threads(), threads)
         torch.set_num_threads(threads)
 _DEFAULT_GPU_FRACTION = 0.9
+_DEVICES_COUNTED: set[int] = set()
+"""CUDA devices whose first engine in this process counted the process's memory (its CUDA context)."""
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
@@ -131,14 +157,21 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is not None:
             # NOTE: graph captures, Triton launches and the side stream use the current device.
             torch.cuda.set_device(self.device)
-        self._share: tuple[DeviceMemory, int, int] | None = None
+        if attention_backend(self.device) == "triton":
+            # NOTE: before anything is loaded: a head shape the kernel cannot run is refused, never served wrong.
+            check_head_shape(model_config.num_heads, model_config.num_kv_heads, model_config.head_dim)
+        self._share: tuple[Footprint, int] | None = None
         if self.device.type == "cuda" and config.num_blocks is None:
             # NOTE: before anything is loaded, and refused at once when the share is not free. What
             # torch caches but does not use (an earlier engine of this process) is given back first.
             torch.cuda.empty_cache()
             memory = DeviceMemory.read(self.device)
-            share = worker_share(memory, config.memory_fraction or _DEFAULT_GPU_FRACTION)
-            self._share = (memory, share, torch.cuda.memory_reserved(self.device))
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            footprint = Footprint(memory, torch.cuda.memory_reserved(self.device),
+                                  counts_process=index not in _DEVICES_COUNTED)
+            _DEVICES_COUNTED.add(index)
+            share = worker_share(memory, config.memory_fraction or _DEFAULT_GPU_FRACTION, footprint.held_at_start)
+            self._share = (footprint, share)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.model = load_model(config.model, model_config, self.dtype, config.device)
@@ -153,6 +186,9 @@ class ModelRunner:
         self.num_host_blocks = self.host_kv.blocks.shape[0] if self.host_kv is not None else 0
         self.sampler = Sampler(config.seed)
         self._copy_stream: torch.cuda.Stream | None = None
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        """The last launched step's sampled ids (on the device) and each request's row: the input ids
+        of the next step's placeholders (async scheduling)."""
         self.warmup_report: WarmupReport | None = None
 
     def warm_up(self) -> WarmupReport:
@@ -219,19 +255,18 @@ class ModelRunner:
         blocks_per_seq = kvc.max_blocks_per_request(cfg.max_model_len, cfg.max_num_batched_tokens)
         if self.device.type == "cuda":
             assert self._share is not None
-            start, share, reserved = self._share
+            footprint, share = self._share
             mc = self.model_config
-            free, _ = torch.cuda.mem_get_info(self.device)
-            # NOTE: this runner's weights and static decode buffers (not another engine's of this process).
-            held = torch.cuda.memory_reserved(self.device) - reserved
+            # NOTE: this engine's weights, static decode buffers and library workspaces, by this
+            # process's own figures: never what another process took meanwhile (memory.py).
+            held = footprint.held(process_memory(self.device), torch.cuda.memory_reserved(self.device))
             graphs = self.graphs.max_size if self.graphs is not None else 0
             budget = kv_cache_budget(
                 share,
-                weights=held,
+                held=held,
                 # NOTE: activations of one step are bounded by the token budget; keep room for them.
                 activations=activation_reserve(cfg.max_num_batched_tokens, mc.hidden_size, mc.intermediate_size),
                 graphs=graph_reserve(graphs, mc.hidden_size, mc.intermediate_size, mc.vocab_size),
-                other=max(0, start.free - free - held),  # what libraries took outside torch's allocator
             )
         else:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -279,8 +314,13 @@ class ModelRunner:
         max_blocks = max(len(s.block_ids) for s in out.scheduled)
         tables = torch.zeros((num_groups, len(out.scheduled), max_blocks), dtype=torch.int32)
         total = 0
+        placeholders: list[tuple[int, str]] = []
         for i, s in enumerate(out.scheduled):
-            ids.extend(s.request.all_token_ids[s.start : s.start + s.num_new_tokens])
+            known = s.request.all_token_ids[s.start : s.start + s.num_new_tokens]
+            ids.extend(known)
+            if len(known) < s.num_new_tokens:  # async scheduling: the last token is still on the device
+                placeholders.append((total + s.num_new_tokens - 1, s.request.request_id))
+                ids.extend([0] * (s.num_new_tokens - len(known)))
             q_lens.append(s.num_new_tokens)
             starts.append(s.start)
             kv_lens.append(s.start + s.num_new_tokens)
@@ -294,24 +334,37 @@ class ModelRunner:
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
         torch.cumsum(q_len_t, 0, out=cu[1:])
         positions = torch.arange(total) - cu[:-1][seq_of_token] + torch.tensor(starts)[seq_of_token]
-        dev = self.device
-        cu_dev = cu.to(torch.int32).to(dev)
-        kv_lens_dev = torch.tensor(kv_lens, dtype=torch.int32).to(dev)
+        h2d = self._to_device
+        cu_dev = h2d(cu.to(torch.int32))
+        kv_lens_dev = h2d(torch.tensor(kv_lens, dtype=torch.int32))
         metas = [
             AttentionMetadata(
-                slot_mapping=self._slots(tables[g], positions, seq_of_token).to(dev),
+                slot_mapping=h2d(self._slots(tables[g], positions, seq_of_token)),
                 cu_q_lens=cu_dev,
                 kv_lens=kv_lens_dev,
-                block_tables=tables[g].to(dev),
+                block_tables=h2d(tables[g]),
             )
             for g in range(num_groups)
         ]
+        input_ids = h2d(torch.tensor(ids, dtype=torch.int64))
+        if placeholders:
+            assert self._last_sampled is not None, "a placeholder token without a step in flight"
+            sampled, row_of = self._last_sampled
+            where = h2d(torch.tensor([[p for p, _ in placeholders], [row_of[rid] for _, rid in placeholders]]))
+            input_ids[where[0]] = sampled[where[1]]
         return (
-            torch.tensor(ids, dtype=torch.int64).to(dev),
-            positions.to(dev),
+            input_ids,
+            h2d(positions),
             metas,
-            torch.tensor(sample_rows, dtype=torch.int64).to(dev),
+            h2d(torch.tensor(sample_rows, dtype=torch.int64)),
         )
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without a host sync: on CUDA through pinned memory, non-blocking
+        (a plain ``.to`` waits for the stream, i.e. for the step in flight, under async scheduling)."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
@@ -337,6 +390,42 @@ class ModelRunner:
             logits, [r.sampling_params for r in sampling], [r.request_id for r in sampling]
         )
         return {r.request_id: [t] for r, t in zip(sampling, tokens, strict=True)}
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> PendingTokens:
+        """Async scheduling: runs the batch and samples on the device, starts copying the tokens to
+        the host and returns without waiting for them; the next step may be planned and launched
+        first. A row whose last input token is a placeholder (sampled by the step launched before
+        this one) reads it from that step's ids on the device."""
+        for request_id in out.finished_ids:
+            self.sampler.release(request_id)
+        if out.is_empty:
+            return PendingTokens([], None)
+        graphs = self.graphs
+        if graphs is not None and self._graph_decode(out):
+            token_ids, positions, tables = self._decode_rows(out)
+            sources = None
+            if any(s.start >= s.request.num_tokens for s in out.scheduled):
+                assert self._last_sampled is not None, "a placeholder token without a step in flight"
+                sampled, row_of = self._last_sampled
+                sources = [row_of[s.request.request_id] if s.start >= s.request.num_tokens else -1
+                           for s in out.scheduled]
+            graphs.load(token_ids, positions, tables, sources)
+            if sources is not None:
+                graphs.take_tokens(sampled)
+            logits = graphs.run()
+            rows = [s.request for s in out.scheduled]
+        else:
+            input_ids, positions, metas, sample_rows = self.prepare_inputs(out)
+            hidden = self.forward(input_ids, positions, metas)
+            rows = [s.request for s in out.scheduled if s.sample]
+            if not rows:
+                self._last_sampled = None
+                return PendingTokens([], None)
+            logits = self.model.compute_logits(hidden[sample_rows])
+        ids = self.sampler.sample_on_device(logits, [r.sampling_params for r in rows], [r.request_id for r in rows])
+        self._last_sampled = (ids, {r.request_id: i for i, r in enumerate(rows)})
+        return PendingTokens([r.request_id for r in rows], self._copy_to_host(ids))
 
     @torch.inference_mode()
     def execute_window(self, out: SchedulerOutput, on_step: WindowStepCallback) -> None:
@@ -448,8 +537,9 @@ class ModelRunner:
         cache manager's own lists (no copy; the graphs write only what changed since their last step)."""
         scheduled = out.scheduled
         lists = [s.live_blocks() for s in scheduled]
-        return ([s.request.all_token_ids[s.start] for s in scheduled], [s.start for s in scheduled],
-                [[t[g] for t in lists] for g in range(len(lists[0]))])
+        # NOTE: a placeholder (async scheduling: the token is still on the device) loads as 0; launch() sets it.
+        return ([t[s.start] if s.start < len(t := s.request.all_token_ids) else 0 for s in scheduled],
+                [s.start for s in scheduled], [[t[g] for t in lists] for g in range(len(lists[0]))])
 
     def _slots(
         self, block_tables: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None

@@ -10,6 +10,14 @@ import torch
 from kvmesh.contract.types import SamplingParams
 
 
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` on ``device`` without a host sync (pinned and non-blocking on CUDA): a plain copy
+    would wait for the step in flight (async scheduling)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
 class Sampler:
     """Picks one token per logits row.
 
@@ -48,10 +56,11 @@ class Sampler:
         out = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if p.temperature > 0.0 and p.top_k != 1]
         if rows:
+            index = _on_device(rows, torch.int64, logits.device)
             picked = self._sample_rows(
-                logits[rows], [params[i] for i in rows], [request_ids[i] for i in rows]
+                logits[index], [params[i] for i in rows], [request_ids[i] for i in rows]
             )
-            out[rows] = picked
+            out[index] = picked
         return out
 
     def release(self, request_id: str) -> None:
@@ -62,17 +71,17 @@ class Sampler:
         self, logits: torch.Tensor, params: list[SamplingParams], ids: list[str]
     ) -> torch.Tensor:
         device = logits.device
-        temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+        temps = _on_device([p.temperature for p in params], torch.float32, device)
         logits = logits / temps[:, None]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
         rank = torch.arange(vocab, device=device)[None, :]
         if any(p.top_k > 0 for p in params):
-            ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+            ks = _on_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, device)
             sorted_logits = sorted_logits.masked_fill(rank >= ks[:, None], float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
+            top_p = _on_device([p.top_p for p in params], probs.dtype, device)
             # NOTE: a token is kept while the mass before it is < top_p, so the top token always is.
             mass_before = probs.cumsum(dim=-1) - probs
             probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)

@@ -6,6 +6,10 @@ graph of the compiled forward pass, a CUDA graph per decode batch size, a librar
 dummy batches that reach each of them; ``warm_up`` runs them through the runner's own path, with
 every slot -1 (nothing is written to the KV cache) and block tables of null blocks.
 
+The engine then runs one request through its whole step path (llm_engine.py, ``_warm_step_path``):
+what no dummy batch reaches (the scheduler, input packing and its pinned host buffers, the sampler
+on a real batch, the async launch and commit) is first used there, not by a client's request.
+
 What varies between the Triton specialisations is the tile (decode-heavy or prefill-heavy
 batches) and split-KV (decided from shapes: a short grid and a wide block table); the integer
 arguments that vary per batch are not specialised (kernels/triton_attention.py,
@@ -72,9 +76,12 @@ class WarmupReport:
         return f"warm-up took {self.seconds:.1f} s: " + ", ".join(parts)
 
 
-def warmup_batches(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int
-                   ) -> list[WarmupBatch]:
-    """The dummy batches of a warm-up, in the order they run: one of each shape class."""
+def warmup_batches(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,
+                   prefill_classes: bool = False) -> list[WarmupBatch]:
+    """The dummy batches of a warm-up, in the order they run: one of each shape class, and with
+    ``prefill_classes`` a prefill of every power of two from 16 below the longest chunk (CUDA: the
+    matrix products of a prompt length pick their kernels by size class, and CUDA loads each kernel's
+    module on first use)."""
     widest = -(-max_model_len // block_size)
     longest = max(1, min(max_num_batched_tokens, max_model_len - 1))  # a prompt is < max_model_len
     seqs = min(max_num_seqs, max_num_batched_tokens)
@@ -92,6 +99,9 @@ def warmup_batches(max_num_seqs: int, max_num_batched_tokens: int, max_model_len
         WarmupBatch((longest,), cover(longest)),  # the longest prefill chunk
         mixed,  # decodes beside a prefill chunk
     ]
+    if prefill_classes:
+        batches += [WarmupBatch((n,), cover(n)) for n in (1 << k for k in range(4, longest.bit_length()))
+                    if n < longest]
     return list(dict.fromkeys(batches))
 
 
@@ -142,7 +152,8 @@ def warm_up(runner: WarmupRunner) -> WarmupReport:
     inductor_before = compiled.compile_s if compiled is not None else 0.0
     # NOTE: on an eager CPU worker too: the largest batches set up the allocator's buffers and
     # oneDNN's primitives, which the first request would pay for (benchmarks/warm_start_bench.py).
-    batches = warmup_batches(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, runner.block_size)
+    batches = warmup_batches(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, runner.block_size,
+                             prefill_classes=runner.device.type == "cuda")
     greedy, sampled = SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9, top_k=5, seed=0)
     for batch in batches:
         ids, positions, metas = dummy_inputs(batch, len(runner.kv_cache_config.groups), runner.device)

@@ -96,6 +96,8 @@ class SchedulerOutput:
     kv_transfers: KVTransfers | None = None
     """Copies between the device and the host tier to run before the forward pass (host_block_pool.py):
     blocks this step's allocations evicted to the host, prefixes loaded back; None = none."""
+    started: bool = False
+    """``Scheduler.start_step()`` counted its tokens when it was launched (async scheduling)."""
     _work: StepWork | None = field(default=None, repr=False)
 
     @property

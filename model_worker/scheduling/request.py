@@ -74,6 +74,9 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        """Tokens sampled by a step still in flight (async scheduling): counted in the request's length
+        by the scheduler, not yet in ``all_token_ids``; at most 1 when ``schedule()`` runs."""
         self.num_cached_tokens = -1
         self.num_cached_hint = 0
         """Prompt tokens the prefix cache held when the request was queued (its reported queued prefill

@@ -10,6 +10,15 @@ here. After each inner step ``update_from_output()`` commits that step's tokens 
 per token, so a request can finish mid-window) and ``prepare_window_step()`` readies the next one.
 (The virtual-time simulator commits a whole window at once with its own scheduler, kvmesh/sim/engine.py,
 under the same stop rule: ``stop_after()``.)
+
+Async scheduling (vLLM's async scheduling, SGLang's overlap scheduler): the engine launches a step,
+calls ``start_step()`` on its output, and runs the next ``schedule()`` before that step's
+``update_from_output()``. ``start_step()`` counts the step's tokens as computed at once and each
+token it samples as a placeholder (``Request.num_output_placeholders``): the next schedule gives
+such a request its next position, whose input id the runner takes from the previous step's
+sampled ids on the device. A request whose in-flight token is its last by length is not scheduled
+again; one that stops on a token (EOS, a stop id) runs one step more, whose token is dropped.
+Blocks are cached when their tokens are known (one step later than without it).
 """
 
 from __future__ import annotations
@@ -73,7 +82,8 @@ class Scheduler:
         total = sum(r.num_tokens - max(r.num_computed_tokens, r.num_cached_hint) for r in self.waiting)
         for r in self.running:
             if r.num_output_tokens == 0 or r.num_computed_tokens < r.num_tokens - 1:
-                total += r.num_tokens - r.num_computed_tokens
+                # NOTE: a started step's tokens count as computed (async scheduling): never below 0.
+                total += max(0, r.num_tokens - r.num_computed_tokens)
         return total
 
     def has_unfinished_requests(self) -> bool:
@@ -126,15 +136,20 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            placeholders = request.num_output_placeholders
+            if placeholders and self._last_by_length(request):
+                i += 1  # its token in flight is its last: nothing to compute after it
+                continue
+            num_new = min(request.num_tokens + placeholders - request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
             # NOTE: a decode whose token neither needs a new block nor completes one changes
             # nothing in the pool (full attention only): allocate_slots would allocate and cache
             # nothing, so it is skipped, as in prepare_window_step. Most decode steps are such.
+            # Blocks are cached over known tokens (num_tokens), slots cover placeholders too.
             skip = (lazy and num_new == 1 and request.num_tokens % bs
-                    and kv.num_request_blocks(request.request_id) * bs >= request.num_tokens)
+                    and kv.num_request_blocks(request.request_id) * bs >= request.num_tokens + placeholders)
             if not skip and not self._allocate_or_preempt(request, num_new, out):
                 break  # it preempted itself: every request after it is preempted already
             self._add_scheduled(out, request, num_new, request.num_computed_tokens)
@@ -148,6 +163,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted while its last step was in flight: it waits for that token
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             # NOTE: a prefix that continues in the host tier is loaded back, not computed: its
             # tokens count as cached and take no budget; the load runs before this step's forward
@@ -188,7 +205,8 @@ class Scheduler:
             r = s.request
             # NOTE: a request gets no more steps than it may still produce tokens, so lookahead
             # never reaches past max_tokens or max_model_len.
-            left = min(r.sampling_params.max_tokens - r.num_output_tokens, self.config.max_model_len - r.num_tokens)
+            ph = r.num_output_placeholders
+            left = min(r.sampling_params.max_tokens - r.num_output_tokens - ph, self.config.max_model_len - r.num_tokens - ph)
             k = max(1, min(self.config.num_scheduler_steps, left))
             steps.append(k)
             # NOTE: counted in every group (tables have one length); sliding windows may need fewer.
@@ -236,10 +254,29 @@ class Scheduler:
                 num_new_tokens=num_new,
                 start=start,
                 kv_cache_manager=self.kv_cache_manager,
-                sample=start + num_new == request.num_tokens,
+                sample=start + num_new == request.num_tokens + request.num_output_placeholders,
             )
         )
         out.num_scheduled_tokens += num_new
+
+    def _last_by_length(self, request: Request) -> bool:
+        """Whether the request's placeholders take it to max_tokens or max_model_len."""
+        ph = request.num_output_placeholders
+        return (request.num_output_tokens + ph >= request.sampling_params.max_tokens
+                or request.num_tokens + ph >= self.config.max_model_len)
+
+    def start_step(self, output: SchedulerOutput) -> None:
+        """Async scheduling: ``output`` was launched and the next ``schedule()`` may come before its
+        ``update_from_output()``. Its tokens count as computed now; each token it samples is a
+        placeholder until ``update_from_output()`` brings it. One step in flight at a time."""
+        assert not output.started and output.num_steps == 1, "a window is never started ahead"
+        for s in output.scheduled:
+            request = s.request
+            request.num_computed_tokens += s.num_new_tokens
+            if s.sample:
+                # NOTE: 2 until the step before is committed (right after this one's launch).
+                request.num_output_placeholders += 1
+        output.started = True
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocates for a running request, preempting from the back until it fits.
@@ -279,9 +316,16 @@ class Scheduler:
         results: list[RequestOutput] = []
         for sched in output.scheduled:
             request = sched.request
-            if request.is_finished:  # aborted after schedule()
+            if request.is_finished:  # aborted after schedule() (or, async, stopped by the step before)
                 continue
-            request.num_computed_tokens += sched.num_new_tokens
+            if output.started:
+                # NOTE: counted at start_step(). The request may have been preempted since (by the
+                # next schedule()): its token is still right (its blocks were intact when the step
+                # ran) and it keeps it, as it would have without async scheduling.
+                if sched.sample:
+                    request.num_output_placeholders -= 1
+            else:
+                request.num_computed_tokens += sched.num_new_tokens
             new_ids: list[int] = []
             if sched.sample:
                 for token in sampled.get(request.request_id, ()):
@@ -290,7 +334,10 @@ class Scheduler:
                     new_ids.append(token)
                     if status is not None:
                         _ = sched.block_tables  # NOTE: this step's table, read before the blocks go
-                        self.running.remove(request)
+                        if request.status == RequestStatus.RUNNING:
+                            self.running.remove(request)
+                        else:  # preempted while this step was in flight
+                            self.waiting.remove(request)
                         self._finish(request, status)
                         break
             if new_ids or request.is_finished:

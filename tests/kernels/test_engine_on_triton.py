@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvmesh.contract.types import SamplingParams
+from kvmesh.kernels.attention_configs import SERVED_HEAD_SHAPES
 from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.model_worker.engine.llm import LLM
 from tests.support.kernels import import_kernel_module
@@ -60,3 +61,42 @@ def test_engine_on_triton_kernels_matches_hf(tmp_path: Path, monkeypatch: pytest
     assert len(calls) >= 2 * 4  # every layer of every step went through the Triton kernel
     assert triton_outs == torch_outs
     assert triton_outs == [_hf_greedy(model_dir, p, 4) for p in prompts]
+
+
+SHAPE_IDS = [f"{hq}-{hkv}x{d}" for hq, hkv, d in SERVED_HEAD_SHAPES]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), SERVED_HEAD_SHAPES, ids=SHAPE_IDS)
+def test_every_served_head_shape_through_the_engine_matches_hf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              heads: int, kv_heads: int, head_dim: int) -> None:
+    """One layer of each head shape kvmesh serves (a narrow hidden size, the real heads): the engine
+    on the Triton kernels gives transformers' greedy tokens for a chunked prompt beside a short one."""
+    torch.set_num_threads(1)
+    model_dir = make_model(tmp_path / "m", ModelSpec(layers=1, hidden_size=4 * heads, heads=heads, kv_heads=kv_heads,
+                                                     intermediate_size=64, max_position_embeddings=128, seed=heads,
+                                                     init_std=0.05, extra_config={"head_dim": head_dim}))
+    gen = torch.Generator().manual_seed(head_dim + heads)
+    prompts = [torch.randint(2, 600, (n,), generator=gen).tolist() for n in (21, 5)]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    kw = {"num_blocks": 16, "block_size": 8, "max_model_len": 64, "max_num_batched_tokens": 16,
+          "dtype": "float32", "device": "cuda" if HAS_CUDA else "cpu"}
+    monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "triton")
+    outs = [o.token_ids for o in LLM(str(model_dir), **kw).generate(prompts, params)]
+    assert outs == [_hf_greedy(model_dir, p, 3) for p in prompts]
+
+
+def test_a_head_shape_the_kernel_cannot_run_is_refused_at_start(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head dim past the kernel's bound: the engine refuses before loading anything, naming the
+    shape, the limit and the way out; the torch backend serves the same model."""
+    model_dir = make_model(tmp_path / "m", ModelSpec(layers=1, hidden_size=64, heads=2, kv_heads=1,
+                                                     intermediate_size=64, max_position_embeddings=64,
+                                                     extra_config={"head_dim": 320}))
+    kw = {"num_blocks": 8, "block_size": 8, "max_model_len": 32, "dtype": "float32",
+          "device": "cuda" if HAS_CUDA else "cpu"}
+    monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "triton")
+    with pytest.raises(ValueError, match=r"cannot run this model's heads \(2 query / 1 KV x 320\): head dim 320 "
+                                         r"\(it runs 1-256\); serve it with KVMESH_ATTENTION_BACKEND=torch"):
+        LLM(str(model_dir), **kw)
+    monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "torch")
+    assert len(LLM(str(model_dir), **kw).generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].token_ids) == 2

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvmesh import kernels
+from kvmesh.kernels import attention_configs
 from kvmesh.kernels.reference import ragged_paged_attention_ref
 from tests.support.kernels import import_kernel_module
 
@@ -319,26 +320,27 @@ print(json.dumps([compile_sm90(*job) for job in json.loads(sys.argv[1])]))
 
 
 @pytest.mark.parametrize(
-    ("dtype", "decode", "group", "head_dim", "extras"),
-    [("bf16", True, 4, 128, True), ("fp16", False, 3, 80, False)],
-    ids=["bf16-decode-gqa4-d128-split-window-softcap", "fp16-prefill-gqa3-d80"],
+    ("dtype", "decode", "group", "head_dim", "page_size", "extras"),
+    [("bf16", True, 4, 128, 16, True), ("fp16", False, 3, 80, 16, False), ("bf16", False, 7, 64, 64, False)],
+    ids=["bf16-decode-gqa4-d128-split-window-softcap", "fp16-prefill-gqa3-d80", "bf16-prefill-gqa7-d64-page64"],
 )
-def test_compiles_for_h100_without_a_gpu(dtype, decode, group, head_dim, extras):
-    """The kernels compile to sm_90 cubin with the launch shapes the wrapper would pick."""
+def test_compiles_for_h100_without_a_gpu(dtype, decode, group, head_dim, page_size, extras):
+    """The kernels compile to sm_90 cubin with the launch shapes the wrapper would pick: a tile of
+    several pages (a table load per page), and one inside a page (one load per tile)."""
     import json
     import subprocess
     from pathlib import Path
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    group_pad = 1 << (group - 1).bit_length()
     head_dim_pad = 1 << (head_dim - 1).bit_length()
-    config = triton_attention.attention_config(decode, torch_dtype, head_dim_pad)
-    block_q, block_n = max(1, config.block_m // group_pad), config.block_n
+    config = triton_attention.attention_config(decode, torch_dtype, head_dim, group)
+    block_q, block_n = max(1, config.block_m // group), config.block_n
+    block_m = max(16, 1 << (block_q * group - 1).bit_length())
     types = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
     types.update({"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "scale_log2": "fp32", "softcap": "fp32"})
     types.update({n: "*i32" for n in ("cu_q_lens_ptr", "kv_lens_ptr", "block_tables_ptr")})
     constexprs = dict(
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, PAGE_SIZE=16,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, USE_WINDOW=extras, USE_SOFTCAP=extras,
         SPLIT_KV=extras, DOT_PRECISION="tf32",
     )  # fmt: skip
@@ -350,8 +352,8 @@ def test_compiles_for_h100_without_a_gpu(dtype, decode, group, head_dim, extras)
             [
                 "_combine_kv_splits_kernel",
                 combine_types,
-                {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad},
-                1,
+                {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad, "SPLITS_PAD": 16},
+                2,
             ]
         )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -379,19 +381,89 @@ CONFIG_CASES = [
                          ids=[f"{'decode' if d else 'prefill'}-{str(t)[6:]}-d{h}" for d, t, h in CONFIG_CASES])
 def test_each_launch_config_is_exact(device, decode: bool, dtype: torch.dtype, head_dim: int) -> None:
     """The launch a GPU batch of each kind gets (tiles of several pages, its key tile), run here
-    with those tiles: configs are tunable per (decode/prefill, dtype, head size) without changing
+    with those tiles: configs are tunable per (head dim, group, phase, dtype) without changing
     results. Decode batches get the split path too (two splits), as a small grid would."""
-    config = triton_attention.attention_config(decode, dtype, head_dim)
-    assert config == triton_attention.default_attention_config(decode, dtype, head_dim)  # nothing tuned yet
+    config = triton_attention.attention_config(decode, dtype, head_dim, 4)
     lens = [(1, 70), (1, 5), (1, 129)] if decode else [(70, 70), (3, 40), (1, 17)]
     batch = make_batch(lens, 8, 2, head_dim, 16, dtype, device, seed=head_dim)
     check(batch, head_dim**-0.5, config=config, **({"num_kv_splits": 2} if decode else {}))
 
 
-def test_tuned_configs_and_the_split_policy_are_looked_up(monkeypatch: pytest.MonkeyPatch) -> None:
+SHAPE_IDS = [f"{hq}-{hkv}x{d}" for hq, hkv, d in attention_configs.SERVED_HEAD_SHAPES]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_dim"), attention_configs.SERVED_HEAD_SHAPES,
+                         ids=SHAPE_IDS)
+def test_every_served_head_shape_is_exact(device, num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Each head shape kvmesh serves, with the committed table's launch for it (GPU-sized tiles,
+    one table load per page): a prefill-heavy batch (a chunk after earlier tokens, a fresh prompt,
+    a decode) and a decode-heavy one with two splits."""
+    group = num_q_heads // num_kv_heads
+    prefill = make_batch([(1, 40), (9, 33), (12, 12)], num_q_heads, num_kv_heads, head_dim, 16, torch.float32,
+                         device, seed=group)
+    check(prefill, head_dim**-0.5, config=triton_attention.attention_config(False, torch.float32, head_dim, group))
+    decode = make_batch([(1, 70), (1, 3)], num_q_heads, num_kv_heads, head_dim, 16, torch.float32, device,
+                        seed=head_dim)
+    check(decode, head_dim**-0.5, config=triton_attention.attention_config(True, torch.float32, head_dim, group),
+          num_kv_splits=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_page_size_that_is_not_a_power_of_two(device):
+    """Pages of 12 tokens: the table is read per key (tiles do not cover whole pages)."""
+    batch = make_batch([(1, 50), (7, 30), (13, 13)], 6, 2, 32, 12, torch.float32, device, seed=9)
+    check(batch, scale=0.2)
+    check(batch, scale=0.2, num_kv_splits=2)
+
+
+def test_the_committed_table_covers_every_served_shape() -> None:
+    """attention_configs.json parses, holds every served shape's decode and prefill launch for each
+    dtype, and an entry not marked as tuned on a GPU is the default (what a CPU writes)."""
+    table = attention_configs.load_table()
+    for hq, hkv, d in attention_configs.SERVED_HEAD_SHAPES:
+        for decode in (True, False):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                key = (d, hq // hkv, "decode" if decode else "prefill", attention_configs.DTYPE_NAMES[dtype])
+                assert key in table.configs, key
+                if key not in table.tuned_on:
+                    assert table.configs[key] == attention_configs.default_attention_config(
+                        decode, dtype, attention_configs.head_dim_pad(d)), key
+    assert table.note
+    round_trip = attention_configs.ConfigTable.from_json(table.to_json())
+    assert round_trip.configs == table.configs and round_trip.split_kv == table.split_kv
+
+
+def test_tuned_configs_and_the_split_policy_are_looked_up() -> None:
     tuned = triton_attention.AttentionConfig(block_m=32, block_n=128, num_warps=8, num_stages=3)
-    monkeypatch.setitem(triton_attention.ATTENTION_CONFIGS, (False, torch.bfloat16, 128), tuned)
-    assert triton_attention.attention_config(False, torch.bfloat16, 128) is tuned
-    assert triton_attention.attention_config(True, torch.bfloat16, 128).block_m == 16
-    assert triton_attention.attention_config(False, torch.float32, 256).block_n == 16
-    assert triton_attention.SplitKVPolicy(max_splits=16, min_tiles_per_split=4) == triton_attention.SPLIT_KV
+    table = attention_configs.ConfigTable({(128, 4, "prefill", "bf16"): tuned}, attention_configs.SplitKVPolicy(),
+                                          {(128, 4, "prefill", "bf16"): "H200 2026-12-01"})
+    assert attention_configs.attention_config(False, torch.bfloat16, 128, 4, table) is tuned
+    assert attention_configs.attention_config(False, torch.bfloat16, 128, 7, table).block_m == 64  # not in it
+    assert attention_configs.attention_config(True, torch.bfloat16, 128, 4, table).block_m == 16
+    assert attention_configs.attention_config(False, torch.float32, 256, 1, table).block_n == 16
+
+
+def test_split_count_comes_from_shapes_and_the_policy() -> None:
+    choose = triton_attention.choose_num_kv_splits
+    policy = attention_configs.SplitKVPolicy(max_splits=16, min_tiles_per_split=4, programs_per_sm=1)
+    assert choose(True, 32, 16384, 64, 132, policy) == 4  # cdiv(132, 32) = 5 -> a power of two
+    assert choose(True, 512, 16384, 64, 132, policy) == 1  # the grid fills the GPU
+    assert choose(False, 32, 16384, 64, 132, policy) == 1  # prefill-heavy batches never split
+    assert choose(True, 4, 16384, 64, 132, policy) == 16  # at most max_splits
+    assert choose(True, 4, 512, 64, 132, policy) == 2  # a short table keeps 4 tiles a split
+    busy = attention_configs.SplitKVPolicy(programs_per_sm=4)  # split until 4 programs an SM
+    assert choose(True, 288, 8192, 64, 132, busy) == 2  # Qwen2-0.5B's 144 sequences x 2 KV heads
+    assert choose(True, 600, 8192, 64, 132, busy) == 1
+
+
+def test_head_shapes_the_kernel_cannot_run_are_named() -> None:
+    for shape in attention_configs.SERVED_HEAD_SHAPES:
+        attention_configs.check_head_shape(*shape)
+    attention_configs.check_head_shape(12, 4, 80)  # a padded head dim
+    with pytest.raises(ValueError, match=r"head dim 512 \(it runs 1-256\)"):
+        attention_configs.check_head_shape(32, 8, 512)
+    with pytest.raises(ValueError, match="128 query heads per KV head"):
+        attention_configs.check_head_shape(128, 1, 64)
+    with pytest.raises(ValueError, match="not a multiple"):
+        attention_configs.check_head_shape(14, 4, 64)

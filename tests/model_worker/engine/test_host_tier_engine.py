@@ -19,7 +19,8 @@ from kvmesh.model_worker.engine.llm_engine import LLMEngine
 from tests.support.model_worker import hf_greedy, random_prompt
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with CUDA"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="needs an NVIDIA GPU with CUDA")])]
 
 
 def make_llm(model_dir: Path, device: str, **kwargs) -> LLM:

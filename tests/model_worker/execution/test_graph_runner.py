@@ -208,7 +208,7 @@ def test_append_only_tables_write_only_new_blocks_and_equal_whole_writes(monkeyp
         want = torch.zeros_like(fast._inputs[: fast.size])  # the rows as a fresh buffer holds them
         want[:, graph_runner._KV_LEN] = 1
         for i, (token, p) in enumerate(zip(ids, pos, strict=True)):
-            want[i, : graph_runner._TABLES] = torch.tensor([p + 1, 1, p, token])
+            want[i, : graph_runner._SOURCE] = torch.tensor([p + 1, 1, p, token])
             for g in range(2):
                 start = graph_runner._TABLES + g * fast._stride
                 want[i, start : start + len(tables[g][i])] = torch.tensor([b.block_id for b in tables[g][i]])

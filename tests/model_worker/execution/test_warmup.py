@@ -40,3 +40,17 @@ def test_warm_up_leaves_the_cache_and_the_sampler_as_it_found_them(tiny_model_di
     assert llm.engine.kv_cache_manager.num_free_blocks == 31
     # Unseeded sampled requests draw from the shared generator: the warm-up never touched it.
     assert runner.sampler._shared == {} and runner.sampler._per_request == {}
+    # A request went through the whole step path, and left nothing a client or router could see.
+    engine = llm.engine
+    assert engine.warm_request_s > 0
+    assert engine.take_kv_events() == [] and engine.cached_block_hashes() == set()
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.steps, stats.busy_s, stats.prefix_cache_queries) == (0, 0, 0, 0.0, 0)
+    assert engine.scheduler.requests == {} and not engine.has_unfinished_requests()
+
+
+def test_prefill_size_classes_are_warmed_where_asked() -> None:
+    batches = warmup_batches(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=4096, block_size=16,
+                             prefill_classes=True)
+    assert [b.q_lens for b in batches if len(b.q_lens) == 1 and b.q_lens[0] > 1] == [
+        (512,), (16,), (32,), (64,), (128,), (256,)]
