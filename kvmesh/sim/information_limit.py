@@ -108,7 +108,7 @@ class ExactView:
             h = hit(chain, prompt_len)
             items.append([h, prompt_len - h])
         ahead = loads[0]
-        h = hit(query.block_hashes, query.prompt_len)
+        h = max(hit(query.block_hashes, query.prompt_len), self._ahead(worker_id, query) * bs)
         if adjust_blocks:
             h = min(query.prompt_len - 1, max(0, round(h + adjust_blocks * bs)))
         items.append([h, query.prompt_len - h])
@@ -121,7 +121,8 @@ class ExactView:
         return ttft, own, decoders, len(queued) + len(self.transit[worker_id])
 
     def held_blocks(self, worker_id: str, query: RouteQuery) -> int:
-        """Leading blocks of the prompt the worker's device pool holds now (exact)."""
+        """Leading blocks of the prompt the worker holds now or computes before it (exact): its device
+        pool's, or a request ahead of it there (FCFS) that shares them."""
         w = self.mesh.workers_by_id[worker_id]
         if not w.up or w.engine is None:
             return 0
@@ -131,7 +132,30 @@ class ExactView:
             if not pool.get(h):
                 break
             n += 1
-        return n
+        return max(n, self._ahead(worker_id, query))
+
+    def _ahead(self, worker_id: str, query: RouteQuery) -> int:
+        """Leading blocks of the prompt a request ahead of it at the worker (running, waiting, on its way)
+        shares: computed before it is, so a hit an exact view knows of (the index learns it later)."""
+        w = self.mesh.workers_by_id[worker_id]
+        engine = w.engine
+        chain = query.block_hashes
+        if engine is None or not chain:
+            return 0
+        limit = (query.prompt_len - 1) // query.block_size
+        first = chain[0]
+        best = 0
+        chains = [r.block_hashes for r in engine.scheduler.running]
+        chains += [r.block_hashes for r in list(engine.scheduler.waiting) + engine.queued_requests()]
+        chains += [c for c, _ in self.transit[worker_id]]
+        for other in chains:
+            if not other or other[0] != first:
+                continue
+            n = 1
+            while n < min(len(other), limit) and other[n] == chain[n]:
+                n += 1
+            best = max(best, min(n, limit))
+        return best
 
     @staticmethod
     def _walk(cost, items: list[list[int]], decoders: int, context: int, budget: int) -> tuple[float, float]:
