@@ -43,13 +43,19 @@ class KvAwarePolicy(RouterPolicy):
     blocks (the step waits for them). A host block counts as held (in h, not u) at the cost ``L``
     the worker's reports taught (bytes over its host link, router/core/policies/cost.py): the
     prediction weighs that transfer against the prefill it saves, no fixed weight. Until some worker
-    reported a load, a host block is priced as one to recompute. The score adds
-    ``(decode_harm_weight * D + work_weight * (1 + W)) * own``, ``own`` being the time its own
-    prefill takes: the D requests decoding on w wait for it, and a recomputed prefix is capacity
-    lost to everyone, the more so the more requests wait (W: the mean waiting per worker).
-    The coefficients are learned online from the workers' reports (router/core/policies/cost.py), per
-    worker (``--step-cost-fit worker``, the default: a fleet may mix GPU types) or pooled over all
-    workers; until there are enough, the same prediction runs in token units (a prefill token costs 1).
+    reported a load, a host block is priced as one to recompute. When the worker's KV cannot take the
+    prompt beside its running requests' growth, ``ttft`` adds the wait for some to finish (:func:`kv_wait`).
+    The score adds ``decode_harm_weight * D * own + work_weight * (1 + W) * work``, ``own`` being the
+    time its own prefill takes: the D requests decoding on w wait for it; ``work`` is ``own`` as the
+    mesh pays for it: a recomputed prefix is capacity lost to everyone, the more so the more requests
+    wait (W: the mean waiting per worker), unless the prefix's load needs the copy and it lands in
+    free KV (then it is load), or the copy is one a cooling prefix no longer needs on full KV (then
+    its hit counts as the recompute it saves nowhere) (:class:`PrefixLoad`, docs/router.md
+    "Prefixes over time"). A prompt no worker holds any of is placed where the least content went
+    (:meth:`_placement`). The coefficients are learned online from the workers' reports
+    (router/core/policies/cost.py), per worker (``--step-cost-fit worker``, the default: a fleet may mix
+    GPU types) or pooled over all workers; until there are enough, the same prediction runs in token
+    units (a prefill token costs 1).
     """
 
     name = "kv-aware"
@@ -138,8 +144,8 @@ class KvAwarePolicy(RouterPolicy):
         cannot show. Placed by the queue alone, 150 prefix groups landed on 32 workers 2 to 8 apiece
         (whichever were idle as each group began) and their later requests overloaded the workers
         with many; SGLang's router places a new prompt on its smallest tree for the same reason. A
-        worker given more than its KV cache holds is full either way: its content counts as its
-        capacity (full caches tie, and the score decides)."""
+        worker given more than its KV cache holds is full either way: it takes no placement, and when
+        every worker is, the score decides."""
         if not query.block_hashes or any(c.matched_blocks or c.host_blocks for c in candidates):
             return None
         with self._lock:
