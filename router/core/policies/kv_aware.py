@@ -50,7 +50,7 @@ class KvAwarePolicy(RouterPolicy):
     mesh pays for it: a recomputed prefix is capacity lost to everyone, the more so the more requests
     wait (W: the mean waiting per worker), unless the prefix's load needs the copy and it lands in
     free KV (then it is load), or the copy is one a cooling prefix no longer needs on full KV (then
-    its hit counts as the recompute it saves nowhere) (:class:`PrefixLoad`, docs/router.md
+    its hit is priced as a recompute, so the prefix folds back) (:class:`PrefixLoad`, docs/router.md
     "Prefixes over time"). A prompt no worker holds any of is placed where the least content went
     (:meth:`_placement`). The coefficients are learned online from the workers' reports
     (router/core/policies/cost.py), per worker (``--step-cost-fit worker``, the default: a fleet may mix
