@@ -8,13 +8,13 @@ router and the simulator count them (started at the pick, finished at the end).
 from __future__ import annotations
 
 import hashlib
-import random
 from itertools import count
 
 from kvmesh.contract.types import Load
 from kvmesh.router.core.inflight import Ticket
 from kvmesh.router.core.policies.base import Candidate, PolicyConfig, RouteQuery
 from kvmesh.router.core.policies.kv_aware import KvAwarePolicy
+from tests.support.step_cost import linear_reports
 
 BS = 16
 PREFIX = 256
@@ -40,18 +40,9 @@ def query(prefix: str, tail: int) -> RouteQuery:
 def learned_policy() -> KvAwarePolicy:
     """kv-aware with COST learned for every worker (varied steps, exact busy seconds)."""
     p = KvAwarePolicy(PolicyConfig(seed=0))
-    rng = random.Random(1)
-    for w in WORKERS:
-        c = dict(busy_s=0.0, steps=0, prefill_tokens=0, prefill_pairs=0, decode_tokens=0, decode_context_tokens=0)
-        for _ in range(12):
-            d = dict(steps=rng.randint(50, 500), prefill_tokens=rng.randint(0, 50_000), prefill_pairs=rng.randint(0, 10**9),
-                     decode_tokens=rng.randint(0, 20_000), decode_context_tokens=rng.randint(0, 10**8))
-            for k, v in d.items():
-                c[k] += v
-            c["busy_s"] += (COST["step_s"] * d["steps"] + COST["prefill_token_s"] * d["prefill_tokens"]
-                            + COST["prefill_pair_s"] * d["prefill_pairs"] + COST["decode_seq_s"] * d["decode_tokens"]
-                            + COST["decode_context_token_s"] * d["decode_context_tokens"])
-            p.cost.observe(w, Load(**c))
+    for seed, w in enumerate(WORKERS):
+        for load in linear_reports(COST, 12, seed):
+            p.cost.observe(w, load)
     assert p.cost.learned
     return p
 
@@ -144,7 +135,7 @@ def test_a_prefix_spreads_to_a_second_and_a_third_worker_as_its_load_grows_and_f
         fleet.queued[w] = 0
     first = fleet.route("hot")
     holders_by_size = []
-    for n in range(1, 80):
+    for _ in range(1, 80):
         fleet.route("hot")
         holders_by_size.append(sum("hot" in h for h in fleet.holds.values()))
     assert holders_by_size[:8] == [1] * 8, holders_by_size  # one worker while it is one worker's load
