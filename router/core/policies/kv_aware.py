@@ -136,24 +136,32 @@ class KvAwarePolicy(RouterPolicy):
         return scores
 
     def _placement(self, query: RouteQuery, candidates: Sequence[Candidate], scores: Sequence[float]) -> int | None:
-        """Where a prompt that no worker holds any of goes, while prompts repeat: to the worker given
-        the least content to hold, in prefill seconds (ties: the best score); None = the score decides
-        (the prompt continues something held, or prompts do not repeat).
+        """Where a prompt that no worker holds any of goes, while prompts repeat: among the workers
+        whose score is no worse than the mean, to the one given the least content to hold, in prefill
+        seconds (ties: the best score); None = the score decides (the prompt continues something
+        held, or prompts do not repeat).
 
         NOTE: a new prompt commits its worker to the requests that will share it, which the queue now
         cannot show. Placed by the queue alone, 150 prefix groups landed on 32 workers 2 to 8 apiece
         (whichever were idle as each group began) and their later requests overloaded the workers
         with many; SGLang's router places a new prompt on its smallest tree for the same reason. A
         worker given more than its KV cache holds is full either way: it takes no placement, and when
-        every worker is, the score decides."""
+        every worker is, the score decides. Only workers predicted no worse than the mean are placed
+        on: given content is history, and a worker given little may be the one whose queue is long
+        now (on synthetic prompts, several routers placing by content alone sent the same burst to
+        the same few workers and served 0.58-0.65 of one router's rate)."""
         if not query.block_hashes or any(c.matched_blocks or c.host_blocks for c in candidates):
             return None
         with self._lock:
             if self.prefixes.repeat_share <= 0.0:
                 return None
             given = [self.prefixes.given(c.worker_id) for c in candidates]
+        bound = sum(scores) / len(scores)
         keys = []
-        for c, g in zip(candidates, given, strict=True):
+        for c, g, score in zip(candidates, given, scores, strict=True):
+            if score > bound:
+                keys.append(math.inf)  # NOTE: predicted worse than the mean now: its queue decides
+                continue
             capacity = c.load.num_total_blocks * query.block_size
             if capacity and g >= capacity:
                 keys.append(math.inf)  # NOTE: its cache is full either way: no placement to balance

@@ -173,9 +173,10 @@ def test_a_cold_prefix_never_moves():
 
 def test_a_new_prompt_goes_where_the_least_content_went_while_prompts_repeat():
     """Placement: a prompt no worker holds any of commits its worker to the requests that will share it;
-    while prompts repeat, it goes to the worker this router gave the fewest prompt tokens, not to the
-    one idle now. Before prompts repeat (no-reuse) and once every worker was given a full cache's worth,
-    the score decides."""
+    while prompts repeat, it goes, among the workers predicted no worse than the mean, to the one this
+    router gave the fewest prompt tokens, not to the one idle now. Before prompts repeat (no-reuse),
+    when the least given is busy now, and once every worker was given a full cache's worth, the score
+    decides."""
     p = learned_policy()
     given = {"w0": 3, "w1": 1, "w2": 2, "w3": 4}  # prompts of 4,160 tokens each, routed earlier
     k = count()
@@ -184,8 +185,8 @@ def test_a_new_prompt_goes_where_the_least_content_went_while_prompts_repeat():
             q = query(f"fam{next(k)}", 0)
             p.finished(start(p, q, Candidate(w, f"{w}:1", 0, Load(num_total_blocks=TOTAL_BLOCKS))), 64)
     fresh = query("new", 0)
-    # w0 idle, w1 (given the least) with a queue: the score alone picks w0
-    cands = [cand("w0"), cand("w1", queued=4000), cand("w2", queued=4000), cand("w3", queued=4000)]
+    # w0 idle, w1 (given the least) with a short queue, w2 and w3 long ones: the score alone picks w0
+    cands = [cand("w0"), cand("w1", queued=500), cand("w2", queued=4000), cand("w3", queued=4000)]
     scores = dict(zip(WORKERS, p.scores(fresh, cands), strict=True))
     assert min(scores, key=scores.get) == "w0"
     assert p.prefixes.repeat_share == 0.0  # every prompt so far its own: nothing commits yet
@@ -195,6 +196,9 @@ def test_a_new_prompt_goes_where_the_least_content_went_while_prompts_repeat():
     p.finished(start(p, q, cand("w0", PREFIX)), 64)
     assert p.prefixes.repeat_share > 0.0
     assert p.pick(fresh, cands).worker_id == "w1"
+    # the least given with a long queue now (worse than the mean): not placed on, the score decides
+    busy = [cand("w0"), cand("w1", queued=4000), cand("w2", queued=4000), cand("w3", queued=4000)]
+    assert p.pick(fresh, busy).worker_id == "w0"
     # a prompt that continues something held is the score's (w2 holds it)
     held = [cand("w0"), cand("w1", queued=4000), cand("w2", PREFIX, queued=4000), cand("w3", queued=4000)]
     assert p.pick(query("fam2", 5), held).worker_id in ("w0", "w2")
