@@ -169,10 +169,11 @@ class GatewayClient:
     def exchange(self, mode: str = "full-duplex", timeout: float = 30.0) -> _ExchangeContext:
         return _ExchangeContext(self, mode, timeout)
 
-    async def pick(self, path: str, body: dict | bytes | None, mode: str = "full-duplex", **kw: Any) -> Answer:
+    async def pick(self, path: str, body: dict | bytes | None, mode: str = "full-duplex", timeout: float = 30.0,
+                   **kw: Any) -> Answer:
         """One request's answer (the stream then ends, as a gateway's does after a request)."""
         raw = json.dumps(body).encode() if isinstance(body, dict) else body
-        async with self.exchange(mode) as ex:
+        async with self.exchange(mode, timeout) as ex:
             return await ex.request(path, raw, **kw)
 
     async def close(self) -> None:
