@@ -7,6 +7,7 @@ same server's aggregated answer."""
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -28,11 +29,17 @@ from tests.vllm.conftest import KV_CACHE_BYTES, bridge_for, kv_service
 def pd_servers(model_dir, tmp_path_factory) -> Iterator[list[VllmServer]]:
     logs = tmp_path_factory.mktemp("vllm-pd-logs")
     servers = []
-    for role in ("kv_producer", "kv_consumer"):
+    cores = len(os.sched_getaffinity(0))
+    for i, role in enumerate(("kv_producer", "kv_consumer")):
         cfg = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+        env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "UCX_TCP_PORT_RANGE": "45000-50000"}
+        if cores >= 2:
+            # NOTE: each server's compute threads on a core of their own (vLLM binds every core by
+            # default): two servers on the same two cores starved each other, and the decode server's
+            # NIXL handshake (vLLM waits 5 s for the prefill server's side channel) timed out.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(i)
         servers.append(VllmServer(model_dir, kv_cache_bytes=KV_CACHE_BYTES, extra_args=[
-            "--kv-transfer-config", json.dumps(cfg)], env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-                                                          "UCX_TCP_PORT_RANGE": "45000-50000"}))
+            "--kv-transfer-config", json.dumps(cfg)], env=env))
     try:
         for s in servers:
             s.launch(logs)
@@ -57,6 +64,7 @@ def xfers(server: VllmServer) -> float:
     return server.metric("vllm:nixl_xfer_time_seconds_count")
 
 
+@pytest.mark.timeout(1500)  # two CPU vLLM servers on a 2-core host: the fixture alone may take 900 s
 def test_two_vllm_servers_split_a_request_through_kvmesh(pd_servers, model_dir, redis_server):
     prefill, decode = pd_servers
     kv = kv_service(redis_server.url)
