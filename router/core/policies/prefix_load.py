@@ -9,7 +9,7 @@ A worker's queue says what it has to do now. Two things a prefix cache decides a
   ``anchor_positions``: a chained hash names its whole prefix). A prefix with ``n`` requests in
   flight, where every worker carries ``m`` on average, keeps ``n / m`` workers busy; more than it
   has holders, and a copy on another worker carries its load instead of duplicating it
-  (:meth:`PrefixLoad.hot_blocks`). The count follows the load: the prefix spreads as its
+  (:meth:`PrefixLoad.replicas`). The count follows the load: the prefix spreads as its
   requests grow and stops spreading as they fall.
 - **What does a placement commit?** Requests that share a prefix follow the worker that holds it,
   so a prompt no worker holds, placed on a worker, brings that worker the requests that will share
@@ -27,13 +27,13 @@ This module imports neither grpc nor redis.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvmesh.contract.index_protocol import anchor_positions, anchors_of
 from kvmesh.contract.limits import MAX_CHAIN_BLOCKS
+from kvmesh.router.core.policies.base import rendezvous_weight
 
 MAX_FAMILIES = 65_536
 """First blocks remembered to tell a repeating prompt family from a new one (oldest dropped first)."""
@@ -140,17 +140,10 @@ class PrefixLoad:
                 for i in range(n):
                     if matched[i] <= hi:  # NOTE: any worker may take the copy; the score picks which
                         out[i] += size - max(0, matched[i] - (prev + 1))
-
             elif need < len(holders):
                 key = chain[p]
-                holders.sort(key=lambda i: -rendezvous(key, workers[i]))
+                holders.sort(key=lambda i: -rendezvous_weight(key, workers[i]))
                 for i in holders[need:]:
                     out[i] -= size
             prev = p
         return out
-
-
-
-def rendezvous(key: bytes, worker_id: str) -> int:
-    """The worker's weight for ``key`` (highest first), stable across processes and routers."""
-    return int.from_bytes(hashlib.blake2b(key + worker_id.encode(), digest_size=8).digest(), "big")
