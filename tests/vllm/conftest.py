@@ -41,13 +41,17 @@ def model_dir() -> str:
 def vllm_servers(model_dir, tmp_path_factory) -> Iterator[list[VllmServer]]:
     """Two vLLM servers of the tiny model, block size 32, KV events and replay on (and its dev
     routes: POST /reset_prefix_cache)."""
-    logs = tmp_path_factory.mktemp("vllm-logs")
     servers = [VllmServer(model_dir, kv_cache_bytes=KV_CACHE_BYTES, dev_mode=True) for _ in range(2)]
+    yield from serving(servers, tmp_path_factory.mktemp("vllm-logs"))
+
+
+def serving(servers: list[VllmServer], logs, timeout: float = 900) -> Iterator[list[VllmServer]]:
+    """A fixture's body: the servers started together, yielded once all serve, closed after."""
     try:
         for s in servers:
             s.launch(logs)
         for s in servers:
-            s.wait(900)
+            s.wait(timeout)
         yield servers
     finally:
         for s in servers:

@@ -22,7 +22,7 @@ from kvmesh.router.core.pd import PDConfig
 from kvmesh.router.core.policies.base import PolicyConfig
 from kvmesh.router.server import RouterServer
 from tests.support import wait_until
-from tests.vllm.conftest import KV_CACHE_BYTES, bridge_for, kv_service
+from tests.vllm.conftest import KV_CACHE_BYTES, bridge_for, kv_service, serving
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +40,7 @@ def pd_servers(model_dir, tmp_path_factory) -> Iterator[list[VllmServer]]:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(i)
         servers.append(VllmServer(model_dir, kv_cache_bytes=KV_CACHE_BYTES, extra_args=[
             "--kv-transfer-config", json.dumps(cfg)], env=env))
-    try:
-        for s in servers:
-            s.launch(logs)
-        for s in servers:
-            s.wait(900)
-        yield servers
-    finally:
-        for s in servers:
-            s.close()
+    yield from serving(servers, logs)
 
 
 def complete(server: VllmServer, prompt: list[int], max_tokens: int) -> list[int]:
