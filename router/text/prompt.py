@@ -13,11 +13,15 @@ whichever way it came. One client's oversized request must not cost the others a
   token ids are counted before they are hashed, text is tokenized in pieces that stop once the
   count is past the bound (:meth:`PromptTokenizer.encode`).
 - **the loop**: a text longer than ``TOKENIZE_ON_LOOP_CHARS`` is tokenized on a thread of this
-  router's tokenizer pool with ``encode_batch``, which releases the GIL (``Tokenizer.encode`` does
+  router's tokenizer pool (router/text/tokenizer_pool.py: one thread per usable core, cheapest
+  deadline first) with ``encode_batch``, which releases the GIL (``Tokenizer.encode`` does
   not: a 5 MB text held every other request on the loop for seconds); a conversation of more than
   ``RENDER_ON_LOOP_MESSAGES`` messages or ``TOKENIZE_ON_LOOP_CHARS`` characters is rendered by its
   chat template on the same pool (router/model_router.py), so its Python work is spread by the GIL's
   switch interval instead of holding the loop in one piece.
+- **text seen before**: a long text sharing a long prefix with one tokenized before is spliced onto
+  its cached ids and only the rest is tokenized, with exactly the ids of a whole encode
+  (router/text/prefix_tokens.py, which says why).
 
 No grpc and no redis here.
 """
@@ -25,8 +29,9 @@ No grpc and no redis here.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +47,8 @@ from kvmesh.contract.limits import (
     check_length,
     excerpt,
 )
+from kvmesh.router.text.prefix_tokens import DEFAULT_CACHE_BYTES, PrefixTokenCache
+from kvmesh.router.text.tokenizer_pool import TokenizerPool, deadline, usable_cores
 
 BYTES_PER_TOKEN = 32
 """Default ``--max-prompt-bytes`` per token of the prompt-token bound. Text averages 3-5 bytes a
@@ -55,9 +62,10 @@ than the longest prompt that fits. A longer one is counted in pieces first, stop
 MIN_PIECE_CHARS = 4096
 PIECE_SLACK_TOKENS = 4
 """Tokens one cut between two pieces may add to their count (merges a cut prevents, a prefix space)."""
-TOKENIZER_THREADS = 2
-"""Threads tokenizing long texts (and rendering long conversations) at once; more wait their turn
-(never the loop's)."""
+MIN_TOKENIZER_THREADS = 2
+"""Threads tokenizing long texts (and rendering long conversations) at once: one per usable core, at
+least this many (a long text in the tokenizer does not hold the GIL, so a second thread lets another
+text start on one core too); more wait their turn (never the loop's)."""
 RENDER_ON_LOOP_MESSAGES = 16
 """Conversations of up to this many messages (and TOKENIZE_ON_LOOP_CHARS characters) are rendered on
 the event loop (well under a millisecond)."""
@@ -165,24 +173,31 @@ class PromptLimits:
 
 
 class PromptTokenizer:
-    """A model's tokenizer used within :class:`PromptLimits`, off the event loop for long texts.
+    """A model's tokenizer used within :class:`PromptLimits`, off the event loop for long texts, with
+    the texts tokenized before kept (router/text/prefix_tokens.py).
 
     Args:
         tokenizer: a ``tokenizers.Tokenizer``.
         on_chars: told how many characters each tokenizer call was given (a metric: a refused
-            prompt shows it was not tokenized whole).
+            prompt shows it was not tokenized whole; a cached prefix is not given again).
         on_pool: told +1 when a text goes to the pool, -1 when it is back (a gauge of the texts
             being tokenized off the loop).
-        executor: where long texts are tokenized; default: a pool of ``TOKENIZER_THREADS``.
+        executor: where long texts are tokenized; default: a :class:`TokenizerPool` of ``threads``.
+        threads: the default pool's threads; None: one per core this process may use (at least
+            ``MIN_TOKENIZER_THREADS``).
+        cache_bytes: the bound of the tokenized-prefix cache; 0: no cache.
     """
 
     def __init__(self, tokenizer: Any, on_chars: Callable[[int], None] = lambda _n: None,
-                 on_pool: Callable[[int], None] = lambda _d: None, executor: Executor | None = None) -> None:
+                 on_pool: Callable[[int], None] = lambda _d: None, executor: Executor | None = None,
+                 threads: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.tokenizer = tokenizer
         self._on_chars = on_chars
         self._on_pool = on_pool
         self._own = executor is None
-        self._executor = executor or ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvmesh-tokenize")
+        self._executor = executor or TokenizerPool(
+            threads if threads is not None else max(MIN_TOKENIZER_THREADS, usable_cores()))
+        self.cache = PrefixTokenCache(tokenizer, cache_bytes)
 
     async def encode(self, text: str, limits: PromptLimits, add_special_tokens: bool = True) -> list[int]:
         """The text's token ids (by default with the model's special tokens, as the worker's
@@ -193,15 +208,18 @@ class PromptTokenizer:
             self._on_chars(len(text))
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         else:
-            loop = asyncio.get_running_loop()
+            arrival = time.monotonic()
             self._on_pool(1)
             try:
-                ids = await loop.run_in_executor(self._executor, self._encode_bounded, text, limits.max_tokens,
-                                                 add_special_tokens)
+                if _counted_first(text, limits.max_tokens):
+                    fits = await self._submit(deadline(len(text), arrival), self._fits, text, limits.max_tokens)
+                    if not fits:
+                        limits.check_tokens(limits.max_tokens, more=True)
+                splice = await self._submit(arrival, self.cache.lookup, text)
+                ids = await self._submit(deadline(splice.chars, arrival), self.cache.tokenize, splice,
+                                         add_special_tokens, self._on_chars)
             finally:
                 self._on_pool(-1)
-            if ids is None:
-                limits.check_tokens(limits.max_tokens, more=True)
         limits.check_tokens(len(ids))
         return ids
 
@@ -209,25 +227,23 @@ class PromptTokenizer:
         """``fn(*args)`` on this tokenizer's pool (a long conversation's rendering), counted in ``on_pool``."""
         self._on_pool(1)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            return await self._submit(time.monotonic(), fn, *args)
         finally:
             self._on_pool(-1)
 
-    def _encode_whole(self, text: str, add_special_tokens: bool) -> list[int]:
-        self._on_chars(len(text))
-        # NOTE: encode_batch releases the GIL while it works; encode holds it throughout.
-        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    def _submit(self, key: float, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        if isinstance(self._executor, TokenizerPool):
+            return asyncio.wrap_future(self._executor.submit_at(key, fn, *args))
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def _encode_bounded(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> list[int] | None:
-        """On a pool thread: the ids, or None once the text is known to be over ``max_tokens``.
+    def _fits(self, text: str, max_tokens: int) -> bool:
+        """On a pool thread: False once the text is known to be over ``max_tokens``.
 
-        A text long for its bound is first counted piece by piece, cut before whitespace where
+        A text long for its bound is counted piece by piece, cut before whitespace where
         pre-tokenizers split anyway; the count stops as soon as it passes the bound plus the
-        slack of the cuts so far. Only a text that fits is then tokenized whole, so the ids are
-        exactly those of one ``encode``.
+        slack of the cuts so far. Only a text that fits is then tokenized (whole, or onto a cached
+        prefix), so the ids are exactly those of one ``encode``.
         """
-        if not max_tokens or len(text.encode("utf-8", "surrogatepass")) <= ONE_PASS_BYTES_PER_TOKEN * max_tokens:
-            return self._encode_whole(text, add_special_tokens)
         piece = max(MIN_PIECE_CHARS, 2 * max_tokens)
         count = start = cuts = 0
         while start < len(text):
@@ -240,13 +256,23 @@ class PromptTokenizer:
             self._on_chars(len(chunk))
             count += len(self.tokenizer.encode_batch([chunk], add_special_tokens=False)[0].ids)
             if count > max_tokens + PIECE_SLACK_TOKENS * cuts:
-                return None
+                return False
             start, cuts = end, cuts + 1
-        return self._encode_whole(text, add_special_tokens)
+        return True
 
     def close(self) -> None:
         if self._own:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _counted_first(text: str, max_tokens: int) -> bool:
+    """A text of more than ``ONE_PASS_BYTES_PER_TOKEN`` bytes per allowed token is counted in pieces
+    before it is tokenized: it may be far over the bound."""
+    bound = ONE_PASS_BYTES_PER_TOKEN * max_tokens
+    if not max_tokens or 4 * len(text) <= bound:
+        return False
+    # NOTE: 1-4 bytes a character: more characters than the bound is over it without encoding.
+    return len(text) > bound or len(text.encode("utf-8", "surrogatepass")) > bound
 
 
 def _last_space(text: str, lo: int, hi: int) -> int:
