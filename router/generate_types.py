@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.contract.types import SamplingParams, Usage
+from kvmesh.contract.types import SamplingParams, TraceContext, Usage
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,9 +39,9 @@ class GenerateInput:
     stop: Sequence[str] = ()
     """Stop strings (router/text/stop_strings.py); they need the model's tokenizer."""
     include_stop_str_in_output: bool = False
-    trace_parent: Any = None
+    trace: TraceContext | None = None
     """The caller's trace context (kvmesh/transport/tracing.py ``extract``: a client's or a gateway's
-    ``traceparent``); None = a trace of its own while tracing is on."""
+    ``traceparent`` and ``tracestate``); None = a trace of its own while tracing is on."""
 
 
 @dataclass(slots=True, frozen=True)

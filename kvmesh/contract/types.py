@@ -181,6 +181,20 @@ capacity when its load does not report one."""
 
 
 @dataclass(slots=True, frozen=True)
+class TraceContext:
+    """A W3C trace context as it travels between processes (HTTP headers, gRPC metadata): the one type a
+    request's trace context has from the front door to the worker (kvmesh/transport/tracing.py reads and
+    writes it)."""
+
+    traceparent: str
+    tracestate: str = ""
+
+    def headers(self) -> list[tuple[str, str]]:
+        """As header / metadata pairs (``tracestate`` only when set)."""
+        return [("traceparent", self.traceparent), *((("tracestate", self.tracestate),) if self.tracestate else ())]
+
+
+@dataclass(slots=True, frozen=True)
 class ModelSpec:
     """What makes block hashes of one model comparable: its id, block size and hash algorithm."""
 

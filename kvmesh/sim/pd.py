@@ -53,12 +53,12 @@ from kvmesh.contract.kv_transfer import BOTH, DECODE, PREFILL
 from kvmesh.model_worker.engine.llm_engine import KVImport
 from kvmesh.replay.records import RequestRecord
 from kvmesh.router.core.attempts import Attempts
-from kvmesh.router.core.pd import PDDecider, PDDecision, split_roles
+from kvmesh.router.core.decide import Decided, DecideSequence, Fleet, NoWorker
+from kvmesh.router.core.pd import PDDecider, PDDecision
+from kvmesh.router.core.plan import RoutePlan
 from kvmesh.router.core.policies.base import Candidate, Decision, RouteQuery, queued_prefill, waiting_requests
-from kvmesh.router.core.reservation_loop import ReservationLoop
-from kvmesh.router.core.routing import RoutePlan
 from kvmesh.sim.config import LINKS, parse_pd
-from kvmesh.sim.router import SimRouter, _Length
+from kvmesh.sim.router import PromptLength, SimRouter
 from kvmesh.sim.worker import Attempt
 
 LINK_LATENCY_S = 50e-6
@@ -183,36 +183,29 @@ class PDSimRouter(SimRouter):
             self.decider = PDDecider(pd, cost=getattr(self.core.policy, "cost", None),
                                      default_step_tokens=cfg.routing.policy_config.default_step_tokens)
         self._legs: dict[int, _Leg] = {}
-        self._roles = {w.worker_id: w.role for w in mesh.workers}
+        # NOTE: every worker's role, down or up: the fleet splits as it was built (a live router sees the
+        # roles of the workers it discovers)
+        self._fleet = Fleet({w.worker_id: w.role for w in mesh.workers},
+                            "dynamic" if split == "dynamic" else "always")
 
-    def route(self, rec: RequestRecord) -> None:
-        mesh = self.mesh
-        mesh.index.traffic.routed_requests += 1
-        chain = mesh.chains[rec.index]
-        plan = self.core.plan(self.spec, _Length(rec.prompt_len), self.workers.endpoints, mesh.index, chain=chain,
-                              healthy=self.workers.healthy, max_tokens=rec.output_len)
-        plan.candidates, plan.prefill_candidates = split_roles(plan.candidates, self._roles, self.split == "dynamic")
-        if not plan.candidates:
-            rec.failed = "no decode worker"
-            mesh.request_done(rec)
-            return
-        delay = mesh.cfg.lookup_latency_s if self.core.wants_index(chain) and plan.query.index_ok else 0.0
-        decision = self.core.pick(plan, count=False)
-        if plan.versions is None:
-            self._decided(rec, plan, decision, delay)
-        else:
-            self.core.start(plan, decision.worker_id)
-            loop = ReservationLoop(self.core, plan, decision, f"r{rec.index}.{rec.attempts + 1}")
-            mesh.expect(delay + mesh.cfg.reserve_latency_s + mesh.cfg.network_s)
-            mesh.q.after(delay, self._next_reservation, rec, loop)
+    def sequence(self, rec: RequestRecord) -> DecideSequence:
+        """The live router's decide sequence, with the fleet's roles and this mode's decider."""
+        return DecideSequence(self.core, self.spec, PromptLength(rec.prompt_len), self.workers.endpoints,
+                              request_id=f"r{rec.index}.{rec.attempts + 1}", max_tokens=rec.output_len,
+                              chain=self.mesh.chains[rec.index], healthy=self.workers.healthy,
+                              fleet=self._fleet, decider=self.decider)
 
-    def _decided(self, rec: RequestRecord, plan: RoutePlan, decision: Decision, delay: float) -> None:
-        self.core.commit(plan, decision)
-        pd = self.decider.decide(plan.query, plan.candidate(decision.worker_id), plan.prefill_candidates, plan.candidates)
+    def no_worker(self, exc: NoWorker) -> str:
+        return "no decode worker"
+
+    def _decided(self, rec: RequestRecord, decided: Decided, delay: float) -> None:
+        pd = decided.pd
+        assert pd is not None, "a P/D fleet's sequence always decides"
+        plan, decision = decided.plan, decided.decision
         s = self.stats
         s.decisions[pd.reason] = s.decisions.get(pd.reason, 0) + 1
         if pd.prefill_worker is None:
-            super()._decided(rec, plan, decision, delay)
+            super()._decided(rec, decided, delay)
             return
         # NOTE: the prefill leg, under its own record (its token is not the client's first token)
         q = plan.query

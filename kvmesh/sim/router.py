@@ -1,6 +1,6 @@
-"""A simulated router: the live router's cores (RoutingCore, its ReservationLoop, WorkerSet,
-Attempts) on the virtual clock. Only the waits are the simulator's: the Lookup's and the Reserve's
-round trips, the hops to and from the workers."""
+"""A simulated router: the live router's cores (its decide sequence, router/core/decide.py; RoutingCore,
+WorkerSet, Attempts) on the virtual clock. Only the waits are the simulator's: the Lookup's and the
+Reserve's round trips, the hops to and from the workers."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from dataclasses import replace
 from typing import Protocol
 
 from kvmesh.contract.errors import NotFound
-from kvmesh.contract.index_protocol import Reservation, ReservationAnswer
+from kvmesh.contract.index_protocol import IndexUnavailable, Reservation, ReservationAnswer, WorkerMatch
 from kvmesh.contract.types import ModelSpec
 from kvmesh.replay.records import RequestRecord
 from kvmesh.router.core.attempts import Attempts
+from kvmesh.router.core.decide import Decided, DecideSequence, NoWorker
+from kvmesh.router.core.observer import CountingObserver
 from kvmesh.router.core.policies import make_policy
-from kvmesh.router.core.policies.base import Decision
-from kvmesh.router.core.reservation_loop import ReservationLoop
-from kvmesh.router.core.routing import CountingObserver, RoutePlan, RoutingCore
+from kvmesh.router.core.routing import RoutingCore
 from kvmesh.router.core.upstream import Failure
 from kvmesh.router.core.worker_set import WorkerSet
 from kvmesh.sim.config import SimConfig
@@ -68,60 +68,78 @@ class SimRouter:
     def route(self, rec: RequestRecord) -> None:
         mesh = self.mesh
         mesh.index.traffic.routed_requests += 1
-        chain = mesh.chains[rec.index]
-        rid = f"r{rec.index}.{rec.attempts + 1}"
-        plan = self.core.plan(self.spec, _Length(rec.prompt_len), self.workers.endpoints, mesh.index, chain=chain,
-                              healthy=self.workers.healthy, max_tokens=rec.output_len, request_id=rid)
-        if not plan.candidates:
-            rec.failed = "no worker"
+        seq = self.sequence(rec)
+        call = seq.lookup()
+        outcome: list[WorkerMatch] | IndexUnavailable | None = None
+        reserved = False
+        if call is not None:
+            # NOTE: answered at once; its latency is spent after the pick (below): the pick is in flight
+            # from now, as live, where it is made when the answer arrives.
+            try:
+                if call.folded is not None:
+                    outcome, reserved = mesh.index.lookup_reserve(call.model_id, call.block_hashes, call.folded)
+                else:
+                    outcome = mesh.index.lookup(call.model_id, call.block_hashes)
+            except IndexUnavailable as exc:
+                outcome = exc
+        try:
+            plan = seq.answered(outcome, 0.0, reserved)
+        except NoWorker as exc:
+            rec.failed = self.no_worker(exc)
             mesh.request_done(rec)
             return
-        delay = mesh.cfg.lookup_latency_s if self.core.wants_index(chain) and plan.query.index_ok else 0.0
-        decision = self.core.pick(plan, count=False)
+        delay = mesh.cfg.lookup_latency_s if call is not None and plan.query.index_ok else 0.0
+        seq.pick()
+        assert seq.loop is not None
         if plan.versions is None:
-            self._decided(rec, plan, decision, delay)
+            self._decided(rec, seq.commit(), delay)
         else:
-            # NOTE: the Lookup was answered at once and its latency is spent after the pick: the
-            # pick is in flight from now, as live, where it is made when the answer arrives.
-            self.core.start(plan, decision.worker_id)
-            loop = ReservationLoop(self.core, plan, decision, rid)
             # NOTE: a pick the Lookup's folded reservation holds already sends no Reserve.
-            mesh.expect(delay + (0.0 if loop.folded else mesh.cfg.reserve_latency_s) + mesh.cfg.network_s)
-            mesh.q.after(delay, self._next_reservation, rec, loop)
+            mesh.expect(delay + (0.0 if seq.loop.folded else mesh.cfg.reserve_latency_s) + mesh.cfg.network_s)
+            mesh.q.after(delay, self._next_reservation, rec, seq)
 
-    def _next_reservation(self, rec: RequestRecord, loop: ReservationLoop) -> None:
-        """The shared view: the core's reservation loop, each Reserve landing in the index halfway
-        through its round trip."""
-        reservation = loop.next()
+    def sequence(self, rec: RequestRecord) -> DecideSequence:
+        """The request's decide sequence (router/core/decide.py, the live router's)."""
+        return DecideSequence(self.core, self.spec, PromptLength(rec.prompt_len), self.workers.endpoints,
+                              request_id=f"r{rec.index}.{rec.attempts + 1}", max_tokens=rec.output_len,
+                              chain=self.mesh.chains[rec.index], healthy=self.workers.healthy)
+
+    def no_worker(self, exc: NoWorker) -> str:
+        """The record's failure when no worker may take it."""
+        return "no worker"
+
+    def _next_reservation(self, rec: RequestRecord, seq: DecideSequence) -> None:
+        """The shared view: the sequence's reservations, each Reserve landing in the index halfway through
+        its round trip."""
+        reservation = seq.reservation()
         if reservation is None:
-            self._decided(rec, loop.plan, loop.decision, 0.0)
+            self._decided(rec, seq.commit(), 0.0)
             return
         cfg = self.mesh.cfg
         self.mesh.expect(cfg.reserve_latency_s + cfg.network_s)
-        self.mesh.q.after(cfg.reserve_latency_s / 2, self._reserve, rec, loop, reservation)
+        self.mesh.q.after(cfg.reserve_latency_s / 2, self._reserve, rec, seq, reservation)
 
-    def _reserve(self, rec: RequestRecord, loop: ReservationLoop, reservation: Reservation) -> None:
+    def _reserve(self, rec: RequestRecord, seq: DecideSequence, reservation: Reservation) -> None:
         mesh = self.mesh
         try:
             answer = mesh.index.write("reserve", reservation)
         except NotFound:  # NOTE: the worker left since the Lookup: forwarded, as live, unreserved
-            mesh.q.after(mesh.cfg.reserve_latency_s / 2, self._unreserved, rec, loop)
+            mesh.q.after(mesh.cfg.reserve_latency_s / 2, self._unreserved, rec, seq)
             return
         mesh.index.traffic.reserves += 1
-        mesh.q.after(mesh.cfg.reserve_latency_s / 2, self._answered, rec, loop, answer)
+        mesh.q.after(mesh.cfg.reserve_latency_s / 2, self._answered, rec, seq, answer)
 
-    def _unreserved(self, rec: RequestRecord, loop: ReservationLoop) -> None:
-        loop.unanswered()
-        self._decided(rec, loop.plan, loop.decision, 0.0)
+    def _unreserved(self, rec: RequestRecord, seq: DecideSequence) -> None:
+        seq.unreserved()
+        self._decided(rec, seq.commit(), 0.0)
 
-    def _answered(self, rec: RequestRecord, loop: ReservationLoop, answer: ReservationAnswer) -> None:
-        if not loop.answered(answer):
+    def _answered(self, rec: RequestRecord, seq: DecideSequence, answer: ReservationAnswer) -> None:
+        if not seq.reserved(answer):
             self.conflicts += 1
-        self._next_reservation(rec, loop)
+        self._next_reservation(rec, seq)
 
-    def _decided(self, rec: RequestRecord, plan: RoutePlan, decision: Decision, delay: float) -> None:
-        self.core.commit(plan, decision)
-        attempts = Attempts(self.core, plan, decision, self.mesh.cfg.routing.max_attempts,
+    def _decided(self, rec: RequestRecord, decided: Decided, delay: float) -> None:
+        attempts = Attempts(self.core, decided.plan, decided.decision, self.mesh.cfg.routing.max_attempts,
                             rec.arrival + self.mesh.cfg.routing.request_timeout_s, self.workers.mark_unhealthy)
         self._send(rec, attempts, delay)
 
@@ -167,7 +185,7 @@ class SimRouter:
             self.mesh.request_done(rec)
 
 
-class _Length:
+class PromptLength:
     """A prompt the router only measures: the simulator hands it the chain, never the tokens."""
 
     __slots__ = ("n",)

@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from kvmesh.contract.types import TraceContext
+
 log = logging.getLogger("kvmesh.tracing")
 
 ON = False
@@ -85,7 +87,7 @@ def flush(timeout_s: float = 5.0) -> bool:
 
 
 # -- context across processes ---------------------------------------------------------------------
-def extract(carrier: Mapping[str, str] | Sequence[tuple[str, Any]] | None) -> Any:
+def extract(carrier: Mapping[str, str] | Sequence[tuple[str, Any]] | None) -> TraceContext | None:
     """The caller's context from HTTP headers or gRPC metadata (None while off or when none came)."""
     if not ON or not carrier:
         return None
@@ -94,7 +96,25 @@ def extract(carrier: Mapping[str, str] | Sequence[tuple[str, Any]] | None) -> An
     if TRACEPARENT not in found:
         return None
     found = {k: v.decode("latin-1") if isinstance(v, bytes) else v for k, v in found.items()}
-    return _propagator.extract(found)
+    return TraceContext(found[TRACEPARENT], found.get(TRACESTATE, ""))
+
+
+def _context(parent: Any) -> Any:
+    """An OpenTelemetry context from a :class:`TraceContext` (anything else is one already, or None)."""
+    if isinstance(parent, TraceContext):
+        return _propagator.extract(dict(parent.headers()))
+    return parent
+
+
+def carrier_of(span_: Any) -> TraceContext | None:
+    """``span_``'s context as it travels to a callee (``traceparent`` and ``tracestate``); None for None."""
+    if span_ is None or not ON:
+        return None
+    from opentelemetry.trace import set_span_in_context
+
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier, context=set_span_in_context(span_))
+    return TraceContext(carrier[TRACEPARENT], carrier.get(TRACESTATE, "")) if TRACEPARENT in carrier else None
 
 
 def inject(headers: dict[str, str]) -> dict[str, str]:
@@ -134,7 +154,7 @@ def span(name: str, parent: Any = None, attributes: Mapping[str, Any] | None = N
         return _NOOP
     from opentelemetry.trace import SpanKind
 
-    return _tracer.start_as_current_span(name, context=parent, attributes=attributes,
+    return _tracer.start_as_current_span(name, context=_context(parent), attributes=attributes,
                                          kind=getattr(SpanKind, kind.upper()))
 
 
@@ -145,7 +165,7 @@ def start(name: str, parent: Any = None, attributes: Mapping[str, Any] | None = 
         return None
     from opentelemetry.trace import SpanKind
 
-    return _tracer.start_span(name, context=parent, attributes=attributes, kind=getattr(SpanKind, kind.upper()),
+    return _tracer.start_span(name, context=_context(parent), attributes=attributes, kind=getattr(SpanKind, kind.upper()),
                               start_time=start_ns)
 
 

@@ -70,7 +70,7 @@ def input_from_pb(request: pb.GenerateRequest, context: grpc.aio.ServicerContext
         chat=chat,
         stop=list(request.stop),
         include_stop_str_in_output=request.include_stop_str_in_output,
-        trace_parent=tracing.extract(context.invocation_metadata()) if tracing.ON else None,
+        trace=tracing.extract(context.invocation_metadata()) if tracing.ON else None,
     )
 
 

@@ -241,7 +241,7 @@ class OpenAIApi:
         model = self.frontend.model(body.model)
         inp = body.to_input(rid)
         if tracing.ON:
-            inp = dataclasses.replace(inp, trace_parent=tracing.extract(request.headers))
+            inp = dataclasses.replace(inp, trace=tracing.extract(request.headers))
         outputs = self.frontend.generate(model, inp)
         response_id = ("chatcmpl-" if chat else "cmpl-") + rid
         created = int(time.time())

@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvmesh.contract.errors import InvalidArgument, KVMeshError, ResourceExhausted, Unavailable
+from kvmesh.router.core.plan import RoutePlan
 from kvmesh.router.core.policies.base import Decision
-from kvmesh.router.core.routing import RoutePlan, RoutingCore
+from kvmesh.router.core.routing import RoutingCore
 from kvmesh.router.core.upstream import RETRIABLE, Failure
 
 

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvmesh.contract.index_protocol import Reservation, ReservationAnswer
+    from kvmesh.router.core.plan import RoutePlan
     from kvmesh.router.core.policies.base import Decision
-    from kvmesh.router.core.routing import RoutePlan, RoutingCore
+    from kvmesh.router.core.routing import RoutingCore
 
 
 class ReservationLoop:

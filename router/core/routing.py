@@ -35,8 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from dataclasses import replace
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import InvalidArgument
@@ -51,130 +50,15 @@ from kvmesh.contract.index_protocol import (
 )
 from kvmesh.contract.limits import MAX_CHAIN_BLOCKS
 from kvmesh.contract.types import ModelSpec
+from kvmesh.router.core.breaker import IndexBreaker
 from kvmesh.router.core.inflight import InFlight, Ticket
+from kvmesh.router.core.observer import CountingObserver, DecisionObserver
+from kvmesh.router.core.plan import PendingPlan, RoutePlan
 from kvmesh.router.core.policies.base import Candidate, Decision, RouteQuery, RouterPolicy, uncached_tokens
 from kvmesh.router.core.speculative import SpeculativeIndex
-from kvmesh.router.core.upstream import PrefixIndex, WorkerEndpoint
+from kvmesh.router.core.upstream import WorkerEndpoint
 
 log = logging.getLogger("kvmesh.router")
-
-
-class DecisionObserver(Protocol):
-    """Where the core's counters go (Prometheus in the live router, plain counts in the simulator)."""
-
-    def decision(self, policy: str, reason: str) -> None: ...
-
-    def fallback(self, cause: str) -> None:
-        """A request routed without the index: ``no_index``, ``lookup_failed`` or ``index_down``."""
-        ...
-
-    def lookup_latency(self, seconds: float) -> None: ...
-
-
-class CountingObserver:
-    """Counts decisions by reason and fallbacks by cause (the simulator's and the tests' observer)."""
-
-    def __init__(self) -> None:
-        self.decisions: dict[str, int] = {}
-        self.fallbacks: dict[str, int] = {}
-        self.lookups = 0
-
-    def decision(self, policy: str, reason: str) -> None:
-        self.decisions[reason] = self.decisions.get(reason, 0) + 1
-
-    def fallback(self, cause: str) -> None:
-        self.fallbacks[cause] = self.fallbacks.get(cause, 0) + 1
-
-    def lookup_latency(self, seconds: float) -> None:
-        self.lookups += 1
-
-
-class IndexBreaker:
-    """After a failed Lookup, the index is skipped for ``retry_s`` — unless it answered another call
-    while the failed one waited: then it is late, not down.
-
-    NOTE: without it a blackholed kv_service would add the full Lookup deadline to every request;
-    with it, one request per ``retry_s`` pays the deadline while the others route by rendezvous.
-    A kv_service that is only slow (a burst on a busy host: the router's own loop and the
-    kv_service's queue both count against the deadline) keeps answering the other calls; opening
-    the breaker on it switched the index off for every request of the next second, and three
-    routers then piled a burst onto the prefix's holder (issue 35).
-    """
-
-    def __init__(self, retry_s: float, clock: Callable[[], float]) -> None:
-        self.retry_s = retry_s
-        self._clock = clock
-        self._down_until = 0.0
-        self._answered_at = float("-inf")
-
-    def open(self) -> bool:
-        return self._clock() < self._down_until
-
-    def failed(self, sent_at: float | None = None) -> bool:
-        """A call sent at ``sent_at`` got no answer. Opens the breaker and answers True unless the
-        index answered another call since ``sent_at`` (None: opens it)."""
-        if sent_at is not None and self._answered_at > sent_at:
-            return False
-        self._down_until = self._clock() + self.retry_s
-        return True
-
-    def answered(self) -> None:
-        """A Lookup or a Reserve was answered."""
-        self._answered_at = self._clock()
-        self._down_until = 0.0
-
-
-@dataclass(slots=True, frozen=True)
-class PendingPlan:
-    """A plan waiting for its Lookup (:meth:`RoutingCore.prepare`)."""
-
-    spec: ModelSpec
-    token_ids: Sequence[int]
-    chain: list[bytes]
-    lookup: list[bytes] | None
-    """The blocks to ask the index for; None = no Lookup (the policy reads no index, no full block,
-    no index configured, or the breaker is open)."""
-    index_ok: bool
-    max_tokens: int
-    asked_at: float = 0.0
-    """The router's clock when the Lookup was asked: its own picks reserved since may be missing from it."""
-
-
-@dataclass(slots=True)
-class RoutePlan:
-    """A request's tokens, chain and candidates; the first pick and every retry choose from it."""
-
-    token_ids: Sequence[int]
-    query: RouteQuery
-    candidates: list[Candidate]
-    endpoints: dict[str, WorkerEndpoint]
-    model_id: str = ""
-    versions: dict[str, int] | None = None
-    """Per worker, its reservation count in the Lookup answer; None = no reservations for this plan (the
-    policy does not read the shared view, it is off, or the index is down)."""
-    conditional: bool = True
-    """Reservations are conditional on ``versions`` (False: the Lookup was late, the pick blind: reserved
-    unconditionally, so the other routers still see it)."""
-    ticket: Ticket | None = None
-    """The request's in-flight share on the worker it goes to (:meth:`RoutingCore.start`)."""
-    reserve_sent_at: float = 0.0
-    """When its last reservation was sent (the refusal's answer may miss this router's picks reserved since)."""
-    answered: bool = False
-    """The index answered this plan's Lookup: its candidates' ``indexed_blocks`` are the index's word (the
-    miss audit's prediction, router/core/audit.py)."""
-    prefill_candidates: list[Candidate] = field(default_factory=list)
-    """Prefill/decode disaggregation: the prefill workers (``candidates`` then holds the workers that decode)."""
-    pd: object | None = None
-    """The plan's prefill/decode decision (router/core/pd.py's PDDecision), once made."""
-    folded: Reservation | None = None
-    """The pick this router made from its own view and reserved with the Lookup (:meth:`RoutingCore.tentative`)."""
-    folded_reserved: bool = False
-    """The kv_service reserved it (False: refused, or not known: the Lookup failed)."""
-    release: str = ""
-    """The worker the folded reservation is to be dropped from by the plan's next reservation ("" = none)."""
-
-    def candidate(self, worker_id: str) -> Candidate:
-        return next(c for c in self.candidates if c.worker_id == worker_id)
 
 
 class RoutingCore:
@@ -416,31 +300,6 @@ class RoutingCore:
         blocks = -(-q.prompt_len // q.block_size) if q.block_size else 0
         return Reservation(plan.model_id, worker, self.router_id, request_id, uncached_tokens(c, q), blocks,
                            plan.versions.get(worker, 0), anchors_of(q.block_hashes[:MAX_CHAIN_BLOCKS]))
-
-    def plan(self, spec: ModelSpec, token_ids: Sequence[int], endpoints: Iterable[WorkerEndpoint],
-             index: PrefixIndex | None, *, cache_salt: str = "", adopt: bool = True,
-             healthy: Callable[[str], bool] = lambda _w: True, chain: list[bytes] | None = None,
-             max_tokens: int = 0, request_id: str = "") -> RoutePlan:
-        """:meth:`prepare` + at most one Lookup of a synchronous index (carrying :meth:`tentative`'s
-        reservation when ``request_id`` is given) + :meth:`complete` (the simulator's)."""
-        pending = self.prepare(spec, token_ids, index is not None, cache_salt=cache_salt, chain=chain,
-                             max_tokens=max_tokens)
-        endpoints = list(endpoints)
-        folded = self.tentative(pending, endpoints, request_id, healthy=healthy) if request_id else None
-        reserved = False
-        outcome: Sequence[WorkerMatch] | IndexUnavailable | None = None
-        t0 = self.clock()
-        if pending.lookup is not None:
-            assert index is not None
-            try:
-                if folded is not None:
-                    outcome, reserved = index.lookup_reserve(spec.model_id, pending.lookup, folded)
-                else:
-                    outcome = index.lookup(spec.model_id, pending.lookup)
-            except IndexUnavailable as exc:
-                outcome = exc
-        return self.complete(pending, endpoints, outcome, self.clock() - t0, adopt=adopt, healthy=healthy,
-                             folded=folded, folded_reserved=reserved)
 
     # -- 4. the pick ----------------------------------------------------------------------------
     def pick(self, plan: RoutePlan, candidates: Sequence[Candidate] | None = None, *, count: bool = True) -> Decision:

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from kvmesh.contract.index_protocol import Reservation, ReservationAnswer, WorkerMatch
 from kvmesh.contract.kv_transfer import KVSource
-from kvmesh.contract.types import Load, ModelSpec, SamplingParams, Usage
+from kvmesh.contract.types import Load, ModelSpec, SamplingParams, TraceContext, Usage
 
 
 @dataclass(slots=True)
@@ -47,9 +47,9 @@ class WorkerRequest:
     worker (vLLM's do_remote_decode); the last chunk carries the :class:`KVSource`."""
     kv_source: KVSource | None = None
     """A decode leg: take the prompt's KV from there (the prefill leg's answer)."""
-    traceparent: str = ""
-    """The W3C ``traceparent`` of the router's forward span ("" = tracing off): the worker's spans join
-    the request's trace (docs/tracing.md)."""
+    trace: TraceContext | None = None
+    """The trace context of the router's forward span (None = tracing off): the worker's spans join the
+    request's trace (docs/tracing.md)."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -153,8 +153,8 @@ class OpenAIWorkerCall:
 
     def _headers(self) -> dict[str, str]:
         headers = {"X-Request-Id": self._request.request_id}
-        if self._request.traceparent:
-            headers["traceparent"] = self._request.traceparent  # an engine with OpenTelemetry joins the trace
+        if self._request.trace is not None:
+            headers.update(self._request.trace.headers())  # an engine with OpenTelemetry joins the trace
         return headers
 
     async def _events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

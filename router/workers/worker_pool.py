@@ -75,7 +75,7 @@ class GrpcWorkerPool:
             msg.kv_transfer.do_remote_decode = True
         elif request.kv_source is not None:
             msg.kv_transfer.source.CopyFrom(kv_source_to_pb(request.kv_source))
-        md = (*(self._md or ()), ("traceparent", request.traceparent)) if request.traceparent else self._md
+        md = (*(self._md or ()), *request.trace.headers()) if request.trace is not None else self._md
         call = self._channels.stub(endpoint.address).Generate(msg, timeout=timeout_s, metadata=md)
         return GrpcWorkerCall(call, endpoint)
 

@@ -12,6 +12,7 @@ import pytest
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.index_protocol import WorkerMatch
 from kvmesh.contract.types import Load, ModelSpec
+from kvmesh.router.core.decide import plan_now
 from kvmesh.router.core.policies import make_policy
 from kvmesh.router.core.policies.base import Candidate, PolicyConfig, RouteQuery, uncached_tokens
 from kvmesh.router.core.policies.cost import StepCostLearner
@@ -128,13 +129,13 @@ def test_a_lookups_host_continuation_reaches_the_candidates_past_a_speculative_m
             return [WorkerMatch("w1", "a:1", 2, Load(), 4, host_blocks=5), WorkerMatch("w2", "a:2", 3, Load(), 4)]
 
     core = RoutingCore(make_policy("dynamo", PolicyConfig(seed=0)), speculative_ttl_s=2.0)
-    plan = core.plan(spec, prompt, [WorkerEndpoint("w1", "a:1"), WorkerEndpoint("w2", "a:2")], Index())
+    plan = plan_now(core, spec, prompt, [WorkerEndpoint("w1", "a:1"), WorkerEndpoint("w2", "a:2")], Index())
     got = {c.worker_id: (c.matched_blocks, c.host_blocks, c.indexed_blocks, c.indexed_host_blocks)
            for c in plan.candidates}
     assert got == {"w1": (2, 5, 2, 5), "w2": (3, 0, 3, 0)}
     assert uncached_tokens(plan.candidate("w1"), plan.query) == 32 - 7 * 4
     # w1 served this prompt a moment ago: the speculative map says it holds all 8 blocks on its device
     core.speculative.record(chain, "w1")
-    plan = core.plan(spec, prompt, [WorkerEndpoint("w1", "a:1"), WorkerEndpoint("w2", "a:2")], Index())
+    plan = plan_now(core, spec, prompt, [WorkerEndpoint("w1", "a:1"), WorkerEndpoint("w2", "a:2")], Index())
     w1 = plan.candidate("w1")
     assert (w1.matched_blocks, w1.host_blocks, w1.indexed_blocks, w1.indexed_host_blocks) == (8, 0, 2, 5)

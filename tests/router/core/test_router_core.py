@@ -12,9 +12,11 @@ from kvmesh.contract.index_protocol import (
     anchors_of,
 )
 from kvmesh.contract.types import Load, ModelSpec
+from kvmesh.router.core.decide import plan_now
+from kvmesh.router.core.observer import CountingObserver
 from kvmesh.router.core.policies import make_policy
 from kvmesh.router.core.policies.base import PolicyConfig
-from kvmesh.router.core.routing import CountingObserver, RoutingCore
+from kvmesh.router.core.routing import RoutingCore
 from kvmesh.router.core.upstream import WorkerEndpoint
 
 SPEC = ModelSpec("m", 4, "sha256_128")
@@ -56,13 +58,13 @@ def test_breaker_skips_the_index_for_retry_s_of_the_injected_clock():
     c, clock, obs = core(ttl=0)
     index = Index()
     index.down = True
-    assert not c.plan(SPEC, PROMPT, EPS, index).query.index_ok
+    assert not plan_now(c, SPEC, PROMPT, EPS, index).query.index_ok
     index.down = False
     clock.t += 0.9
-    assert not c.plan(SPEC, PROMPT, EPS, index).query.index_ok  # breaker open: not asked
+    assert not plan_now(c, SPEC, PROMPT, EPS, index).query.index_ok  # breaker open: not asked
     assert (index.calls, obs.fallbacks) == (1, {"lookup_failed": 1, "index_down": 1})
     clock.t += 0.2
-    assert c.plan(SPEC, PROMPT, EPS, index).query.index_ok
+    assert plan_now(c, SPEC, PROMPT, EPS, index).query.index_ok
     assert index.calls == 2 and obs.lookups == 1
 
 
@@ -70,29 +72,29 @@ def test_lookup_answer_sets_matches_and_fresher_load_and_adopts_new_workers_only
     load = Load(num_running=3)
     index = Index([WorkerMatch("w2", "a:2", 5, load), WorkerMatch("w3", "a:3", 8, Load())])
     c, _, _ = core()
-    plan = c.plan(SPEC, PROMPT, EPS, index, adopt=True)
+    plan = plan_now(c, SPEC, PROMPT, EPS, index, adopt=True)
     got = {x.worker_id: (x.matched_blocks, x.load.num_running) for x in plan.candidates}
     assert got == {"w1": (0, 0), "w2": (5, 3), "w3": (8, 0)}
     c, _, _ = core()
-    plan = c.plan(SPEC, PROMPT, EPS, index, adopt=False)
+    plan = plan_now(c, SPEC, PROMPT, EPS, index, adopt=False)
     assert sorted(x.worker_id for x in plan.candidates) == ["w1", "w2"]
 
 
 def test_pick_records_speculative_entries_that_expire_on_the_clock_and_counts_reasons():
     c, clock, obs = core()
-    plan = c.plan(SPEC, PROMPT, EPS, Index())
+    plan = plan_now(c, SPEC, PROMPT, EPS, Index())
     d = c.pick(plan)
     assert obs.decisions == {"load": 1}
-    again = c.plan(SPEC, PROMPT, EPS, Index())
+    again = plan_now(c, SPEC, PROMPT, EPS, Index())
     assert again.candidate(d.worker_id).matched_blocks == 8
     clock.t += 2.5
-    assert all(x.matched_blocks == 0 for x in c.plan(SPEC, PROMPT, EPS, Index()).candidates)
+    assert all(x.matched_blocks == 0 for x in plan_now(c, SPEC, PROMPT, EPS, Index()).candidates)
 
 
 def test_inflight_accounting_charges_uncached_tokens_until_the_first_token():
     index = Index([WorkerMatch("w1", "a:1", 6, Load())])
     c, _, _ = core()
-    plan = c.plan(SPEC, PROMPT, EPS, index)
+    plan = plan_now(c, SPEC, PROMPT, EPS, index)
     ticket = c.start(plan, "w1")
     assert c.inflight.view("w1") == (1, 32 - 6 * 4)
     c.prefilled(ticket)
@@ -123,8 +125,8 @@ def test_the_policy_hears_each_attempt_start_first_token_and_end_once_with_the_i
     policy = Recording()
     c = RoutingCore(policy, speculative_ttl_s=2.0, clock=Clock())
     index = Index([WorkerMatch("w1", "a:1", 3, Load())])
-    c.pick(c.plan(SPEC, PROMPT, EPS, index))  # the speculative map now says w1 or w2 holds all 8 blocks
-    plan = c.plan(SPEC, PROMPT, EPS, index)
+    c.pick(plan_now(c, SPEC, PROMPT, EPS, index))  # the speculative map now says w1 or w2 holds all 8 blocks
+    plan = plan_now(c, SPEC, PROMPT, EPS, index)
     first = c.start(plan, "w1")
     c.prefilled(first)
     c.prefilled(first)
@@ -142,9 +144,9 @@ def test_the_policy_hears_each_attempt_start_first_token_and_end_once_with_the_i
 
 def test_unhealthy_workers_are_skipped_unless_all_are():
     c, _, _ = core("round-robin")
-    plan = c.plan(SPEC, PROMPT, EPS, None, healthy=lambda w: w != "w1")
+    plan = plan_now(c, SPEC, PROMPT, EPS, None, healthy=lambda w: w != "w1")
     assert [x.worker_id for x in plan.candidates] == ["w2"]
-    plan = c.plan(SPEC, PROMPT, EPS, None, healthy=lambda w: False)
+    plan = plan_now(c, SPEC, PROMPT, EPS, None, healthy=lambda w: False)
     assert len(plan.candidates) == 2
 
 
@@ -157,15 +159,15 @@ def shared_core(policy: str = "kv-aware", attempts: int = 3) -> RoutingCore:
 def test_reservations_only_for_a_policy_that_reads_the_view_and_only_with_an_index_answer():
     answer = [WorkerMatch("w1", "a:1", 0, Load(), pending=Pending(1, 40, 10, 7)), WorkerMatch("w2", "a:2", 0, Load())]
     c = shared_core()
-    plan = c.plan(SPEC, PROMPT, EPS, Index(answer))
+    plan = plan_now(c, SPEC, PROMPT, EPS, Index(answer))
     assert plan.versions == {"w1": 7, "w2": 0}
     assert plan.candidate("w1").pending == Pending(1, 40, 10, 7)
     down = Index(answer)
     down.down = True
-    assert c.plan(SPEC, PROMPT, EPS, down).versions is None  # no answer: nothing to reserve against
+    assert plan_now(c, SPEC, PROMPT, EPS, down).versions is None  # no answer: nothing to reserve against
     for other in (shared_core("round-robin"), shared_core("dynamo"),
                   RoutingCore(make_policy("kv-aware", PolicyConfig(seed=0)), shared_view=False)):
-        p = other.plan(SPEC, PROMPT, EPS, Index(answer))
+        p = plan_now(other, SPEC, PROMPT, EPS, Index(answer))
         assert p.versions is None and p.candidate("w1").pending == Pending()
         assert other.reservation(p, other.pick(p), "r1", 0) is None
 
@@ -174,7 +176,7 @@ def test_a_reservation_is_in_flight_at_once_and_a_refusal_moves_it_with_the_fres
     # w1 holds the prompt: the first pick; w2 is idle.
     answer = [WorkerMatch("w1", "a:1", 8, Load()), WorkerMatch("w2", "a:2", 0, Load())]
     c = shared_core()
-    plan = c.plan(SPEC, PROMPT, EPS, Index(answer))
+    plan = plan_now(c, SPEC, PROMPT, EPS, Index(answer))
     first = c.pick(plan, count=False)
     assert first.worker_id == "w1"
     reservation = c.reservation(plan, first, "req-1", 0)
@@ -195,7 +197,7 @@ def test_a_reservation_is_in_flight_at_once_and_a_refusal_moves_it_with_the_fres
 
 def test_the_last_reservation_is_unconditional_and_then_there_is_none():
     c = shared_core(attempts=2)
-    plan = c.plan(SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 8, Load(), pending=Pending(0, 0, 0, 5)),
+    plan = plan_now(c, SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 8, Load(), pending=Pending(0, 0, 0, 5)),
                                             WorkerMatch("w2", "a:2", 0, Load())]))
     d = c.pick(plan, count=False)
     assert c.reservation(plan, d, "r", 0).seen_version == 5
@@ -207,10 +209,10 @@ def test_other_routers_picks_weigh_on_kv_aware_like_its_own():
     """The view's pending picks count as load: with equal matches, the worker others just picked loses."""
     busy = Pending(6, 6 * 4096, 6 * 64, 9)
     c = shared_core()
-    plan = c.plan(SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 0, Load(), pending=busy),
+    plan = plan_now(c, SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 0, Load(), pending=busy),
                                             WorkerMatch("w2", "a:2", 0, Load())]))
     assert c.pick(plan).worker_id == "w2"
-    plan = c.plan(SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 0, Load()),
+    plan = plan_now(c, SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 0, Load()),
                                             WorkerMatch("w2", "a:2", 0, Load(), pending=busy)]))
     assert c.pick(plan).worker_id == "w1"
 
@@ -226,7 +228,7 @@ def test_a_late_lookup_keeps_the_breaker_closed_and_its_blind_pick_is_reserved_u
     answer = [WorkerMatch("w1", "a:1", 0, Load()), WorkerMatch("w2", "a:2", 0, Load())]
     late = c.prepare(SPEC, PROMPT, True)  # asked; its answer will not come in time
     clock.t += 0.01
-    c.plan(SPEC, PROMPT, EPS, Index(answer))  # another request's Lookup is answered meanwhile
+    plan_now(c, SPEC, PROMPT, EPS, Index(answer))  # another request's Lookup is answered meanwhile
     clock.t += 0.05
     plan = c.complete(late, EPS, IndexUnavailable("deadline exceeded"), adopt=True)
     assert not plan.query.index_ok and (plan.versions, plan.conditional) == ({}, False)
@@ -247,11 +249,11 @@ def test_another_routers_copy_of_the_prefix_counts_as_held_in_the_lookup_and_in_
     scored as holding it (as this router's own speculative map would say of its own picks) — from the
     Lookup's pending_blocks, and from a refused reservation's anchored count."""
     c = shared_core()
-    plan = c.plan(SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 0, Load(), pending_blocks=4),
+    plan = plan_now(c, SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 0, Load(), pending_blocks=4),
                                             WorkerMatch("w2", "a:2", 0, Load())]))
     assert [(x.worker_id, x.matched_blocks, x.indexed_blocks) for x in plan.candidates] == [("w1", 4, 0), ("w2", 0, 0)]
     c = shared_core()
-    plan = c.plan(SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 2, Load()), WorkerMatch("w2", "a:2", 0, Load())]))
+    plan = plan_now(c, SPEC, PROMPT, EPS, Index([WorkerMatch("w1", "a:1", 2, Load()), WorkerMatch("w2", "a:2", 0, Load())]))
     first = c.pick(plan, count=False)
     assert first.worker_id == "w1"
     c.reservation(plan, first, "r", 0)

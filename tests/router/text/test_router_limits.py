@@ -21,9 +21,11 @@ from kvmesh.kv_service.server import KVServiceServer
 from kvmesh.kv_service.store_memory import MemoryIndex
 from kvmesh.loopback import free_port
 from kvmesh.make_model import train_tokenizer
+from kvmesh.router.core.decide import plan_now
+from kvmesh.router.core.observer import CountingObserver
 from kvmesh.router.core.policies import make_policy
 from kvmesh.router.core.policies.base import PolicyConfig
-from kvmesh.router.core.routing import CountingObserver, RoutingCore
+from kvmesh.router.core.routing import RoutingCore
 from kvmesh.router.core.upstream import WorkerEndpoint
 from kvmesh.router.text.prompt import PromptLimits, PromptTokenizer
 from kvmesh.transport.loop import LoopThread
@@ -126,11 +128,11 @@ def test_a_refused_lookup_does_not_open_the_breaker_a_failed_one_does():
     eps = [WorkerEndpoint("w1", "a:1")]
     refused = Index("lookup_invalid")
     for _ in range(3):
-        assert not core.plan(SPEC, PROMPT, eps, refused).query.index_ok
+        assert not plan_now(core, SPEC, PROMPT, eps, refused).query.index_ok
     assert refused.calls == 3 and obs.fallbacks == {"lookup_invalid": 3}  # asked every time
     failed = Index("lookup_failed")
-    core.plan(SPEC, PROMPT, eps, failed)
-    core.plan(SPEC, PROMPT, eps, failed)
+    plan_now(core, SPEC, PROMPT, eps, failed)
+    plan_now(core, SPEC, PROMPT, eps, failed)
     assert failed.calls == 1 and obs.fallbacks["index_down"] == 1  # the breaker is open now
 
 
