@@ -8,9 +8,11 @@ from kvmesh.contract.settings import code_only, flag
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 MAX_SHARDS = 256
+"""--shards at most (kvmesh.kv_service.store_redis.MAX_SHARDS: every Lookup is one script call per shard)."""
 LOOKUP_WALKS = ("search", "linear")
 """How a Lookup finds each worker's match (kv_service/prefix_search.py): search, or the walk it replaced."""
-"""--shards at most (kvmesh.kv_service.store_redis.MAX_SHARDS: every Lookup is one script call per shard)."""
+INGEST_LOOPS = ("apart", "shared")
+"""Where event batches are applied: on an event loop and Redis connections of their own, or on the serving loop."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,10 +77,16 @@ class RedisStoreConfig:
     """Send Lookups to the Redis replicas of each shard, spread over them (EVALSHA_RO, Redis >= 7); a shard with no
     replica in sync is read on its master. Writes, Reserve and admin reads stay on the masters. A Lookup then sees
     the index up to the replication lag late (docs/kv-service.md "Lookups from replicas")."""
+    ingest_loop: str = "apart"
+    """Where event batches (PublishEvents, snapshots) and the lease reaper run: apart, on an event loop thread and
+    Redis connections of their own, so a Lookup or Reserve never queues behind a batch in this process; shared, on
+    the loop that serves every call (before issue 49; docs/kv-service.md "Reads apart from ingest")."""
 
     def check(self) -> None:
         if self.max_blocks_per_call < 1 or self.redis_connections < 1:
             raise ValueError("--max-blocks-per-call and --redis-connections must be >= 1")
+        if self.ingest_loop not in INGEST_LOOPS:
+            raise ValueError(f"--ingest-loop must be one of {', '.join(INGEST_LOOPS)}, got {self.ingest_loop!r}")
         if not 1 <= self.shards <= MAX_SHARDS:
             raise ValueError(f"--shards must be in [1, {MAX_SHARDS}], got {self.shards}")
 

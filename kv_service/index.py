@@ -153,6 +153,12 @@ class BlockIndex(abc.ABC):
     async def reap_expired(self, now_ms: int) -> int:
         """Deletes workers whose lease expired (and their blocks); returns how many workers."""
 
+    def writer(self) -> BlockIndex | None:
+        """The same index through connections of its own, for event batches applied on another event loop
+        (docs/kv-service.md "Reads apart from ingest"); None: this store applies them where it serves reads
+        (a store without I/O: nothing to wait for)."""
+        return None
+
     async def ping(self) -> None:  # noqa: B027 - optional hook
         """Raises kvmesh.contract.errors.Unavailable when the store cannot be reached."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
@@ -22,7 +23,7 @@ from kvmesh.contract.convert import (
 from kvmesh.contract.errors import InvalidArgument, ResourceExhausted
 from kvmesh.contract.limits import MAX_EXTRA_KEYS_CHARS, check_length
 from kvmesh.kv_service.config import FaultConfig, KVServiceConfig, ServiceConfig
-from kvmesh.kv_service.index import BlockIndex
+from kvmesh.kv_service.index import BlockIndex, PublishResult
 from kvmesh.kv_service.metrics import KVMetrics
 from kvmesh.kv_service.service import KVService, now_ms
 from kvmesh.transport import tracing
@@ -39,10 +40,22 @@ DEFAULT_MAX_PUBLISHERS = KVServiceConfig().max_publishers
 """Workers that may hold a PublishEvents stream on one replica at once (a stream is a coroutine)."""
 
 
+async def run_on(ingest: LoopThread | None, call: Coroutine[Any, Any, T]) -> T:
+    """``call`` run on the ingest loop's thread and awaited from this loop (``ingest`` None: here).
+
+    NOTE: this loop only waits on the result, so it keeps answering Lookups and Reserves while the
+    ingest loop converts, checks and applies a batch (docs/kv-service.md "Reads apart from ingest")."""
+    if ingest is None:
+        return await call
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, ingest.loop))
+
+
 class KVServiceServicer(pb_grpc.KVServiceServicer):
     def __init__(self, service: KVService, max_publishers: int = DEFAULT_MAX_PUBLISHERS,
-                 faults: FaultConfig | None = None) -> None:
+                 faults: FaultConfig | None = None, ingest: LoopThread | None = None) -> None:
         self.svc = service
+        self._ingest = ingest
+        """The loop event batches are applied on (the service's writer's); None: this one."""
         self.max_publishers = max_publishers
         self._publishers = 0
         self._replies = LookupReplies()
@@ -74,25 +87,29 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
                 "start it with a larger --max-publishers or point workers at another replica")
         self._publishers += 1
         try:
+            # NOTE: one message at a time: the next is read once this one is applied and answered, so a
+            # worker's batches apply in its stream's order wherever they are applied.
             async for req in request_iterator:
-                load = load_from_pb(req.load) if req.HasField("load") else None
-                if req.snapshot:
-                    if req.events:
-                        raise InvalidArgument("a snapshot batch carries snapshot_hashes only; events must be empty")
-                    result = await self.svc.snapshot(req.worker_id, req.epoch, req.seq, list(req.snapshot_hashes),
-                                                     load, list(req.snapshot_host_hashes))
-                else:
-                    if req.snapshot_hashes or req.snapshot_host_hashes:
-                        raise InvalidArgument("snapshot_hashes / snapshot_host_hashes given without snapshot=true")
-                    # NOTE: an event batch belongs to no request: each is a trace of its own (while on).
-                    with tracing.span("kv.apply_events", None, {"kvmesh.worker_id": req.worker_id,
-                                                                "kvmesh.seq": req.seq, "kvmesh.events": len(req.events)}
-                                      if tracing.ON else None):
-                        result = await self.svc.publish(req.worker_id, req.epoch, req.seq, events_from_pb(req.events),
-                                                        load)
+                result = await run_on(self._ingest, self._apply(req))
                 yield pb.PublishEventsResponse(seq=req.seq, action=int(result.action), reason=result.reason)
         finally:
             self._publishers -= 1
+
+    async def _apply(self, req: pb.PublishEventsRequest) -> PublishResult:
+        """One PublishEvents message converted, checked and applied (on the ingest loop when apart)."""
+        load = load_from_pb(req.load) if req.HasField("load") else None
+        if req.snapshot:
+            if req.events:
+                raise InvalidArgument("a snapshot batch carries snapshot_hashes only; events must be empty")
+            return await self.svc.snapshot(req.worker_id, req.epoch, req.seq, list(req.snapshot_hashes),
+                                           load, list(req.snapshot_host_hashes))
+        if req.snapshot_hashes or req.snapshot_host_hashes:
+            raise InvalidArgument("snapshot_hashes / snapshot_host_hashes given without snapshot=true")
+        # NOTE: an event batch belongs to no request: each is a trace of its own (while on).
+        with tracing.span("kv.apply_events", None, {"kvmesh.worker_id": req.worker_id,
+                                                    "kvmesh.seq": req.seq, "kvmesh.events": len(req.events)}
+                          if tracing.ON else None):
+            return await self.svc.publish(req.worker_id, req.epoch, req.seq, events_from_pb(req.events), load)
 
     async def _late(self, half_s: float, call: Coroutine[Any, Any, T]) -> T:
         """``call``, ``half_s`` late, answered ``half_s`` after it ran (an injected slow round trip).
@@ -182,8 +199,10 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
 
 
 class KVServiceServer(LoopServer):
-    """The kv_service process: a grpc.aio server and the reaper of expired workers, on one event
-    loop of their own (``start``/``stop`` are called from any other thread).
+    """The kv_service process: a grpc.aio server on an event loop of its own (``start``/``stop`` are
+    called from any other thread), and, where the store has a writer (``BlockIndex.writer``: the Redis
+    store with ``--ingest-loop apart``), a second loop thread that applies event batches and runs the
+    reaper of expired workers through it; else both run on the serving loop.
 
     ``metrics`` (made here, at start of the service) holds this server's Prometheus registry.
     """
@@ -194,15 +213,19 @@ class KVServiceServer(LoopServer):
         if max_publishers < 1:
             raise ValueError(f"max_publishers must be >= 1, got {max_publishers}")
         self.metrics = KVMetrics()
-        self.service = KVService(index, config, self.metrics)
+        writer = index.writer()
+        self.service = KVService(index, config, self.metrics, events=writer)
+        self.ingest = LoopThread("kv-ingest") if writer is not None else None
+        """The event loop thread of event batches and the reaper (None: they run on the serving loop)."""
         self._loop = LoopThread("kv-service")
         self.grpc: AioServer = self._loop.run(self._build(host, port, max_publishers, faults))
         self.port = self.grpc.port
-        self._reaper: asyncio.Task | None = None
+        self._reaper: asyncio.Task | concurrent.futures.Future | None = None
 
     async def _build(self, host: str, port: int, max_publishers: int, faults: FaultConfig | None) -> AioServer:
         server = AioServer(host, port)
-        pb_grpc.add_KVServiceServicer_to_server(KVServiceServicer(self.service, max_publishers, faults), server.server)
+        pb_grpc.add_KVServiceServicer_to_server(KVServiceServicer(self.service, max_publishers, faults, self.ingest),
+                                                server.server)
         server.add_service(pb.DESCRIPTOR.services_by_name["KVService"].full_name)
         return server
 
@@ -218,8 +241,13 @@ class KVServiceServer(LoopServer):
 
     async def _start(self) -> None:
         await self.service.index.ping()  # Unavailable: the CLI prints one line and exits
+        if self.ingest is not None:
+            await run_on(self.ingest, self.service.events.ping())
         await self.grpc.start()
-        self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
+        if self.ingest is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
+        else:
+            self._reaper = asyncio.run_coroutine_threadsafe(self._reap_loop(), self.ingest.loop)
         await self.grpc.set_serving(True)
 
     def start(self) -> KVServiceServer:
@@ -236,3 +264,10 @@ class KVServiceServer(LoopServer):
             self._reaper.cancel()
         await self.grpc.stop(grace)
         await self.service.index.close()
+        if self.ingest is not None:
+            await run_on(self.ingest, self.service.events.close())
+
+    def stop(self, grace: float = 2.0) -> None:
+        super().stop(grace)
+        if self.ingest is not None:
+            self.ingest.stop()

@@ -136,18 +136,25 @@ def _check_counter(what: str, value: int) -> None:
 
 
 class KVService:
-    """Validation + index + counters, for one event loop (or ``run_now`` on the memory store).
+    """Validation + index + counters, for one event loop (or ``run_now`` on the memory store); with an
+    ``events`` writer, ``publish``, ``snapshot`` and ``reap`` run on the writer's loop instead, and what they
+    share with the reads (the metrics, the pending prefixes) is safe across threads.
 
     Args:
         metrics: where to count (the server's, served on /metrics); default: a private registry.
         clock: the index's time in ms (wall time; the simulator's virtual clock).
+        events: the index's writer (``BlockIndex.writer``) that event batches, snapshots and the reaper
+            go through, from the event loop it is bound to; default: ``index``.
     """
 
     def __init__(self, index: BlockIndex, config: ServiceConfig | None = None,
-                 metrics: KVMetrics | None = None, clock: Callable[[], int] = now_ms) -> None:
+                 metrics: KVMetrics | None = None, clock: Callable[[], int] = now_ms,
+                 events: BlockIndex | None = None) -> None:
         self.index = index
+        self.events = events or index
+        """Where event batches are applied (docs/kv-service.md "Reads apart from ingest")."""
         self.config = config or ServiceConfig()
-        index.pending_config = self.config.pending
+        index.pending_config = self.events.pending_config = self.config.pending
         self.metrics = metrics or KVMetrics()
         self._now = clock
         self.prefixes = PendingPrefixes(self.config.pending.prefix_ttl_ms)
@@ -203,7 +210,7 @@ class KVService:
             elif isinstance(ev, BlockRemoved):
                 _check_hashes(f"events[{i}].removed.block_hashes", ev.block_hashes)
         events = self._kept_tiers(events)
-        result = await self.index.publish(worker_id, epoch, seq, events, self._now(), load)
+        result = await self.events.publish(worker_id, epoch, seq, events, self._now(), load)
         self._count(result, events)
         if result.action == Action.ACK and self.prefixes:
             # NOTE: a block the worker evicted from its device is not held there whatever a reserved
@@ -241,7 +248,7 @@ class KVService:
         host = _check_hashes("snapshot_host_hashes", host_hashes, limit=MAX_SNAPSHOT_HOST_BLOCKS)
         if load is not None:
             _check_load(load)
-        result = await self.index.snapshot(worker_id, epoch, seq, hashes, self._now(), load, host)
+        result = await self.events.snapshot(worker_id, epoch, seq, hashes, self._now(), load, host)
         self.metrics.events_applied.labels("snapshot").inc(len(hashes) + len(host))
         return result
 
@@ -418,4 +425,4 @@ class KVService:
         return await self.index.flush_worker(worker_id)
 
     async def reap(self) -> int:
-        return await self.index.reap_expired(self._now())
+        return await self.events.reap_expired(self._now())

@@ -166,6 +166,8 @@ class RedisIndex(BlockIndex):
         EVALSHA_RO; a shard without one is read on its master. Everything else stays on the masters.
     lookup_walk: ``search`` (lua/lookup.lua) or ``linear`` (lua/lookup_linear.lua, the walk it
         replaced, with its reply; kept as the benchmarks' baseline).
+    ingest_loop: ``apart``: :meth:`writer` gives event batches a RedisIndex of their own (its own
+        connections, for its own event loop); ``shared``: they go through this one.
 
     The client (redis.asyncio) binds its connections to the event loop that first uses them: use
     one RedisIndex from one loop.
@@ -176,13 +178,17 @@ class RedisIndex(BlockIndex):
     def __init__(self, url: str, namespace: str = _DEFAULTS.namespace, socket_timeout: float = 2.0,
                  max_blocks_per_call: int = DEFAULT_MAX_BLOCKS_PER_CALL,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, shards: int = _DEFAULTS.shards,
-                 read_replicas: bool = False, lookup_walk: str = "search") -> None:
+                 read_replicas: bool = False, lookup_walk: str = "search",
+                 ingest_loop: str = _DEFAULTS.ingest_loop) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", namespace):
             raise ValueError(f"namespace must be 1-64 letters, digits, '_', '.', '-', got {namespace!r}")
-        RedisStoreConfig(namespace, max_blocks_per_call, max_connections, shards).check()
+        RedisStoreConfig(namespace, max_blocks_per_call, max_connections, shards, ingest_loop=ingest_loop).check()
         if lookup_walk not in LOOKUP_WALKS:
             raise ValueError(f"lookup_walk must be one of {', '.join(LOOKUP_WALKS)}, got {lookup_walk!r}")
         self.url = url
+        self.socket_timeout = socket_timeout
+        self.max_connections = max_connections
+        self.ingest_loop = ingest_loop
         self.max_blocks_per_call = max_blocks_per_call
         self.shards = shards
         self.read_replicas = read_replicas
@@ -198,6 +204,14 @@ class RedisIndex(BlockIndex):
         self.prefix = self.prefixes[0]
         self._info: dict[bytes, tuple[bytes | None, tuple[str, str, int, Load, bytes]]] = {}
         self._matches: dict[bytes, tuple[bytes | None, bytes | None, WorkerMatch, bytes]] = {}
+
+    def writer(self) -> RedisIndex | None:
+        """With ``ingest_loop`` apart, a second RedisIndex of the same namespace and settings with connections of
+        its own (redis.asyncio binds them to the loop that first uses them); its Lookups would go to the masters."""
+        if self.ingest_loop != "apart":
+            return None
+        return RedisIndex(self.url, self.namespace, self.socket_timeout, self.max_blocks_per_call,
+                          self.max_connections, self.shards, lookup_walk=self.lookup_walk, ingest_loop="shared")
 
     def home(self, worker_id: str) -> int:
         return self.redis.home(worker_id)

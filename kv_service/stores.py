@@ -32,4 +32,5 @@ def make_store(store: str | None = None, redis_url: str | None = None,
     r = redis or RedisStoreConfig()
     return module.RedisIndex(redis_url or DEFAULT_REDIS_URL, namespace=r.namespace,
                              max_blocks_per_call=r.max_blocks_per_call, max_connections=r.redis_connections,
-                             shards=r.shards, read_replicas=r.read_replicas, lookup_walk=lookup_walk)
+                             shards=r.shards, read_replicas=r.read_replicas, lookup_walk=lookup_walk,
+                             ingest_loop=r.ingest_loop)
