@@ -19,17 +19,21 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 from kvmesh.contract.errors import AlreadyExists
 from kvmesh.contract.limits import excerpt
 from kvmesh.contract.types import KVCacheEvent, SamplingParams
+from kvmesh.model_worker.engine.kv_legs import KVLeg
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
 from kvmesh.model_worker.engine.timeline import RequestTimeline
 from kvmesh.model_worker.scheduling.output import RequestOutput
 
 log = logging.getLogger("kvmesh.worker.engine")
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -156,9 +160,21 @@ class EngineLoop:
         with self._lock:
             return len(self._streams)
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The step thread: the one thread that touches the engine's scheduler, pool and P/D holds."""
+        return self._thread
+
     def wake(self) -> None:
         """Makes an idle loop run once (e.g. to answer a snapshot request)."""
         self._wake.set()
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Runs ``fn(engine)`` on the step thread before its next step (LLMEngine.call_on_step_thread), an idle
+        loop woken for it; the future has its result. How the transfer side asks the engine's side of P/D."""
+        future = self.engine.call_on_step_thread(fn)
+        self._wake.set()
+        return future
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                cache_salt: str = "") -> Iterator[list[TokenEvent]]:
@@ -174,14 +190,15 @@ class EngineLoop:
         return self._iterate(request_id, stream)
 
     def submit_async(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     cache_salt: str = "", timeline: RequestTimeline | None = None, **kv: Any) -> AsyncTokenStream:
+                     cache_salt: str = "", timeline: RequestTimeline | None = None,
+                     leg: KVLeg | None = None) -> AsyncTokenStream:
         """As ``submit``, for a caller on an event loop (this one receives the events). The caller
-        aborts the request when it stops reading early (a no-op after the end). ``kv``: a prefill or
-        decode leg's ``hold_kv_s`` / ``kv_import`` (LLMEngine.add_request); ``timeline``: kept up to
-        date by the step thread (a traced request), read by the caller once the stream ended."""
+        aborts the request when it stops reading early (a no-op after the end). ``leg``: a prefill or
+        decode leg (kv_legs.py); ``timeline``: kept up to date by the step thread (a traced request),
+        read by the caller once the stream ended."""
         reader = AsyncTokenStream()
         self._add(request_id, Stream(loop=asyncio.get_running_loop(), reader=reader, timeline=timeline),
-                  prompt_token_ids, params, cache_salt, **kv)
+                  prompt_token_ids, params, cache_salt, leg)
         return reader
 
     def in_flight(self, request_id: str) -> bool:
@@ -190,7 +207,7 @@ class EngineLoop:
             return request_id in self._streams
 
     def _add(self, request_id: str, stream: Stream, prompt_token_ids: list[int], params: SamplingParams,
-             cache_salt: str, **kv: Any) -> None:
+             cache_salt: str, leg: KVLeg | None = None) -> None:
         stream.prompt_tokens = len(prompt_token_ids)
         with self._lock:
             if request_id in self._streams:
@@ -200,7 +217,7 @@ class EngineLoop:
             if stream.timeline is not None:
                 self._traced[request_id] = stream.timeline
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params, cache_salt, **kv)
+            self.engine.add_request(request_id, prompt_token_ids, params, cache_salt, leg)
         except Exception:
             with self._lock:
                 self._streams.pop(request_id, None)

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-import copy
-import json
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
+from concurrent.futures import Future
+from dataclasses import replace
+from typing import Any, TypeVar
 
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import AlreadyExists
 from kvmesh.contract.limits import MAX_ADMITTED_IDS, MAX_SNAPSHOT_HOST_BLOCKS, excerpt
 from kvmesh.contract.modelinfo import model_id_for
-from kvmesh.contract.types import DEFAULT_MAX_TOKENS, KVCacheEvent, Load, SamplingParams
+from kvmesh.contract.types import KVCacheEvent, Load, SamplingParams
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
+from kvmesh.model_worker.engine.input_processor import InputProcessor, load_tokenizer
+from kvmesh.model_worker.engine.kv_connector import KVConnector
+from kvmesh.model_worker.engine.kv_legs import DecodeLeg, KVImport, KVLeg, PrefillLeg
+from kvmesh.model_worker.engine.stats import EngineStats
 from kvmesh.model_worker.execution.kv_blocks import KVBlocks
 from kvmesh.model_worker.execution.model_runner import ModelRunner
 from kvmesh.model_worker.scheduling.config import SchedulerConfig
@@ -25,100 +27,22 @@ from kvmesh.model_worker.scheduling.kv_cache_manager import KVCacheManager
 from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.scheduling.kv_holds import KVHolds
 from kvmesh.model_worker.scheduling.output import RequestOutput, SchedulerOutput, StepWork
-from kvmesh.model_worker.scheduling.request import Request, RequestStatus
+from kvmesh.model_worker.scheduling.request import Request
 from kvmesh.model_worker.scheduling.scheduler import Scheduler
 
+__all__ = ["EngineStats", "KVImport", "LLMEngine", "load_tokenizer"]
+"""``KVImport`` and ``EngineStats`` are kv_legs.py's and stats.py's, named here too for their older importers
+(kvmesh/sim)."""
 
-@dataclass(slots=True)
-class EngineStats:
-    """A worker's load as it reports it (heartbeats, routing)."""
-
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    queued_prefill_tokens: int
-    prefix_cache_queries: int
-    """Prompt tokens looked up in the prefix cache so far."""
-    prefix_cache_hits: int
-    """Of those, tokens found cached (on the device or in the host tier)."""
-    host_cache_hits: int = 0
-    """Of those, tokens found in the host tier and loaded back."""
-    num_host_blocks: int = 0
-    """Blocks of the host KV tier (0: none)."""
-    num_host_cached_blocks: int = 0
-    """Of those, blocks holding a hash."""
-    busy_s: float = 0.0
-    """Seconds spent in steps since start (modelled seconds on a simulated worker)."""
-    steps: int = 0
-    """Forward passes since start (every inner step of a multi-step window counts)."""
-    work: StepWork = field(default_factory=StepWork)
-    """Work of those passes since start: what ``busy_s`` was spent on."""
-    max_num_batched_tokens: int = 0
-    host_loaded_blocks: int = 0
-    """Blocks loaded back from the host tier since start."""
-    host_load_s: float = 0.0
-    """Seconds those loads took (part of ``busy_s``; modelled seconds on a simulated worker)."""
-    num_cached_blocks: int = 0
-    """Device blocks holding a cached prefix (in use or idle)."""
-
-    @property
-    def load(self) -> Load:
-        return self.report()
-
-    def report(self, admitted: tuple[str, ...] = (), reports_admissions: bool = False) -> Load:
-        """The load, with the admissions it covers (what a kvmesh worker reports)."""
-        w = self.work
-        return Load(self.num_running, self.num_waiting, self.num_free_blocks, self.num_total_blocks,
-                    self.queued_prefill_tokens, self.busy_s, self.steps, w.prefill_tokens, w.prefill_pairs,
-                    w.decode_seqs, w.decode_context_tokens, self.max_num_batched_tokens, admitted,
-                    reports_admissions, host_loaded_blocks=self.host_loaded_blocks, host_load_s=self.host_load_s,
-                    num_cached_blocks=self.num_cached_blocks)
-
-
-@dataclass(slots=True)
-class KVImport:
-    """KV blocks that arrived from a prefill worker for one request (prefill/decode disaggregation):
-    taken into the pool on the step thread right before the request joins the scheduler."""
-
-    block_hashes: list[bytes]
-    """The prompt's full blocks as the prefill worker held them, from the root."""
-    start: int
-    """``blocks[0]`` is ``block_hashes[start]``'s."""
-    blocks: Any
-    """A tensor ``[n, *KVBlocks.block_shape]`` in wire layout; None on a simulated worker (no bytes)."""
-    num_blocks: int = -1
-    """Blocks that arrived when ``blocks`` is None (the simulator's transfers)."""
-    taken: int = -1
-    """Set on the step thread: blocks the pool took in (-1 until then)."""
-
-
-def load_tokenizer(model_dir: str | Path) -> Any | None:
-    """The model's ``tokenizers.Tokenizer`` from tokenizer.json, or None when there is none."""
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path))
-
-
-def _eos_token_ids(model_dir: str | Path, model_config: ModelConfig) -> list[int]:
-    ids = list(model_config.eos_token_ids)
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        for e in [eos] if isinstance(eos, int) else (eos or []):
-            if e not in ids:
-                ids.append(e)
-    return ids
+T = TypeVar("T")
 
 
 class LLMEngine:
     """Continuous-batching engine over one model.
 
-    ``step()`` runs on one thread; ``add_request`` / ``abort_request`` may be called from
-    others: they go through an inbox that ``step()`` drains first.
+    ``step()`` runs on one thread; ``add_request`` / ``abort_request`` / ``call_on_step_thread`` may be
+    called from others: they go through an inbox that ``step()`` drains first. The scheduler, the block
+    pool and the P/D holds (``kv_connector``) are touched on the stepping thread only.
 
     Args:
         config: the engine config; or pass its fields as keyword arguments.
@@ -140,7 +64,6 @@ class LLMEngine:
         self.config = config
         self.model_id = model_id_for(config.model, config.model_id)
         self.tokenizer = load_tokenizer(config.model)
-        self.eos_token_ids = _eos_token_ids(config.model, self.model_config)
         self.runner = (runner_factory or ModelRunner)(config, self.model_config)
         # NOTE: before the first request (and before a worker reports SERVING): every compile, JIT
         # and graph capture happens here (model_worker/execution/warmup.py).
@@ -148,6 +71,8 @@ class LLMEngine:
         self.warmup_report = warm_up() if warm_up is not None else None
         """What the runner's warm-up did and how long it took (None for a runner without one)."""
         self.block_hasher = BlockHasher(self.model_id, config.block_size, config.hash_algorithm)
+        self.inputs = InputProcessor(config, self.model_config, self.block_hasher)
+        """Validation at the door (input_processor.py)."""
         # NOTE: the runner decides the grouping (it lays out the KV tensors); a runner without one
         # (the simulated one) gets the grouping the model's windows imply.
         kv_cache_config = getattr(self.runner, "kv_cache_config", None) or KVCacheConfig.from_sliding_windows(
@@ -175,8 +100,9 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, Any] | None = None
         """The launched step whose tokens are not committed yet, with its runner's PendingTokens."""
         self._lock = threading.Lock()
-        # NOTE: ("add", Request) / ("abort", id) in call order; only step() touches the scheduler.
-        self._inbox: deque[tuple[str, Any]] = deque()
+        # NOTE: ("add", Request, its leg) / ("abort", id, None) / ("call", fn, None) in call order; only
+        # step() touches the scheduler.
+        self._inbox: deque[tuple[str, Any, KVLeg | None]] = deque()
         self._live: set[str] = set()
         # NOTE: ids of requests admitted and not yet in a load report the kv_service acknowledged
         # (report_load / ack_admitted): they retire the routers' picks of them (docs/router.md,
@@ -198,15 +124,12 @@ class LLMEngine:
         self.last_step_s = 0.0
         """Seconds the last ``step()`` took: the runner's ``last_step_s`` when it models its time
         (the simulated runner), else the wall time of its forward passes."""
-        # NOTE: prefill/decode disaggregation (model_worker/scheduling/kv_holds.py): the blocks held
-        # for decode workers, the blocks taken in from prefill workers; both on the step thread.
-        self.kv_holds = KVHolds(self.kv_cache_manager.block_pool)
         attns = getattr(self.runner, "attention_layers", None)
         self.kv_blocks = (KVBlocks([(a.k_cache, a.v_cache) for a in attns], self.model_id, config.hash_algorithm)
                           if attns else None)
         """The KV cache as blocks of bytes (None for a runner without a KV cache: the simulated one)."""
-        self._hold_on_finish: dict[str, tuple[Request, float]] = {}
-        self._imports: dict[str, KVImport] = {}
+        self.kv_connector = KVConnector(self.kv_cache_manager.block_pool, self.kv_blocks, config.block_size)
+        """Prefill/decode disaggregation's engine side (kv_connector.py): holds and imports, on the step thread."""
         self.warm_request_s = self._warm_step_path() if warm_up is not None else 0.0
         """Seconds the warm-up request took (0: none ran)."""
         self._stats = self._snapshot()
@@ -238,97 +161,58 @@ class LLMEngine:
             layer.v_cache.zero_()
         return time.perf_counter() - start
 
+    @property
+    def kv_holds(self) -> KVHolds:
+        """The connector's holds and imports (step thread only; the simulator reads them on its one thread)."""
+        return self.kv_connector.holds
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                    cache_salt: str = "", hold_kv_s: float | None = None, kv_import: KVImport | None = None) -> None:
+                    cache_salt: str = "", leg: KVLeg | None = None) -> None:
         """Queues a request; it starts at the next ``step()``.
 
-        ``hold_kv_s``: a prefill leg: when it ends, its prompt's full blocks are held for a decode
-        worker this many seconds at most (:meth:`release_kv` ends it sooner). ``kv_import``: a decode
-        leg: these blocks are taken into the pool first.
+        ``leg``: a prefill leg (its prompt's full blocks are held for a decode worker when it ends) or a
+        decode leg (its blocks are taken into the pool first): kv_legs.py.
 
         Raises:
             ValueError: the request is malformed or can never fit; nothing else is affected.
         """
-        # NOTE: a copy the caller cannot change under us (its only mutable field is the stop list).
-        params = (replace(sampling_params, stop_token_ids=copy.copy(sampling_params.stop_token_ids))
-                  if sampling_params is not None else SamplingParams())
-        params.validate()
-        self.check_prompt(prompt_token_ids)
-        if params.max_tokens is None:
-            params.max_tokens = min(DEFAULT_MAX_TOKENS, self.config.max_model_len - len(prompt_token_ids))
-        extra_eos = self.eos_token_ids[1:]
-        if extra_eos and not params.ignore_eos:
-            params = replace(params, stop_token_ids=[*params.stop_token_ids, *extra_eos])
-        request = Request(
-            request_id,
-            prompt_token_ids,
-            params,
-            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-            block_hasher=self.block_hasher if self.config.enable_prefix_caching else None,
-            cache_salt=cache_salt,
-        )
-        self.submit(request, hold_kv_s=hold_kv_s, kv_import=kv_import)
+        request = self.inputs.make_request(request_id, prompt_token_ids, sampling_params, cache_salt)
+        self.submit(request, leg)
 
     def check_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
         """Raises ValueError as :meth:`add_request` would for this prompt and these parameters, adding
         nothing (a decode leg is checked before its KV moves)."""
-        sampling_params.validate()
-        self.check_prompt(prompt_token_ids)
-        room = self.config.max_model_len - len(prompt_token_ids)
-        if sampling_params.max_tokens is not None and sampling_params.max_tokens > room:
-            raise ValueError(f"max_tokens is {sampling_params.max_tokens}, but the prompt's {len(prompt_token_ids)} "
-                             f"tokens leave room for {room} of max_model_len {self.config.max_model_len}; ask for at "
-                             f"most {room}")
+        self.inputs.check_request(prompt_token_ids, sampling_params)
 
-    def submit(self, request: Request, hold_kv_s: float | None = None, kv_import: KVImport | None = None) -> None:
+    def submit(self, request: Request, leg: KVLeg | None = None, *, hold_kv_s: float | None = None,
+               kv_import: KVImport | None = None) -> None:
         """Queues a request the caller built (:meth:`add_request` builds them from a prompt; the
         simulator builds its own, with its workload's block hashes). Checks what every request must
         meet: a non-empty prompt that leaves room for its ``max_tokens`` in ``max_model_len``.
 
+        ``hold_kv_s`` / ``kv_import``: the simulator's spelling of ``PrefillLeg(hold_kv_s)`` /
+        ``DecodeLeg(kv_import)`` (kvmesh/sim/worker.py).
+
         Raises:
             ValueError: it can never fit. AlreadyExists: its id is live.
         """
-        n, max_len = request.num_prompt_tokens, self.config.max_model_len
-        assert max_len is not None
-        self.check_prompt_length(n)
-        room = max_len - n
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None and max_tokens > room:
-            raise ValueError(
-                f"max_tokens is {max_tokens}, but the prompt's {n} tokens leave room for "
-                f"{room} of max_model_len {max_len}; ask for at most {room}")
+        self.inputs.check_fits(request)
+        if hold_kv_s is not None:
+            leg = PrefillLeg(hold_kv_s)
+        elif kv_import is not None:
+            leg = DecodeLeg(kv_import)
         with self._lock:
             if request.request_id in self._live:
                 raise AlreadyExists(f"request id {excerpt(request.request_id)} is already in use")
             self._live.add(request.request_id)
-            if hold_kv_s is not None:
-                self._hold_on_finish[request.request_id] = (request, hold_kv_s)
-            if kv_import is not None:
-                self._imports[request.request_id] = kv_import
-            self._inbox.append(("add", request))
+            self._inbox.append(("add", request, leg))
             self._unreported[request.request_id] = None
             if len(self._unreported) > MAX_ADMITTED_IDS:
                 del self._unreported[next(iter(self._unreported))]
 
-    def check_prompt_length(self, n: int) -> None:
-        """Raises ValueError unless a prompt of ``n`` tokens fits (and leaves room for one token)."""
-        if n == 0:
-            raise ValueError("the prompt is empty; it needs at least one token")
-        max_len = self.config.max_model_len
-        assert max_len is not None
-        if n >= max_len:
-            raise ValueError(
-                f"the prompt has {n} tokens but max_model_len is {max_len}; shorten it to at most "
-                f"{max_len - 1} tokens to leave room for one generated token"
-            )
-
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raises ValueError naming the problem: empty, too long for max_model_len, or an id outside the vocabulary."""
-        self.check_prompt_length(len(prompt_token_ids))
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(prompt_token_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab})")
+        self.inputs.check_prompt(prompt_token_ids)
 
     def num_cached_tokens(self, request_id: str) -> int:
         """Prompt tokens of a live request the prefix cache served at its admission; 0 before it
@@ -342,7 +226,7 @@ class LLMEngine:
             if request_id not in self._live:
                 return False
             self._live.discard(request_id)
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(("abort", request_id, None))
             return True
 
     def _drain_inbox(self) -> None:
@@ -350,55 +234,38 @@ class LLMEngine:
             with self._lock:
                 if not self._inbox:
                     return
-                kind, item = self._inbox.popleft()
+                kind, item, leg = self._inbox.popleft()
                 if kind == "add":
                     # NOTE: in the scheduler but not in the last snapshot: stats() counts it until the next.
                     self._drained.append(item)
             if kind == "add":
-                kv_import = self._imports.pop(item.request_id, None)
-                if kv_import is not None:
-                    self._take_in(item.request_id, kv_import)
+                if leg is not None:
+                    # NOTE: in the same inbox item as the add: no step admits the request before its blocks are in.
+                    self.kv_connector.add(item, leg)
                 self.scheduler.add_request(item)
             elif kind == "call":
                 item(self)
             else:
-                self._hold_on_finish.pop(item, None)
+                self.kv_connector.aborted(item)
                 self.scheduler.abort_request(item)
 
-    def _take_in(self, request_id: str, kv: KVImport) -> None:
-        """A decode leg's arrived blocks into the pool (kv_holds.py), on the step thread."""
-        n = len(kv.blocks) if kv.blocks is not None else kv.num_blocks
-        first, ids = self.kv_holds.take_in(request_id, kv.block_hashes[:kv.start + n], kv.start)
-        if ids and kv.blocks is not None:
-            assert self.kv_blocks is not None, "KV blocks arrived at a runner without a KV cache"
-            self.kv_blocks.write(ids, kv.blocks[first - kv.start:first - kv.start + len(ids)])
-        kv.taken = len(ids)
-
-    def call_on_step_thread(self, fn: Callable[[LLMEngine], None]) -> None:
+    def call_on_step_thread(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         """Runs ``fn(engine)`` on the step thread before the next step's schedule (in call order with
-        adds and aborts): what touches the pool from another thread goes through here."""
+        adds and aborts); its result or exception comes back in the future. What another thread wants of
+        the pool or the P/D holds goes through here (model_worker/serving/kv_transfer.py)."""
+        future: Future[T] = Future()
+
+        def call(engine: LLMEngine) -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(engine))
+            except BaseException as exc:  # noqa: BLE001 - the caller's to handle, never the step's
+                future.set_exception(exc)
+
         with self._lock:
-            self._inbox.append(("call", fn))
-
-    def release_kv(self, request_id: str) -> None:
-        """Ends a prefill leg's hold (kv_holds.py) at the next step; a no-op when there is none."""
-        self.call_on_step_thread(lambda e: e.kv_holds.release(request_id))
-
-    def _hold_finished(self, step_outputs: list[RequestOutput]) -> None:
-        """Prefill legs that just ended hold their prompt's full blocks (still cached: freed this step,
-        nothing allocated since) for a decode worker."""
-        now = time.monotonic()
-        bs = self.config.block_size
-        for o in step_outputs:
-            if not o.finished:
-                continue
-            held = self._hold_on_finish.pop(o.request_id, None)
-            if held is None or o.finish_reason == "abort":
-                continue
-            request, ttl = held
-            # NOTE: the decode worker recomputes the prompt's last token (every engine does), so the
-            # blocks it can use are those before it.
-            self.kv_holds.hold(o.request_id, request.block_hashes[:(request.num_prompt_tokens - 1) // bs], now + ttl)
+            self._inbox.append(("call", call, None))
+        return future
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -418,19 +285,14 @@ class LLMEngine:
         self._drain_inbox()
         prev, self._in_flight = self._in_flight, None
         out = self.scheduler.schedule()
-        if self.kv_holds.imports:
-            requests = self.scheduler.requests
-            for rid in list(self.kv_holds.imports):
-                r = requests.get(rid)
-                if r is None or r.status != RequestStatus.WAITING:
-                    self.kv_holds.admitted(rid)
-        if self.kv_holds.holds:
-            self.kv_holds.expire(time.monotonic())
+        kvc = self.kv_connector
+        if kvc.holds.imports or kvc.holds.holds:
+            kvc.scheduled(self.scheduler.requests, time.monotonic())
         outputs: list[RequestOutput] = []
 
         def commit(step_outputs: list[RequestOutput]) -> None:
-            if self._hold_on_finish:
-                self._hold_finished(step_outputs)
+            if kvc.has_prefill_legs:
+                kvc.finished(step_outputs, time.monotonic())
             outputs.extend(step_outputs)
             finished = [o.request_id for o in step_outputs if o.finished]
             if finished:
@@ -528,13 +390,13 @@ class LLMEngine:
         """Requests submitted since the last step's snapshot and not in it (in the inbox, or taken into the
         running step); safe from any thread."""
         with self._lock:
-            return [item for kind, item in self._inbox if kind == "add"] + self._drained
+            return [item for kind, item, _ in self._inbox if kind == "add"] + self._drained
 
     def stats(self) -> EngineStats:
         """The load as of the last step, plus requests queued since; safe from any thread. Read it,
         never change it: with nothing queued it is the step's own snapshot."""
         with self._lock:
-            queued = [item for kind, item in self._inbox if kind == "add"] + self._drained
+            queued = [item for kind, item, _ in self._inbox if kind == "add"] + self._drained
             snap = self._stats
         if not queued:
             return snap

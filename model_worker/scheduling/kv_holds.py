@@ -6,7 +6,9 @@ worker, and the blocks a decode worker takes in from one.
   takes a reference on each, so no allocation can evict them while a decode worker reads them; the
   reference goes when the decode worker says it has them (``ReleaseKV``, or the end of its
   ``PullKV`` stream) or when the hold's time is up. Released blocks stay cached: the prefill worker
-  keeps its copy until its pool needs the room, as after any request.
+  keeps its copy until its pool needs the room, as after any request. A hold being read (a
+  ``PullKV`` stream copying its bytes) keeps its references past a release until the read ends, so a
+  block is never handed out while its bytes are on their way.
 - **Imports** (the decode side). The blocks that arrived are given pool blocks, their bytes written
   there (the runner's ``kv_blocks``), and cached under their hashes, parented on the block before
   them, so the prefix cache serves them to the request, the block events announce them to the index
@@ -37,6 +39,10 @@ class Hold:
     block_ids: tuple[int, ...]
     blocks: list[KVCacheBlock]
     expires_at: float
+    readers: int = 0
+    """Transfers reading its blocks now (:meth:`KVHolds.read`)."""
+    released: bool = False
+    """Released while read: its references go when the last reader is done."""
 
 
 class KVHolds:
@@ -77,10 +83,30 @@ class KVHolds:
         hold = self.holds.pop(request_id, None)
         if hold is None:
             return False
+        if hold.readers:
+            hold.released = True  # NOTE: freed by the last reader's done_reading()
+        else:
+            self._free(hold)
+        return True
+
+    def read(self, request_id: str) -> Hold | None:
+        """The hold of ``request_id``, its blocks kept until :meth:`done_reading` even if it is released
+        meanwhile; None when there is none."""
+        hold = self.holds.get(request_id)
+        if hold is not None:
+            hold.readers += 1
+        return hold
+
+    def done_reading(self, hold: Hold) -> None:
+        """A reader of ``hold`` is done; a hold released while it was read is freed now."""
+        hold.readers -= 1
+        if not hold.readers and hold.released:
+            self._free(hold)
+
+    def _free(self, hold: Hold) -> None:
         self.num_held_blocks -= len(hold.blocks)
         # NOTE: in reverse, as a request frees its blocks: the prompt's tail is evicted before its head.
         self.pool.free_blocks(reversed(hold.blocks))
-        return True
 
     def expire(self, now: float) -> list[str]:
         """Releases every hold whose time is up; their request ids."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
+from concurrent.futures import Future
 
 from kvmesh.contract.convert import (
     FINISH_TO_PB,
@@ -19,6 +21,7 @@ from kvmesh.contract.limits import MAX_CACHE_SALT_CHARS, MAX_WORKER_REQUEST_ID_C
 from kvmesh.contract.types import Usage
 from kvmesh.kv_client.publisher import KVPublisher, registration
 from kvmesh.model_worker.engine.engine_loop import EngineLoop, Stream, TokenEvent
+from kvmesh.model_worker.engine.kv_legs import DecodeLeg, KVLeg, PrefillLeg
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
 from kvmesh.model_worker.engine.timeline import RequestTimeline
 from kvmesh.model_worker.serving.kv_transfer import KVTransfers, Pulled
@@ -83,12 +86,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         rid = request.request_id or uuid.uuid4().hex
         kvt = request.kv_transfer if request.HasField("kv_transfer") else None
         prompt = list(request.prompt_token_ids)
-        kv: dict = {}
+        leg: KVLeg | None = None
         pulled: Pulled | None = None
         if kvt is not None and kvt.do_remote_decode:
             # NOTE: a prefill leg: the prompt's blocks are held for a decode worker when it ends.
             w.kv.check_prefill_leg(params.max_tokens)
-            kv["hold_kv_s"] = w.kv.hold_ttl_s
+            leg = PrefillLeg(w.kv.hold_ttl_s, held=Future())
         elif kvt is not None and kvt.HasField("source"):
             # NOTE: a decode leg: everything is checked before any KV moves; a pull that fails leaves
             # the request to prefill here.
@@ -97,14 +100,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             w.kv.check_decode_leg(rid, prompt, request.cache_salt, source)
             pulled = await w.kv.pull(rid, source)
             if pulled.kv_import is not None:
-                kv["kv_import"] = pulled.kv_import
+                leg = DecodeLeg(pulled.kv_import)
         span = timeline = None
         if tracing.ON:
             span = tracing.start("worker.generate", tracing.extract(context.invocation_metadata()),
                                  {"kvmesh.request_id": rid, "kvmesh.worker_id": w.worker_id}, kind="server")
             timeline = RequestTimeline(span.start_time, len(prompt))
         try:
-            stream = w.loop.submit_async(rid, prompt, params, request.cache_salt, timeline, **kv)
+            stream = w.loop.submit_async(rid, prompt, params, request.cache_salt, timeline, leg)
         except BaseException:
             if span is not None:
                 span.end()
@@ -130,8 +133,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 last = pb.WorkerGenerateResponse(
                     finish_reason=FINISH_TO_PB[ev.finish_reason or "stop"], worker_id=w.worker_id,
                     usage=usage_to_pb(Usage(ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)))
-                if "hold_kv_s" in kv and ev.finish_reason != "abort":
-                    last.kv_source.CopyFrom(kv_source_to_pb(w.kv.source_for(rid, first)))
+                if isinstance(leg, PrefillLeg) and leg.held is not None and ev.finish_reason != "abort":
+                    # NOTE: resolved on the step thread before the last event was delivered: no wait here.
+                    held = await asyncio.wrap_future(leg.held)
+                    last.kv_source.CopyFrom(kv_source_to_pb(w.kv.source_for(rid, held, first)))
                     ended += f", {len(last.kv_source.block_hashes)} KV blocks held"
                 if pulled is not None:
                     last.kv_transport, last.kv_blocks_pulled, last.kv_bytes_pulled, last.kv_pull_seconds = (
@@ -168,7 +173,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def ReleaseKV(self, request, context):
         check_length("request_id", request.request_id, MAX_WORKER_REQUEST_ID_CHARS)
-        return pb.ReleaseKVResponse(released=self.w.kv.release(request.request_id))
+        return pb.ReleaseKVResponse(released=await self.w.kv.release(request.request_id))
 
 
 class WorkerServer:
@@ -203,7 +208,6 @@ class WorkerServer:
         self.grpc: AioServer = self._aio.run(self._build(host, port))
         self.port = self.grpc.port
         self.address = advertise_address or f"127.0.0.1:{self.port}"
-        self.kv = KVTransfers(self, self.role, kv_transport, kv_hold_ttl_s)
         model = engine.model_id
         self._labels = {"model_name": model}
         # NOTE: the per-token series resolved once, not a label lookup per token.
@@ -220,6 +224,7 @@ class WorkerServer:
                                on_token=self._on_token, stream_interval=stream_interval)
         if self.publisher is not None:
             self.publisher.wake_engine = self.loop.wake
+        self.kv = KVTransfers(self.loop, worker_id, self.address, self.metrics, self.role, kv_transport, kv_hold_ttl_s)
         self._prefix = (0, 0, 0)
 
     async def _build(self, host: str, port: int) -> AioServer:
@@ -267,7 +272,7 @@ class WorkerServer:
             if s.host_cache_hits > host0:
                 wm.host_hits.labels(**m).inc(s.host_cache_hits - host0)
         self._prefix = (s.prefix_cache_queries, s.prefix_cache_hits, s.host_cache_hits)
-        wm.kv_held_requests.labels(**m).set(self.engine.kv_holds.num_held)
+        wm.kv_held_requests.labels(**m).set(self.engine.kv_connector.num_held)
 
     def _on_token(self, stream: Stream, now: float) -> None:
         self._tokens.inc()

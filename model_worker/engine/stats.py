@@ -1,0 +1,55 @@
+"""A worker's load as its engine reports it (heartbeats, routing): the type of ``LLMEngine.stats()``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvmesh.contract.types import Load
+from kvmesh.model_worker.scheduling.output import StepWork
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A worker's load as it reports it (heartbeats, routing)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    queued_prefill_tokens: int
+    prefix_cache_queries: int
+    """Prompt tokens looked up in the prefix cache so far."""
+    prefix_cache_hits: int
+    """Of those, tokens found cached (on the device or in the host tier)."""
+    host_cache_hits: int = 0
+    """Of those, tokens found in the host tier and loaded back."""
+    num_host_blocks: int = 0
+    """Blocks of the host KV tier (0: none)."""
+    num_host_cached_blocks: int = 0
+    """Of those, blocks holding a hash."""
+    busy_s: float = 0.0
+    """Seconds spent in steps since start (modelled seconds on a simulated worker)."""
+    steps: int = 0
+    """Forward passes since start (every inner step of a multi-step window counts)."""
+    work: StepWork = field(default_factory=StepWork)
+    """Work of those passes since start: what ``busy_s`` was spent on."""
+    max_num_batched_tokens: int = 0
+    host_loaded_blocks: int = 0
+    """Blocks loaded back from the host tier since start."""
+    host_load_s: float = 0.0
+    """Seconds those loads took (part of ``busy_s``; modelled seconds on a simulated worker)."""
+    num_cached_blocks: int = 0
+    """Device blocks holding a cached prefix (in use or idle)."""
+
+    @property
+    def load(self) -> Load:
+        return self.report()
+
+    def report(self, admitted: tuple[str, ...] = (), reports_admissions: bool = False) -> Load:
+        """The load, with the admissions it covers (what a kvmesh worker reports)."""
+        w = self.work
+        return Load(self.num_running, self.num_waiting, self.num_free_blocks, self.num_total_blocks,
+                    self.queued_prefill_tokens, self.busy_s, self.steps, w.prefill_tokens, w.prefill_pairs,
+                    w.decode_seqs, w.decode_context_tokens, self.max_num_batched_tokens, admitted,
+                    reports_admissions, host_loaded_blocks=self.host_loaded_blocks, host_load_s=self.host_load_s,
+                    num_cached_blocks=self.num_cached_blocks)
