@@ -83,8 +83,9 @@ class ModelRouter:
                         if tokenizer is not None else None)
         routing = config.routing
         policy = policy or make_policy(routing.policy, routing.policy_config)
+        # NOTE: the policy's clock is the core's (the simulator's and the replay tests' virtual one)
         self.core = RoutingCore(policy, speculative_ttl_s=routing.speculative_ttl_s,
-                                index_retry_s=routing.index_retry_s, observer=m,
+                                index_retry_s=routing.index_retry_s, clock=routing.policy_config.clock, observer=m,
                                 shared_view=routing.shared_view and index is not None,
                                 router_id=f"router-{uuid.uuid4().hex[:12]}",
                                 reservation_attempts=routing.reservation_attempts, fold_reserve=routing.fold_reserve)

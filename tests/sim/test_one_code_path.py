@@ -15,6 +15,7 @@ from kvmesh.kv_client.event_batcher import EventBatcher
 from kvmesh.kv_service.service import KVService
 from kvmesh.router.config import RoutingConfig
 from kvmesh.router.core.attempts import Attempts
+from kvmesh.router.core.decide import DecideSequence
 from kvmesh.router.core.reservation_loop import ReservationLoop
 from kvmesh.router.core.routing import RoutingCore
 from kvmesh.router.core.worker_set import WorkerSet
@@ -25,6 +26,7 @@ from kvmesh.sim.workload import make_workload
 
 CORES = [
     (EventBatcher, "take"), (EventBatcher, "take_snapshot"), (EventBatcher, "resync"),
+    (DecideSequence, "lookup"), (DecideSequence, "answered"), (DecideSequence, "pick"), (DecideSequence, "commit"),
     (RoutingCore, "prepare"), (RoutingCore, "complete"), (RoutingCore, "pick"),
     (ReservationLoop, "next"), (ReservationLoop, "answered"),
     (Attempts, "next"), (Attempts, "failed"),
@@ -64,7 +66,8 @@ def test_the_simulator_defines_no_core_of_its_own(module):
 
     mod = importlib.import_module(module)
     defined = {n for n, v in vars(mod).items() if isinstance(v, type) and v.__module__ == module}
-    assert not defined & {"EventBatcher", "Attempts", "WorkerSet", "RoutingCore", "ReservationLoop", "KVService", "Scheduler",
+    assert not defined & {"EventBatcher", "Attempts", "WorkerSet", "RoutingCore", "ReservationLoop", "DecideSequence",
+                          "KVService", "Scheduler",
                           "LLMEngine", "SpeculativeIndex", "InFlight", "KVPublisher"}
 
 
