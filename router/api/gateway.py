@@ -34,7 +34,7 @@ from kvmesh.router.api.openai_protocol import (
 )
 from kvmesh.router.api.request_body import BodyParser, BodyTooLarge
 from kvmesh.router.config import EppConfig, RouterConfig
-from kvmesh.router.model_router import Handoff
+from kvmesh.router.request.handoff import Handoff
 from kvmesh.transport import http, tracing
 
 log = logging.getLogger("kvmesh.epp")
