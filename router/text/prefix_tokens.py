@@ -62,6 +62,9 @@ CHECKPOINT_TOKENS = 64
 """About this many tokens between two cuts of a cached text (what a splice backs off, at most)."""
 WINDOW_CHARS = 64
 """The verification window: the tail is tokenized from a cut at least this far before the splice."""
+SPACE_START_TRIES = 8
+"""For a tokenizer that treats a text's start apart (a prefix space), the tail starts at a cut before a
+space when one of this many is."""
 MIN_MARGIN_CHARS = 32
 """A splice is at least this far before the first difference (more when added tokens are longer)."""
 DEFAULT_CACHE_BYTES = 128 << 20
@@ -181,6 +184,7 @@ class PrefixTokenCache:
         self._tail: list[int] = []
         self.margin = MIN_MARGIN_CHARS
         self.ascii_cuts = False
+        self.space_starts = False
         if self.disabled_reason is None:
             self.disabled_reason = self._prepare()
         self.enabled = self.disabled_reason is None
@@ -213,6 +217,8 @@ class PrefixTokenCache:
         added = [t.content for t in self.tokenizer.get_added_tokens_decoder().values()]
         self.margin = max([MIN_MARGIN_CHARS, *(len(c) + 1 for c in added)])
         cfg = json.loads(self.tokenizer.to_str())
+        word = core.encode("word", add_special_tokens=False).ids
+        self.space_starts = core.encode("\nword", add_special_tokens=False).ids[-len(word):] != word
         self.ascii_cuts = any(s.get("type") in _UNICODE_FORMS for s in _flatten(cfg.get("normalizer"), "normalizers"))
         return None
 
@@ -249,6 +255,8 @@ class PrefixTokenCache:
         j = _last_cut(entry, entry.cut_chars[i] - WINDOW_CHARS, text, self.ascii_cuts)
         if j < 0:
             return splice
+        if self.space_starts:  # NOTE: a tail starting with a space gets no prefix space: the verification holds
+            j = next((k for k in range(j, max(j - SPACE_START_TRIES, 0), -1) if text[entry.cut_chars[k]] == " "), j)
         splice.entry = entry
         splice.start, splice.start_token = entry.cut_chars[j], entry.cut_tokens[j]
         splice.cut, splice.cut_token = entry.cut_chars[i], entry.cut_tokens[i]
