@@ -108,7 +108,8 @@ def test_a_worker_hashing_under_another_root_has_its_hits_unseen(kv_server, star
     cfg = worker.engine.config
     # NOTE: the planted fault: the engine keys (and publishes) its blocks under another root, as a
     # worker started with another hash seed or model id would; it registers the model's spec.
-    worker.engine.block_hasher = BlockHasher("another-seed", cfg.block_size, cfg.hash_algorithm)
+    worker.engine.block_hasher = worker.engine.inputs.block_hasher = BlockHasher("another-seed", cfg.block_size,
+                                                                                cfg.hash_algorithm)
     router = router_on(kv)
     prompts = workload(3, prefixes=4, rounds=6)
     serve(router, prompts)
