@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fixed-seed `kvmesh simulate` runs and the SHA-256 of each JSON, whole and without its "settings"
 # (the results alone: a new setting adds a key there): a refactor that changes no behaviour leaves every
-# hash as it was (issue 33: at 3d3e82c and after the rooms, the same five hashes).
+# hash as it was (issue 33: at 3d3e82c and after the rooms, the same five hashes; issue 49 added f, P/D).
 # Usage: benchmarks/sim_hashes.sh [OUTDIR]   (about 20 s; traces from ../shared/traces or $TRACES)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +21,9 @@ $K simulate --workload hot-prompt --max-requests 200 --workers 4 --policies kv-a
   --relative-rates 1 --no-progress --json "$O/d.json" > "$O/d.txt" 2>&1
 $K simulate --trace "$T/synthetic_trace.jsonl" --max-requests 200 --workers 2xH100,2xA100 --routers 2 \
   --policies kv-aware,lmetric,dynamo --rates 1 --no-capacity "${q[@]}" --json "$O/e.json" > "$O/e.txt" 2>&1
+$K simulate --workload multi-turn --max-requests 200 --pd 1:2 \
+  --policies kv-aware+auto,kv-aware+always,kv-aware+dynamic,llm-d+pd,dynamo+pd --rates 1 --no-capacity "${q[@]}" \
+  --json "$O/f.json" > "$O/f.txt" 2>&1
 cd "$O" && for f in ./*.json; do
   echo "$(sha256sum < "$f" | cut -c1-64)  $(python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); d.pop("settings"); print(json.dumps(d))' "$f" | sha256sum | cut -c1-16)  $f"
 done
