@@ -21,11 +21,30 @@ from kvmesh.loopback import free_port
 from kvmesh.transport.channels import dial
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
-from tests.kv_service.test_server import batch, lookup, publish, register, reserve, stored
 
 CHAIN = BlockHasher("m", 4).hash_prompt(list(range(24)))
 HOLD_S = 60
 """How long a held apply waits at most for the test to let it go (a failing test must still end)."""
+
+
+def register(stub, wid: str) -> None:
+    stub.RegisterWorker(pb.RegisterWorkerRequest(
+        worker_id=wid, address="127.0.0.1:50061", model_id="m", block_size=4, hash_algorithm=pb.HASH_ALGORITHM_SHA256_128,
+        num_blocks=1000, epoch=7), timeout=10)
+
+
+def batch(wid: str, seq: int, hashes: list[bytes], parent: bytes = b"") -> pb.PublishEventsRequest:
+    return pb.PublishEventsRequest(worker_id=wid, epoch=7, seq=seq, events=[
+        pb.KVEvent(stored=pb.BlockStored(block_hashes=hashes, parent_hash=parent))])
+
+
+def publish(stub, *batches: pb.PublishEventsRequest) -> list[tuple[int, int]]:
+    return [(r.seq, r.action) for r in stub.PublishEvents(iter(batches), timeout=HOLD_S)]
+
+
+def lookup(stub) -> list[tuple[str, int]]:
+    r = stub.Lookup(pb.LookupRequest(model_id="m", block_hashes=CHAIN), timeout=10)
+    return [(w.worker_id, w.matched_blocks) for w in r.workers]
 
 
 class HeldWriter(RedisIndex):
@@ -71,28 +90,29 @@ def test_reads_are_answered_while_a_batch_is_held(kv):
     stub, index = kv
     register(stub, "w1")
     register(stub, "w2")
-    assert publish(stub, batch("w1", 1, stored(CHAIN[:2])), batch("w2", 1, stored(CHAIN[:1]))) == [
-        (1, pb.PUBLISH_ACTION_ACK, ""), (1, pb.PUBLISH_ACTION_ACK, "")]
+    ack = pb.PUBLISH_ACTION_ACK
+    assert publish(stub, batch("w1", 1, CHAIN[:2]), batch("w2", 1, CHAIN[:1])) == [(1, ack), (1, ack)]
     held = index.held
     assert held.loop_thread == "kv-ingest"
     held.armed = True
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(publish, stub, batch("w1", 2, stored(CHAIN[2:], CHAIN[1])))
+        pending = pool.submit(publish, stub, batch("w1", 2, CHAIN[2:], CHAIN[1]))
         assert held.entered.wait(HOLD_S), "the batch never reached the store's writer"
         try:
             # NOTE: the batch is held: every read answers the index as it was before it
-            assert lookup(stub, CHAIN) == [("w1", 2), ("w2", 1)]
-            assert reserve(stub, worker_id="w2").reserved
+            assert lookup(stub) == [("w1", 2), ("w2", 1)]
+            assert stub.Reserve(pb.ReserveRequest(model_id="m", worker_id="w2", router_id="ra", request_id="r1",
+                                                  prefill_tokens=10, blocks=1), timeout=10).reserved
             assert not stub.Heartbeat(pb.HeartbeatRequest(worker_id="w2", epoch=7), timeout=10).resync
             assert not pending.done()
         finally:
             held.release.set()
-        assert pending.result(HOLD_S) == [(2, pb.PUBLISH_ACTION_ACK, "")]
+        assert pending.result(HOLD_S) == [(2, ack)]
     held.armed = False
-    assert lookup(stub, CHAIN) == [("w1", 6), ("w2", 1)]
+    assert lookup(stub) == [("w1", 6), ("w2", 1)]
     # the worker's order holds across the hold: a gap is still a gap, the next seq still applies
-    assert publish(stub, batch("w1", 4, stored(CHAIN[:1])))[0][1] == pb.PUBLISH_ACTION_RESYNC
-    assert publish(stub, batch("w1", 3, stored(CHAIN[:1]))) == [(3, pb.PUBLISH_ACTION_ACK, "")]
+    assert publish(stub, batch("w1", 4, CHAIN[:1])) == [(4, pb.PUBLISH_ACTION_RESYNC)]
+    assert publish(stub, batch("w1", 3, CHAIN[:1])) == [(3, ack)]
 
 
 def test_the_writer_is_the_same_index_through_connections_of_its_own(redis_url, redis_namespace):
