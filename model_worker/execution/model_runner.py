@@ -7,10 +7,8 @@ passes whose inputs are advanced in place on the device.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -18,9 +16,11 @@ from kvmesh.kernels.attention_configs import check_head_shape
 from kvmesh.kernels.dispatch import attention_backend
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.execution.compile import CompiledForward
+from kvmesh.model_worker.execution.cpu_threads import apply_cpu_threads, set_cpu_threads
 from kvmesh.model_worker.execution.forward_context import AttentionMetadata, ForwardContext, forward_context
 from kvmesh.model_worker.execution.graph_runner import DecodeGraphs, capture_sizes
 from kvmesh.model_worker.execution.host_allocator import keep_freed_buffers
+from kvmesh.model_worker.execution.input_packing import LastSampled, decode_rows, pack_inputs, slot_mapping
 from kvmesh.model_worker.execution.kv_offload import HostKVCache, check_host_memory
 from kvmesh.model_worker.execution.memory import (
     DeviceMemory,
@@ -39,6 +39,9 @@ from kvmesh.model_worker.scheduling.kv_cache_manager import check_host_tier
 from kvmesh.model_worker.scheduling.kv_cache_spec import KVCacheConfig
 from kvmesh.model_worker.scheduling.output import SchedulerOutput
 from kvmesh.model_worker.scheduling.request import Request
+
+__all__ = ["ModelRunner", "PendingTokens", "kv_bytes_per_block", "set_cpu_threads"]
+"""``set_cpu_threads`` is cpu_threads.py's, named here too for its older importers (the benchmarks, the CLI)."""
 
 log = logging.getLogger(__name__)
 
@@ -66,63 +69,8 @@ class PendingTokens:
             return {}
         return {rid: [t] for rid, t in zip(self._request_ids, self._wait(), strict=True)}
 
+
 _DEFAULT_CPU_FRACTION = 0.05
-_TORCH_DEFAULT_THREADS = torch.get_num_threads()
-"""torch's own choice, read when this module is first imported (before anyone sets it)."""
-_CHOSEN_THREADS = False
-"""Whether :func:`set_cpu_threads` chose the count (then the engine keeps it)."""
-
-
-def set_cpu_threads(threads: int) -> None:
-    """Sets torch's intra-op threads and keeps the engine from changing them, whatever the count.
-
-    NOTE: ``torch.set_num_threads`` alone is not enough: a choice equal to torch's default (2 on a
-    2-core machine) looks like no choice to :func:`apply_cpu_threads`, which then sets 1.
-    """
-    global _CHOSEN_THREADS
-    torch.set_num_threads(threads)
-    _CHOSEN_THREADS = True
-
-
-def default_cpu_threads(usable_cores: int) -> int:
-    """The engine's intra-op threads on CPU: every usable core but one, at least one.
-
-    As vLLM's CPU worker does (one core left to its scheduler and front end): the engine shares
-    its process with the scheduler, the gRPC server and the stream threads, and a machine's cores
-    are often shared with other processes. On this project's 2-core machine one thread ran the
-    peer benchmark's workloads ~2x faster than two (docs/engine.md, CPU performance).
-    """
-    return max(1, usable_cores - 1)
-
-
-def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
-    """The cores this process may use: its CPU affinity, capped by its cgroup v2 CPU quota.
-
-    NOTE: a Kubernetes pod with ``limits.cpu: 2`` on a 64-core node sees all 64 in its affinity;
-    only the quota (``cpu.max``: "200000 100000") says 2, and 63 threads on a 2-CPU quota are
-    throttled most of each period.
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        quota, period = Path(cpu_max).read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass  # no cgroup v2 quota here (or unreadable): the affinity is all we know
-    return cores
-
-
-def apply_cpu_threads() -> None:
-    """Sets torch's intra-op threads to ``default_cpu_threads`` unless someone chose: the
-    ``OMP_NUM_THREADS`` environment variable, or ``torch.set_num_threads`` before the engine starts
-    (``kvmesh worker --torch-threads`` and the benchmarks' ``--threads`` call :func:`set_cpu_threads`)."""
-    if _CHOSEN_THREADS or "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() != _TORCH_DEFAULT_THREADS:
-        return
-    threads = default_cpu_threads(usable_cores())
-    if threads != torch.get_num_threads():
-        log.info("torch CPU threads %d -> %d (one core left for the scheduler and server; set "
-                 "OMP_NUM_THREADS or --torch-threads to choose)", torch.get_num_threads(), threads)
-        torch.set_num_threads(threads)
 _DEFAULT_GPU_FRACTION = 0.9
 _DEVICES_COUNTED: set[int] = set()
 """CUDA devices whose first engine in this process counted the process's memory (its CUDA context)."""
@@ -186,7 +134,7 @@ class ModelRunner:
         self.num_host_blocks = self.host_kv.blocks.shape[0] if self.host_kv is not None else 0
         self.sampler = Sampler(config.seed)
         self._copy_stream: torch.cuda.Stream | None = None
-        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._last_sampled: LastSampled | None = None
         """The last launched step's sampled ids (on the device) and each request's row: the input ids
         of the next step's placeholders (async scheduling)."""
         self.warmup_report: WarmupReport | None = None
@@ -304,67 +252,9 @@ class ModelRunner:
     def prepare_inputs(
         self, out: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], torch.Tensor]:
-        """Packs the step: token ids, positions, attention metadata per KV cache group, rows to sample."""
-        ids: list[int] = []
-        q_lens: list[int] = []
-        starts: list[int] = []
-        kv_lens: list[int] = []
-        sample_rows: list[int] = []
-        num_groups = len(out.scheduled[0].block_tables)
-        max_blocks = max(len(s.block_ids) for s in out.scheduled)
-        tables = torch.zeros((num_groups, len(out.scheduled), max_blocks), dtype=torch.int32)
-        total = 0
-        placeholders: list[tuple[int, str]] = []
-        for i, s in enumerate(out.scheduled):
-            known = s.request.all_token_ids[s.start : s.start + s.num_new_tokens]
-            ids.extend(known)
-            if len(known) < s.num_new_tokens:  # async scheduling: the last token is still on the device
-                placeholders.append((total + s.num_new_tokens - 1, s.request.request_id))
-                ids.extend([0] * (s.num_new_tokens - len(known)))
-            q_lens.append(s.num_new_tokens)
-            starts.append(s.start)
-            kv_lens.append(s.start + s.num_new_tokens)
-            for g, table in enumerate(s.block_tables):
-                tables[g, i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-            total += s.num_new_tokens
-            if s.sample:
-                sample_rows.append(total - 1)
-        q_len_t = torch.tensor(q_lens, dtype=torch.int64)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_len_t)
-        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
-        torch.cumsum(q_len_t, 0, out=cu[1:])
-        positions = torch.arange(total) - cu[:-1][seq_of_token] + torch.tensor(starts)[seq_of_token]
-        h2d = self._to_device
-        cu_dev = h2d(cu.to(torch.int32))
-        kv_lens_dev = h2d(torch.tensor(kv_lens, dtype=torch.int32))
-        metas = [
-            AttentionMetadata(
-                slot_mapping=h2d(self._slots(tables[g], positions, seq_of_token)),
-                cu_q_lens=cu_dev,
-                kv_lens=kv_lens_dev,
-                block_tables=h2d(tables[g]),
-            )
-            for g in range(num_groups)
-        ]
-        input_ids = h2d(torch.tensor(ids, dtype=torch.int64))
-        if placeholders:
-            assert self._last_sampled is not None, "a placeholder token without a step in flight"
-            sampled, row_of = self._last_sampled
-            where = h2d(torch.tensor([[p for p, _ in placeholders], [row_of[rid] for _, rid in placeholders]]))
-            input_ids[where[0]] = sampled[where[1]]
-        return (
-            input_ids,
-            h2d(positions),
-            metas,
-            h2d(torch.tensor(sample_rows, dtype=torch.int64)),
-        )
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device without a host sync: on CUDA through pinned memory, non-blocking
-        (a plain ``.to`` waits for the stream, i.e. for the step in flight, under async scheduling)."""
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        """Packs the step (input_packing.py): token ids, positions, attention metadata per KV cache group, rows
+        to sample; a placeholder token (async scheduling) reads the step launched before from the device."""
+        return pack_inputs(out, self.block_size, self.device, self._last_sampled)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
@@ -375,7 +265,7 @@ class ModelRunner:
             return {}
         graphs = self.graphs
         if graphs is not None and self._graph_decode(out):
-            graphs.load(*self._decode_rows(out))
+            graphs.load(*decode_rows(out))
             logits = graphs.run()
             rows = [s.request for s in out.scheduled]
             tokens = self.sampler.sample(logits, [r.sampling_params for r in rows], [r.request_id for r in rows])
@@ -403,7 +293,7 @@ class ModelRunner:
             return PendingTokens([], None)
         graphs = self.graphs
         if graphs is not None and self._graph_decode(out):
-            token_ids, positions, tables = self._decode_rows(out)
+            token_ids, positions, tables = decode_rows(out)
             sources = None
             if any(s.start >= s.request.num_tokens for s in out.scheduled):
                 assert self._last_sampled is not None, "a placeholder token without a step in flight"
@@ -445,7 +335,7 @@ class ModelRunner:
             self.sampler.release(request_id)
         graphs = self.graphs if self.graphs is not None and self._graph_decode(out) else None
         if graphs is not None:
-            graphs.load(*self._decode_rows(out))
+            graphs.load(*decode_rows(out))
         else:
             input_ids, positions, metas, _ = self.prepare_inputs(out)
         rows: list[Request] = [s.request for s in out.scheduled]
@@ -464,7 +354,7 @@ class ModelRunner:
                 kv_lens = metas[0].kv_lens + 1
                 metas = [
                     AttentionMetadata(
-                        slot_mapping=self._slots(m.block_tables, positions),
+                        slot_mapping=slot_mapping(m.block_tables, positions, self.block_size),
                         cu_q_lens=m.cu_q_lens,
                         kv_lens=kv_lens,
                         block_tables=m.block_tables,
@@ -530,25 +420,6 @@ class ModelRunner:
         assert self.graphs is not None
         return self.graphs.fits(len(out.scheduled)) and all(
             s.num_new_tokens == 1 and s.sample for s in out.scheduled)
-
-    @staticmethod
-    def _decode_rows(out: SchedulerOutput) -> tuple[list[int], list[int], list[list[list]]]:
-        """Token ids, positions and, per KV cache group, the block lists of a decode batch: the KV
-        cache manager's own lists (no copy; the graphs write only what changed since their last step)."""
-        scheduled = out.scheduled
-        lists = [s.live_blocks() for s in scheduled]
-        # NOTE: a placeholder (async scheduling: the token is still on the device) loads as 0; launch() sets it.
-        return ([t[s.start] if s.start < len(t := s.request.all_token_ids) else 0 for s in scheduled],
-                [s.start for s in scheduled], [[t[g] for t in lists] for g in range(len(lists[0]))])
-
-    def _slots(
-        self, block_tables: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Flat cache slot of each token: its row's block of its position, and the offset in it."""
-        bs = self.block_size
-        if rows is None:  # one token per row (decode)
-            rows = torch.arange(positions.shape[0], device=positions.device)
-        return block_tables[rows, positions // bs].long() * bs + positions % bs
 
     def _copy_to_host(self, ids: torch.Tensor) -> Callable[[], list[int]]:
         """Starts copying ``ids`` to the host; the returned function waits for it and gives the list."""

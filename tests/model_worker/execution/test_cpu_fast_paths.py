@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels.torch_attention import _prefix_then_causal
+from kvmesh.model_worker.execution.cpu_threads import default_cpu_threads
 from kvmesh.model_worker.execution.host_allocator import keep_freed_buffers
-from kvmesh.model_worker.execution.model_runner import default_cpu_threads
 from kvmesh.model_worker.execution.models.layers import _ONEDNN_MIN_ROWS, Linear, RMSNorm, apply_rotary
 
 
@@ -80,19 +80,19 @@ def test_cpu_threads_leave_one_core() -> None:
 def test_a_chosen_thread_count_is_kept_even_when_it_equals_torchs_default(monkeypatch):
     """`--torch-threads 2` on a 2-core machine is 2, not the engine's cores - 1 (it was 1: a choice
     equal to torch's default looked like no choice)."""
-    from kvmesh.model_worker.execution import model_runner
+    from kvmesh.model_worker.execution import cpu_threads
 
     before = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(model_runner, "_CHOSEN_THREADS", False)
-    monkeypatch.setattr(model_runner, "_TORCH_DEFAULT_THREADS", 3)
-    monkeypatch.setattr(model_runner.os, "sched_getaffinity", lambda _pid: {0, 1, 2}, raising=False)
+    monkeypatch.setattr(cpu_threads, "_CHOSEN_THREADS", False)
+    monkeypatch.setattr(cpu_threads, "_TORCH_DEFAULT_THREADS", 3)
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda _pid: {0, 1, 2}, raising=False)
     try:
         torch.set_num_threads(3)
-        model_runner.apply_cpu_threads()
+        cpu_threads.apply_cpu_threads()
         assert torch.get_num_threads() == 2  # no choice: every core but one
-        model_runner.set_cpu_threads(3)
-        model_runner.apply_cpu_threads()
+        cpu_threads.set_cpu_threads(3)
+        cpu_threads.apply_cpu_threads()
         assert torch.get_num_threads() == 3  # chosen, though equal to torch's default
     finally:
         torch.set_num_threads(before)
@@ -102,7 +102,7 @@ def test_usable_cores_honour_a_cgroup_cpu_quota(tmp_path):
     """A pod limited to 2 CPUs on a bigger node must not start a thread per node core."""
     import os
 
-    from kvmesh.model_worker.execution.model_runner import usable_cores
+    from kvmesh.model_worker.execution.cpu_threads import usable_cores
 
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cpu_max = tmp_path / "cpu.max"
