@@ -49,6 +49,7 @@ import json
 import re
 import sys
 import threading
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,6 +68,11 @@ SPACE_START_TRIES = 8
 space when one of this many is."""
 MIN_MARGIN_CHARS = 32
 """A splice is at least this far before the first difference (more when added tokens are longer)."""
+STORE_NEW_CHARS = 8 * CHUNK_CHARS
+"""A spliced text is kept when this much of it is its own (past the cut): less is cheaper to tokenize
+again (the next turn of its conversation re-tokenizes it) than to hold another copy of the ids."""
+HOLD_GIL_CHARS = 2048
+"""Texts up to this long are tokenized with ``encode`` (holds the GIL, well under a millisecond)."""
 DEFAULT_CACHE_BYTES = 128 << 20
 """Default bound of one model's cache."""
 BYTES_PER_HELD_TOKEN = 40
@@ -264,51 +270,61 @@ class PrefixTokenCache:
 
     def tokenize(self, splice: Splice, add_special_tokens: bool = True,
                  on_chars: Callable[[int], None] = lambda _n: None) -> list[int]:
-        """The text's ids, exactly as ``tokenizer.encode(text, add_special_tokens=...)``; the text is
-        kept. Runs the tokenizer (releasing the GIL), so meant for a pool thread."""
+        """The text's ids, exactly as ``tokenizer.encode(text, add_special_tokens=...)``, a new list;
+        the text is kept. Runs the tokenizer (releasing the GIL for all but short texts), so meant
+        for a pool thread."""
         if not self.enabled:
             on_chars(len(splice.text))
-            return self.tokenizer.encode_batch([splice.text], add_special_tokens=add_special_tokens)[0].ids
-        core = self._core_ids(splice, on_chars)
-        return [*self._head, *core, *self._tail] if add_special_tokens and (self._head or self._tail) else core
-
-    def _core_ids(self, splice: Splice, on_chars: Callable[[int], None]) -> list[int]:
+            return _encode(self.tokenizer, splice.text, add_special_tokens).ids
+        head = self._head if add_special_tokens else []
+        tail = self._tail if add_special_tokens else []
         text, entry = splice.text, splice.entry
         if entry is not None and splice.start == len(text):
-            with self._lock:
-                self.stats.hits += 1
-                self.stats.saved_chars += len(text)
-            return list(entry.ids)
+            self._count(hits=1, saved_chars=len(text))
+            return [*head, *entry.ids, *tail]
         if entry is not None:
-            tail = text[splice.start:]
-            on_chars(len(tail))
-            enc = self._core.encode_batch([tail], add_special_tokens=False)[0]
-            tids = enc.ids
-            overlap = splice.cut_token - splice.start_token
-            if self.verify(enc, tids, entry, splice, overlap):
-                ids = entry.ids[:splice.cut_token] + tids[overlap:]
-                keep = entry.cut_chars.index(splice.cut) + 1
-                chars, tokens = _cuts(enc, len(tids), overlap)
-                self._keep(TokenizedText(text, ids, entry.cut_chars[:keep] + [c + splice.start for c in chars],
-                                         entry.cut_tokens[:keep] + [t + splice.start_token for t in tokens],
-                                         splice.keys))
-                with self._lock:
-                    self.stats.hits += 1
-                    self.stats.saved_chars += splice.start
-                return list(ids)
-            with self._lock:
-                self.stats.refused += 1
+            ids = self._spliced(splice, entry, head, tail, on_chars)
+            if ids is not None:
+                return ids
+            self._count(refused=1)
         else:
-            with self._lock:
-                self.stats.misses += 1
+            self._count(misses=1)
         on_chars(len(text))
-        enc = self._core.encode_batch([text], add_special_tokens=False)[0]
-        ids = enc.ids
+        enc = _encode(self._core, text, False)
+        core = enc.ids
         if len(text) >= MIN_CACHED_CHARS:
-            chars, tokens = _cuts(enc, len(ids), 0)
-            self._keep(TokenizedText(text, ids, [0, *chars], [0, *tokens], splice.keys or chunk_keys(text)))
-            return list(ids)
-        return ids
+            chars, tokens = _cuts(enc, len(core), 0)
+            self._keep(TokenizedText(text, core, [0, *chars], [0, *tokens], splice.keys or chunk_keys(text)))
+        return [*head, *core, *tail] if head or tail or len(text) >= MIN_CACHED_CHARS else core
+
+    def _spliced(self, splice: Splice, entry: TokenizedText, head: list[int], tail: list[int],
+                 on_chars: Callable[[int], None]) -> list[int] | None:
+        """The ids of ``splice.text`` from ``entry``'s up to the cut and the rest tokenized; None when
+        the verification refuses."""
+        rest = splice.text[splice.start:]
+        on_chars(len(rest))
+        enc = _encode(self._core, rest, False)
+        tids = enc.ids
+        overlap = splice.cut_token - splice.start_token
+        if not self.verify(enc, tids, entry, splice, overlap):
+            return None
+        self._count(hits=1, saved_chars=splice.start)
+        ids = [*head, *entry.ids[:splice.cut_token], *tids[overlap:], *tail] if head or tail else None
+        if len(splice.text) - splice.cut < STORE_NEW_CHARS:
+            # NOTE: little of its own: re-tokenizing it with the next turn costs less than keeping a copy.
+            return ids if ids is not None else entry.ids[:splice.cut_token] + tids[overlap:]
+        core = entry.ids[:splice.cut_token]
+        core += tids[overlap:]
+        keep = bisect_right(entry.cut_chars, splice.cut)
+        chars, tokens = _cuts(enc, len(tids), overlap)
+        self._keep(TokenizedText(splice.text, core, entry.cut_chars[:keep] + [c + splice.start for c in chars],
+                                 entry.cut_tokens[:keep] + [t + splice.start_token for t in tokens], splice.keys))
+        return ids if ids is not None else list(core)
+
+    def _count(self, **more: int) -> None:
+        with self._lock:
+            for name, n in more.items():
+                setattr(self.stats, name, getattr(self.stats, name) + n)
 
     @staticmethod
     def verify(enc: Any, tids: list[int], entry: TokenizedText, splice: Splice, overlap: int) -> bool:
@@ -380,17 +396,25 @@ _SPACE_THEN_WORD = re.compile(r"\s\S")
 def last_space_before_word(text: str, end: int) -> int:
     """The offset of the last whitespace character followed by a non-whitespace one, both before ``end``
     (-1 if none in the last ``4 * CHUNK_CHARS`` characters)."""
-    lo = max(0, end - 4 * CHUNK_CHARS)
-    found = -1
-    for m in _SPACE_THEN_WORD.finditer(text, lo, end):
-        found = m.start()
-    return found
+    for span in (256, 4 * CHUNK_CHARS):
+        found = -1
+        for m in _SPACE_THEN_WORD.finditer(text, max(0, end - span), end):
+            found = m.start()
+        if found >= 0 or span >= end:
+            return found
+    return -1
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> Any:
+    # NOTE: encode_batch releases the GIL while it works, encode holds it throughout (a long text
+    # would hold the event loop); for a short one encode saves the hand-over to the tokenizer's threads.
+    if len(text) <= HOLD_GIL_CHARS:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
 
 def _last_cut(entry: TokenizedText, limit: int, text: str, ascii_only: bool) -> int:
     """The index of the last cut at or before ``limit`` (before an ASCII character with ``ascii_only``), or -1."""
-    from bisect import bisect_right
-
     i = bisect_right(entry.cut_chars, limit) - 1
     while ascii_only and i > 0 and not text[entry.cut_chars[i]].isascii():
         i -= 1

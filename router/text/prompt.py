@@ -47,7 +47,7 @@ from kvmesh.contract.limits import (
     check_length,
     excerpt,
 )
-from kvmesh.router.text.prefix_tokens import DEFAULT_CACHE_BYTES, PrefixTokenCache
+from kvmesh.router.text.prefix_tokens import DEFAULT_CACHE_BYTES, PrefixTokenCache, Splice
 from kvmesh.router.text.tokenizer_pool import TokenizerPool, deadline, usable_cores
 
 BYTES_PER_TOKEN = 32
@@ -66,6 +66,9 @@ MIN_TOKENIZER_THREADS = 2
 """Threads tokenizing long texts (and rendering long conversations) at once: one per usable core, at
 least this many (a long text in the tokenizer does not hold the GIL, so a second thread lets another
 text start on one core too); more wait their turn (never the loop's)."""
+QUICK_CHARS = 16384
+"""A text with at most this much left to tokenize past its cached prefix is tokenized in the same
+turn on the pool as its lookup (~16 ms at most ahead of its deadline's place in the queue)."""
 RENDER_ON_LOOP_MESSAGES = 16
 """Conversations of up to this many messages (and TOKENIZE_ON_LOOP_CHARS characters) are rendered on
 the event loop (well under a millisecond)."""
@@ -215,9 +218,9 @@ class PromptTokenizer:
                     fits = await self._submit(deadline(len(text), arrival), self._fits, text, limits.max_tokens)
                     if not fits:
                         limits.check_tokens(limits.max_tokens, more=True)
-                splice = await self._submit(arrival, self.cache.lookup, text)
-                ids = await self._submit(deadline(splice.chars, arrival), self.cache.tokenize, splice,
-                                         add_special_tokens, self._on_chars)
+                found = await self._submit(arrival, self._lookup, text, add_special_tokens)
+                ids = found if isinstance(found, list) else await self._submit(
+                    deadline(found.chars, arrival), self.cache.tokenize, found, add_special_tokens, self._on_chars)
             finally:
                 self._on_pool(-1)
         limits.check_tokens(len(ids))
@@ -235,6 +238,14 @@ class PromptTokenizer:
         if isinstance(self._executor, TokenizerPool):
             return asyncio.wrap_future(self._executor.submit_at(key, fn, *args))
         return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _lookup(self, text: str, add_special_tokens: bool) -> list[int] | Splice:
+        """On a pool thread: the ids when little is left to tokenize after the cached prefix (no
+        second turn in the queue), else the splice, queued again by what it costs."""
+        splice = self.cache.lookup(text)
+        if splice.chars <= QUICK_CHARS:
+            return self.cache.tokenize(splice, add_special_tokens, self._on_chars)
+        return splice
 
     def _fits(self, text: str, max_tokens: int) -> bool:
         """On a pool thread: False once the text is known to be over ``max_tokens``.

@@ -1,0 +1,239 @@
+"""Long prompts at the cost of their new text (issue 49): the router's tokenizer with and without its
+cache of tokenized prefixes (router/text/prefix_tokens.py), side by side in one run, through
+``PromptTokenizer`` on an asyncio loop as the router and ``kvmesh epp``'s picker call it.
+
+Two tokenizers, each scenario run on both:
+  tiny  the demo model's (``kvmesh make-model``: byte-level BPE, ~660 ids, ~2 bytes a token here);
+  prod  the same pre-tokenizer (Qwen2's split regex + byte-level) with a production-sized vocabulary
+        (``--vocab``, default 32,768) trained here with ``tokenizers`` on half of Python's standard
+        library sources (kept under ~/.cache/kvmesh/ once trained); ~4 bytes a token.
+The prompts are the other half of those sources (code and English docstrings), never trained on.
+
+Scenarios:
+  A  ~220 KB prompts, half of them sharing 90 % of their text (one 198 KB prefix, then 22 KB of their
+     own), the other half wholly their own; ``--concurrency`` (20) requests at a time, closed loop:
+     p50 / p95 latency of ``encode`` and prompts per second (after one warm-up round).
+  B  ~100k-token prompts sharing a ~100k-token prefix, each with ~1 KB of its own, arriving at
+     ``--rate`` (10) per second, open loop: p50 / p95 of ``encode``.
+For each, the loop's worst lag (a 1 ms ticker's lateness) shows whether anything held the loop.
+
+    python benchmarks/long_prompt_bench.py [--concurrency 20] [--rate 10] [--vocab 32768] [--json OUT]
+
+The machine's other load is not controlled: say what else ran when quoting the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from kvmesh.make_model import train_tokenizer
+from kvmesh.replay.records import percentile
+from kvmesh.router.text.prefix_tokens import DEFAULT_CACHE_BYTES
+from kvmesh.router.text.prompt import PromptLimits, PromptTokenizer
+from kvmesh.router.text.tokenizer_pool import usable_cores
+
+STDLIB = Path(os.__file__).parent
+LIMITS = PromptLimits()
+"""No bound: the tiny tokenizer makes ~1.4 bytes a token of code, 220 KB is over a 131072-token context.
+(Under 4 bytes a token of the bound a text is tokenized in one pass: the bound costs nothing either way.)"""
+
+
+def sources() -> tuple[str, str]:
+    """(training text, prompt text): the standard library's top-level sources, alternate files."""
+    files = sorted(STDLIB.glob("*.py"))
+    train = "".join(f.read_text(encoding="utf-8", errors="replace") for f in files[0::2])
+    held = "".join(f.read_text(encoding="utf-8", errors="replace") for f in files[1::2])
+    return train, held
+
+
+def prod_tokenizer(vocab: int, train_text: str):
+    """The demo tokenizer's pipeline with ``vocab`` ids, trained on ``train_text`` (cached on disk)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from kvmesh.make_model import BOS, EOS, SPLIT_REGEX
+
+    path = Path.home() / ".cache" / "kvmesh" / f"bench-bpe-{vocab}.json"
+    if path.exists():
+        return Tokenizer.from_file(str(path))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, min_frequency=2, special_tokens=[BOS, EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(train_text.splitlines(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 0)])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return tok
+
+
+def window(rng: random.Random, text: str, chars: int) -> str:
+    """``chars`` characters of ``text`` from a random line start."""
+    start = text.find("\n", rng.randrange(0, len(text) - chars - 1)) + 1
+    return text[start:start + chars]
+
+
+class LoopLag:
+    """The worst lateness of a 1 ms ticker on the running loop."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self._task: asyncio.Task | None = None
+
+    async def _tick(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.worst = max(self.worst, time.perf_counter() - t - 0.001)
+
+    def __enter__(self) -> LoopLag:
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
+async def closed_loop(prompts: PromptTokenizer, texts: list[str], concurrency: int) -> dict[str, float]:
+    """Scenario A: ``concurrency`` requests at a time over ``texts``; the first round warms up."""
+    queue = list(texts)
+    lat: list[float] = []
+    warm = concurrency
+
+    async def client() -> None:
+        nonlocal warm
+        while queue:
+            text = queue.pop(0)
+            t = time.perf_counter()
+            await prompts.encode(text, LIMITS)
+            if warm > 0:
+                warm -= 1
+            else:
+                lat.append(time.perf_counter() - t)
+
+    # NOTE: the warm-up round runs alone first, so its misses do not count in the figures.
+    first, queue[:] = queue[:concurrency], queue[concurrency:]
+    await asyncio.gather(*(prompts.encode(t, LIMITS) for t in first))
+    warm = 0
+    with LoopLag() as lag:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return {"p50_s": percentile(lat, 50), "p95_s": percentile(lat, 95), "per_s": len(lat) / wall,
+            "n": len(lat), "lag_ms": lag.worst * 1e3}
+
+
+async def open_loop(prompts: PromptTokenizer, texts: list[str], rate: float) -> dict[str, float]:
+    """Scenario B: ``texts`` arriving every 1/``rate`` s; the first is tokenized (and cached) before."""
+    await prompts.encode(texts[0], LIMITS)
+    lat: list[float] = []
+
+    async def one(text: str) -> None:
+        t = time.perf_counter()
+        await prompts.encode(text, LIMITS)
+        lat.append(time.perf_counter() - t)
+
+    with LoopLag() as lag:
+        tasks = []
+        t0 = time.perf_counter()
+        for i, text in enumerate(texts[1:]):
+            await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(text)))
+        await asyncio.gather(*tasks)
+    return {"p50_ms": percentile(lat, 50) * 1e3, "p95_ms": percentile(lat, 95) * 1e3, "n": len(lat),
+            "lag_ms": lag.worst * 1e3}
+
+
+def shape_a(rng: random.Random, text: str, n: int) -> list[str]:
+    shared = window(rng, text, 198_000)
+    return [shared + window(rng, text, 22_000) if i % 2 == 0 else window(rng, text, 220_000) for i in range(n)]
+
+
+def shape_b(rng: random.Random, text: str, tok, n: int) -> tuple[list[str], int]:
+    chars = 200_000
+    while len(tok.encode(prefix := window(rng, text, chars), add_special_tokens=False).ids) < 100_000:
+        chars = int(chars * 1.2)
+    return [prefix + window(rng, text, 1_000) for _ in range(n)], len(prefix)
+
+
+def run(args: argparse.Namespace) -> dict:
+    train, held = sources()
+    t = time.perf_counter()
+    toks = {"tiny": train_tokenizer(), "prod": prod_tokenizer(args.vocab, train)}
+    print(f"tokenizers ready in {time.perf_counter() - t:.1f} s; {usable_cores()} usable cores; "
+          f"prompt text {len(held) / 1e6:.1f} MB of the standard library's sources", flush=True)
+    out: dict = {}
+    for name, tok in toks.items():
+        sample = window(random.Random(0), held, 100_000)
+        bpt = len(sample.encode()) / len(tok.encode(sample, add_special_tokens=False).ids)
+        rng = random.Random(1)
+        a_texts = shape_a(rng, held, args.concurrency + args.prompts)
+        b_texts, b_chars = shape_b(rng, held, tok, 1 + int(args.rate * args.seconds))
+        row: dict = {"vocab": tok.get_vocab_size(), "bytes_per_token": bpt, "b_prefix_chars": b_chars}
+        for mode, cache in (("whole", 0), ("cached", DEFAULT_CACHE_BYTES)):
+            prompts = PromptTokenizer(tok, cache_bytes=cache)
+            row[f"A_{mode}"] = asyncio.run(closed_loop(prompts, a_texts, args.concurrency))
+            prompts.close()
+            prompts = PromptTokenizer(tok, cache_bytes=cache)
+            row[f"B_{mode}"] = asyncio.run(open_loop(prompts, b_texts if cache else b_texts[:1 + args.whole_b],
+                                                     args.rate))
+            row[f"stats_{mode}"] = asdict(prompts.cache.stats) | {"enabled": prompts.cache.enabled}
+            prompts.close()
+            print(f"  {name} {mode}: A {row[f'A_{mode}']}  B {row[f'B_{mode}']}", flush=True)
+        out[name] = row
+    return out
+
+
+def report(out: dict, args: argparse.Namespace) -> None:
+    print(f"\nLong prompts, {usable_cores()} usable cores (shared: other load not controlled)")
+    print(f"{'':34}{'tiny':>24}{'prod':>24}")
+    print(f"{'vocabulary / bytes a token':34}" + "".join(
+        f"{r['vocab']:>15,} / {r['bytes_per_token']:.2f}" for r in out.values()))
+    for mode in ("whole", "cached"):
+        a = [r[f"A_{mode}"] for r in out.values()]
+        print(f"{'A 220 KB, ' + str(args.concurrency) + ' at a time, ' + mode:34}" + "".join(
+            f"{x['p50_s']:>8.3f} s p50 {x['per_s']:>6.1f}/s" for x in a))
+    print(f"{'   goal (tiny)':34}{'≤ 0.5 s p50, ≥ 15/s':>24}")
+    for mode in ("whole", "cached"):
+        b = [r[f"B_{mode}"] for r in out.values()]
+        print(f"{'B 100k tokens at ' + str(args.rate) + '/s, ' + mode:34}" + "".join(
+            f"{x['p50_ms']:>9.1f} / {x['p95_ms']:>6.1f} ms" for x in b))
+    print(f"{'   goal p50 / p95':34}{'≤ 5 / ≤ 10 ms':>24}")
+    for mode in ("whole", "cached"):
+        print(f"{'worst loop lag, ' + mode:34}" + "".join(
+            f"{max(r[f'A_{mode}']['lag_ms'], r[f'B_{mode}']['lag_ms']):>21.1f} ms" for r in out.values()))
+    print(f"{'cache hits / misses / refused':34}" + "".join(
+        f"{r['stats_cached']['hits']:>12} / {r['stats_cached']['misses']} / {r['stats_cached']['refused']}"
+        for r in out.values()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, default=20, help="scenario A's requests at a time (20)")
+    ap.add_argument("--prompts", type=int, default=60, help="scenario A's timed prompts after the warm-up (60)")
+    ap.add_argument("--rate", type=float, default=10.0, help="scenario B's arrivals per second (10)")
+    ap.add_argument("--seconds", type=float, default=6.0, help="scenario B's duration with the cache (6)")
+    ap.add_argument("--whole-b", type=int, default=20, help="scenario B's requests without the cache (20: it queues)")
+    ap.add_argument("--vocab", type=int, default=32768, help="the production-sized tokenizer's vocabulary (32768)")
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    args = ap.parse_args(argv)
+    out = run(args)
+    report(out, args)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
