@@ -50,6 +50,7 @@ from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 MODEL = "m"
 PROMPTS = 8
 """Prompts a worker holds: the lookup workers' fixed ones; the ingest workers' window."""
+PHASES = ("quiet", "ingest", "snapshot")
 DEFAULT_ARMS = ("shared=--ingest-loop shared", "apart=--ingest-loop apart")
 
 
@@ -121,13 +122,17 @@ async def ingest_main(address: str, workers: int, blocks: int, rate: float) -> N
         line = await loop.run_in_executor(None, sys.stdin.readline)
         if not line:
             break
-        seconds = float(line.split()[1])
+        words = line.split()
+        seconds = float(words[1])
         acks.clear()
-        n = int(seconds * rate)
+        snapshot = int(words[2]) if words[0] == "snap" else 0
+        # NOTE: a resync's snapshot (a worker's whole cache) once a second, or event batches at `rate`
+        every = 1.0 if snapshot else 1 / rate
+        n = max(1, int(seconds / every))
         t0 = time.perf_counter()
         late = 0.0
         for i in range(n):
-            due = t0 + i / rate
+            due = t0 + i * every
             now = time.perf_counter()
             if due > now:
                 await asyncio.sleep(due - now)
@@ -136,6 +141,13 @@ async def ingest_main(address: str, workers: int, blocks: int, rate: float) -> N
             wid = wids[k % len(wids)]
             k += 1
             seq[wid] += 1
+            if snapshot:
+                made[wid] += 1
+                queues[wid].put_nowait(pb.PublishEventsRequest(
+                    worker_id=wid, epoch=1, seq=seq[wid], snapshot=True, load=load(k),
+                    snapshot_hashes=prompt(f"{wid}/snap{made[wid]}", snapshot)))
+                window[wid].clear()
+                continue
             win = window[wid]
             # NOTE: a full worker evicts a prompt before it stores the next one: every batch is `blocks` blocks
             if len(win) >= PROMPTS and (seq[wid] % 2 == 0):
@@ -167,9 +179,9 @@ class Arm:
         self.ingest = subprocess.Popen([sys.executable, __file__, "--ingest", self.address, "--workers",
                                         str(a.workers), "--blocks", str(a.blocks), "--rate", str(a.rate)],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.lat: dict[str, dict[str, list[float]]] = {p: {"lookup": [], "hop": []} for p in ("quiet", "ingest")}
+        self.lat: dict[str, dict[str, list[float]]] = {p: {"lookup": [], "hop": []} for p in PHASES}
         self.ingest_runs: list[dict] = []
-        self.cpu: dict[str, list[float]] = {"quiet": [], "ingest": []}
+        self.cpu: dict[str, list[float]] = {p: [] for p in PHASES}
         self.redis_pub: list[tuple[int, int]] = []
 
     def cpu_s(self) -> float:
@@ -213,14 +225,16 @@ async def measure(arm: Arm, hop: health_pb2_grpc.HealthStub, seconds: float, pha
     await channel.close()
 
 
-def run_phase(loop, arm: Arm, hop, seconds: float, phase: str, rng: random.Random) -> None:
+def run_phase(loop, arm: Arm, hop, seconds: float, phase: str, rng: random.Random, snapshot: int = 0) -> None:
     cpu0 = arm.cpu_s()
     pub0 = redis_publish_stats(arm.r)
-    if phase == "ingest":
-        arm.ingest.stdin.write(f"run {seconds}\n")
+    if phase != "quiet":
+        arm.ingest.stdin.write(f"snap {seconds} {snapshot}\n" if phase == "snapshot" else f"run {seconds}\n")
         arm.ingest.stdin.flush()
     loop.run_until_complete(measure(arm, hop, seconds, phase, rng))
-    if phase == "ingest":
+    if phase == "snapshot":
+        arm.ingest.stdout.readline()
+    elif phase == "ingest":
         arm.ingest_runs.append(json.loads(arm.ingest.stdout.readline()))
         pub1 = redis_publish_stats(arm.r)
         arm.redis_pub.append((pub1[0] - pub0[0], pub1[1] - pub0[1]))
@@ -231,13 +245,17 @@ def summary(arm: Arm, a: argparse.Namespace) -> dict:
     out: dict = {"flags": " ".join(arm.flags)}
     for phase, lat in arm.lat.items():
         lk, hp = lat["lookup"], lat["hop"]
+        if not lk:
+            continue
         diff = [x - h for x, h in zip(lk, hp, strict=True)]
         out[phase] = {"lookups": len(lk), "lookup_p50_ms": pct(lk, 50), "lookup_p90_ms": pct(lk, 90),
                       "lookup_p99_ms": pct(lk, 99), "over_hop_p50_ms": pct(diff, 50), "over_hop_p99_ms": pct(diff, 99),
                       "hop_p50_ms": pct(hp, 50), "hop_p99_ms": pct(hp, 99),
                       "p50_in_hops": pct(lk, 50) / pct(hp, 50), "p99_in_hops": pct(lk, 99) / pct(hp, 99),
-                      "kv_cpu_s": sum(arm.cpu[phase])}
+                      "lookup_max_ms": max(lk), "kv_cpu_s": sum(arm.cpu[phase])}
     out["ingest_p99_over_quiet_p99"] = out["ingest"]["lookup_p99_ms"] / out["quiet"]["lookup_p99_ms"]
+    if "snapshot" in out:
+        out["snapshot_p99_over_quiet_p99"] = out["snapshot"]["lookup_p99_ms"] / out["quiet"]["lookup_p99_ms"]
     sent = sum(r["sent"] for r in arm.ingest_runs)
     acked = sum(r["acked"] for r in arm.ingest_runs)
     calls = sum(c for c, _ in arm.redis_pub)
@@ -260,6 +278,8 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=50.0, help="ingest batches a second, all workers (default 50)")
     ap.add_argument("--blocks", type=int, default=256, help="blocks per batch and per Lookup chain (default 256)")
     ap.add_argument("--workers", type=int, default=4, help="lookup workers, and as many ingest workers (default 4)")
+    ap.add_argument("--snapshot-blocks", type=int, default=0,
+                    help="also a phase of one snapshot of this many hashes a second (a resync; default 0: none)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--ingest", default=None, help=argparse.SUPPRESS)
@@ -284,8 +304,8 @@ def main() -> int:
             order = list(arms)
             rng.shuffle(order)
             for arm in order:
-                for phase in ("quiet", "ingest"):
-                    run_phase(loop, arm, hop, a.phase_s, phase, rng)
+                for phase in PHASES if a.snapshot_blocks else PHASES[:2]:
+                    run_phase(loop, arm, hop, a.phase_s, phase, rng, a.snapshot_blocks)
             print(f"round {rnd + 1}/{a.rounds} done (load {os.getloadavg()[0]:.1f})", flush=True)
         figures = {"when": when, "cpus": os.cpu_count(), "load_before": load0, "load_after": os.getloadavg(),
                    "rate": a.rate, "blocks": a.blocks, "workers": a.workers, "rounds": a.rounds, "phase_s": a.phase_s,
@@ -298,12 +318,12 @@ def main() -> int:
     print(f"Lookup under ingest, {when}: {a.rounds} rounds of {a.phase_s:g} s quiet + {a.phase_s:g} s ingest per arm; "
           f"{a.rate:g} batches/s of {a.blocks} blocks; {a.workers} + {a.workers} workers; {a.blocks}-block Lookups; "
           f"{os.cpu_count()} CPUs, load {load0[0]:.1f} before, {figures['load_after'][0]:.1f} after")
-    print(f"{'arm':<10}{'phase':<8}{'lookups':>8}{'lookup p50':>11}{'p90':>7}{'p99':>7}{'hop p50':>9}{'p99':>7}"
+    print(f"{'arm':<10}{'phase':<9}{'lookups':>8}{'lookup p50':>11}{'p90':>7}{'p99':>7}{'hop p50':>9}{'p99':>7}"
           f"{'p50 / hop':>10}{'p99 / hop':>10}{'  lookup - hop p50':>18}{'p99':>7}")
     for name, s in figures["arms"].items():
-        for phase in ("quiet", "ingest"):
+        for phase in (p for p in PHASES if p in s):
             f = s[phase]
-            print(f"{name:<10}{phase:<8}{f['lookups']:>8}{f['lookup_p50_ms']:>11.3f}{f['lookup_p90_ms']:>7.3f}"
+            print(f"{name:<10}{phase:<9}{f['lookups']:>8}{f['lookup_p50_ms']:>11.3f}{f['lookup_p90_ms']:>7.3f}"
                   f"{f['lookup_p99_ms']:>7.3f}{f['hop_p50_ms']:>9.3f}{f['hop_p99_ms']:>7.3f}{f['p50_in_hops']:>10.2f}"
                   f"{f['p99_in_hops']:>10.2f}{f['over_hop_p50_ms']:>18.3f}{f['over_hop_p99_ms']:>7.3f}")
         b = s["batches"]
@@ -311,6 +331,9 @@ def main() -> int:
         print(f"{'':<10}ingest p99 / quiet p99 {s['ingest_p99_over_quiet_p99']:.2f} (goal <= 1.2); batches "
               f"{b['acked']}/{b['sent']} acked, ack p50 {min(acks):.2f}-{max(acks):.2f} ms; kv_service CPU "
               f"{b['kv_cpu_ms_per_batch']:.2f} ms/batch; Redis {b['redis_us_per_publish_call']:.0f} us per publish call")
+        if "snapshot" in s:
+            print(f"{'':<10}snapshot p99 / quiet p99 {s['snapshot_p99_over_quiet_p99']:.2f}; slowest Lookup "
+                  + ", ".join(f"{p} {s[p]['lookup_max_ms']:.1f} ms" for p in PHASES))
     if a.json:
         Path(a.json).write_text(json.dumps(figures, indent=1))
     return 0
