@@ -181,7 +181,7 @@ class GatewayRequest:
             if self._seen > self.config.max_body_bytes:
                 raise BodyTooLarge(self.config.max_body_bytes)
             if chunk:
-                await self._parser.feed(chunk)
+                await self._parser.feed(chunk, end_of_stream)
             if not end_of_stream:
                 return None
             raw = self._parser.close()

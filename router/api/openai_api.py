@@ -56,7 +56,7 @@ from kvmesh.router.api.openai_protocol import (
     public_param,
     validation_error,
 )
-from kvmesh.router.api.request_body import BodyBounds, BodyTooLarge, read_json_body
+from kvmesh.router.api.request_body import BodyBounds, BodyTooLarge, read_json_parts
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.generate_types import GenerateOutput
 from kvmesh.router.models import ServedModel
@@ -68,6 +68,8 @@ log = logging.getLogger("kvmesh.router.http")
 MAX_REQUEST_ID_CHARS = 128
 BODY_READ = "kvmesh.body_read"
 """ASGI scope key: the request's body was read to its end (an answer after it keeps the connection alive)."""
+GENERATE_ROUTES = {"/v1/chat/completions": True, "/v1/completions": False}
+"""The POST routes, and whether each is a chat."""
 
 
 def usage_json(u: Usage | None) -> dict[str, Any]:
@@ -130,11 +132,27 @@ class OpenAIApi:
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/v1/models", self.list_models, methods=["GET"])
         app.add_api_route("/v1/models/{model:path}", self.get_model, methods=["GET"])
-        # NOTE: the POST routes take the raw Request: FastAPI reads no body for them (read_json_body does).
+        # NOTE: the POST routes take the raw Request: FastAPI reads no body for them (read_json_parts does).
+        # A POST to them never gets here (``app`` calls _post straight); these give the 405s of other methods.
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        self.app = self.fastapi = app
+        self.fastapi = app
         self._created = int(time.time())
+
+    async def app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The ASGI application: a POST to a generate route goes straight to :meth:`_post`; everything
+        else (the other routes, other methods, 404s) through FastAPI.
+
+        NOTE: FastAPI's stack (its middlewares, the route table, the dependency solver) cost ~0.3 ms of
+        the loop per request (benchmarks/http_front.py, docs/openai.md "Measured") and does nothing here:
+        _post takes the raw request and answers every error itself."""
+        if scope["type"] == "http" and scope["method"] == "POST":
+            chat = GENERATE_ROUTES.get(scope["path"])
+            if chat is not None:
+                response = await self._post(Request(scope, receive), chat)
+                await response(scope, receive, send)
+                return
+        await self.fastapi(scope, receive, send)
 
     # -- errors ---------------------------------------------------------------------------------
     async def _on_error(self, _request: Request, exc: Exception) -> JSONResponse:
@@ -220,7 +238,7 @@ class OpenAIApi:
                     f"{content_type[:60]!r} (curl -d needs -H 'Content-Type: application/json')"), param=None),
                     status_code=415)
             try:
-                raw = await read_json_body(request.stream(), self.bounds())
+                raw = await read_json_parts(body_parts(request.receive), self.bounds())
                 request.scope[BODY_READ] = True
                 body = (ChatCompletionRequest if chat else CompletionRequest).model_validate(raw)
             except pydantic.ValidationError as exc:
@@ -231,6 +249,8 @@ class OpenAIApi:
         except ClientDisconnect:
             return Response(status_code=400)  # NOTE: nobody is listening: uvicorn drops it
         except (KVMeshError, ValueError) as exc:
+            return error_response(exc, chat)
+        except Exception as exc:  # noqa: BLE001 - a bug: a 500 with an error object, the traceback in the log
             return error_response(exc, chat)
 
     async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest,
@@ -295,9 +315,11 @@ class OpenAIApi:
                 choice["token_ids"] = list(out.token_ids)
             return {**head, "choices": [choice]}
 
+        # NOTE: events that are ready together go out in one write (each write is a trip through h11
+        # and the socket): the chat's role event with the first token's, the usage with [DONE].
+        held = _sse(chunk(None, role=True)) if chat else ""
+        tail = ""
         try:
-            if chat:
-                yield _sse(chunk(None, role=True))
             out: GenerateOutput | None = first
             last = first
             while out is not None:
@@ -305,22 +327,39 @@ class OpenAIApi:
                 # NOTE: one event per worker message (one token each by default), sent at once;
                 # a token that completes no character yet (UTF-8 held back) sends nothing.
                 if out.text or out.finish_reason is not None or (body.return_token_ids and out.token_ids):
-                    yield _sse(chunk(out))
+                    yield held + _sse(chunk(out))
+                    held = ""
+                elif held:
+                    yield held
+                    held = ""
                 out = await anext_or_none(outputs)
             if body.include_usage:
-                yield _sse({**head, "choices": [], "usage": usage_json(last.usage)})
+                tail = _sse({**head, "choices": [], "usage": usage_json(last.usage)})
         except (KVMeshError, ValueError) as exc:
             status, message = http.status_for(exc)
-            yield _sse(http.error_body(status, message, param=public_param(http.param_of(exc), chat)))
+            tail = _sse(http.error_body(status, message, param=public_param(http.param_of(exc), chat)))
         except Exception as exc:  # noqa: BLE001 - the stream is open: end it with an error event
             log.error("unhandled error in an HTTP stream", exc_info=exc)
-            yield _sse(http.error_body(500, f"internal error ({type(exc).__name__}); see the server log"))
+            tail = _sse(http.error_body(500, f"internal error ({type(exc).__name__}); see the server log"))
         finally:
             # NOTE: shielded: the client may be gone and this task cancelled; closing the request path
             # frees its in-flight share and cancels the worker call.
             with anyio.CancelScope(shield=True):
                 await outputs.aclose()  # type: ignore[attr-defined]
-        yield SSE_DONE
+        yield held + tail + SSE_DONE
+
+
+async def body_parts(receive: Any) -> AsyncIterator[tuple[bytes, bool]]:
+    """An ASGI request's body as ``(chunk, last)`` (Starlette's ``Request.stream`` hides ``more_body``,
+    which lets a body that arrives in one message be read whole)."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        more = message.get("more_body", False)
+        yield message.get("body", b""), not more
+        if not more:
+            return
 
 
 async def anext_or_none(it: AsyncIterator[GenerateOutput]) -> GenerateOutput | None:
@@ -356,7 +395,7 @@ class HttpServer:
         self.tls = tls.enabled
         self.guard = ReadGuard(config.http_header_timeout_s, config.http_body_timeout_s, config.http_max_unfinished,
                                config.http_linger_bytes, config.http_linger_time_s)
-        uv = uvicorn.Config(self.api.app, http=self.guard.protocol(), lifespan="off", log_config=None,
+        uv = uvicorn.Config(self.api.app, interface="asgi3", http=self.guard.protocol(), lifespan="off", log_config=None,
                             access_log=False, server_header=False, timeout_keep_alive=config.http_keep_alive_s,
                             **kwargs)
         self._server = uvicorn.Server(uv)

@@ -20,12 +20,22 @@ The element past a bound refuses the request at once: the work a request costs i
 allow, never what was sent. The loop serves every other client between two slices. The byte limit
 is counted on the same stream (a declared Content-Length over it is refused before reading).
 
+**A small body that arrives whole** (one ASGI message, one ext_proc body message: most requests) is
+read by ``json.loads`` instead (:func:`parse_whole`, ~10x faster: a 4,096-id prompt's body costs
+~0.1 ms instead of ~1 ms), then walked once against the same bounds. The walk only says "certainly
+within every bound, and certainly what the builder would build"; anything it is not sure of (a bound
+reached, a number or string yajl reads differently, a duplicate key, deep nesting, malformed JSON)
+goes to the streaming parser, which gives the answer and the error it always gave. Such a body is
+at most ``WHOLE_BYTES``, so nothing is refused later than it was: it had arrived whole already.
+
 This module imports neither grpc nor redis.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +62,13 @@ MAX_OBJECT_KEYS = 64
 MAX_OTHER_VALUES = 4096
 """JSON values outside messages, prompt, stop and stop_token_ids (unknown fields included)."""
 MAX_DEPTH = 32
+WHOLE_BYTES = 64 * 1024
+"""A body that arrived whole up to this size is parsed in one ``json.loads`` (well under a millisecond
+on the loop); a larger one goes through the slices."""
+_WHOLE_DEPTH = 8
+"""Nesting the whole-body walk follows; deeper documents take the streaming parser."""
+_INT64 = 2**63
+"""yajl reads integers in (-2**63, 2**63); past that it reports an overflow."""
 
 
 class BodyTooLarge(Exception):
@@ -111,6 +128,9 @@ class BodyParser:
 
     def __init__(self, bounds: BodyBounds) -> None:
         self.bounds = bounds
+        self._whole: dict[str, Any] | None = None
+        """The object :func:`parse_whole` read from a body fed whole; None: the streaming parser's."""
+        self._fed = 0
         self._events = ijson.sendable_list()
         self._pending = bytearray()
         self._slice = SLICE_BYTES
@@ -123,8 +143,21 @@ class BodyParser:
         self._other = 0
         self._prompts = 0
 
-    async def feed(self, data: bytes) -> None:
-        """Parses what ``data`` completes, slice by slice, giving the event loop a turn between two."""
+    @property
+    def read_whole(self) -> bool:
+        """The body was read whole by :func:`parse_whole` (not by the streaming parser)."""
+        return self._whole is not None
+
+    async def feed(self, data: bytes, last: bool = False) -> None:
+        """Parses what ``data`` completes, slice by slice, giving the event loop a turn between two.
+        ``last``: ``data`` ends the body; when it is also the first, a small body is read whole
+        (:func:`parse_whole`)."""
+        if last and not self._fed and len(data) <= WHOLE_BYTES:
+            self._whole = parse_whole(data, self.bounds)
+            if self._whole is not None:
+                self._fed = len(data)
+                return
+        self._fed += len(data)
         self._pending += data
         turn = False
         while len(self._pending) >= self._slice:
@@ -137,6 +170,8 @@ class BodyParser:
 
     def close(self) -> dict[str, Any]:
         """The whole object; raises InvalidArgument when the body ended early (or was empty)."""
+        if self._whole is not None:
+            return self._whole
         if self._pending:
             self._send(bytes(self._pending))
             self._pending.clear()
@@ -332,15 +367,174 @@ class BodyParser:
                                   "prompt and stop: send only the parameters you use")
 
 
+# -- a small body that arrived whole --------------------------------------------------------------------
+class _Unsure(Exception):
+    """The whole-body walk cannot vouch for the document: the streaming parser reads it."""
+
+
+def _no_constant(_name: str) -> Any:
+    raise _Unsure  # NaN, Infinity: JSON has none (yajl refuses them)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise _Unsure  # NOTE: the builder counts a repeated key twice against a bound; json.loads keeps one
+    return obj
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+
+
+def parse_whole(data: bytes, bounds: BodyBounds) -> dict[str, Any] | None:
+    """The object a :class:`BodyParser` builds from ``data`` (a whole body), read by ``json.loads``,
+    when that is certainly the same object and within every bound; None when it may not be (the
+    streaming parser then decides, with its own answer or error)."""
+    if not data or (bounds.max_token_bytes and len(data) > bounds.max_token_bytes):
+        return None
+    if b"\\u" in data and (b"\\ud" in data or b"\\uD" in data):
+        return None  # NOTE: an escaped surrogate: json.loads keeps a lone one where yajl writes "?"
+    try:
+        obj = _DECODER.decode(data.decode("utf-8"))
+    except (_Unsure, ValueError, RecursionError):
+        return None
+    if type(obj) is not dict:
+        return None
+    try:
+        _Walk(bounds).root(obj)
+    except _Unsure:
+        return None
+    return obj
+
+
+class _Walk:
+    """The bounds the builder counts (BodyParser._place), checked over a finished object; raises
+    _Unsure at anything at or past a bound, or anything the builder would count differently."""
+
+    def __init__(self, bounds: BodyBounds) -> None:
+        self.bounds = bounds
+        self.other = 0
+
+    def root(self, obj: dict[str, Any]) -> None:
+        for key, value in obj.items():
+            if type(value) is not list:
+                if key == "stop" and type(value) is str:
+                    self.stop(value)
+                self.count(value, 1)
+            elif key == "messages":
+                self.messages(value)
+            elif key == "prompt":
+                self.prompt(value)
+            elif key == "stop":
+                if len(value) > MAX_STOP_STRINGS:
+                    raise _Unsure
+                for s in value:
+                    if type(s) is not str:
+                        raise _Unsure
+                    self.stop(s)
+            elif key == "stop_token_ids":
+                if len(value) > MAX_STOP_TOKEN_IDS:
+                    raise _Unsure
+                self.ids(value, MAX_STOP_TOKEN_IDS)
+            else:
+                self.count(value, 1)
+        if self.other > MAX_OTHER_VALUES:
+            raise _Unsure
+
+    def messages(self, messages: list[Any]) -> None:
+        if len(messages) > self.bounds.max_messages:
+            raise _Unsure
+        parts = 0
+        for m in messages:
+            if type(m) is not dict or len(m) > MAX_OBJECT_KEYS:
+                raise _Unsure
+            for key, value in m.items():
+                if key == "content" and type(value) is list:
+                    parts += len(value)
+                    if parts > self.bounds.max_content_parts:
+                        raise _Unsure
+                    for part in value:
+                        if type(part) is not dict or len(part) > MAX_OBJECT_KEYS:
+                            raise _Unsure
+                        for v in part.values():
+                            self.scalar(v)
+                else:
+                    self.scalar(value)
+
+    def prompt(self, prompt: list[Any]) -> None:
+        if prompt and type(prompt[0]) in (list, str):
+            if len(prompt) != 1:
+                raise _Unsure  # several prompts: the builder's refusal, or a mix
+            if type(prompt[0]) is list:
+                self.ids(prompt[0], self.bounds.max_prompt_ids)
+            return
+        self.ids(prompt, self.bounds.max_prompt_ids)
+
+    @staticmethod
+    def ids(ids: list[Any], limit: int) -> None:
+        """Token ids (0 = no bound on their count)."""
+        if not ids:
+            return
+        if limit and len(ids) > limit:
+            raise _Unsure
+        try:
+            # NOTE: two passes in C; a string, null or container among the numbers makes them raise.
+            # Floats and booleans go in as the builder puts them (the models judge them later).
+            ok = min(ids) > -_INT64 and max(ids) < _INT64
+        except TypeError:
+            ok = False
+        if not ok:
+            raise _Unsure
+
+    @staticmethod
+    def stop(s: str) -> None:
+        if not 0 < len(s) <= MAX_STOP_CHARS:
+            raise _Unsure
+
+    def scalar(self, v: Any) -> None:
+        """A field of a message or content part: counted as a key by the builder, never as a value."""
+        if type(v) in (dict, list):
+            raise _Unsure
+        self.number(v)
+
+    def count(self, v: Any, depth: int) -> None:
+        """``v`` and everything in it, each one JSON value outside messages, prompt and stop."""
+        self.other += 1
+        t = type(v)
+        if t is dict or t is list:
+            if depth >= _WHOLE_DEPTH:
+                raise _Unsure
+            for x in (v.values() if t is dict else v):
+                self.count(x, depth + 1)
+            if self.other > MAX_OTHER_VALUES:
+                raise _Unsure
+        else:
+            self.number(v)
+
+    @staticmethod
+    def number(v: Any) -> None:
+        t = type(v)
+        if (t is int and not -_INT64 < v < _INT64) or (t is float and not math.isfinite(v)):
+            raise _Unsure
+
+
 async def read_json_body(chunks: AsyncIterator[bytes], bounds: BodyBounds) -> dict[str, Any]:
     """The body from an async stream of chunks, parsed as they arrive; raises BodyTooLarge past
     ``bounds.max_bytes`` and InvalidArgument / RequestTooLarge at the first element past a bound."""
+    return await read_json_parts(((chunk, False) async for chunk in chunks), bounds)
+
+
+async def read_json_parts(parts: AsyncIterator[tuple[bytes, bool]], bounds: BodyBounds) -> dict[str, Any]:
+    """:func:`read_json_body` from ``(chunk, last)`` pairs, where the source says which chunk ends the
+    body (an ASGI message without ``more_body``): a small body in one chunk is read whole."""
     parser = BodyParser(bounds)
     seen = 0
-    async for chunk in chunks:
+    async for chunk, last in parts:
         seen += len(chunk)
         if seen > bounds.max_bytes:
             raise BodyTooLarge(bounds.max_bytes)
-        if chunk:
-            await parser.feed(chunk)
+        if chunk or last:
+            await parser.feed(chunk, last)
+        if last:
+            break
     return parser.close()
