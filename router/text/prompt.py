@@ -48,7 +48,7 @@ from kvmesh.contract.limits import (
     excerpt,
 )
 from kvmesh.router.text.prefix_tokens import DEFAULT_CACHE_BYTES, PrefixTokenCache, Splice
-from kvmesh.router.text.tokenizer_pool import TokenizerPool, deadline, usable_cores
+from kvmesh.router.text.tokenizer_pool import TokenizerPool, usable_cores
 
 BYTES_PER_TOKEN = 32
 """Default ``--max-prompt-bytes`` per token of the prompt-token bound. Text averages 3-5 bytes a
@@ -215,12 +215,12 @@ class PromptTokenizer:
             self._on_pool(1)
             try:
                 if _counted_first(text, limits.max_tokens):
-                    fits = await self._submit(deadline(len(text), arrival), self._fits, text, limits.max_tokens)
+                    fits = await self._submit(self._deadline(len(text), arrival), self._fits, text, limits.max_tokens)
                     if not fits:
                         limits.check_tokens(limits.max_tokens, more=True)
                 found = await self._submit(arrival, self._lookup, text, add_special_tokens)
                 ids = found if isinstance(found, list) else await self._submit(
-                    deadline(found.chars, arrival), self.cache.tokenize, found, add_special_tokens, self._on_chars)
+                    self._deadline(found.chars, arrival), self._tokenize, found, add_special_tokens)
             finally:
                 self._on_pool(-1)
         limits.check_tokens(len(ids))
@@ -246,6 +246,16 @@ class PromptTokenizer:
         if splice.chars <= QUICK_CHARS:
             return self.cache.tokenize(splice, add_special_tokens, self._on_chars)
         return splice
+
+    def _tokenize(self, splice: Splice, add_special_tokens: bool) -> list[int]:
+        t = time.monotonic()
+        ids = self.cache.tokenize(splice, add_special_tokens, self._on_chars)
+        if isinstance(self._executor, TokenizerPool):
+            self._executor.observe(splice.chars, time.monotonic() - t)
+        return ids
+
+    def _deadline(self, chars: int, arrival: float) -> float:
+        return self._executor.deadline(chars, arrival) if isinstance(self._executor, TokenizerPool) else arrival
 
     def _fits(self, text: str, max_tokens: int) -> bool:
         """On a pool thread: False once the text is known to be over ``max_tokens``.

@@ -1,7 +1,8 @@
 """The threads a model's tokenizer runs on, cheapest deadline first.
 
 A task is submitted with a key, when it should be done were it alone: its arrival plus its cost
-(characters left to tokenize at about ``CHARS_PER_SECOND``). The pool runs the lowest key first, so a
+(characters left to tokenize at the rate the pool has measured, :meth:`TokenizerPool.deadline`; a
+loaded host tokenizes ten times slower than a quiet one). The pool runs the lowest key first, so a
 prompt that is mostly cached (a few KB to tokenize) does not wait behind others' 200 KB misses, while
 a miss waits behind no task that arrived more than its own cost after it (no starvation: the key
 only grows with arrival). No grpc, no asyncio: futures are ``concurrent.futures`` ones.
@@ -19,7 +20,11 @@ from concurrent.futures import Executor, Future
 from typing import Any
 
 CHARS_PER_SECOND = 1_000_000
-"""About what one core tokenizes (byte-level BPE, a 220 KB prompt in ~0.2 s); only the order it gives matters."""
+"""The rate a pool starts from: about what one quiet core tokenizes (byte-level BPE, 220 KB in ~0.2 s)."""
+RATE_MIN_CHARS = 16384
+"""Texts shorter than this do not move the measured rate (fixed costs would dominate)."""
+RATE_WEIGHT = 0.2
+"""The weight of the latest measure in the rate's moving average."""
 
 
 def usable_cores() -> int:
@@ -30,17 +35,13 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def deadline(chars: int, arrival: float | None = None) -> float:
-    """The key of a task that tokenizes ``chars`` characters for a request that arrived at ``arrival``."""
-    return (time.monotonic() if arrival is None else arrival) + chars / CHARS_PER_SECOND
-
-
 class TokenizerPool(Executor):
     """``threads`` daemon threads serving a priority queue; ``submit`` (the Executor interface, so
     ``loop.run_in_executor`` works) keys a task by now, :meth:`submit_at` by a given key."""
 
     def __init__(self, threads: int, name: str = "kvmesh-tokenize") -> None:
         self.threads = max(1, threads)
+        self.chars_per_second = float(CHARS_PER_SECOND)
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._closed = False
@@ -59,6 +60,15 @@ class TokenizerPool(Executor):
         fut: Future = Future()
         self._queue.put((key, next(self._order), fut, fn, args, kwargs))
         return fut
+
+    def deadline(self, chars: int, arrival: float) -> float:
+        """The key of a task that tokenizes ``chars`` characters for a request that arrived at ``arrival``."""
+        return arrival + chars / self.chars_per_second
+
+    def observe(self, chars: int, seconds: float) -> None:
+        """A text of ``chars`` characters took ``seconds`` on a pool thread (its wall time: a loaded host's too)."""
+        if chars >= RATE_MIN_CHARS and seconds > 0:
+            self.chars_per_second += RATE_WEIGHT * (chars / seconds - self.chars_per_second)
 
     def _serve(self) -> None:
         while True:
