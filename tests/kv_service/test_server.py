@@ -23,9 +23,10 @@ SHA = pb.HASH_ALGORITHM_SHA256_128
 LEASE_MS = 2000
 
 
-@pytest.fixture
-def kv(redis_url, redis_namespace):
-    server = KVServiceServer(RedisIndex(redis_url, redis_namespace), "127.0.0.1", free_port(),
+@pytest.fixture(params=["apart", "shared"])
+def kv(request, redis_url, redis_namespace):
+    """Batches applied on a loop of their own (the default) or on the serving loop (--ingest-loop)."""
+    server = KVServiceServer(RedisIndex(redis_url, redis_namespace, ingest_loop=request.param), "127.0.0.1", free_port(),
                              ServiceConfig(lease_ttl_ms=LEASE_MS, reap_interval_s=0.2)).start()
     channel = dial(f"127.0.0.1:{server.port}")
     yield pb_grpc.KVServiceStub(channel), channel
