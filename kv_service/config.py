@@ -68,7 +68,8 @@ class RedisStoreConfig:
     """Block hashes one Redis event-apply script carries at most; a bigger batch is applied in several calls, so
     a Lookup never waits behind a whole batch."""
     redis_connections: int = 64
-    """Connections to each Redis node at most (the script calls' own pool; a call waits for a free one)."""
+    """Connections to each Redis node at most (the script calls' own pool; a call waits for a free one); with
+    --ingest-loop apart, event batches have a pool of their own of the same bound."""
     shards: int = 1
     """Redis Cluster hash tags one index is spread over: a worker's blocks and events live on its home shard, a
     Lookup asks every shard in one parallel round. Set it to the cluster's masters (or a multiple); 1 = one node
@@ -77,10 +78,11 @@ class RedisStoreConfig:
     """Send Lookups to the Redis replicas of each shard, spread over them (EVALSHA_RO, Redis >= 7); a shard with no
     replica in sync is read on its master. Writes, Reserve and admin reads stay on the masters. A Lookup then sees
     the index up to the replication lag late (docs/kv-service.md "Lookups from replicas")."""
-    ingest_loop: str = "apart"
-    """Where event batches (PublishEvents, snapshots) and the lease reaper run: apart, on an event loop thread and
-    Redis connections of their own, so a Lookup or Reserve never queues behind a batch in this process; shared, on
-    the loop that serves every call (before issue 49; docs/kv-service.md "Reads apart from ingest")."""
+    ingest_loop: str = "shared"
+    """Where event batches (PublishEvents, snapshots) and the lease reaper run: shared, on the loop that serves
+    every call; apart, on an event loop thread and Redis connections of their own, so a Lookup or Reserve never
+    queues behind a batch's callbacks (the two threads still take turns on the GIL; docs/kv-service.md "Reads
+    apart from ingest" says why it is not the default)."""
 
     def check(self) -> None:
         if self.max_blocks_per_call < 1 or self.redis_connections < 1:

@@ -2,9 +2,10 @@
 batch is held in the middle of its apply, and the batch lands whole, in order, once let go.
 
 The hold is a store writer whose publish blocks the thread it runs on until the test lets it go, as
-a long apply's Python holds its event loop. With the batches on the serving loop (``--ingest-loop
-shared``, or any change that puts them back there) nothing else is answered meanwhile: the Lookup
-below never returns while the hold lasts, and the test fails on the Lookup's deadline."""
+a long apply holds its event loop (it waits without the GIL, as an apply waiting on I/O does). With
+``--ingest-loop apart`` and the batches put back on the serving loop by any change, nothing else is
+answered meanwhile: the Lookup below never returns while the hold lasts, and the test fails on the
+Lookup's deadline."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ class HoldingIndex(RedisIndex):
 
 @pytest.fixture
 def kv(redis_url, redis_namespace):
-    index = HoldingIndex(redis_url, redis_namespace)
+    index = HoldingIndex(redis_url, redis_namespace, ingest_loop="apart")
     server = KVServiceServer(index, "127.0.0.1", free_port(), ServiceConfig(lease_ttl_ms=60_000)).start()
     channel = dial(f"127.0.0.1:{server.port}")
     yield pb_grpc.KVServiceStub(channel), index
@@ -116,12 +117,13 @@ def test_reads_are_answered_while_a_batch_is_held(kv):
 
 
 def test_the_writer_is_the_same_index_through_connections_of_its_own(redis_url, redis_namespace):
-    index = RedisIndex(redis_url, redis_namespace, max_blocks_per_call=7, shards=3, lookup_walk="linear")
+    index = RedisIndex(redis_url, redis_namespace, max_blocks_per_call=7, shards=3, lookup_walk="linear",
+                       ingest_loop="apart")
     writer = index.writer()
     assert isinstance(writer, RedisIndex) and writer is not index and writer.redis is not index.redis
     assert (writer.namespace, writer.shards, writer.max_blocks_per_call, writer.lookup_walk, writer.writer()) == (
         redis_namespace, 3, 7, "linear", None)
-    assert RedisIndex(redis_url, redis_namespace, ingest_loop="shared").writer() is None
-    assert RedisStoreConfig().ingest_loop == "apart"
+    assert RedisIndex(redis_url, redis_namespace).writer() is None
+    assert RedisStoreConfig().ingest_loop == "shared"
     with pytest.raises(ValueError, match="--ingest-loop must be one of apart, shared"):
         RedisStoreConfig(ingest_loop="thread").check()
