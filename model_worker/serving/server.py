@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import uuid
 from concurrent.futures import Future
 
@@ -168,8 +170,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def PullKV(self, request, context):
         check_length("request_id", request.request_id, MAX_WORKER_REQUEST_ID_CHARS)
-        async for chunk in self.w.kv.serve_pull(request):
-            yield chunk
+        # NOTE: closed at once when the puller goes away: the stream's read of the hold ends with it.
+        async with contextlib.aclosing(self.w.kv.serve_pull(request)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def ReleaseKV(self, request, context):
         check_length("request_id", request.request_id, MAX_WORKER_REQUEST_ID_CHARS)
@@ -203,6 +207,7 @@ class WorkerServer:
         self.worker_id = worker_id
         self.max_queued_requests = max_queued_requests
         self.draining = False
+        self._stopping = threading.Lock()
         self.metrics = WorkerMetrics()
         self._aio = LoopThread("worker-grpc")
         self.grpc: AioServer = self._aio.run(self._build(host, port))
@@ -244,16 +249,18 @@ class WorkerServer:
         return self
 
     def stop(self, grace: float = 5.0) -> None:
-        """Refuses new requests, lets open streams finish for up to ``grace`` seconds, then stops."""
-        if not self._aio.running:
-            return
-        self.draining = True
-        self._aio.run(self.grpc.stop(grace))
-        self._aio.run(self.kv.close())
-        self._aio.stop()
-        self.loop.stop()
-        if self.publisher is not None:
-            self.publisher.stop()
+        """Refuses new requests, lets open streams finish for up to ``grace`` seconds, then stops; a call
+        while another stops waits for it and does nothing more."""
+        with self._stopping:
+            if not self._aio.running:
+                return
+            self.draining = True
+            self._aio.run(self.grpc.stop(grace))
+            self._aio.run(self.kv.close())
+            self._aio.stop()
+            self.loop.stop()
+            if self.publisher is not None:
+                self.publisher.stop()
 
     # -- metrics (called on the engine thread) --------------------------------------------
     def _on_step(self, outputs, _elapsed: float) -> None:
