@@ -110,7 +110,8 @@ class ModelRouter:
         index = TracedIndex(self.index) if on and self.index is not None else self.index
         decide = Decide(self.core, pool, index, routing.pd.pd_mode, CountedDecider(self.pd, m),
                         lambda outcome: m.reservations.labels(outcome).inc(),
-                        TracedSequence if on else DecideSequence)
+                        TracedSequence if on else DecideSequence,
+                        self.prompts.run if self.prompts is not None else None)
         relay = Relay(self.core, pool, self.settle, self._decode if self.tokenizer is not None else None,
                       routing.first_token_timeout_s)
         forward = Forward(self.core, pool, relay, routing.max_attempts, m)

@@ -51,6 +51,7 @@ from kvmesh.contract.index_protocol import (
 from kvmesh.contract.limits import MAX_CHAIN_BLOCKS
 from kvmesh.contract.types import ModelSpec
 from kvmesh.router.core.breaker import IndexBreaker
+from kvmesh.router.core.chain_cache import ChainCache
 from kvmesh.router.core.inflight import InFlight, Ticket
 from kvmesh.router.core.observer import CountingObserver, DecisionObserver
 from kvmesh.router.core.plan import PendingPlan, RoutePlan
@@ -97,6 +98,8 @@ class RoutingCore:
         self.breaker = IndexBreaker(index_retry_s, clock)
         self.observer: DecisionObserver = observer or CountingObserver()
         self._hashers: dict[ModelSpec, BlockHasher] = {}
+        self.chains = ChainCache()
+        """The chains of recent long prompts (a shared prefix is hashed once)."""
 
     # -- 1. the chain ---------------------------------------------------------------------------
     def hasher(self, spec: ModelSpec) -> BlockHasher:
@@ -108,7 +111,7 @@ class RoutingCore:
     def chain(self, spec: ModelSpec, token_ids: Sequence[int], cache_salt: str = "") -> list[bytes]:
         """The prompt's block hashes. Raises InvalidArgument on token ids that cannot be hashed."""
         try:
-            return self.hasher(spec).hash_prompt(token_ids, cache_salt)
+            return self.chains.chain(self.hasher(spec), token_ids, cache_salt)
         except ValueError as exc:
             raise InvalidArgument(f"token_ids: {exc}") from None
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from kvmesh.contract.errors import Unavailable
 from kvmesh.contract.index_protocol import IndexUnavailable, WorkerMatch
@@ -22,6 +23,9 @@ from kvmesh.router.request.context import RequestContext
 
 log = logging.getLogger("kvmesh.router")
 
+HASH_ON_LOOP_TOKENS = 16_384
+"""Prompts up to this long are hashed on the event loop (1,024 blocks of 16: ~1.5 ms of SHA-256)."""
+
 
 class Decide:
     """Args:
@@ -32,14 +36,17 @@ class Decide:
     decider: the P/D decision (a fleet with roles).
     reservations: counts each reservation's outcome: ``folded``, ``reserved``, ``conflict``, ``failed``.
     sequence_type: the decide sequence (a traced one while tracing is on, router/request/traced.py).
+    offload: ``offload(fn, *args)`` runs ``fn`` off the loop (the tokenizer pool); None: on the loop.
     """
 
     name = "decide"
 
     def __init__(self, core: RoutingCore, pool: WorkerPool, index: AsyncPrefixIndex | None, pd_mode: str,
                  decider: SplitDecider, reservations: Callable[[str], None],
-                 sequence_type: type[DecideSequence] = DecideSequence) -> None:
+                 sequence_type: type[DecideSequence] = DecideSequence,
+                 offload: Callable[..., Awaitable[Any]] | None = None) -> None:
         self.sequence_type = sequence_type
+        self.offload = offload
         self.core = core
         self.pool = pool
         self.index = index
@@ -48,12 +55,18 @@ class Decide:
         self.reservations = reservations
 
     async def __call__(self, ctx: RequestContext, only: Callable[[str, str], bool] | None = None) -> None:
-        ctx.decided = await self.decide(self.sequence(ctx, only))
+        chain = None
+        if self.offload is not None and len(ctx.token_ids) > HASH_ON_LOOP_TOKENS:
+            # NOTE: a long chain is hashed on the tokenizer pool, never on the loop (the chain cache keeps
+            # what it shares with recent prompts: router/core/chain_cache.py)
+            chain = await self.offload(self.core.chain, self.pool.model_spec(), ctx.token_ids, ctx.inp.cache_salt)
+        ctx.decided = await self.decide(self.sequence(ctx, only, chain))
 
-    def sequence(self, ctx: RequestContext, only: Callable[[str, str], bool] | None = None) -> DecideSequence:
+    def sequence(self, ctx: RequestContext, only: Callable[[str, str], bool] | None = None,
+                 chain: list[bytes] | None = None) -> DecideSequence:
         endpoints = self.pool.endpoints()
         inp = ctx.inp
-        return self.sequence_type(self.core, self.pool.model_spec(), ctx.token_ids, endpoints,
+        return self.sequence_type(self.core, self.pool.model_spec(), ctx.token_ids, endpoints, chain=chain,
                               request_id=ctx.request_id, cache_salt=inp.cache_salt,
                               max_tokens=inp.sampling.max_tokens or DEFAULT_MAX_TOKENS,
                               have_index=self.index is not None, adopt=self.pool.discovers_from_index,

@@ -39,7 +39,7 @@ def run(c: RoutingCore, rid: str, fleet: Fleet | None, matched: dict[str, int]) 
     assert call is not None
     seq.answered(answer(**matched), 0.0, reserved=call.folded is not None)
     seq.pick()
-    while (r := seq.reservation()) is not None:
+    while seq.reservation() is not None:
         seq.reserved(ReservationAnswer(True))
     seq.commit()
     return seq
