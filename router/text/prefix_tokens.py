@@ -93,9 +93,12 @@ _CLASS = re.compile(r"\[(?:\\.|[^\]\\])*\]")
 
 def unsupported_reason(tokenizer: Any) -> str | None:
     """Why ``tokenizer`` cannot be spliced exactly (module docstring), or None when it can."""
-    if tokenizer.truncation is not None or tokenizer.padding is not None:
-        return "truncation or padding is set"
-    cfg = json.loads(tokenizer.to_str())
+    try:
+        if tokenizer.truncation is not None or tokenizer.padding is not None:
+            return "truncation or padding is set"
+        cfg = json.loads(tokenizer.to_str())
+    except (AttributeError, TypeError, ValueError):
+        return "not a tokenizers.Tokenizer"
     model = cfg.get("model") or {}
     if model.get("type") not in _MODELS:
         return f"model {model.get('type')!r}"
@@ -309,12 +312,15 @@ class PrefixTokenCache:
         if not self.verify(enc, tids, entry, splice, overlap):
             return None
         self._count(hits=1, saved_chars=splice.start)
-        ids = [*head, *entry.ids[:splice.cut_token], *tids[overlap:], *tail] if head or tail else None
+        core = entry.ids[:splice.cut_token]  # NOTE: one copy of the cached ids; extending it is cheap
+        core += tids[overlap:]
         if len(splice.text) - splice.cut < STORE_NEW_CHARS:
             # NOTE: little of its own: re-tokenizing it with the next turn costs less than keeping a copy.
-            return ids if ids is not None else entry.ids[:splice.cut_token] + tids[overlap:]
-        core = entry.ids[:splice.cut_token]
-        core += tids[overlap:]
+            if head or tail:
+                core[0:0] = head
+                core += tail
+            return core
+        ids = [*head, *core, *tail] if head or tail else None
         keep = bisect_right(entry.cut_chars, splice.cut)
         chars, tokens = _cuts(enc, len(tids), overlap)
         self._keep(TokenizedText(splice.text, core, entry.cut_chars[:keep] + [c + splice.start for c in chars],
