@@ -143,9 +143,9 @@ class OpenAIApi:
         """The ASGI application: a POST to a generate route goes straight to :meth:`_post`; everything
         else (the other routes, other methods, 404s) through FastAPI.
 
-        NOTE: FastAPI's stack (its middlewares, the route table, the dependency solver) cost ~0.3 ms of
-        the loop per request (benchmarks/http_front.py, docs/openai.md "Measured") and does nothing here:
-        _post takes the raw request and answers every error itself."""
+        NOTE: FastAPI's stack (its middlewares, the route table, the dependency solver) does nothing for
+        these routes, and costs the loop on every request (benchmarks/http_front.py --front-only): _post
+        takes the raw request and answers every error itself."""
         if scope["type"] == "http" and scope["method"] == "POST":
             chat = GENERATE_ROUTES.get(scope["path"])
             if chat is not None:
