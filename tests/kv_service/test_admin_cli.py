@@ -28,7 +28,10 @@ def kv_process(redis_url, redis_namespace):
     port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen(
         [KVMESH, "kv-service", "--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url,
-         "--namespace", redis_namespace, "--metrics-port", str(metrics_port)],
+         "--namespace", redis_namespace, "--metrics-port", str(metrics_port),
+         # NOTE: the workers never heartbeat, and a dozen `kvmesh admin` processes took longer than the default
+         # 10 s lease on a loaded 2-core host (the worker left the index mid-test)
+         "--lease-ttl-ms", "600000"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     address = f"127.0.0.1:{port}"
