@@ -263,3 +263,12 @@ def test_the_pool_runs_the_cheapest_deadline_first_on_one_thread_per_core():
     assert prompts._executor.threads == max(MIN_TOKENIZER_THREADS, usable_cores()) == max(2, len(os.sched_getaffinity(0)))
     assert PromptTokenizer(train_tokenizer(), threads=5)._executor.threads == 5
     prompts.close()
+
+
+def test_common_prefix_is_exact_whatever_the_hint():
+    a = "x" * 5000 + "abc" + "y" * 3000
+    for b, expected in ((a, len(a)), (a[:4000], 4000), ("x" * 5000 + "abd", 5002), ("z" + a[1:], 0), ("", 0)):
+        for hint in (0, 1024, 4096):
+            # NOTE: a hint past the first difference (a hash collision) gives 0: a miss, never a wrong cut
+            want = 0 if min(hint, len(a), len(b)) > expected else expected
+            assert prefix_tokens.common_prefix(a, b, hint) == want, (len(b), hint)
