@@ -45,10 +45,9 @@ class TokenizerPool(Executor):
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._closed = False
-        self._workers = [threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
-                         for i in range(self.threads)]
-        for t in self._workers:
-            t.start()
+        self._name = name
+        self._start = threading.Lock()
+        self._workers: list[threading.Thread] = []
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         return self.submit_at(time.monotonic(), fn, *args, **kwargs)
@@ -57,9 +56,22 @@ class TokenizerPool(Executor):
         """``fn(*args, **kwargs)`` once every task of a lower key has started."""
         if self._closed:
             raise RuntimeError("the tokenizer pool is shut down")
+        if not self._workers:
+            self._start_threads()
         fut: Future = Future()
         self._queue.put((key, next(self._order), fut, fn, args, kwargs))
         return fut
+
+    def _start_threads(self) -> None:
+        """On the first task (a model that never gets a long text costs no threads)."""
+        with self._start:
+            if self._workers:
+                return
+            workers = [threading.Thread(target=self._serve, name=f"{self._name}-{i}", daemon=True)
+                       for i in range(self.threads)]
+            for t in workers:
+                t.start()
+            self._workers = workers
 
     def deadline(self, chars: int, arrival: float) -> float:
         """The key of a task that tokenizes ``chars`` characters for a request that arrived at ``arrival``."""
