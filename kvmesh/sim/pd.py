@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from kvmesh.contract.kv_transfer import BOTH, DECODE, PREFILL
-from kvmesh.model_worker.engine.llm_engine import KVImport
+from kvmesh.model_worker.engine.kv_legs import KVImport
 from kvmesh.replay.records import RequestRecord
 from kvmesh.router.core.attempts import Attempts
 from kvmesh.router.core.decide import Decided, DecideSequence, Fleet, NoWorker

@@ -15,7 +15,8 @@ from kvmesh.contract.types import AllBlocksCleared, BlockStored, KVCacheEvent, L
 from kvmesh.kv_client.event_batcher import EventBatcher, Message
 from kvmesh.kv_service.index import Action
 from kvmesh.model_worker.config import EngineConfig
-from kvmesh.model_worker.engine.llm_engine import KVImport, LLMEngine
+from kvmesh.model_worker.engine.kv_legs import DecodeLeg, KVImport, PrefillLeg
+from kvmesh.model_worker.engine.llm_engine import LLMEngine
 from kvmesh.model_worker.scheduling.output import RequestOutput
 from kvmesh.model_worker.scheduling.request import Request
 from kvmesh.replay.records import RequestRecord
@@ -161,7 +162,8 @@ class SimWorker:
             self.engine.submit(Request(a.request_id, [PLACEHOLDER_TOKEN] * r.prompt_len,
                                        SamplingParams(max_tokens=max_tokens or r.output_len, ignore_eos=True),
                                        block_hasher=self.engine.block_hasher, block_hashes=self.mesh.chains[r.index]),
-                               hold_kv_s=hold_kv_s, kv_import=kv_import)
+                               PrefillLeg(hold_kv_s) if hold_kv_s is not None else DecodeLeg(kv_import) if kv_import
+                               else None)
         except ValueError as exc:
             # NOTE: what a live worker answers INVALID_ARGUMENT to (e.g. longer than max_model_len):
             # the router does not retry it, the request fails.

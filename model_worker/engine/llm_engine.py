@@ -18,7 +18,7 @@ from kvmesh.contract.types import KVCacheEvent, Load, SamplingParams
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.engine.input_processor import InputProcessor, load_tokenizer
 from kvmesh.model_worker.engine.kv_connector import KVConnector
-from kvmesh.model_worker.engine.kv_legs import DecodeLeg, KVImport, KVLeg, PrefillLeg
+from kvmesh.model_worker.engine.kv_legs import KVLeg
 from kvmesh.model_worker.engine.stats import EngineStats
 from kvmesh.model_worker.execution.kv_blocks import KVBlocks
 from kvmesh.model_worker.execution.model_runner import ModelRunner
@@ -30,9 +30,7 @@ from kvmesh.model_worker.scheduling.output import RequestOutput, SchedulerOutput
 from kvmesh.model_worker.scheduling.request import Request
 from kvmesh.model_worker.scheduling.scheduler import Scheduler
 
-__all__ = ["EngineStats", "KVImport", "LLMEngine", "load_tokenizer"]
-"""``KVImport`` and ``EngineStats`` are kv_legs.py's and stats.py's, named here too for their older importers
-(kvmesh/sim)."""
+__all__ = ["LLMEngine", "load_tokenizer"]
 
 T = TypeVar("T")
 
@@ -184,23 +182,16 @@ class LLMEngine:
         nothing (a decode leg is checked before its KV moves)."""
         self.inputs.check_request(prompt_token_ids, sampling_params)
 
-    def submit(self, request: Request, leg: KVLeg | None = None, *, hold_kv_s: float | None = None,
-               kv_import: KVImport | None = None) -> None:
+    def submit(self, request: Request, leg: KVLeg | None = None) -> None:
         """Queues a request the caller built (:meth:`add_request` builds them from a prompt; the
         simulator builds its own, with its workload's block hashes). Checks what every request must
         meet: a non-empty prompt that leaves room for its ``max_tokens`` in ``max_model_len``.
-
-        ``hold_kv_s`` / ``kv_import``: the simulator's spelling of ``PrefillLeg(hold_kv_s)`` /
-        ``DecodeLeg(kv_import)`` (kvmesh/sim/worker.py).
+        ``leg``: a P/D leg's options (engine/kv_legs.py).
 
         Raises:
             ValueError: it can never fit. AlreadyExists: its id is live.
         """
         self.inputs.check_fits(request)
-        if hold_kv_s is not None:
-            leg = PrefillLeg(hold_kv_s)
-        elif kv_import is not None:
-            leg = DecodeLeg(kv_import)
         with self._lock:
             if request.request_id in self._live:
                 raise AlreadyExists(f"request id {excerpt(request.request_id)} is already in use")
