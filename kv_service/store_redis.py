@@ -44,14 +44,12 @@ import asyncio
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from redis.exceptions import ResponseError
 
 from kvmesh.contract.block_hash import HASH_LEN
 from kvmesh.contract.errors import FailedPrecondition, KVMeshError
 from kvmesh.contract.index_protocol import (
-    NO_PENDING,
     Pending,
     Registration,
     Reservation,
@@ -59,11 +57,12 @@ from kvmesh.contract.index_protocol import (
     WorkerInfo,
     WorkerMatch,
 )
-from kvmesh.contract.types import AllBlocksCleared, BlockStored, KVCacheEvent, Load, ModelSpec, Tier
+from kvmesh.contract.types import BlockStored, KVCacheEvent, Load, ModelSpec, Tier
 from kvmesh.kv_service.config import LOOKUP_WALKS, RedisStoreConfig
 from kvmesh.kv_service.index import Action, BlockIndex, IndexStats, PublishResult
 from kvmesh.kv_service.redis_cluster import ShardedRedis, Tx
 from kvmesh.kv_service.redis_cluster import as_str as _s
+from kvmesh.kv_service.redis_payloads import as_map, holders_by_worker, pending_of, split_info, split_payload
 from kvmesh.kv_service.refusals import Refusal, refuse
 
 _LUA_DIR = Path(__file__).parent / "lua"
@@ -81,72 +80,6 @@ SCRIPTS = ("register", "heartbeat", "publish", "lookup", "lookup_linear", "admin
 
 def _script_source(name: str) -> str:
     return (_LUA_DIR / "common.lua").read_text() + "\n" + (_LUA_DIR / f"{name}.lua").read_text()
-
-
-_OPS = {(True, Tier.DEVICE): "S", (False, Tier.DEVICE): "R", (True, Tier.HOST): "HS", (False, Tier.HOST): "HR"}
-"""The publish script's op of a (stored?, tier) event."""
-
-
-def split_payload(events: list[KVCacheEvent], limit: int) -> list[list]:
-    """The publish script's payload ('S' / 'R' hashes of the device tier, 'HS' / 'HR' of the host
-    tier, 'C'; the hashes of one event as one concatenated string) in parts of at most ``limit``
-    hashes each, in event order; a long event is cut across parts. Disk-tier events are not kept
-    (the caller counts them)."""
-    parts: list[list] = []
-    cur: list = []
-    size = 0
-    for ev in events:
-        if isinstance(ev, AllBlocksCleared):
-            cur.append("C")
-            continue
-        op = _OPS.get((isinstance(ev, BlockStored), ev.tier))
-        if op is None:
-            continue
-        hashes = ev.block_hashes
-        i = 0
-        while i < len(hashes):
-            if size >= limit:
-                parts.append(cur)
-                cur, size = [], 0
-            chunk = hashes[i:i + limit - size]
-            cur += [op, b"".join(chunk)]
-            size += len(chunk)
-            i += len(chunk)
-    parts.append(cur)
-    return parts
-
-
-def _by_worker(groups: list) -> dict[bytes, Any]:
-    """lookup.lua's {k, "num,num,...", ...} as worker number -> k."""
-    return {num: k for i in range(0, len(groups), 2) for k in (groups[i],) for num in groups[i + 1].split(b",")}
-
-
-def _split_info(raw: bytes | None) -> tuple[bytes, str, str, str]:
-    """A worker's ``ld:<model>`` entry "num|bs|load|addr" as (num, bs, load, addr).
-
-    NOTE: an entry written before it named the worker's number ("addr|bs|load", before issue 37)
-    has none (b""): the worker matches nothing in Lookups until its next load report (a heartbeat,
-    a third of a lease at most) rewrites it."""
-    if not raw:
-        return b"", "", "", ""
-    parts = raw.split(b"|", 3)
-    if len(parts) == 4 and parts[0].isdigit():
-        return parts[0], _s(parts[1]), _s(parts[2]), _s(parts[3])
-    addr, bs, load = (_s(raw).split("|", 2) + ["", ""])[:3]
-    return b"", bs, load, addr
-
-
-def _as_map(reply: dict | list) -> dict:
-    """HGETALL's reply: a map in RESP3 (redis-py's default), a flat list in RESP2."""
-    return reply if isinstance(reply, dict) else dict(zip(reply[0::2], reply[1::2], strict=True))
-
-
-def _pending(raw: bytes | str | None) -> Pending:
-    """A worker's "picks,prefill,blocks,version" (pd:<model>); none = no pick ever."""
-    if not raw:
-        return NO_PENDING
-    n, pf, b, v = _s(raw).split(",")
-    return Pending(int(n), int(pf), int(b), int(v))
 
 
 class RedisIndex(BlockIndex):
@@ -334,9 +267,9 @@ class RedisIndex(BlockIndex):
         txs = [(k, self._lookup_tx(k, model_id, chain, now_ms)) for k in range(self.shards)]
         cache = self._matches
         for (pairs, upairs), live, infos, pending in await self.redis.read(txs):
-            matched = _by_worker(pairs)
-            reach = _by_worker(upairs) if upairs else None
-            info, picks = _as_map(infos), _as_map(pending)
+            matched = holders_by_worker(pairs)
+            reach = holders_by_worker(upairs) if upairs else None
+            info, picks = as_map(infos), as_map(pending)
             # NOTE: a worker's answer with 0 blocks is kept per (entry, picks) string pair: with 128
             # workers, rebuilding each answer was most of a Lookup's time in this process.
             for raw in live:
@@ -346,7 +279,7 @@ class RedisIndex(BlockIndex):
                     wid, addr, bs, load, num = self._parse_info(raw, entry)
                     if len(cache) >= self.MAX_PARSED:
                         cache.clear()  # workers that left
-                    c = cache[raw] = (entry, pick, WorkerMatch(wid, addr, 0, load, bs, _pending(pick)), num)
+                    c = cache[raw] = (entry, pick, WorkerMatch(wid, addr, 0, load, bs, pending_of(pick)), num)
                 k = matched.get(c[3]) if matched and c[3] else None
                 u = reach.get(c[3]) if reach and c[3] else None
                 if u and int(u) > int(k or 0):
@@ -378,7 +311,7 @@ class RedisIndex(BlockIndex):
             upairs += shard_upairs
         matched = {pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
         reach = {upairs[i]: int(upairs[i + 1]) for i in range(0, len(upairs), 2)}
-        return [WorkerMatch(wid, addr, matched.get(raw, 0), load, bs, _pending(p),
+        return [WorkerMatch(wid, addr, matched.get(raw, 0), load, bs, pending_of(p),
                             host_blocks=max(0, reach.get(raw, 0) - matched.get(raw, 0)))
                 for raw, p, info in zip(live, pending, infos, strict=True)
                 for wid, addr, bs, load, _ in (self._parse_info(raw, info),)]
@@ -401,7 +334,7 @@ class RedisIndex(BlockIndex):
             return ReservationAnswer(True)
         workers: list[tuple[str, Pending]] = []
         for flat in await self.redis.each("admin", "pending", r.model_id):
-            workers += [(_s(flat[i]), _pending(flat[i + 1])) for i in range(0, len(flat), 2)]
+            workers += [(_s(flat[i]), pending_of(flat[i + 1])) for i in range(0, len(flat), 2)]
         return ReservationAnswer(False, dict(sorted(workers)))
 
     # -- a worker's number, address, block size and load, as Lookup reads them -------------------
@@ -417,7 +350,7 @@ class RedisIndex(BlockIndex):
         cached = self._info.get(wid)
         if cached is not None and cached[0] == raw:
             return cached[1]
-        num, bs, load, addr = _split_info(raw)
+        num, bs, load, addr = split_info(raw)
         parsed = (_s(wid), addr, int(bs or 0), Load.decode(load), num)
         if len(self._info) >= self.MAX_PARSED:
             self._info.clear()  # workers that left
@@ -438,7 +371,7 @@ class RedisIndex(BlockIndex):
                 reg = Registration(_s(wid), _s(addr), _s(model), int(bs), _s(algo), int(nb), int(epoch),
                                    _s(engine) or "kvmesh", int(hb or 0), _s(role) or "both")
                 info = WorkerInfo(reg, int(seq), int(blocks), Load.decode(_s(load)), int(float(lease)),
-                                  _pending(pending), int(host_blocks))
+                                  pending_of(pending), int(host_blocks))
                 if include_expired or info.live(now_ms):
                     out.append(info)
         return sorted(out, key=lambda i: i.registration.worker_id)
