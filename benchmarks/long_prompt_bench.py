@@ -17,8 +17,11 @@ Scenarios:
   B  ~100k-token prompts sharing a ~100k-token prefix, each with ~1 KB of its own, arriving at
      ``--rate`` (10) per second, open loop: p50 / p95 of ``encode``.
 For each, the loop's worst lag (a 1 ms ticker's lateness) shows whether anything held the loop.
+``--picker`` runs A and B again through the router's whole decision (``ModelRouter.decide``: tokenize,
+hash the chain, Lookup, pick: what ``kvmesh epp`` runs per request), in process, on the demo model with
+4 registered workers; ``--tokenizers ''`` skips the tokenizer-level runs.
 
-    python benchmarks/long_prompt_bench.py [--concurrency 20] [--rate 10] [--vocab 32768] [--json OUT]
+    python benchmarks/long_prompt_bench.py [--concurrency 20] [--rate 10] [--vocab 32768] [--picker] [--json OUT]
 
 The machine's other load is not controlled: say what else ran when quoting the figures.
 """
@@ -243,6 +246,74 @@ def report(out: dict, args: argparse.Namespace) -> None:
         for r in out.values()))
 
 
+def picker(args: argparse.Namespace) -> dict:
+    """Scenarios A and B through the router's whole decision (``ModelRouter.decide``: tokenize, hash the
+    chain, Lookup, pick: what ``kvmesh epp``'s picker runs per request), in process, on the demo model
+    (``--max-position-embeddings 131072``) with 4 registered workers on a kv-service (memory store).
+    "whole": the same router with its tokenizer's cache switched off."""
+    import tempfile
+
+    from kvmesh.bench.processes import start_kv_service
+    from kvmesh.contract.modelinfo import model_id_for
+    from kvmesh.contract.types import SamplingParams
+    from kvmesh.make_model import ModelSpec, make_model
+    from kvmesh.router.config import RouterConfig, RoutingConfig
+    from kvmesh.router.core.policies.base import PolicyConfig
+    from kvmesh.router.generate_types import GenerateInput
+    from kvmesh.router.server import RouterServer
+    from kvmesh.router.text.prefix_tokens import PrefixTokenCache
+    from kvmesh.transport.channels import dial
+    from kvmesh.v1 import kv_service_pb2 as kv_pb
+    from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc
+
+    model_dir = make_model(Path(tempfile.mkdtemp(prefix="kvmesh-long-")) / "long-model",
+                           ModelSpec(max_position_embeddings=131072))
+    model = model_id_for(str(model_dir))
+    kv_proc, kv_address = start_kv_service("--store", "memory")
+    stub = kv_grpc.KVServiceStub(dial(kv_address))
+    for i in range(4):
+        stub.RegisterWorker(kv_pb.RegisterWorkerRequest(
+            worker_id=f"w{i}", address=f"127.0.0.1:{40000 + i}", model_id=model, block_size=16,
+            hash_algorithm=kv_pb.HASH_ALGORITHM_SHA256_128, num_blocks=1_000_000, epoch=1), timeout=5)
+    cfg = RouterConfig(host="127.0.0.1", port=0, kv_service=kv_address, model_dirs=[str(model_dir)],
+                       max_prompt_tokens=0, routing=RoutingConfig(discovery_interval_s=0.2, speculative_ttl_s=0.0,
+                                                                  shared_view=False, policy_config=PolicyConfig(seed=0)))
+    server = RouterServer(cfg).start()
+    _, held = sources()
+    out: dict = {}
+    try:
+        deadline = time.monotonic() + 20
+        while len(server.router.pool.endpoints()) < 4:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the router never saw the 4 workers")
+            time.sleep(0.1)
+        tok = server.router.prompts.tokenizer
+        rng = random.Random(1)
+        a_texts = shape_a(rng, held, args.concurrency + args.prompts)
+        b_texts, _ = shape_b(rng, held, tok, 1 + int(args.rate * args.seconds))
+
+        class Decider:  # NOTE: closed_loop / open_loop call encode(text, limits); here: the whole decision
+            async def encode(self, text: str, _limits: PromptLimits) -> None:
+                await server.router.decide(GenerateInput(text, None, SamplingParams(max_tokens=16)))
+
+        for mode in ("whole", "cached"):
+            server.router.prompts.cache = PrefixTokenCache(tok, 0 if mode == "whole" else DEFAULT_CACHE_BYTES)
+            out[f"A_{mode}"] = server.run(closed_loop(Decider(), a_texts, args.concurrency))
+            server.router.prompts.cache = PrefixTokenCache(tok, 0 if mode == "whole" else DEFAULT_CACHE_BYTES)
+            out[f"B_{mode}"] = server.run(open_loop(Decider(), b_texts if mode == "cached" else
+                                                    b_texts[:1 + args.whole_b], args.rate))
+            print(f"  picker {mode}: A {out[f'A_{mode}']}  B {out[f'B_{mode}']}", flush=True)
+    finally:
+        server.stop(0.5)
+        kv_proc.terminate()
+        kv_proc.wait(10)
+    for mode in ("whole", "cached"):
+        a, b = out[f"A_{mode}"], out[f"B_{mode}"]
+        print(f"picker (ModelRouter.decide, tiny), {mode}: A p50 {a['p50_s']:.3f} s, {a['per_s']:.1f}/s; "
+              f"B p50 / p95 {b['p50_ms']:.1f} / {b['p95_ms']:.1f} ms")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, default=20, help="scenario A's requests at a time (20)")
@@ -253,11 +324,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=32768, help="the production-sized tokenizer's vocabulary (32768)")
     ap.add_argument("--tokenizers", default="tiny,prod", help="which tokenizers (tiny,prod)")
     ap.add_argument("--only-a", action="store_true", help="scenario A only")
+    ap.add_argument("--picker", action="store_true",
+                    help="also through the router's whole decision (ModelRouter.decide, as kvmesh epp picks)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
-    out = run(args)
-    if not args.only_a:
+    out = run(args) if args.tokenizers else {}
+    if out and not args.only_a:
         report(out, args)
+    if args.picker:
+        out["picker"] = picker(args)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0
