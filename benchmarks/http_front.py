@@ -111,9 +111,9 @@ def serve_stub() -> None:
     """The router's HttpServer before a request path that answers at once (one token, usage); prints its
     port, serves until stdin closes. Runs whichever kvmesh is first on the path (this code or a baseline)."""
     from kvmesh.contract.types import Usage
+    from kvmesh.router.api.body_bounds import BodyBounds
     from kvmesh.router.api.frontend import Frontend
     from kvmesh.router.api.openai_api import HttpServer
-    from kvmesh.router.api.request_body import BodyBounds
     from kvmesh.router.config import RouterConfig
     from kvmesh.router.generate_types import GenerateOutput
     from kvmesh.router.metrics import RouterMetrics

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from kvmesh.contract.errors import ResourceExhausted
-from kvmesh.router.api.request_body import BodyBounds
+from kvmesh.router.api.body_bounds import BodyBounds
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.generate_types import GenerateInput, GenerateOutput
 from kvmesh.router.metrics import RouterMetrics

@@ -25,6 +25,7 @@ import pydantic
 
 from kvmesh.contract.errors import InvalidArgument, KVMeshError, NotFound, Unavailable
 from kvmesh.contract.types import Usage
+from kvmesh.router.api.body_bounds import BodyTooLarge
 from kvmesh.router.api.frontend import Frontend
 from kvmesh.router.api.openai_protocol import (
     ChatCompletionRequest,
@@ -32,7 +33,7 @@ from kvmesh.router.api.openai_protocol import (
     public_param,
     validation_error,
 )
-from kvmesh.router.api.request_body import BodyParser, BodyTooLarge
+from kvmesh.router.api.request_body import BodyParser
 from kvmesh.router.config import EppConfig, RouterConfig
 from kvmesh.router.request.handoff import Handoff
 from kvmesh.transport import http, tracing

@@ -47,6 +47,7 @@ from starlette.requests import ClientDisconnect
 
 from kvmesh.contract.errors import InvalidArgument, KVMeshError, Unauthenticated
 from kvmesh.contract.types import Usage
+from kvmesh.router.api.body_bounds import BodyBounds, BodyTooLarge
 from kvmesh.router.api.frontend import Frontend
 from kvmesh.router.api.openai_protocol import (
     ChatCompletionRequest,
@@ -56,7 +57,7 @@ from kvmesh.router.api.openai_protocol import (
     public_param,
     validation_error,
 )
-from kvmesh.router.api.request_body import BodyBounds, BodyTooLarge, read_json_parts
+from kvmesh.router.api.request_body import read_json_parts
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.generate_types import GenerateOutput
 from kvmesh.router.models import ServedModel

@@ -35,16 +35,22 @@ This module imports neither grpc nor redis.
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import ijson
 
 from kvmesh.contract.errors import InvalidArgument, RequestTooLarge
 from kvmesh.contract.limits import MAX_STOP_TOKEN_IDS
+from kvmesh.router.api.body_bounds import (
+    MAX_DEPTH,
+    MAX_OBJECT_KEYS,
+    MAX_OTHER_VALUES,
+    WHOLE_BYTES,
+    BodyBounds,
+    BodyTooLarge,
+)
+from kvmesh.router.api.whole_body import parse_whole
 from kvmesh.router.text.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 try:
@@ -58,40 +64,6 @@ MAX_SLICE_BYTES = 64 * 1024 * 1024
 """yajl re-reads a token that spans two slices from its start, so a long string fed in fixed slices
 costs time quadratic in its length (30 MB: 7 s). A slice that yields no event (the parser is inside
 one long token) makes the next one twice as large, up to this: the cost is linear again."""
-MAX_OBJECT_KEYS = 64
-"""Fields of one message or content part."""
-MAX_OTHER_VALUES = 4096
-"""JSON values outside messages, prompt, stop and stop_token_ids (unknown fields included)."""
-MAX_DEPTH = 32
-WHOLE_BYTES = 64 * 1024
-"""A body that arrived whole up to this size is parsed in one ``json.loads`` (well under a millisecond
-on the loop); a larger one goes through the slices."""
-_WHOLE_DEPTH = 8
-"""Nesting the whole-body walk follows; deeper documents take the streaming parser."""
-_INT64 = 2**63
-"""yajl reads integers in (-2**63, 2**63); past that it reports an overflow."""
-
-
-class BodyTooLarge(Exception):
-    """The body is over the byte limit (413)."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"the request body is over {limit} bytes (--max-body-bytes)")
-
-
-@dataclass(slots=True, frozen=True)
-class BodyBounds:
-    max_bytes: int
-    max_messages: int
-    max_content_parts: int
-    max_prompt_ids: int = 0
-    """Token ids in ``prompt``: more than any served model accepts; 0 = bounded by bytes only (a model
-    without a prompt-token bound)."""
-    max_token_bytes: int = 0
-    """Bytes of one JSON string (or number): longer than any prompt could be (6 bytes of JSON escape per
-    prompt byte, ``--max-prompt-bytes``); 0 = bounded by bytes only."""
-
-
 # The kinds of container the builder tells apart; each decides how its elements are counted.
 _ROOT, _MESSAGES, _MESSAGE, _PARTS, _PART, _STOP, _STOP_IDS, _PROMPT, _PROMPT_IDS, _OTHER = range(10)
 _ROOT_ARRAYS = {"messages": _MESSAGES, "stop": _STOP, "stop_token_ids": _STOP_IDS, "prompt": _PROMPT}
@@ -366,157 +338,6 @@ class BodyParser:
         if self._other > MAX_OTHER_VALUES:
             raise InvalidArgument(f"the request body holds more than {MAX_OTHER_VALUES} JSON values outside messages, "
                                   "prompt and stop: send only the parameters you use")
-
-
-# -- a small body that arrived whole --------------------------------------------------------------------
-class _Unsure(Exception):
-    """The whole-body walk cannot vouch for the document: the streaming parser reads it."""
-
-
-def _no_constant(_name: str) -> Any:
-    raise _Unsure  # NaN, Infinity: JSON has none (yajl refuses them)
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        raise _Unsure  # NOTE: the builder counts a repeated key twice against a bound; json.loads keeps one
-    return obj
-
-
-_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_no_constant)
-
-
-def parse_whole(data: bytes, bounds: BodyBounds) -> dict[str, Any] | None:
-    """The object a :class:`BodyParser` builds from ``data`` (a whole body), read by ``json.loads``,
-    when that is certainly the same object and within every bound; None when it may not be (the
-    streaming parser then decides, with its own answer or error)."""
-    if not data or (bounds.max_token_bytes and len(data) > bounds.max_token_bytes):
-        return None
-    if b"\\u" in data and (b"\\ud" in data or b"\\uD" in data):
-        return None  # NOTE: an escaped surrogate: json.loads keeps a lone one where yajl writes "?"
-    try:
-        obj = _DECODER.decode(data.decode("utf-8"))
-    except (_Unsure, ValueError, RecursionError):
-        return None
-    if type(obj) is not dict:
-        return None
-    try:
-        _Walk(bounds).root(obj)
-    except _Unsure:
-        return None
-    return obj
-
-
-class _Walk:
-    """The bounds the builder counts (BodyParser._place), checked over a finished object; raises
-    _Unsure at anything at or past a bound, or anything the builder would count differently."""
-
-    def __init__(self, bounds: BodyBounds) -> None:
-        self.bounds = bounds
-        self.other = 0
-
-    def root(self, obj: dict[str, Any]) -> None:
-        for key, value in obj.items():
-            if type(value) is not list:
-                if key == "stop" and type(value) is str:
-                    self.stop(value)
-                self.count(value, 1)
-            elif key == "messages":
-                self.messages(value)
-            elif key == "prompt":
-                self.prompt(value)
-            elif key == "stop":
-                if len(value) > MAX_STOP_STRINGS:
-                    raise _Unsure
-                for s in value:
-                    if type(s) is not str:
-                        raise _Unsure
-                    self.stop(s)
-            elif key == "stop_token_ids":
-                if len(value) > MAX_STOP_TOKEN_IDS:
-                    raise _Unsure
-                self.ids(value, MAX_STOP_TOKEN_IDS)
-            else:
-                self.count(value, 1)
-        if self.other > MAX_OTHER_VALUES:
-            raise _Unsure
-
-    def messages(self, messages: list[Any]) -> None:
-        if len(messages) > self.bounds.max_messages:
-            raise _Unsure
-        parts = 0
-        for m in messages:
-            if type(m) is not dict or len(m) > MAX_OBJECT_KEYS:
-                raise _Unsure
-            for key, value in m.items():
-                if key == "content" and type(value) is list:
-                    parts += len(value)
-                    if parts > self.bounds.max_content_parts:
-                        raise _Unsure
-                    for part in value:
-                        if type(part) is not dict or len(part) > MAX_OBJECT_KEYS:
-                            raise _Unsure
-                        for v in part.values():
-                            self.scalar(v)
-                else:
-                    self.scalar(value)
-
-    def prompt(self, prompt: list[Any]) -> None:
-        if prompt and type(prompt[0]) in (list, str):
-            if len(prompt) != 1:
-                raise _Unsure  # several prompts: the builder's refusal, or a mix
-            if type(prompt[0]) is list:
-                self.ids(prompt[0], self.bounds.max_prompt_ids)
-            return
-        self.ids(prompt, self.bounds.max_prompt_ids)
-
-    @staticmethod
-    def ids(ids: list[Any], limit: int) -> None:
-        """Token ids (0 = no bound on their count)."""
-        if not ids:
-            return
-        if limit and len(ids) > limit:
-            raise _Unsure
-        try:
-            # NOTE: two passes in C; a string, null or container among the numbers makes them raise.
-            # Floats and booleans go in as the builder puts them (the models judge them later).
-            ok = min(ids) > -_INT64 and max(ids) < _INT64
-        except TypeError:
-            ok = False
-        if not ok:
-            raise _Unsure
-
-    @staticmethod
-    def stop(s: str) -> None:
-        if not 0 < len(s) <= MAX_STOP_CHARS:
-            raise _Unsure
-
-    def scalar(self, v: Any) -> None:
-        """A field of a message or content part: counted as a key by the builder, never as a value."""
-        if type(v) in (dict, list):
-            raise _Unsure
-        self.number(v)
-
-    def count(self, v: Any, depth: int) -> None:
-        """``v`` and everything in it, each one JSON value outside messages, prompt and stop."""
-        self.other += 1
-        t = type(v)
-        if t is dict or t is list:
-            if depth >= _WHOLE_DEPTH:
-                raise _Unsure
-            for x in (v.values() if t is dict else v):
-                self.count(x, depth + 1)
-            if self.other > MAX_OTHER_VALUES:
-                raise _Unsure
-        else:
-            self.number(v)
-
-    @staticmethod
-    def number(v: Any) -> None:
-        t = type(v)
-        if (t is int and not -_INT64 < v < _INT64) or (t is float and not math.isfinite(v)):
-            raise _Unsure
 
 
 async def read_json_body(chunks: AsyncIterator[bytes], bounds: BodyBounds) -> dict[str, Any]:

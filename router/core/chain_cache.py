@@ -30,8 +30,10 @@ PER_FIRST_BLOCK = 8
 """Entries kept per first block (the most recent), bounding the comparisons of one prompt."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Entry:
+    """NOTE: compared by identity (a kept entry is found again by ``is``, never by its arrays)."""
+
     ids: np.ndarray
     chain: list[bytes]
 

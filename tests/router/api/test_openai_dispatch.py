@@ -12,9 +12,9 @@ import pytest
 
 from kvmesh.contract.errors import NotFound
 from kvmesh.contract.types import Usage
+from kvmesh.router.api.body_bounds import BodyBounds
 from kvmesh.router.api.frontend import Frontend
 from kvmesh.router.api.openai_api import OpenAIApi
-from kvmesh.router.api.request_body import BodyBounds
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.generate_types import GenerateInput, GenerateOutput
 from kvmesh.router.metrics import RouterMetrics

@@ -9,8 +9,9 @@ import grpc
 import pytest
 
 from kvmesh.contract import errors
+from kvmesh.router.api.body_bounds import BodyBounds, BodyTooLarge
 from kvmesh.router.api.openai_protocol import ChatCompletionRequest, CompletionRequest
-from kvmesh.router.api.request_body import BodyBounds, BodyParser, BodyTooLarge, read_json_body
+from kvmesh.router.api.request_body import BodyParser, read_json_body
 from kvmesh.transport import http, status
 
 

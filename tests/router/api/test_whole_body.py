@@ -8,13 +8,9 @@ import random
 
 import pytest
 
-from kvmesh.router.api.request_body import (
-    MAX_OBJECT_KEYS,
-    MAX_OTHER_VALUES,
-    BodyBounds,
-    BodyParser,
-    parse_whole,
-)
+from kvmesh.router.api.body_bounds import MAX_OBJECT_KEYS, MAX_OTHER_VALUES, BodyBounds
+from kvmesh.router.api.request_body import BodyParser
+from kvmesh.router.api.whole_body import parse_whole
 
 BOUNDS = BodyBounds(max_bytes=100_000, max_messages=3, max_content_parts=4, max_prompt_ids=5, max_token_bytes=200)
 

@@ -58,3 +58,17 @@ def test_ids_that_cannot_be_hashed_are_refused_as_before():
     cache = ChainCache(min_blocks=2)
     with pytest.raises(ValueError):
         cache.chain(BlockHasher("m", 4), [1, 2, -3] + list(range(60)))
+
+
+def test_a_prompt_that_extends_a_kept_one_not_first_in_its_list_replaces_it():
+    # a regression: kept entries were compared by their arrays (numpy raised on unequal lengths)
+    hasher = BlockHasher("m", 16)
+    cache = ChainCache()
+    y = [1] * 16 + list(range(40_000))
+    x = [1] * 16 + [5] * 50_000
+    cache.chain(hasher, y)
+    cache.chain(hasher, x)
+    longer = y + list(range(4_000))
+    assert cache.chain(hasher, longer) == hasher.hash_prompt(longer)
+    kept = next(iter(cache._entries.values()))
+    assert [len(e.ids) for e in kept] == [len(longer) // 16 * 16, len(x) // 16 * 16]  # y is gone: longer holds it
