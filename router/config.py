@@ -105,6 +105,12 @@ class RouterConfig:
     default: 32 per token of the prompt-token bound; 0 = no limit."""
     max_tokens_limit: int = 0
     """Requests asking for more max_tokens are refused with RESOURCE_EXHAUSTED; 0 = no limit."""
+    tokenizer_threads: int = 0
+    """Threads of each model's tokenizer pool (long texts and conversations, long chains' hashes); 0 = one per
+    core this process may use, at least 2."""
+    prompt_cache_bytes: int = 128 * 1024 * 1024
+    """Bytes of each model's cache of tokenized prefixes (a text sharing a cached prefix is tokenized from where it
+    parts, with the same ids as a whole tokenization: docs/router.md "Long prompts"); 0 = off."""
     max_messages: int = 4096
     """Messages in one chat request; more are refused (400 over HTTP, RESOURCE_EXHAUSTED over gRPC) as soon as
     the one past the limit arrives, before any other work on the request."""
@@ -152,6 +158,8 @@ class RouterConfig:
                 or self.max_tokens_limit < 0):
             raise ValueError("--max-streams must be >= 1; --max-prompt-tokens / --max-prompt-bytes / "
                              "--max-tokens-limit >= 0")
+        if self.tokenizer_threads < 0 or self.prompt_cache_bytes < 0:
+            raise ValueError("--tokenizer-threads and --prompt-cache-bytes must be >= 0 (0 = per core / off)")
         if self.max_messages < 1 or self.max_content_parts < 1 or self.max_body_bytes < 1:
             raise ValueError("--max-messages, --max-content-parts and --max-body-bytes must be >= 1")
         if self.http_linger_bytes < 0 or not self.http_linger_time_s >= 0:

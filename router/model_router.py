@@ -79,7 +79,9 @@ class ModelRouter:
         self.context_len = context_len
         self.vocab_size = vocab_size
         self.metrics = m = metrics or RouterMetrics()
-        self.prompts = (PromptTokenizer(tokenizer, m.tokenized_chars.inc, m.tokenizing.inc)
+        self.prompts = (PromptTokenizer(tokenizer, m.tokenized_chars.inc, m.tokenizing.inc,
+                                        threads=config.tokenizer_threads or None,
+                                        cache_bytes=config.prompt_cache_bytes)
                         if tokenizer is not None else None)
         routing = config.routing
         policy = policy or make_policy(routing.policy, routing.policy_config)
