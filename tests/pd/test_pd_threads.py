@@ -20,8 +20,9 @@ from kvmesh.loopback import free_port
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
 from kvmesh.model_worker.serving.server import WorkerServer
 from kvmesh.transport.channels import dial
-from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from tests.support import wait_until
+from tests.support.model_worker import worker_generate
 
 BS = 16
 
@@ -106,18 +107,6 @@ def ids(n: int, k: int = 0) -> list[int]:
     return [(13 * i + 29 * k + 3) % 500 + 2 for i in range(n)]
 
 
-def call(worker: WorkerServer, prompt: list[int], max_tokens: int, rid: str,
-         kv_transfer: worker_pb2.KVTransfer | None = None) -> tuple[list[int], Any]:
-    stub = worker_pb2_grpc.WorkerStub(dial(worker.address))
-    req = worker_pb2.WorkerGenerateRequest(request_id=rid, prompt_token_ids=prompt,
-                                           sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    if kv_transfer is not None:
-        req.kv_transfer.CopyFrom(kv_transfer)
-    out, last = [], None
-    for m in stub.Generate(req, timeout=60):
-        out += list(m.token_ids)
-        last = m
-    return out, last
 
 
 def on_step_thread(worker: WorkerServer, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -140,16 +129,16 @@ def test_pd_state_is_touched_on_the_engine_thread_only(start_watched, transport)
 
     # a split request: the prefill leg holds 4 blocks, the decode leg pulls them (the PullKV stream, or NIXL)
     prompt = ids(70)
-    _, last = call(p, prompt, 1, "split", worker_pb2.KVTransfer(do_remote_decode=True))
+    _, last = worker_generate(p, prompt, 1, "split", worker_pb2.KVTransfer(do_remote_decode=True))
     assert len(last.kv_source.block_hashes) == 4
-    tokens, end = call(d, prompt, 5, "split", worker_pb2.KVTransfer(source=last.kv_source))
+    tokens, end = worker_generate(d, prompt, 5, "split", worker_pb2.KVTransfer(source=last.kv_source))
     assert len(tokens) == 5 and end.kv_blocks_pulled == 4 and end.usage.cached_tokens == 4 * BS
     # a hold the router gives up on (ReleaseKV), and one whose ttl ends it
-    _, last = call(p, ids(40, 1), 1, "dropped", worker_pb2.KVTransfer(do_remote_decode=True))
+    _, last = worker_generate(p, ids(40, 1), 1, "dropped", worker_pb2.KVTransfer(do_remote_decode=True))
     released = worker_pb2_grpc.WorkerStub(dial(p.address)).ReleaseKV(
         worker_pb2.ReleaseKVRequest(request_id="dropped"), timeout=10)
     assert released.released and len(last.kv_source.block_hashes) == 2
-    _, last = call(short, ids(40, 2), 1, "unpulled", worker_pb2.KVTransfer(do_remote_decode=True))
+    _, last = worker_generate(short, ids(40, 2), 1, "unpulled", worker_pb2.KVTransfer(do_remote_decode=True))
     assert len(last.kv_source.block_hashes) == 2
     wait_until(lambda: idle(p) and idle(d) and idle(short), timeout=10, what="every hold and import gone")
 

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from kvmesh.transport.channels import dial
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.support import wait_until
+from tests.support.model_worker import worker_generate
 
 BS = 16
 
@@ -20,24 +21,12 @@ def ids(n: int, k: int = 0) -> list[int]:
     return [(7 * i + 31 * k + 3) % 500 + 2 for i in range(n)]
 
 
-def call(worker, prompt, max_tokens=6, rid="", kv_transfer=None, salt=""):
-    """One Generate; (tokens, last message)."""
-    stub = worker_pb2_grpc.WorkerStub(dial(worker.address))
-    req = worker_pb2.WorkerGenerateRequest(request_id=rid, prompt_token_ids=prompt, cache_salt=salt,
-                                           sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    if kv_transfer is not None:
-        req.kv_transfer.CopyFrom(kv_transfer)
-    out, last = [], None
-    for m in stub.Generate(req, timeout=60):
-        out += list(m.token_ids)
-        last = m
-    return out, last
 
 
 def disaggregated(p, d, prompt, rid, max_tokens=6, salt=""):
-    first, last = call(p, prompt, 1, rid, worker_pb2.KVTransfer(do_remote_decode=True), salt)
+    first, last = worker_generate(p, prompt, 1, rid, worker_pb2.KVTransfer(do_remote_decode=True), salt)
     assert last.HasField("kv_source")
-    tokens, end = call(d, prompt, max_tokens, rid, worker_pb2.KVTransfer(source=last.kv_source), salt)
+    tokens, end = worker_generate(d, prompt, max_tokens, rid, worker_pb2.KVTransfer(source=last.kv_source), salt)
     return first, last.kv_source, tokens, end
 
 
@@ -56,7 +45,7 @@ def test_disaggregated_greedy_tokens_equal_aggregated_and_transformers(start_wor
     for k, n in enumerate([5, 16, 17, 31, 32, 33, 48, 90]):
         prompt = ids(n, k)
         first, source, tokens, end = disaggregated(p, d, prompt, f"r{k}")
-        agg, _ = call(a, prompt)
+        agg, _ = worker_generate(a, prompt)
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)[0, n:].tolist()
         assert tokens == agg == ref, n
         assert first == ref[:1]
@@ -75,12 +64,12 @@ def test_only_the_blocks_the_decode_worker_lacks_travel(start_worker):
     p = start_worker("p", None, role="prefill", kv_transport="grpc")
     d = start_worker("d", None, role="decode", kv_transport="grpc")
     shared = ids(64, 1)
-    call(d, shared + [9, 9, 9], max_tokens=1)  # the decode worker holds the first 4 blocks now
+    worker_generate(d, shared + [9, 9, 9], max_tokens=1)  # the decode worker holds the first 4 blocks now
     prompt = shared + ids(40, 2)  # 104 tokens: 6 usable blocks, 4 of them held by d
     _, source, tokens, end = disaggregated(p, d, prompt, "x")
     assert len(source.block_hashes) == 6
     assert end.kv_blocks_pulled == 2 and end.usage.cached_tokens == 6 * BS
-    agg, _ = call(start_worker("a", None), prompt)
+    agg, _ = worker_generate(start_worker("a", None), prompt)
     assert tokens == agg
 
 
@@ -88,12 +77,12 @@ def test_bad_legs_are_refused_before_any_kv_moves(start_worker, model_dir):
     p = start_worker("p", None, role="prefill", kv_transport="grpc")
     d = start_worker("d", None, role="decode", kv_transport="grpc")
     prompt = ids(50)
-    _, last = call(p, prompt, 1, "ok", worker_pb2.KVTransfer(do_remote_decode=True))
+    _, last = worker_generate(p, prompt, 1, "ok", worker_pb2.KVTransfer(do_remote_decode=True))
     src = last.kv_source
 
     def refused(worker, code, text, prompt=prompt, rid="new", kv=None, salt="", max_tokens=6):
         with pytest.raises(grpc.RpcError) as e:
-            call(worker, prompt, max_tokens, rid, kv or worker_pb2.KVTransfer(source=src), salt)
+            worker_generate(worker, prompt, max_tokens, rid, kv or worker_pb2.KVTransfer(source=src), salt)
         assert e.value.code() == code, e.value.details()
         assert text in e.value.details()
 
@@ -114,7 +103,7 @@ def test_bad_legs_are_refused_before_any_kv_moves(start_worker, model_dir):
     refused(d, grpc.StatusCode.INVALID_ARGUMENT, "reusable full blocks", prompt=prompt[:20])
     # nothing was pulled by any of them, and the hold is still there for the good leg
     assert d.kv.stats.pulled_blocks == 0 and "ok" in p.engine.kv_holds.holds
-    tokens, end = call(d, prompt, 6, "ok", worker_pb2.KVTransfer(source=src))
+    tokens, end = worker_generate(d, prompt, 6, "ok", worker_pb2.KVTransfer(source=src))
     assert end.kv_blocks_pulled == 3
     wait_until(lambda: idle(p) and idle(d), what="no block held or leaked")
 
@@ -123,14 +112,14 @@ def test_a_request_id_in_flight_is_refused(start_worker):
     p = start_worker("p", None, role="prefill", kv_transport="grpc")
     d = start_worker("d", None, role="decode", kv_transport="grpc")
     prompt = ids(50)
-    _, last = call(p, prompt, 1, "dup", worker_pb2.KVTransfer(do_remote_decode=True))
+    _, last = worker_generate(p, prompt, 1, "dup", worker_pb2.KVTransfer(do_remote_decode=True))
     stub = worker_pb2_grpc.WorkerStub(dial(d.address))
     long_req = worker_pb2.WorkerGenerateRequest(request_id="dup", prompt_token_ids=ids(40, 5),
                                                 sampling=common_pb2.SamplingParams(max_tokens=400, ignore_eos=True))
     it = stub.Generate(long_req, timeout=60)
     next(it)  # in flight now
     with pytest.raises(grpc.RpcError) as e:
-        call(d, prompt, 6, "dup", worker_pb2.KVTransfer(source=last.kv_source))
+        worker_generate(d, prompt, 6, "dup", worker_pb2.KVTransfer(source=last.kv_source))
     assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
     it.cancel()
     assert d.kv.stats.pulled_blocks == 0
@@ -138,6 +127,6 @@ def test_a_request_id_in_flight_is_refused(start_worker):
 
 def test_an_unpulled_hold_expires_and_frees_its_blocks(start_worker):
     p = start_worker("p", None, role="prefill", kv_transport="grpc", kv_hold_ttl_s=0.3)
-    _, last = call(p, ids(70), 1, "h", worker_pb2.KVTransfer(do_remote_decode=True))
+    _, last = worker_generate(p, ids(70), 1, "h", worker_pb2.KVTransfer(do_remote_decode=True))
     assert len(last.kv_source.block_hashes) == 4 and "h" in p.engine.kv_holds.holds
     wait_until(lambda: idle(p), timeout=5, what="the hold released by its ttl")

@@ -57,3 +57,21 @@ def assert_matches_hf(model_dir: Path, outputs, max_new_tokens: int) -> None:
     """Every output's tokens are the oracle's greedy tokens for its prompt."""
     for i, out in enumerate(outputs):
         assert out.token_ids == hf_greedy(model_dir, out.prompt_token_ids, max_new_tokens), f"prompt {i}"
+
+
+def worker_generate(worker, prompt: list[int], max_tokens: int = 6, rid: str = "", kv_transfer=None,
+                    salt: str = "") -> tuple[list[int], object]:
+    """One Generate straight to a worker's gRPC server (P/D legs included); (tokens, last message)."""
+    from kvmesh.transport.channels import dial
+    from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+    stub = worker_pb2_grpc.WorkerStub(dial(worker.address))
+    req = worker_pb2.WorkerGenerateRequest(request_id=rid, prompt_token_ids=prompt, cache_salt=salt,
+                                           sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    if kv_transfer is not None:
+        req.kv_transfer.CopyFrom(kv_transfer)
+    out, last = [], None
+    for m in stub.Generate(req, timeout=60):
+        out += list(m.token_ids)
+        last = m
+    return out, last
