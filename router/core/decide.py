@@ -73,10 +73,6 @@ class Decided:
     decision: Decision
     pd: PDDecision | None = None
     """None: the fleet has no roles (or ``--pd-mode`` makes none); else the decision, prefill worker or not."""
-    folded: bool = False
-    """The pick was reserved by the Lookup's folded reservation: no Reserve was sent."""
-    conflicts: int = 0
-    """Reservations refused because another router reserved the worker first."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -215,7 +211,7 @@ class DecideSequence:
         if self.split is not None and self.decider is not None:
             pd = self.decider.decide(plan.query, plan.candidate(decision.worker_id), plan.prefill_candidates,
                                      plan.candidates)
-        return Decided(plan, decision, pd, loop.folded, loop.conflicts)
+        return Decided(plan, decision, pd)
 
 
 def plan_now(core: RoutingCore, spec: ModelSpec, token_ids: Sequence[int], endpoints: Iterable[WorkerEndpoint],

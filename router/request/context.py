@@ -38,8 +38,6 @@ class RequestContext:
     inp: GenerateInput
     request_id: str
     """The id the worker and the logs see (the client's with a random suffix, or a random one)."""
-    started: float = 0.0
-    """``time.perf_counter()`` at the front door (the decision's latency metric)."""
     span: Any = None
     """The request's span while tracing is on (router.request)."""
     limits: PromptLimits | None = None
