@@ -154,3 +154,25 @@ def test_a_lookups_folded_reservation_is_made_after_its_answer_on_that_answers_v
     assert {m.worker_id: m.pending.requests for m in run_now(svc.lookup("m", chain))} == {"w1": 2, "w2": 0}
     found, reserved = run_now(svc.lookup_reserve("m", chain, Reservation("m", "nobody", "ra", "r3", 1, 1, None)))
     assert not reserved and len(found) == 2
+
+
+def test_the_fold_guard_counts_the_prefixes_reserved_picks_will_hold():
+    """Catches the fold guard ignoring pending blocks (issue 50): a worker a reserved pick will fill with the
+    chain (its anchors) holds it as far as the guard goes. A second guess of that worker is reserved (it is where
+    the answer sends the router); a guess of the other is not (the answer contradicts it)."""
+    from kvmesh.contract.index_protocol import Reservation, anchors_of
+
+    svc = KVService(MemoryIndex())
+    for w in ("w1", "w2"):
+        run_now(svc.register(Registration(w, "127.0.0.1:1", "m", 4, "sha256_128", 100, 1)))
+    chain = BlockHasher("m", 4).hash_prompt(list(range(4 * 8)))
+
+    def guess(worker_id: str, request_id: str) -> bool:
+        return run_now(svc.lookup_reserve("m", chain, Reservation("m", worker_id, "ra", request_id, 32, 8, None,
+                                                                  anchors_of(chain))))[1]
+
+    assert guess("w1", "r1")  # nobody holds any of it: any guess stands
+    assert guess("w1", "r2")  # w1 holds nothing yet, but r1's pick will hold the whole chain there
+    assert not guess("w2", "r3")
+    assert {m.worker_id: (m.matched_blocks, m.pending_blocks, m.pending.requests)
+            for m in run_now(svc.lookup("m", chain))} == {"w1": (0, 8, 2), "w2": (0, 0, 0)}

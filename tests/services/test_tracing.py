@@ -106,3 +106,41 @@ def test_an_openai_http_request_joins_the_callers_trace(traced):
     assert {s.service for s in spans} >= SERVICES
     root = next(s for s in spans if s.name == "router.request")
     assert root.parent_id == "cd" * 8
+
+
+def test_the_kv_services_reserve_span_hangs_under_the_routers(monkeypatch):
+    """Catches the traceparent dropped on Reserve (issue 50): the kv_service client sends the router's
+    context as gRPC metadata on Reserve as on Lookup, so ``kv.reserve`` is a child of ``router.reserve``
+    in the router's trace, not the root of a trace of its own. A real kv_service (memory store), in this
+    process, tracing on with its spans in memory."""
+    import asyncio
+
+    from kvmesh.contract.index_protocol import Reservation
+    from kvmesh.kv_client.router_client import KVServiceClient
+    from kvmesh.kv_service.server import KVServiceServer
+    from kvmesh.kv_service.store_memory import MemoryIndex
+    from kvmesh.router.request.traced import TracedIndex
+    from kvmesh.v1 import kv_service_pb2 as kv_pb
+    from kvmesh.v1 import kv_service_pb2_grpc as kv_grpc
+    from tests.support.tracing import spans_named, tracing_in_memory
+
+    spans = tracing_in_memory(monkeypatch)
+    server = KVServiceServer(MemoryIndex(), "127.0.0.1", free_port()).start()
+    try:
+        kv_grpc.KVServiceStub(dial(f"127.0.0.1:{server.port}")).RegisterWorker(kv_pb.RegisterWorkerRequest(
+            worker_id="w1", address="127.0.0.1:1", model_id="m", block_size=4,
+            hash_algorithm=kv_pb.HASH_ALGORITHM_SHA256_128, num_blocks=100, epoch=1), timeout=5)
+
+        async def reserve() -> bool:
+            client = KVServiceClient(f"127.0.0.1:{server.port}", lookup_timeout_s=10.0)
+            try:
+                return (await TracedIndex(client).reserve(Reservation("m", "w1", "ra", "r1", 10, 1, None))).reserved
+            finally:
+                await client.close()
+
+        assert asyncio.run(reserve())
+    finally:
+        server.stop(0.5)
+    (router,), (kv,) = spans_named(spans, "router.reserve"), spans_named(spans, "kv.reserve")
+    assert kv.parent is not None and kv.parent.span_id == router.context.span_id
+    assert kv.context.trace_id == router.context.trace_id

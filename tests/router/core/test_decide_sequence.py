@@ -100,3 +100,29 @@ def test_the_decision_of_a_fleet_with_roles_names_its_prefill_worker_only_from_t
     assert d.pd is not None and d.pd.prefill_worker == "p"
     assert d.decision.worker_id in ("d1", "d2")
     assert seen == [(d.decision.worker_id, ["p"], ["d1", "d2"])]
+
+
+def test_a_folded_reservation_is_released_after_a_lookup_that_failed_after_it_may_have_landed():
+    """Catches the folded reservation never released (issue 50): the Lookup carrying r2's tentative pick timed
+    out while the index answered another call (late: the reservation may have been made), and the pick moved
+    (the guessed worker failed meanwhile). The pick's Reserve, made blind, drops the guess where it may be."""
+    from kvmesh.contract.index_protocol import IndexUnavailable
+
+    t = [0.0]
+    c = RoutingCore(make_policy("kv-aware", PolicyConfig(seed=0)), shared_view=True, fold_reserve=True,
+                    clock=lambda: t[0])
+    run(c, "r1", None, {})  # the answer the tentative pick is made on
+    failed: set[str] = set()
+    seq = DecideSequence(c, SPEC, PROMPT, EPS, request_id="r2", healthy=lambda w: w not in failed)
+    t[0] = 1.0
+    call = seq.lookup()
+    assert call is not None and call.folded is not None
+    t[0] = 2.0
+    c.lookup_succeeded(0.001)  # another request's Lookup answered meanwhile
+    t[0] = 3.0
+    failed.add(call.folded.worker_id)
+    seq.answered(IndexUnavailable("DEADLINE_EXCEEDED"), 2.0)
+    assert seq.pick().worker_id != call.folded.worker_id
+    r = seq.reservation()
+    assert r is not None and r.seen_version is None
+    assert r.release_worker_id == call.folded.worker_id

@@ -116,3 +116,17 @@ def test_an_itl_target_counts_only_the_steps_beyond_it():
     ttft_local, _, _ = decider(pd_harm_weight=0.0).predict(q(8192), dec(), pre())
     own_step = (1e-4 * 8192 + 4 * (0.01 + 1e-4 * 8)) / 4
     assert local - ttft_local == pytest.approx(8 * 4 * (own_step - 0.15))
+
+
+def test_only_the_reusable_blocks_the_decode_worker_lacks_travel_and_are_priced():
+    """Catches P/D pricing a transfer of blocks the decode worker already holds (issue 50: ``sent = reusable``):
+    of 4,096 tokens' 255 reusable blocks, a decode worker holding 100 is sent 155, and the remote leg costs the
+    link's price of those 155 (a fixed 50 ms per transfer + 2 ms per block) over the same split without a link."""
+    linked = decider()
+    linked.link.observe("d", 10, 0.05 + 10 * 0.002)
+    linked.link.observe("d", 100, 0.05 + 100 * 0.002)
+    _, remote, sent = linked.predict(q(4096), dec(matched=100), pre())
+    _, unlinked, _ = decider().predict(q(4096), dec(matched=100), pre())
+    assert sent == 155
+    assert remote - unlinked == pytest.approx(0.05 + 155 * 0.002)
+    assert linked.decide(q(4096), dec(matched=100), [pre()]).blocks_sent == 155

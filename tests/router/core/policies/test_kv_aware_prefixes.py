@@ -207,3 +207,36 @@ def test_a_new_prompt_goes_where_the_least_content_went_while_prompts_repeat():
                                                       num_free_blocks=10, queued_prefill_tokens=c.load.queued_prefill_tokens))
              for c in cands]
     assert p.pick(fresh, small).worker_id == "w0"
+
+
+def test_a_prefix_with_more_holders_than_its_load_needs_folds_back_to_exactly_that_many():
+    """Catches the fold-back off by one (issue 50: ``holders[need + 1:]``) and the fold-back removed: of the
+    workers holding a prefix, those past the ``need`` it keeps busy (by rendezvous weight of its hash) are
+    surplus, and only those."""
+    from kvmesh.router.core.policies.base import rendezvous_weight
+    from kvmesh.router.core.policies.prefix_load import PrefixLoad
+
+    chain, workers = [block("fold", 0)], ["w0", "w1", "w2"]
+    by_weight = sorted(range(3), key=lambda i: -rendezvous_weight(chain[0], workers[i]))
+    load = PrefixLoad()
+    # idle: the request being routed needs one holder; the other two hold the prefix's one block surplus
+    assert [load.replicas(chain, workers, [1, 1, 1])[i] for i in by_weight] == [0.0, -1.0, -1.0]
+    load.started(1, chain, "w0", 16)  # one more in flight (a worker carries at least one): two holders busy
+    assert [load.replicas(chain, workers, [1, 1, 1])[i] for i in by_weight] == [0.0, 0.0, -1.0]
+
+
+def test_free_kv_is_what_neither_cached_prefixes_nor_running_requests_nor_pending_picks_take():
+    """Catches free KV ignoring used blocks (issue 50: ``taken = cached``) or pending blocks: of 100 blocks,
+    60 in use (10 of them cached prefixes) and 5 of picks no report covers yet leave 35; cached blocks past
+    those in use (all free blocks but 30 hold prefixes) leave 30 - 5."""
+    from kvmesh.contract.index_protocol import Pending
+    from kvmesh.router.core.policies.kv_aware import free_kv_blocks
+
+    def worker(free: int, cached: int, pending: int) -> Candidate:
+        return Candidate("w", "w:1", load=Load(num_total_blocks=100, num_free_blocks=free, num_cached_blocks=cached),
+                         pending=Pending(blocks=pending))
+
+    assert free_kv_blocks(worker(40, 10, 5)) == 35
+    assert free_kv_blocks(worker(40, 70, 5)) == 25
+    assert free_kv_blocks(worker(40, 10, 50)) == 0
+    assert free_kv_blocks(Candidate("w", "w:1")) == 0  # no pool reported: unknown, not free
