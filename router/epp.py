@@ -16,7 +16,7 @@ import logging
 
 from grpc_health.v1 import health_pb2
 
-from kvmesh.router.api.ext_proc import SERVICE_NAME, add_to_server
+from kvmesh.router.api.ext_proc import SERVICE_NAME, add_to_server, max_receive_bytes
 from kvmesh.router.config import EppConfig, RouterConfig
 from kvmesh.router.server import RouterServer
 from kvmesh.transport.server import AioServer
@@ -39,7 +39,8 @@ class EppServer(RouterServer):
 
     def _fronts(self) -> None:
         config, epp = self.config, self.epp
-        self.grpc = AioServer(config.host, epp.port, token_name="api token", max_receive_bytes=config.max_body_bytes)
+        self.grpc = AioServer(config.host, epp.port, token_name="api token",
+                              max_receive_bytes=max_receive_bytes(config.max_body_bytes))
         add_to_server(self.grpc.server, self.frontend, config, epp)
         self.grpc.add_service(SERVICE_NAME)
         self.http = None

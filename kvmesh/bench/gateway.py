@@ -6,6 +6,7 @@ that leaves untested).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,8 @@ class Answer:
     """Every header the pick sets."""
     body: bytes | None = None
     """The body sent back (FULL_DUPLEX_STREAMED)."""
+    pieces: list[tuple[int, bool]] = field(default_factory=list)
+    """The messages it came back in: each one's bytes of body and its end_of_stream."""
     responses: list[str] = field(default_factory=list)
     """The kinds of ProcessingResponse, in order."""
 
@@ -76,9 +79,44 @@ class Exchange:
         self.call = call
         self.mode = mode
         self.answer = Answer()
+        self._responses: asyncio.Queue[Any] = asyncio.Queue()
+        self.answered = False
+        """The picker has sent an immediate response (and ends the stream)."""
+        self.reader = asyncio.ensure_future(self._read_all())
+
+    async def _read_all(self) -> None:
+        """Keeps a read pending from the stream's start until it ends, as Envoy does. Reading only
+        after writing loses an answer that ends the stream: the picker answers 429 to the headers and
+        ends the stream while the body is still being written, and grpc.aio's read after the status
+        returns EOF without the message, its write fails (the flake of test_shedding_load_is_429)."""
+        try:
+            while True:
+                r = await self.call.read()
+                self._responses.put_nowait(r)
+                if r is grpc.aio.EOF:
+                    return
+                if r.WhichOneof("response") == "immediate_response":
+                    self.answered = True
+                    return
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            self._responses.put_nowait(e)
+
+    async def _send(self, msg: ep.ProcessingRequest) -> bool:
+        """Writes one message; False when the picker has already answered and ended the stream
+        (Envoy then sends no more), whichever of that answer and this write came first."""
+        try:
+            await self.call.write(msg)
+            return True
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            await asyncio.wait([self.reader], timeout=5.0)
+            if self.answered:
+                return False
+            raise
 
     async def _read(self) -> ep.ProcessingResponse:
-        r = await self.call.read()
+        r = await self._responses.get()
+        if isinstance(r, BaseException):
+            raise r
         if r is grpc.aio.EOF:
             raise EOFError("the endpoint picker ended the stream")
         kind = r.WhichOneof("response")
@@ -97,16 +135,20 @@ class Exchange:
             if DESTINATION in self.answer.headers:
                 self.answer.header = self.answer.headers[DESTINATION]
             if common.body_mutation.HasField("streamed_response"):
-                self.answer.body = (self.answer.body or b"") + common.body_mutation.streamed_response.body
+                streamed = common.body_mutation.streamed_response
+                self.answer.body = (self.answer.body or b"") + streamed.body
+                self.answer.pieces.append((len(streamed.body), streamed.end_of_stream))
         if r.HasField("dynamic_metadata") and "envoy.lb" in r.dynamic_metadata.fields:
             self.answer.metadata = r.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION].string_value
         return r
 
     async def request(self, path: str, body: bytes | None, *, chunks: int = 1, headers: dict[str, str] | None = None,
-                      subset: Sequence[str] | None = None, end: bool = True) -> Answer:
-        """Sends the request (``body`` None: a bodyless GET) in ``chunks`` pieces; ``end`` False stops
-        before the end of stream (a truncated body). Returns the answer once it is complete (or, with
-        ``end`` False, at once)."""
+                      subset: Sequence[str] | None = None, end: bool = True, trailers: bool = False) -> Answer:
+        """Sends the request (``body`` None: a bodyless GET) in ``chunks`` pieces (BUFFERED: whole, as Envoy
+        sends it); ``end`` False stops before the end of stream (a truncated body); ``trailers``: the body
+        ends with request trailers instead of ``end_of_stream``, as Envoy sends a body that has them
+        (BUFFERED: after the body's answer). Returns the answer once it is complete (or, with ``end``
+        False, at once)."""
         h = {":method": "POST" if body is not None else "GET", ":path": path, ":authority": "gateway",
              "content-type": "application/json", **(headers or {})}
         if body is not None:
@@ -117,26 +159,41 @@ class Exchange:
             msg.protocol_config.response_body_mode = MODES[self.mode]
         if subset is not None:
             msg.metadata_context.CopyFrom(subset_metadata(subset))
-        await self.call.write(msg)
-        if body is None:
+        if not await self._send(msg) or body is None:
             await self._read()
             return self.answer
         if self.mode != "full-duplex" and (await self._read()).WhichOneof("response") == "immediate_response":
             return self.answer
-        size = -(-len(body) // max(1, chunks)) or 1
+        size = -(-len(body) // max(1, chunks if self.mode != "buffered" else 1)) or 1
         pieces = [body[i:i + size] for i in range(0, len(body), size)] or [b""]
         for i, piece in enumerate(pieces):
             last = end and i == len(pieces) - 1
-            await self.call.write(ep.ProcessingRequest(request_body=ep.HttpBody(body=piece, end_of_stream=last)))
+            msg = ep.ProcessingRequest(request_body=ep.HttpBody(body=piece, end_of_stream=last and not trailers))
+            if not await self._send(msg):
+                return await self._until_answered(trailers=False)
             if (self.mode != "full-duplex" and not last and end
                     and (await self._read()).WhichOneof("response") == "immediate_response"):
                 return self.answer
         if not end:
             return self.answer
+        if trailers:
+            if self.mode != "full-duplex":
+                await self._until_answered(trailers=False)
+                if self.answer.status is not None:
+                    return self.answer
+            await self._send(ep.ProcessingRequest(request_trailers=ep.HttpTrailers()))
+        return await self._until_answered(trailers)
+
+    async def _until_answered(self, trailers: bool) -> Answer:
+        """Reads to the end of the request's answer: an immediate response, else the trailers' answer
+        (``trailers``), else the body's (FULL_DUPLEX_STREAMED: its last piece, ``end_of_stream``)."""
         while True:
             r = await self._read()
             kind = r.WhichOneof("response")
-            if kind == "immediate_response" or kind == "request_body":
+            if kind == "immediate_response" or (trailers and kind == "request_trailers"):
+                return self.answer
+            if not trailers and kind == "request_body" and (
+                    self.mode != "full-duplex" or r.request_body.response.body_mutation.streamed_response.end_of_stream):
                 return self.answer
 
     async def response(self, status: int = 200, body: bytes = b"", *, served: str | None = None,
@@ -162,8 +219,10 @@ class Exchange:
 class GatewayClient:
     """ext_proc streams to one endpoint picker, as a gateway opens them (one per HTTP request)."""
 
-    def __init__(self, target: str) -> None:
-        self.channel = dial_aio(target)
+    def __init__(self, target: str, max_receive_bytes: int | None = None) -> None:
+        """``max_receive_bytes``: the channel's receive limit (default kvmesh's 64 MiB; gRPC's own is 4 MiB)."""
+        options = [("grpc.max_receive_message_length", max_receive_bytes)] if max_receive_bytes else []
+        self.channel = dial_aio(target, options)
         self.stub = ep_grpc.ExternalProcessorStub(self.channel)
 
     def exchange(self, mode: str = "full-duplex", timeout: float = 30.0) -> _ExchangeContext:
@@ -191,6 +250,7 @@ class _ExchangeContext:
 
     async def __aexit__(self, *exc: Any) -> None:
         assert self.ex is not None
-        if exc[0] is None:
+        if exc[0] is None and not self.ex.call.done():
             await self.ex.close()
         self.ex.call.cancel()
+        self.ex.reader.cancel()

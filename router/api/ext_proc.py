@@ -7,15 +7,20 @@ One stream per HTTP request. What arrives, and what this adapter answers:
   gateway's subset hint (``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``). With a
   body coming, FULL_DUPLEX_STREAMED (the protocol's mode) holds the answer until the body is read;
   BUFFERED lets the headers through at once. A request without a body is answered here.
-- ``request_body`` (whole or in chunks, the last with ``end_of_stream``): parsed as it arrives; at its
-  end the pick goes out as the header ``x-gateway-destination-endpoint: ip:port[,fallback,...]`` and the
-  same value in the dynamic metadata namespace ``envoy.lb``; in FULL_DUPLEX_STREAMED the body is sent
-  back unchanged after the headers' answer, in BUFFERED the mutation rides on the body's answer.
+- ``request_body`` (FULL_DUPLEX_STREAMED: in chunks, the last with ``end_of_stream``; BUFFERED: whole,
+  in one message): parsed as it arrives; at its end the pick goes out as the header
+  ``x-gateway-destination-endpoint: ip:port[,fallback,...]`` and the same value in the dynamic metadata
+  namespace ``envoy.lb``; in FULL_DUPLEX_STREAMED the body is sent back unchanged after the headers'
+  answer, in pieces of at most :data:`ECHO_PIECE_BYTES`, in BUFFERED the mutation rides on the body's answer.
+- ``request_trailers``: a body that has trailers ends with them instead of ``end_of_stream``
+  (FULL_DUPLEX_STREAMED: the pick and the body's echo go out first, the echo's last piece without
+  ``end_of_stream``); answered with a ``TrailersResponse``.
 - A refusal (a bad body, a model not served, no ready endpoint, shedding) is an ``immediate_response``
   with the status and an OpenAI JSON error, and ends the stream.
-- ``response_headers`` / ``response_body``: let through unchanged (echoed in FULL_DUPLEX_STREAMED);
-  the served endpoint (``envoy.lb`` / ``x-gateway-destination-endpoint-served``), the first byte and
-  the usage at the end feed the router's in-flight view and miss audit.
+- ``response_headers`` / ``response_body`` / ``response_trailers``: let through unchanged (echoed in
+  FULL_DUPLEX_STREAMED); the served endpoint (``envoy.lb`` / ``x-gateway-destination-endpoint-served``),
+  the first byte and the usage at the end (``end_of_stream`` or the trailers) feed the router's in-flight
+  view and miss audit.
 
 router/api/gateway.py holds the life cycle; this module only converts messages.
 """
@@ -23,7 +28,7 @@ router/api/gateway.py holds the life cycle; this module only converts messages.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -43,6 +48,14 @@ log = logging.getLogger("kvmesh.epp")
 SERVICE_NAME = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
+ECHO_PIECE_BYTES = 64 * 1024
+"""The most body one streamed answer carries: Envoy's processing_mode.proto recommends at most 64K per
+FULL_DUPLEX_STREAMED response chunk, and a whole body in one message breaks a receiver at gRPC's default
+4 MiB limit."""
+FRAMING_HEADROOM_BYTES = 1024 * 1024
+"""What the server takes in one message beyond ``--max-body-bytes``: a BUFFERED body comes as one
+ProcessingRequest, with its framing (and whatever metadata Envoy sends beside it) on top; a body over the
+limit by less than this gets the picker's 413, one further over gRPC's RESOURCE_EXHAUSTED."""
 _MODES = processing_mode_pb2.ProcessingMode
 _FULL_DUPLEX = _MODES.FULL_DUPLEX_STREAMED
 _BUFFERED = _MODES.BUFFERED
@@ -65,6 +78,23 @@ def _struct_strings(md: base_pb2.Metadata, namespace: str, key: str) -> list[str
     if kind == "string_value":
         return [x.strip() for x in v.string_value.split(",") if x.strip()]
     return []
+
+
+def max_receive_bytes(max_body_bytes: int) -> int:
+    """The gRPC receive limit of a picker that takes bodies up to ``max_body_bytes``."""
+    return max_body_bytes + FRAMING_HEADROOM_BYTES
+
+
+def _streamed(body: bytes, end_of_stream: bool, request: bool) -> Iterator[ep.ProcessingResponse]:
+    """``body`` sent back in FULL_DUPLEX_STREAMED, in pieces of at most ECHO_PIECE_BYTES (an empty body is
+    one empty piece); ``end_of_stream`` on the last."""
+    n = len(body)
+    for at in range(0, max(n, 1), ECHO_PIECE_BYTES):
+        piece = body if n <= ECHO_PIECE_BYTES else body[at:at + ECHO_PIECE_BYTES]
+        last = at + ECHO_PIECE_BYTES >= n
+        mutation = ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(body=piece, end_of_stream=end_of_stream and last))
+        answer = ep.BodyResponse(response=ep.CommonResponse(body_mutation=mutation))
+        yield ep.ProcessingResponse(request_body=answer) if request else ep.ProcessingResponse(response_body=answer)
 
 
 def _set_headers(values: Mapping[str, str]) -> ep.HeaderMutation:
@@ -94,6 +124,17 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         md = struct_pb2.Struct()
         md.get_or_create_struct(self.epp.metadata_namespace)[self.epp.destination_header] = value
         return common, md
+
+    def _picked(self, pick: Pick, full_duplex: bool, held: list[bytes], end_of_stream: bool
+                ) -> Iterator[ep.ProcessingResponse]:
+        """The pick's answers. FULL_DUPLEX_STREAMED: the headers' answer, then the body sent back
+        (``end_of_stream`` False when trailers follow); BUFFERED: the body's answer."""
+        common, md = self._pick_parts(pick)
+        if not full_duplex:
+            yield ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=md)
+            return
+        yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common), dynamic_metadata=md)
+        yield from _streamed(b"".join(held), end_of_stream, request=True)
 
     @staticmethod
     def _immediate(refusal: Refusal) -> ep.ProcessingResponse:
@@ -139,7 +180,9 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                     rb = req.request_body
                     if full_duplex:
                         held.append(rb.body)
-                    result = await g.on_body(rb.body, rb.end_of_stream)
+                    # NOTE: BUFFERED sends the whole body in one message; its end_of_stream is false when
+                    # trailers follow, and Envoy sends those only when its trailer mode says SEND.
+                    result = await g.on_body(rb.body, rb.end_of_stream or not full_duplex)
                     if isinstance(result, Refusal):
                         yield self._immediate(result)
                         return
@@ -147,17 +190,18 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                         if not full_duplex:
                             yield ep.ProcessingResponse(request_body=ep.BodyResponse())
                         continue
-                    common, md = self._pick_parts(result)
-                    if full_duplex:
-                        body, held = b"".join(held), []
-                        yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common),
-                                                    dynamic_metadata=md)
-                        yield ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
-                            body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
-                                body=body, end_of_stream=True)))))
-                    else:
-                        yield ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=md)
+                    for answer in self._picked(result, full_duplex, held, end_of_stream=True):
+                        yield answer
+                    held = []
                 elif kind == "request_trailers":
+                    result = await g.on_body(b"", True)  # the end of a body sent without end_of_stream
+                    if isinstance(result, Refusal):
+                        yield self._immediate(result)
+                        return
+                    if result is not None:
+                        for answer in self._picked(result, full_duplex, held, end_of_stream=False):
+                            yield answer
+                        held = []
                     yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
                 elif kind in ("response_headers", "response_body"):
                     served = _struct_strings(req.metadata_context, self.epp.metadata_namespace, SERVED_KEY)
@@ -172,12 +216,12 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                     rb = req.response_body
                     g.on_response_body(rb.body, rb.end_of_stream)
                     if response_full_duplex:
-                        yield ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse(
-                            body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
-                                body=rb.body, end_of_stream=rb.end_of_stream)))))
+                        for answer in _streamed(rb.body, rb.end_of_stream, request=False):
+                            yield answer
                     else:
                         yield ep.ProcessingResponse(response_body=ep.BodyResponse())
                 elif kind == "response_trailers":
+                    g.on_response_body(b"", True)  # a response with trailers ends with them
                     yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
         finally:
             g.close()

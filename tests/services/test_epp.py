@@ -328,3 +328,81 @@ def test_health_liveness_readiness_and_the_ext_proc_service(kv_server, start_wor
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert status("envoy.service.ext_proc.v3.ExternalProcessor") == SERVING
+
+
+@pytest.mark.parametrize("mode", ["full-duplex", "buffered"])
+def test_a_body_ended_by_trailers_gets_its_pick(kv_server, start_worker, start_epp, mode):
+    """Envoy ends a body that has trailers with the trailers, not end_of_stream (issue 50: the stream hung,
+    no pick). FULL_DUPLEX_STREAMED: the pick, the body sent back (no end_of_stream: the trailers end it),
+    then the trailers' answer; BUFFERED: the whole body's answer carries the pick, then the trailers'.
+    A bad body ended so gets its error the same way."""
+    start_worker("w0", f"127.0.0.1:{kv_server.port}")
+    epp = start_epp(f"127.0.0.1:{kv_server.port}")
+    raw = json.dumps(ids_body(list(range(10, 50)))).encode()
+    answer = pick(epp.port, COMPLETIONS, raw, mode, chunks=3, trailers=True, timeout=20.0)
+    assert answer.status is None and answer.endpoints and answer.metadata == answer.header, answer.error
+    if mode == "full-duplex":
+        assert answer.responses[0] == "request_headers" and answer.responses[-1] == "request_trailers"
+        assert answer.body == raw and not any(end for _, end in answer.pieces)
+    else:
+        assert answer.responses == ["request_headers", "request_body", "request_trailers"]
+    bad = pick(epp.port, COMPLETIONS, b'{"prompt": [1, 2', mode, chunks=2, trailers=True, timeout=20.0)
+    assert bad.status == 400 and "ends early" in bad.error["error"]["message"]
+    assert settled(lambda: epp.frontend.streams == 0)
+
+
+def padded(size: int) -> bytes:
+    """A 100-id completion body padded with JSON whitespace between the ids to exactly ``size`` bytes
+    (no stretch of it longer than the parser takes between two values, ``max_token_bytes``)."""
+    ids = [str(i).encode() for i in range(3, 103)]
+    bare = json.dumps(ids_body([])).encode()
+    pad = size - len(bare) - sum(map(len, ids)) - (len(ids) - 1)
+    q, r = divmod(pad, len(ids) - 1)
+    gaps = [b"," + b" " * (q + (i < r)) for i in range(len(ids) - 1)]
+    prompt = ids[0] + b"".join(gap + x for gap, x in zip(gaps, ids[1:], strict=True))
+    raw = bare.replace(b'"prompt": []', b'"prompt": [' + prompt + b"]")
+    assert len(raw) == size
+    return raw
+
+
+def test_a_buffered_body_at_the_limit_is_picked_and_one_over_it_gets_413(kv_server, start_worker, start_epp):
+    """BUFFERED sends the body as one gRPC message: one of exactly --max-body-bytes is served (issue 50:
+    gRPC refused it, RESOURCE_EXHAUSTED, its framing past the receive limit), one over it gets the
+    picker's 413 with an OpenAI error, not gRPC's refusal."""
+    start_worker("w0", f"127.0.0.1:{kv_server.port}")
+    limit = 256 * 1024
+    epp = start_epp(f"127.0.0.1:{kv_server.port}", router_kw={"max_body_bytes": limit})
+    at = pick(epp.port, COMPLETIONS, padded(limit), "buffered")
+    assert at.status is None and at.endpoints, at.error
+    for size in (limit + 1, 2 * limit):
+        over = pick(epp.port, COMPLETIONS, padded(size), "buffered")
+        assert over.status == 413, (size, over.error)
+        assert set(over.error["error"]) == {"message", "type", "param", "code"}
+        assert over.error["error"]["type"] == "invalid_request_error" and str(limit) in over.error["error"]["message"]
+    assert settled(lambda: epp.frontend.streams == 0)
+    assert pick(epp.port, COMPLETIONS, ids_body([1, 2, 3]), "buffered").status is None
+
+
+def test_a_large_full_duplex_body_comes_back_in_pieces_a_default_grpc_client_reads(kv_server, start_worker, start_epp):
+    """A 6 MB body sent back as one message broke a gateway whose gRPC client keeps the default 4 MiB
+    receive limit (issue 50); it comes back in pieces of at most ECHO_PIECE_BYTES, end_of_stream on the
+    last only, and reassembles to the bytes sent."""
+    from kvmesh.router.api.ext_proc import ECHO_PIECE_BYTES
+
+    start_worker("w0", f"127.0.0.1:{kv_server.port}")
+    epp = start_epp(f"127.0.0.1:{kv_server.port}")
+    raw = padded(6_000_000)
+
+    async def scenario():
+        client = GatewayClient(f"127.0.0.1:{epp.port}", max_receive_bytes=4 * 1024 * 1024)
+        try:
+            return await client.pick(COMPLETIONS, raw, "full-duplex", timeout=60.0)
+        finally:
+            await client.close()
+
+    answer = run(scenario())
+    assert answer.status is None and answer.endpoints, answer.error
+    assert answer.body == raw
+    assert len(answer.pieces) == -(-len(raw) // ECHO_PIECE_BYTES)
+    assert all(size <= ECHO_PIECE_BYTES for size, _ in answer.pieces)
+    assert [end for _, end in answer.pieces] == [False] * (len(answer.pieces) - 1) + [True]
