@@ -210,7 +210,14 @@ class Exchange:
         for i, piece in enumerate(pieces):
             await self.call.write(ep.ProcessingRequest(response_body=ep.HttpBody(
                 body=piece, end_of_stream=i == len(pieces) - 1)))
-            await self._read()
+            echoed = 0
+            while True:  # FULL_DUPLEX_STREAMED: a large chunk comes back in several pieces
+                r = await self._read()
+                if self.mode != "full-duplex" or r.WhichOneof("response") != "response_body":
+                    break
+                echoed += len(r.response_body.response.body_mutation.streamed_response.body)
+                if echoed >= len(piece):
+                    break
 
     async def close(self) -> None:
         await self.call.done_writing()
