@@ -45,6 +45,10 @@ class ServiceConfig:
     """Worker lease: a worker without a heartbeat for this long leaves lookups."""
     pending: PendingConfig = field(default_factory=PendingConfig)
     """The routers' picks (a group: its fields are the flags)."""
+    watch_interval_ms: int = 100
+    """While a router or endpoint picker watches the worker set (WatchWorkers), how often this replica reads it:
+    a change made through another replica, or a lease that ended, reaches the watchers this late at most (one made
+    here, at once)."""
     reap_interval_s: float | None = code_only(None)
     """How often expired workers and their blocks are deleted from the store; none = twice per lease."""
 
@@ -55,6 +59,8 @@ class ServiceConfig:
     def check(self) -> None:
         if self.lease_ttl_ms < 100:
             raise ValueError(f"--lease-ttl-ms must be >= 100, got {self.lease_ttl_ms}")
+        if not 10 <= self.watch_interval_ms <= 60_000:
+            raise ValueError(f"--watch-interval-ms must be in [10, 60000], got {self.watch_interval_ms}")
         self.pending.check()
 
 

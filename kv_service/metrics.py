@@ -29,6 +29,10 @@ class KVMetrics:
                                       "Block hashes of events the index does not apply yet: host and disk "
                                       "tiers (it keeps the device tier only)", ["kind", "tier"], registry=r)
         self.resyncs = Counter("kvmesh_kv_resyncs_total", "Event batches answered with RESYNC", registry=r)
+        self.leaves = Counter("kvmesh_kv_worker_leaves_total",
+                              "Workers that left the live set before their lease ended (LeaveWorker), by reason: "
+                              "draining (the worker at SIGTERM), unreachable (a front's report, or its event "
+                              "stream cut off)", ["reason"], registry=r)
         self.rejected = Counter("kvmesh_kv_rejected_total", "Requests refused", ["reason"], registry=r)
         self.reservations = Counter("kvmesh_kv_reservations_total",
                                     "Routers' picks reserved (the shared router view), by outcome: reserved, "

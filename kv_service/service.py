@@ -78,6 +78,11 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+LEAVE_REASONS = ("draining", "unreachable")
+"""Why a worker leaves the live set (LeaveWorker): it drains, or a front cannot reach it."""
+MAX_REPORTER_CHARS = 128
+
+
 class HeartbeatAnswer(NamedTuple):
     lease_ttl_ms: int
     resync: bool
@@ -193,6 +198,26 @@ class KVService:
         _check_load(load)
         resync = await self.index.heartbeat(worker_id, epoch, load, self.config.lease_ttl_ms, self._now())
         return HeartbeatAnswer(self.config.lease_ttl_ms, bool(resync))
+
+    async def leave(self, worker_id: str, epoch: int, reason: str, reporter: str = "") -> bool:
+        """The worker leaves the live set now (its lease ends; the reaper takes its blocks). ``epoch`` 0:
+        whichever process is live; another epoch than the live one: a report on an earlier process,
+        ignored. False: not live (already gone)."""
+        _check_id("worker_id", worker_id)
+        if reason not in LEAVE_REASONS:
+            raise InvalidArgument(f"reason must be one of {', '.join(LEAVE_REASONS)}")
+        check_length("reporter", reporter, MAX_REPORTER_CHARS)
+        now = self._now()
+        live = next((i for i in await self.index.workers(now) if i.registration.worker_id == worker_id), None)
+        if live is None or (epoch and live.registration.epoch != epoch):
+            return False
+        try:
+            # NOTE: a heartbeat with a lease of 0 ends the lease now in every store (and checks the epoch).
+            await self.index.heartbeat(worker_id, live.registration.epoch, live.load, 0, now)
+        except KVMeshError:  # gone or registered again in between
+            return False
+        self.metrics.leaves.labels(reason).inc()
+        return True
 
     # -- events --------------------------------------------------------------------------
     async def publish(self, worker_id: str, epoch: int, seq: int, events: list[KVCacheEvent],

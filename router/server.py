@@ -21,6 +21,7 @@ from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.model_router import ModelRouter
 from kvmesh.router.models import ModelSet, ServedModel
 from kvmesh.router.workers.discovery import WorkerDiscovery
+from kvmesh.router.workers.down_reports import DownReports
 from kvmesh.router.workers.worker_calls import WorkerChannels
 from kvmesh.router.workers.worker_pool import GrpcWorkerPool
 from kvmesh.transport.loop import LoopServer, LoopThread
@@ -61,6 +62,7 @@ class RouterServer(LoopServer):
         self._started = False
         self._audits: asyncio.Task | None = None
         self.router_id = f"router-{uuid.uuid4().hex[:12]}"
+        self.down_reports.reporter = self.router_id
 
     async def _build(self) -> None:
         config = self.config
@@ -69,7 +71,9 @@ class RouterServer(LoopServer):
                    if config.kv_service else None)
         channels = WorkerChannels()
         from_index = not config.workers
-        self.models = ModelSet(config, lambda model_id: GrpcWorkerPool(model_id, config, channels, from_index),
+        self.down_reports = DownReports(self.kv if from_index else None)
+        self.models = ModelSet(config, lambda model_id: GrpcWorkerPool(model_id, config, channels, from_index,
+                                                                       self.down_reports),
                                self.kv, self.metrics)
         self.discovery = WorkerDiscovery(config, self.kv, channels, self.models.pool_for, self.models.pools,
                                          on_change=self._on_workers)

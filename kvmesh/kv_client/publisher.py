@@ -75,6 +75,9 @@ class KVPublisher:
         self._registered = threading.Event()
         self._stop = threading.Event()
         self._register_lock = threading.Lock()
+        self._heartbeat_lock = threading.Lock()
+        self._left = False
+        """Left the live set (``leave``): never registers again."""
         self.resyncs = 0
         self._threads = [threading.Thread(target=self._stream_loop, name="kv-publish", daemon=True),
                          threading.Thread(target=self._heartbeat_loop, name="kv-heartbeat", daemon=True)]
@@ -119,6 +122,24 @@ class KVPublisher:
         for t in self._threads:
             t.join(2.0)
 
+    def leave(self, timeout: float = RPC_TIMEOUT_S) -> bool:
+        """Draining: out of the live set now, for every router and picker (LeaveWorker), then stopped: no
+        heartbeat renews the lease, nothing registers again, no event goes out (the reaper takes the
+        blocks). False: the kv_service did not take it (the lease then ends on its own)."""
+        with self._heartbeat_lock:  # NOTE: a heartbeat in flight would renew the lease after the leave
+            self._left = True
+        left = False
+        if self._registered.is_set():
+            try:
+                left = self._stub.LeaveWorker(pb.LeaveWorkerRequest(
+                    worker_id=self._reg.worker_id, epoch=self.epoch, reason=pb.LEAVE_REASON_DRAINING,
+                    reporter=self._reg.worker_id), timeout=timeout).left
+            except grpc.RpcError as err:
+                log.warning("could not leave the live set at kv_service %s: %s; its lease ends in %.0fs",
+                            self.target, err.code().name, self.lease_ttl_s)
+        self.stop()
+        return left
+
     def wait_registered(self, timeout: float) -> bool:
         return self._registered.wait(timeout)
 
@@ -131,7 +152,7 @@ class KVPublisher:
 
     def _register_locked(self) -> None:
         delay = 0.1
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self._left:
             req = registration_to_pb(replace(self._reg, epoch=self.epoch))
             try:
                 resp = self._stub.RegisterWorker(req, timeout=RPC_TIMEOUT_S)
@@ -229,8 +250,11 @@ class KVPublisher:
                 continue
             try:
                 load = self._load()
-                resp = self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self._reg.worker_id, epoch=self.epoch,
-                                                                load=load_to_pb(load)), timeout=RPC_TIMEOUT_S)
+                with self._heartbeat_lock:
+                    if self._left:
+                        return
+                    resp = self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self._reg.worker_id, epoch=self.epoch,
+                                                                    load=load_to_pb(load)), timeout=RPC_TIMEOUT_S)
                 if load.admitted:
                     self._ack_admitted(load.admitted)
                 self.lease_ttl_s = resp.lease_ttl_ms / 1000

@@ -8,6 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LeaveReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LEAVE_REASON_UNSPECIFIED: _ClassVar[LeaveReason]
+    LEAVE_REASON_DRAINING: _ClassVar[LeaveReason]
+    LEAVE_REASON_UNREACHABLE: _ClassVar[LeaveReason]
+
 class HashAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     HASH_ALGORITHM_UNSPECIFIED: _ClassVar[HashAlgorithm]
@@ -26,6 +32,9 @@ class PublishAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUBLISH_ACTION_UNSPECIFIED: _ClassVar[PublishAction]
     PUBLISH_ACTION_ACK: _ClassVar[PublishAction]
     PUBLISH_ACTION_RESYNC: _ClassVar[PublishAction]
+LEAVE_REASON_UNSPECIFIED: LeaveReason
+LEAVE_REASON_DRAINING: LeaveReason
+LEAVE_REASON_UNREACHABLE: LeaveReason
 HASH_ALGORITHM_UNSPECIFIED: HashAlgorithm
 HASH_ALGORITHM_SHA256_128: HashAlgorithm
 HASH_ALGORITHM_XXH3_128: HashAlgorithm
@@ -36,6 +45,28 @@ KV_TIER_DISK: KVTier
 PUBLISH_ACTION_UNSPECIFIED: PublishAction
 PUBLISH_ACTION_ACK: PublishAction
 PUBLISH_ACTION_RESYNC: PublishAction
+
+class LeaveWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "epoch", "reason", "reporter")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REPORTER_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    reason: LeaveReason
+    reporter: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[_Union[LeaveReason, str]] = ..., reporter: _Optional[str] = ...) -> None: ...
+
+class LeaveWorkerResponse(_message.Message):
+    __slots__ = ("left",)
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    left: bool
+    def __init__(self, left: _Optional[bool] = ...) -> None: ...
+
+class WatchWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "address", "model_id", "block_size", "hash_algorithm", "num_blocks", "epoch", "extra_keys", "engine", "host_blocks", "role")

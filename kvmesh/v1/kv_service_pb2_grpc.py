@@ -96,6 +96,16 @@ class KVServiceStub:
                 request_serializer=kvmesh_dot_v1_dot_kv__service__pb2.FlushWorkerRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_kv__service__pb2.FlushWorkerResponse.FromString,
                 _registered_method=True)
+        self.LeaveWorker = channel.unary_unary(
+                '/kvmesh.v1.KVService/LeaveWorker',
+                request_serializer=kvmesh_dot_v1_dot_kv__service__pb2.LeaveWorkerRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kv__service__pb2.LeaveWorkerResponse.FromString,
+                _registered_method=True)
+        self.WatchWorkers = channel.unary_stream(
+                '/kvmesh.v1.KVService/WatchWorkers',
+                request_serializer=kvmesh_dot_v1_dot_kv__service__pb2.WatchWorkersRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kv__service__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
 
 
 class KVServiceServicer:
@@ -193,6 +203,26 @@ class KVServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeaveWorker(self, request, context):
+        """A worker leaves the live set now: every Lookup, Reserve and WatchWorkers stops naming it at
+        once. Said by a worker of itself when it drains at SIGTERM (DRAINING), or by a router or
+        endpoint picker of a worker it cannot reach (UNREACHABLE). Its lease ends; its blocks go with the
+        reaper. A worker that was alive after all finds its lease gone at its next heartbeat (NOT_FOUND)
+        and registers again. left=false: it was not live, or ``epoch`` names an earlier process.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchWorkers(self, request, context):
+        """Push discovery: the live workers now, then again whenever the set changes (a worker registers
+        or leaves, a lease ends), within --watch-interval-ms, and at least every --watch-refresh-ms with
+        fresh loads. Ends when this replica stops; a front then watches another or polls ListWorkers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -255,6 +285,16 @@ def add_KVServiceServicer_to_server(servicer, server):
                     servicer.FlushWorker,
                     request_deserializer=kvmesh_dot_v1_dot_kv__service__pb2.FlushWorkerRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_kv__service__pb2.FlushWorkerResponse.SerializeToString,
+            ),
+            'LeaveWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveWorker,
+                    request_deserializer=kvmesh_dot_v1_dot_kv__service__pb2.LeaveWorkerRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kv__service__pb2.LeaveWorkerResponse.SerializeToString,
+            ),
+            'WatchWorkers': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchWorkers,
+                    request_deserializer=kvmesh_dot_v1_dot_kv__service__pb2.WatchWorkersRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kv__service__pb2.ListWorkersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -583,6 +623,60 @@ class KVService:
             '/kvmesh.v1.KVService/FlushWorker',
             kvmesh_dot_v1_dot_kv__service__pb2.FlushWorkerRequest.SerializeToString,
             kvmesh_dot_v1_dot_kv__service__pb2.FlushWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KVService/LeaveWorker',
+            kvmesh_dot_v1_dot_kv__service__pb2.LeaveWorkerRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kv__service__pb2.LeaveWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.KVService/WatchWorkers',
+            kvmesh_dot_v1_dot_kv__service__pb2.WatchWorkersRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kv__service__pb2.ListWorkersResponse.FromString,
             options,
             channel_credentials,
             insecure,

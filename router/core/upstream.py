@@ -34,6 +34,8 @@ class WorkerEndpoint:
     load: Load = field(default_factory=Load)
     role: str = "both"
     """prefill, decode or both (kvmesh/contract/kv_transfer.py): which legs of a request it takes."""
+    epoch: int = 0
+    """The worker process's registration epoch (0: not known, a static ``--workers`` address)."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -12,7 +12,7 @@ import grpc
 
 from kvmesh.contract.block_hash import algorithm_name
 from kvmesh.contract.convert import load_from_pb
-from kvmesh.contract.index_protocol import Registration
+from kvmesh.contract.index_protocol import Registration, WorkerInfo
 from kvmesh.contract.types import Load, ModelSpec
 from kvmesh.kv_client.router_client import KVServiceClient
 from kvmesh.router.config import RouterConfig
@@ -45,19 +45,24 @@ class WorkerDiscovery:
         self._pools = pools
         self._on_change = on_change
         self._problem = ""
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.pushes = 0
+        """Worker sets the kv_service pushed (WatchWorkers) and this front applied."""
 
     async def start(self) -> WorkerDiscovery:
         await self.refresh()
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._loop())]
+        if self.kv is not None and not self.config.workers:
+            self._tasks.append(loop.create_task(self._watch()))
         return self
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
+        self._tasks = []
         await self.channels.close()
         if self.kv is not None:
             await self.kv.close()
@@ -70,12 +75,39 @@ class WorkerDiscovery:
             except Exception:  # noqa: BLE001 - keep polling; log and keep the last good set
                 log.exception("worker discovery failed")
 
+    async def _watch(self) -> None:
+        """Push discovery: the kv_service's WatchWorkers stream, applied as each set arrives (a worker that
+        drains or is reported down leaves every front at once); the poll stays as the fallback, and a
+        broken stream is opened again."""
+        assert self.kv is not None
+        delay = 0.1
+        while True:
+            try:
+                async for infos in self.kv.watch_workers():
+                    delay = 0.1
+                    self.pushes += 1
+                    self._apply_kv(infos)
+                    await self._after()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("kv_service at %s has no WatchWorkers; polling every %gs", self.kv.target,
+                             self.config.routing.discovery_interval_s)
+                    return
+                log.debug("worker watch ended: %s", exc.code().name)
+            except Exception:  # noqa: BLE001 - the poll goes on; watch again
+                log.exception("worker watch failed")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
     async def refresh(self) -> None:
         """One poll of the worker source."""
         if self.config.workers:
             await self._refresh_static()
         else:
             await self._refresh_from_kv()
+        await self._after()
+
+    async def _after(self) -> None:
         pools = self._pools()
         await self.channels.prune({e.address for p in pools for e in p.endpoints()} | set(self.config.workers))
         if self._on_change is not None:
@@ -95,6 +127,10 @@ class WorkerDiscovery:
             for pool in self._pools():
                 pool.set_problem(problem)
             return
+        self._apply_kv(infos)
+
+    def _apply_kv(self, infos: list[WorkerInfo]) -> None:
+        """The kv_service's live workers (a poll's or a push's) handed to each model's pool."""
         self._problem = ""
         by_model: dict[str, list[Registration]] = {}
         loads: dict[str, Load] = {}
@@ -113,8 +149,8 @@ class WorkerDiscovery:
             problem = "" if mine else (
                 f"no live worker of model {pool.model_id!r} in kv_service"
                 + (f" (it has: {', '.join(sorted(by_model))})" if by_model else ""))
-            pool.update([WorkerEndpoint(w.worker_id, w.address, loads[w.worker_id], w.role) for w in mine], spec,
-                        problem)
+            pool.update([WorkerEndpoint(w.worker_id, w.address, loads[w.worker_id], w.role, w.epoch) for w in mine],
+                        spec, problem)
 
     async def _refresh_static(self) -> None:
         found: dict[str, list[WorkerEndpoint]] = {}

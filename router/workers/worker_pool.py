@@ -16,6 +16,7 @@ from kvmesh.router.core.upstream import (
     WorkerRequest,
 )
 from kvmesh.router.core.worker_set import WorkerSet
+from kvmesh.router.workers.down_reports import DownReports
 from kvmesh.router.workers.openai_worker import OpenAIWorkerCall, is_http
 from kvmesh.router.workers.worker_calls import GrpcWorkerCall, WorkerChannels
 from kvmesh.transport.security import call_metadata
@@ -34,8 +35,10 @@ class GrpcWorkerPool:
     """
 
     def __init__(self, model_id: str, config: RouterConfig, channels: WorkerChannels,
-                 discovers_from_index: bool = True) -> None:
+                 discovers_from_index: bool = True, reports: DownReports | None = None) -> None:
         self.model_id = model_id
+        self.reports = reports
+        """Where a worker found unreachable is reported (every front drops it); None: the mark stays local."""
         self.config = config
         self.discovers_from_index = discovers_from_index
         self.workers = WorkerSet(config.routing.unhealthy_s, discovers_from_index)
@@ -64,6 +67,10 @@ class GrpcWorkerPool:
 
     def mark_unhealthy(self, worker_id: str) -> None:
         self.workers.mark_unhealthy(worker_id)
+        if self.reports is not None:
+            endpoint = next((e for e in self.workers.endpoints if e.worker_id == worker_id), None)
+            if endpoint is not None:
+                self.reports.report(endpoint)
 
     def generate(self, endpoint: WorkerEndpoint, request: WorkerRequest,
                  timeout_s: float) -> GrpcWorkerCall | OpenAIWorkerCall:

@@ -72,8 +72,8 @@ def start_router(model_dir) -> Iterator[Callable[..., RouterServer]]:
 
     def start(kv_address: str, router_kw: dict | None = None, **routing_kw) -> RouterServer:
         cfg = RouterConfig(host="127.0.0.1", port=free_port(), kv_service=kv_address, model_dirs=[str(model_dir)],
-                           routing=RoutingConfig(discovery_interval_s=0.2, policy_config=PolicyConfig(seed=0),
-                                                 **routing_kw), **(router_kw or {}))
+                           routing=RoutingConfig(**({"discovery_interval_s": 0.2, "policy_config": PolicyConfig(seed=0)}
+                                                    | routing_kw)), **(router_kw or {}))
         server = RouterServer(cfg).start()
         started.append(server)
         wait_serving(f"127.0.0.1:{server.port}", timeout=20)
