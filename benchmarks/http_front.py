@@ -131,7 +131,7 @@ def serve_stub() -> None:
         def model(self, name: str) -> Model:  # type: ignore[override]
             return Model()
 
-        async def generate(self, model, inp, request_id=None):  # type: ignore[no-untyped-def, override]
+        async def generate(self, model, inp, request_id=None, span=None):  # type: ignore[no-untyped-def, override]
             self.admit()
             try:
                 yield GenerateOutput([5], "x", "length", Usage(len(inp.text or ""), 0, 1), "worker-0", inp.request_id)

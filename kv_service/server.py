@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
@@ -25,16 +26,21 @@ from kvmesh.contract.limits import MAX_EXTRA_KEYS_CHARS, check_length
 from kvmesh.kv_service.config import FaultConfig, KVServiceConfig, ServiceConfig
 from kvmesh.kv_service.index import BlockIndex, PublishResult
 from kvmesh.kv_service.metrics import KVMetrics
+from kvmesh.kv_service.publish_trace import PublishTrace
 from kvmesh.kv_service.service import KVService, now_ms
 from kvmesh.transport import tracing
 from kvmesh.transport.loop import LoopServer, LoopThread
 from kvmesh.transport.server import AioServer
+from kvmesh.transport.status import code_of
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvmesh.kv_service")
 
 T = TypeVar("T")
+
+LOOKUP_RPC = tracing.rpc_attributes(pb.DESCRIPTOR.services_by_name["KVService"].full_name, "Lookup")
+RESERVE_RPC = tracing.rpc_attributes(pb.DESCRIPTOR.services_by_name["KVService"].full_name, "Reserve")
 
 DEFAULT_MAX_PUBLISHERS = KVServiceConfig().max_publishers
 """Workers that may hold a PublishEvents stream on one replica at once (a stream is a coroutine)."""
@@ -77,7 +83,24 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         answer = await self.svc.heartbeat(request.worker_id, request.epoch, load_from_pb(request.load))
         return pb.HeartbeatResponse(lease_ttl_ms=answer.lease_ttl_ms, resync=answer.resync)
 
-    async def PublishEvents(self, request_iterator, context) -> AsyncIterator[pb.PublishEventsResponse]:
+    def PublishEvents(self, request_iterator, context) -> AsyncIterator[pb.PublishEventsResponse]:
+        """The stream's answers (the error interceptor iterates them): traced while tracing is on."""
+        if not tracing.ON:
+            return self._publish(request_iterator, context, None)
+        return self._traced_publish(request_iterator, context)
+
+    async def _traced_publish(self, request_iterator, context) -> AsyncIterator[pb.PublishEventsResponse]:
+        trace = PublishTrace(tracing.extract(context.invocation_metadata()))
+        try:
+            async for answer in self._publish(request_iterator, context, trace):
+                yield answer
+        except BaseException as exc:
+            trace.end(code_of(exc), exc)
+            raise
+        trace.end()
+
+    async def _publish(self, request_iterator, context,
+                       trace: PublishTrace | None) -> AsyncIterator[pb.PublishEventsResponse]:
         # NOTE: a stream is a coroutine, not a thread, so the bound is about Redis and memory,
         # not about starving unary calls.
         if self._publishers >= self.max_publishers:
@@ -90,10 +113,21 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
             # NOTE: one message at a time: the next is read once this one is applied and answered, so a
             # worker's batches apply in its stream's order wherever they are applied.
             async for req in request_iterator:
-                result = await run_on(self._ingest, self._apply(req))
+                result = await self._applied(req, trace)
                 yield pb.PublishEventsResponse(seq=req.seq, action=int(result.action), reason=result.reason)
         finally:
             self._publishers -= 1
+
+    async def _applied(self, req: pb.PublishEventsRequest, trace: PublishTrace | None) -> PublishResult:
+        """``req`` applied where batches are (run_on); a ``kv.batch`` event of the stream's span while traced."""
+        if trace is None:
+            return await run_on(self._ingest, self._apply(req))
+        trace.received(req.worker_id)
+        t0 = time.perf_counter()
+        result = await run_on(self._ingest, self._apply(req))
+        events = len(req.snapshot_hashes) if req.snapshot else len(req.events)
+        trace.applied(req.seq, events, result.action.name.lower(), req.snapshot, time.perf_counter() - t0)
+        return result
 
     async def _apply(self, req: pb.PublishEventsRequest) -> PublishResult:
         """One PublishEvents message converted, checked and applied (on the ingest loop when apart)."""
@@ -105,11 +139,7 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
                                            load, list(req.snapshot_host_hashes))
         if req.snapshot_hashes or req.snapshot_host_hashes:
             raise InvalidArgument("snapshot_hashes / snapshot_host_hashes given without snapshot=true")
-        # NOTE: an event batch belongs to no request: each is a trace of its own (while on).
-        with tracing.span("kv.apply_events", None, {"kvmesh.worker_id": req.worker_id,
-                                                    "kvmesh.seq": req.seq, "kvmesh.events": len(req.events)}
-                          if tracing.ON else None):
-            return await self.svc.publish(req.worker_id, req.epoch, req.seq, events_from_pb(req.events), load)
+        return await self.svc.publish(req.worker_id, req.epoch, req.seq, events_from_pb(req.events), load)
 
     async def _late(self, half_s: float, call: Coroutine[Any, Any, T]) -> T:
         """``call``, ``half_s`` late, answered ``half_s`` after it ran (an injected slow round trip).
@@ -134,9 +164,9 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         reserve = reservation_from_pb(request.reserve) if request.HasField("reserve") else None
         call = self.svc.lookup_reserve(request.model_id, request.block_hashes, reserve)
         if tracing.ON:
-            with tracing.span("kv.lookup", tracing.extract(context.invocation_metadata()),
-                              {"kvmesh.blocks": len(request.block_hashes), "kvmesh.reserve": reserve is not None},
-                              kind="server"):
+            with tracing.rpc_span("kv.lookup", tracing.extract(context.invocation_metadata()),
+                                  {**LOOKUP_RPC, "kvmesh.blocks": len(request.block_hashes),
+                                   "kvmesh.reserve": reserve is not None}, "server", code_of):
                 matches, reserved = await self._late(self._lookup_delay_s, call)
         else:
             matches, reserved = await self._late(self._lookup_delay_s, call)
@@ -146,8 +176,8 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
     async def Reserve(self, request, context):
         call = self._late(self._reserve_delay_s, self.svc.reserve(reservation_from_pb(request)))
         if tracing.ON:
-            with tracing.span("kv.reserve", tracing.extract(context.invocation_metadata()),
-                              {"kvmesh.worker_id": request.worker_id}, kind="server"):
+            with tracing.rpc_span("kv.reserve", tracing.extract(context.invocation_metadata()),
+                                  {**RESERVE_RPC, "kvmesh.worker_id": request.worker_id}, "server", code_of):
                 answer = await call
         else:
             answer = await call

@@ -40,8 +40,9 @@ class GenerateInput:
     """Stop strings (router/text/stop_strings.py); they need the model's tokenizer."""
     include_stop_str_in_output: bool = False
     trace: TraceContext | None = None
-    """The caller's trace context (kvmesh/transport/tracing.py ``extract``: a client's or a gateway's
-    ``traceparent`` and ``tracestate``); None = a trace of its own while tracing is on."""
+    """The caller's trace context (``traceparent`` and ``tracestate``) when the request path opens the
+    request's span itself; None = a trace of its own while tracing is on. The fronts (gRPC, HTTP) open the
+    span before they check the request, under the context they extract, and hand the span over instead."""
 
 
 @dataclass(slots=True, frozen=True)

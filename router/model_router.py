@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -171,7 +172,8 @@ class ModelRouter:
         decided = await self.pipeline.decide(ctx, only)
         return decided.plan, decided.decision
 
-    def generate(self, inp: GenerateInput, request_id: str | None = None) -> AsyncIterator[GenerateOutput]:
+    def generate(self, inp: GenerateInput, request_id: str | None = None,
+                 span: Any = None) -> AsyncIterator[GenerateOutput]:
         """Routes the request and streams the worker's tokens back.
 
         Before the first token a worker that is down, busy or too slow is replaced by the next pick (up to
@@ -182,13 +184,15 @@ class ModelRouter:
         Args:
             request_id: the id :meth:`request_id_for` made (a front end that wants it before the first
                 output, e.g. for trailers); None = made here.
+            span: the request's ``router.request`` span, opened by a front before it checked the request
+                (the front ends it); None = opened here while tracing is on.
 
         Raises:
             InvalidArgument: the request is bad (here or at the worker).
             Unavailable: no worker could take it, or the worker failed mid-stream.
             ResourceExhausted: every worker tried was at capacity, or the prompt is over a limit.
         """
-        return self.pipeline.generate(inp, request_id or request_id_for(inp))
+        return self.pipeline.generate(inp, request_id or request_id_for(inp), span)
 
     def fallbacks(self, plan: RoutePlan, decision: Decision, n: int) -> list[str]:
         """The workers a retry would try after ``decision``, in order, at most ``n``: the policy's next picks

@@ -25,6 +25,21 @@ class ReceivedSpan:
     start_ns: int
     end_ns: int
     attributes: dict
+    kind: str = "internal"
+    """server, client, internal, producer or consumer."""
+    status: str = "unset"
+    """ok, error or unset."""
+    status_message: str = ""
+    trace_state: str = ""
+    events: tuple[tuple[str, dict], ...] = ()
+    """(name, attributes) of each span event."""
+    links: tuple[tuple[str, str], ...] = ()
+    """(trace id, span id) of each span link."""
+
+
+KINDS = {0: "unspecified", 1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
+STATUSES = {0: "unset", 1: "ok", 2: "error"}
+"""OTLP's enums (opentelemetry/proto/trace/v1/trace.proto) by number."""
 
 
 class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -46,8 +61,12 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
             for ss in rs.scope_spans:
                 for s in ss.spans:
                     attrs = {a.key: _value(a.value) for a in s.attributes}
+                    events = tuple((e.name, {a.key: _value(a.value) for a in e.attributes}) for e in s.events)
+                    links = tuple((k.trace_id.hex(), k.span_id.hex()) for k in s.links)
                     got.append(ReceivedSpan(service, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.name,
-                                            s.start_time_unix_nano, s.end_time_unix_nano, attrs))
+                                            s.start_time_unix_nano, s.end_time_unix_nano, attrs, KINDS.get(s.kind, ""),
+                                            STATUSES.get(s.status.code, ""), s.status.message, s.trace_state, events,
+                                            links))
         with self._lock:
             self.spans += got
             self.exports += 1

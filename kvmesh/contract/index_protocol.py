@@ -218,9 +218,11 @@ def anchors_of(chain: Sequence[bytes]) -> tuple[bytes, ...]:
 class IndexUnavailable(Exception):
     """The prefix index (kv_service) could not answer a Lookup or Reserve; route without it."""
 
-    def __init__(self, message: str, cause: str = "lookup_failed") -> None:
+    def __init__(self, message: str, cause: str = "lookup_failed", code: int | None = None) -> None:
         super().__init__(message)
         self.cause = cause
         """lookup_failed (the index is down or too slow: the router's breaker opens), lookup_invalid
         (it refused this Lookup as malformed: this request routes without it, the index stays in
         use), reserve_failed, or index_down (skipped: a recent call failed)."""
+        self.code = code
+        """The failed call's gRPC status code number (its span's ``rpc.grpc.status_code``); None: no call."""

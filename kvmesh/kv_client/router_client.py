@@ -88,7 +88,8 @@ class KVServiceClient:
             # NOTE: INVALID_ARGUMENT is about this Lookup, not the index being down: the breaker
             # must not open for every client because of one request (router/core/routing.py).
             cause = "lookup_invalid" if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else "lookup_failed"
-            raise IndexUnavailable(f"kv_service at {self.target}: {exc.code().name}: {exc.details()}", cause) from None
+            raise IndexUnavailable(f"kv_service at {self.target}: {exc.code().name}: {exc.details()}", cause,
+                                   exc.code().value[0]) from None
         return [self._match(m) for m in answer.workers], answer.reserved
 
     async def reserve(self, reservation: Reservation) -> ReservationAnswer:
@@ -97,7 +98,7 @@ class KVServiceClient:
                                               metadata=tracing.grpc_metadata(self._md))
         except grpc.aio.AioRpcError as exc:
             raise IndexUnavailable(f"kv_service at {self.target}: Reserve: {exc.code().name}: {exc.details()}",
-                                   "reserve_failed") from None
+                                   "reserve_failed", exc.code().value[0]) from None
         return reservation_answer_from_pb(answer)
 
     async def report_audit(self, router_id: str, audits: dict[str, WorkerAudit]) -> None:

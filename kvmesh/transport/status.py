@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -31,6 +32,17 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         if code is not None:
             return code, cap_message(str(exc))
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
+
+
+def code_of(exc: BaseException) -> int:
+    """The status code number a call ends with when its servicer raised ``exc`` (a span's
+    ``rpc.grpc.status_code``): the mapped code; CANCELLED for a call the caller gave up on; UNKNOWN for
+    one the servicer aborted itself (``context.abort``: its code is on the context)."""
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return grpc.StatusCode.CANCELLED.value[0]
+    if isinstance(exc, grpc.aio.AbortError):
+        return grpc.StatusCode.UNKNOWN.value[0]
+    return status_for(exc)[0].value[0]
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:

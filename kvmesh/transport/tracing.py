@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from kvmesh.contract.types import TraceContext
@@ -159,14 +159,101 @@ def span(name: str, parent: Any = None, attributes: Mapping[str, Any] | None = N
 
 
 def start(name: str, parent: Any = None, attributes: Mapping[str, Any] | None = None,
-          kind: str = "internal", start_ns: int | None = None) -> Any:
-    """A span that is ended by hand (``.end()``); not made current. None while off."""
+          kind: str = "internal", start_ns: int | None = None, links: Sequence[Any] = ()) -> Any:
+    """A span that is ended by hand (``.end()``); not made current. None while off. ``links``: spans
+    this one follows from (a span link each, not a parent)."""
     if not ON:
         return None
-    from opentelemetry.trace import SpanKind
+    from opentelemetry.trace import Link, SpanKind
 
     return _tracer.start_span(name, context=_context(parent), attributes=attributes, kind=getattr(SpanKind, kind.upper()),
-                              start_time=start_ns)
+                              start_time=start_ns, links=[Link(s.get_span_context()) for s in links])
+
+
+@contextlib.contextmanager
+def rpc_span(name: str, parent: Any, attributes: Mapping[str, Any], kind: str,
+             code_of: Callable[[BaseException], int]) -> Iterator[Any]:
+    """:func:`span` for a gRPC call (server or client; ``attributes`` from :func:`rpc_attributes`): its
+    ``rpc.grpc.status_code`` is 0, or ``code_of(the exception)`` with ERROR status (:func:`end_rpc`)."""
+    if not ON:
+        yield None
+        return
+    from opentelemetry.trace import SpanKind
+
+    with _tracer.start_as_current_span(name, context=_context(parent), attributes=attributes,
+                                       kind=getattr(SpanKind, kind.upper()), record_exception=False,
+                                       set_status_on_exception=False) as s:
+        try:
+            yield s
+        except BaseException as exc:
+            end_rpc(s, code_of(exc), exc, end=False)
+            raise
+        s.set_attribute(RPC_STATUS, GRPC_OK)
+
+
+# -- conventions (OpenTelemetry's semantic conventions for RPC and HTTP spans) ---------------------
+RPC_STATUS = "rpc.grpc.status_code"
+GRPC_OK = 0
+GRPC_CANCELLED = 1
+"""The caller went away: the call ended, it did not fail (no ERROR status)."""
+
+
+def rpc_attributes(service: str, method: str, address: str | None = None) -> dict[str, Any]:
+    """A gRPC span's attributes: ``rpc.system``, ``rpc.service`` (the full name, ``kvmesh.v1.Router``),
+    ``rpc.method``; a client span's ``server.address`` and ``server.port`` from ``address`` (host:port)."""
+    attrs: dict[str, Any] = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
+    if address:
+        attrs.update(server_attributes(address))
+    return attrs
+
+
+def server_attributes(address: str) -> dict[str, Any]:
+    """``server.address`` and ``server.port`` of ``host:port``, ``[v6]:port`` or a URL."""
+    hostport = address.split("://", 1)[-1].split("/", 1)[0]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit() or (host.startswith("[") != host.endswith("]")):
+        return {"server.address": hostport}
+    return {"server.address": host.strip("[]"), "server.port": int(port)}
+
+
+def http_attributes(method: str, path: str, route: str | None = None, scheme: str = "http") -> dict[str, Any]:
+    """An HTTP server span's request attributes (``http.response.status_code`` comes with the answer)."""
+    attrs: dict[str, Any] = {"http.request.method": method, "url.path": path, "url.scheme": scheme}
+    if route is not None:
+        attrs["http.route"] = route
+    return attrs
+
+
+def set_ok(span_: Any) -> None:
+    """OK status: the request (``router.request``) was answered."""
+    if span_ is not None:
+        from opentelemetry.trace import Status, StatusCode
+
+        span_.set_status(Status(StatusCode.OK))
+
+
+def set_error(span_: Any, exc: BaseException | None = None, message: str = "", error_type: str = "") -> None:
+    """ERROR status with the message; ``error.type`` (the exception's class, or ``error_type``) and
+    the exception as an event of the span."""
+    if span_ is None:
+        return
+    from opentelemetry.trace import Status, StatusCode
+
+    span_.set_attribute("error.type", error_type or (type(exc).__qualname__ if exc is not None else "_OTHER"))
+    if exc is not None:
+        span_.record_exception(exc)
+    span_.set_status(Status(StatusCode.ERROR, message or (f"{type(exc).__name__}: {exc}" if exc is not None else "")))
+
+
+def end_rpc(span_: Any, code: int, exc: BaseException | None = None, end: bool = True) -> None:
+    """A gRPC span's ``rpc.grpc.status_code``; ERROR status unless OK or CANCELLED; ended (``end``)."""
+    if span_ is None:
+        return
+    span_.set_attribute(RPC_STATUS, code)
+    if code not in (GRPC_OK, GRPC_CANCELLED):
+        set_error(span_, exc, error_type="" if exc is not None else str(code))
+    if end:
+        span_.end()
 
 
 @contextlib.contextmanager

@@ -31,10 +31,13 @@ from kvmesh.model_worker.serving.metrics import WorkerMetrics
 from kvmesh.transport import tracing
 from kvmesh.transport.loop import LoopThread
 from kvmesh.transport.server import AioServer
+from kvmesh.transport.status import code_of
 from kvmesh.v1 import worker_pb2 as pb
 from kvmesh.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvmesh.worker")
+
+GENERATE_RPC = tracing.rpc_attributes(pb.DESCRIPTOR.services_by_name["Worker"].full_name, "Generate")
 
 
 def check_disaggregation(engine: LLMEngine) -> None:
@@ -106,13 +109,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         span = timeline = None
         if tracing.ON:
             span = tracing.start("worker.generate", tracing.extract(context.invocation_metadata()),
-                                 {"kvmesh.request_id": rid, "kvmesh.worker_id": w.worker_id}, kind="server")
+                                 {**GENERATE_RPC, "kvmesh.request_id": rid, "kvmesh.worker_id": w.worker_id},
+                                 kind="server")
             timeline = RequestTimeline(span.start_time, len(prompt))
         try:
             stream = w.loop.submit_async(rid, prompt, params, request.cache_salt, timeline, leg)
-        except BaseException:
-            if span is not None:
-                span.end()
+        except BaseException as exc:
+            tracing.end_rpc(span, code_of(exc), exc)
             raise
         ended = "cancelled"  # the caller went away (or its deadline passed) unless set below
         first: int | None = None
@@ -144,8 +147,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     last.kv_transport, last.kv_blocks_pulled, last.kv_bytes_pulled, last.kv_pull_seconds = (
                         pulled.transport, pulled.blocks, pulled.bytes, pulled.seconds)
                     ended += f", KV {pulled.transport} ({pulled.blocks} blocks pulled, {pulled.skipped} held here)"
+                tracing.end_rpc(span, tracing.GRPC_OK, end=False)
                 yield last
                 return
+        except BaseException as exc:
+            tracing.end_rpc(span, code_of(exc), exc, end=False)
+            raise
         finally:
             # NOTE: one line per request at the default level, under the id the router logged.
             log.info("request %s: %s", rid, ended)

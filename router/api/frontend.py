@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import Any
 
 from kvmesh.contract.errors import ResourceExhausted
 from kvmesh.router.api.body_bounds import BodyBounds
@@ -72,16 +73,17 @@ class Frontend:
         """Raises NotFound / InvalidArgument (router/models.py)."""
         return self.models.resolve(name)
 
-    async def generate(self, model: ServedModel, inp: GenerateInput,
-                       request_id: str | None = None) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, model: ServedModel, inp: GenerateInput, request_id: str | None = None,
+                       span: Any = None) -> AsyncIterator[GenerateOutput]:
         """The model's request path under the stream limit; raises what ModelRouter.generate raises.
-        ``request_id``: the id ``model.router.request_id_for(inp)`` made (None: made on the way)."""
+        ``request_id``: the id ``model.router.request_id_for(inp)`` made (None: made on the way); ``span``:
+        the request's span, opened (and ended) by the adapter (None: the request path opens one)."""
         self.admit()
         outcome = "error"
         try:
             # NOTE: aclosing: an adapter that stops reading (client gone) closes this generator, and
             # the request path's finally blocks (in-flight share, worker call) run now, not at GC.
-            async with aclosing(model.router.generate(inp, request_id)) as outputs:
+            async with aclosing(model.router.generate(inp, request_id, span)) as outputs:
                 async for out in outputs:
                     if out.finish_reason is not None:
                         outcome = "ok"

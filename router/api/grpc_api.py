@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import json_format
@@ -19,6 +19,7 @@ from kvmesh.router.generate_types import ChatInput, GenerateInput
 from kvmesh.router.text.prompt import check_message_count
 from kvmesh.router.text.stop_strings import MAX_STOP_STRINGS
 from kvmesh.transport import tracing
+from kvmesh.transport.status import code_of
 from kvmesh.v1 import router_pb2 as pb
 from kvmesh.v1 import router_pb2_grpc as pb_grpc
 
@@ -28,6 +29,9 @@ T = TypeVar("T")
 
 MAX_TEMPLATE_KWARGS_BYTES = 64 * 1024
 """Serialized size of a chat request's chat_template_kwargs (the HTTP API bounds its JSON values)."""
+
+GENERATE_RPC = tracing.rpc_attributes(pb.DESCRIPTOR.services_by_name["Router"].full_name, "Generate")
+"""The attributes of a Generate call's ``router.request`` span (OpenTelemetry's RPC conventions)."""
 
 REQUEST_ID_KEY = "kvmesh-request-id"
 """Trailing metadata of every Generate call that got an id (success or error): the id the request
@@ -70,7 +74,6 @@ def input_from_pb(request: pb.GenerateRequest, context: grpc.aio.ServicerContext
         chat=chat,
         stop=list(request.stop),
         include_stop_str_in_output=request.include_stop_str_in_output,
-        trace=tracing.extract(context.invocation_metadata()) if tracing.ON else None,
     )
 
 
@@ -79,13 +82,34 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.frontend = frontend
         self.config = config
 
-    async def Generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    def Generate(self, request: pb.GenerateRequest,
+                 context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        """The call's stream (the error interceptor iterates it): traced while tracing is on."""
+        if not tracing.ON:
+            return self._generate(request, context, None)
+        return self._traced(request, context)
+
+    async def _traced(self, request: pb.GenerateRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        # NOTE: the request's span opens before anything is checked: a refused request has its trace too.
+        span = tracing.start("router.request", tracing.extract(context.invocation_metadata()), GENERATE_RPC,
+                             kind="server")
+        try:
+            async for msg in self._generate(request, context, span):
+                yield msg
+        except BaseException as exc:
+            tracing.end_rpc(span, code_of(exc), exc)
+            raise
+        tracing.set_ok(span)
+        tracing.end_rpc(span, tracing.GRPC_OK)
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                        span: Any) -> AsyncIterator[pb.GenerateResponse]:
         model = self.frontend.model(request.model)
         inp = input_from_pb(request, context, self.config)
         rid = model.router.request_id_for(inp)
         context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
-        async for out in self.frontend.generate(model, inp, rid):
+        async for out in self.frontend.generate(model, inp, rid, span):
             msg = pb.GenerateResponse(token_ids=out.token_ids, text=out.text, request_id=out.request_id)
             if out.finish_reason is not None:
                 msg.finish_reason = FINISH_TO_PB[out.finish_reason]

@@ -24,7 +24,6 @@ with a request (rendering a long conversation, tokenizing a long text) runs on t
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import socket
@@ -220,12 +219,26 @@ class OpenAIApi:
         then generate. Nothing reads the body before the token is checked. An answer given before the body
         was read whole says ``connection: close``: kvmesh/transport/http_guard.py then reads and drops the
         rest (a lingering close), so a client that sends its whole body first reads the answer."""
-        response = await self._answer(request, chat)
+        span = None
+        if tracing.ON:
+            # NOTE: the request's span opens before anything is checked: a refused request has its trace too.
+            path = request.scope["path"]
+            span = tracing.start("router.request", tracing.extract(request.headers),
+                                 tracing.http_attributes("POST", path, path, request.scope.get("scheme", "http")),
+                                 kind="server")
+        response = await self._answer(request, chat, span)
         if not request.scope.get(BODY_READ):
             response.headers["connection"] = "close"
+        if span is not None:
+            span.set_attribute("http.response.status_code", response.status_code)
+            if not isinstance(response, StreamingResponse):  # NOTE: a stream ends its span at its end
+                if response.status_code < 400:
+                    tracing.set_ok(span)
+                span.end()
         return response
 
-    async def _answer(self, request: Request, chat: bool) -> Response:
+    async def _answer(self, request: Request, chat: bool, span: Any) -> Response:
+        """The answer; a refusal's error is written on ``span`` (the request's span; None while tracing is off)."""
         try:
             self._authorize(request)
             length = request.headers.get("content-length")
@@ -234,36 +247,37 @@ class OpenAIApi:
                 raise BodyTooLarge(limit)
             content_type = request.headers.get("content-type")
             if content_type is not None and not _is_json(content_type):
-                return JSONResponse(http.error_body(415, (
-                    f"the request body must be JSON sent with 'Content-Type: application/json', got "
-                    f"{content_type[:60]!r} (curl -d needs -H 'Content-Type: application/json')"), param=None),
-                    status_code=415)
+                message = (f"the request body must be JSON sent with 'Content-Type: application/json', got "
+                           f"{content_type[:60]!r} (curl -d needs -H 'Content-Type: application/json')")
+                tracing.set_error(span, message=message, error_type="415")
+                return JSONResponse(http.error_body(415, message, param=None), status_code=415)
             try:
                 raw = await read_json_parts(body_parts(request.receive), self.bounds())
                 request.scope[BODY_READ] = True
                 body = (ChatCompletionRequest if chat else CompletionRequest).model_validate(raw)
             except pydantic.ValidationError as exc:
                 raise validation_error(exc) from None
-            return await self._generate(request, body, chat)
+            return await self._generate(request, body, chat, span)
         except BodyTooLarge as exc:
+            tracing.set_error(span, exc)
             return JSONResponse(http.error_body(413, str(exc)), status_code=413)
-        except ClientDisconnect:
+        except ClientDisconnect as exc:
+            tracing.set_error(span, exc)
             return Response(status_code=400)  # NOTE: nobody is listening: uvicorn drops it
         except (KVMeshError, ValueError) as exc:
+            tracing.set_error(span, exc)
             return error_response(exc, chat)
         except Exception as exc:  # noqa: BLE001 - a bug: a 500 with an error object, the traceback in the log
+            tracing.set_error(span, exc)
             return error_response(exc, chat)
 
     async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest,
-                        chat: bool) -> Response:
+                        chat: bool, span: Any) -> Response:
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         if len(rid) > MAX_REQUEST_ID_CHARS:
             raise InvalidArgument(f"the x-request-id header has {len(rid)} characters; at most {MAX_REQUEST_ID_CHARS}")
         model = self.frontend.model(body.model)
-        inp = body.to_input(rid)
-        if tracing.ON:
-            inp = dataclasses.replace(inp, trace=tracing.extract(request.headers))
-        outputs = self.frontend.generate(model, inp)
+        outputs = self.frontend.generate(model, body.to_input(rid), None, span)
         response_id = ("chatcmpl-" if chat else "cmpl-") + rid
         created = int(time.time())
         if not body.stream:
@@ -275,7 +289,7 @@ class OpenAIApi:
         except StopAsyncIteration:
             raise RuntimeError("the request path ended without output") from None
         return StreamingResponse(
-            self._stream(first, outputs, response_id, created, model.model_id, chat, body),
+            self._stream(first, outputs, response_id, created, model.model_id, chat, body, span),
             media_type="text/event-stream", headers={"cache-control": "no-cache", "x-request-id": rid})
 
     async def _whole(self, outputs: AsyncIterator[GenerateOutput], response_id: str, created: int, model: str,
@@ -299,7 +313,7 @@ class OpenAIApi:
 
     async def _stream(self, first: GenerateOutput, outputs: AsyncIterator[GenerateOutput], response_id: str,
                       created: int, model: str, chat: bool,
-                      body: ChatCompletionRequest | CompletionRequest) -> AsyncIterator[str]:
+                      body: ChatCompletionRequest | CompletionRequest, span: Any = None) -> AsyncIterator[str]:
         head = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": created, "model": model}
 
@@ -337,16 +351,22 @@ class OpenAIApi:
             if body.include_usage:
                 tail = _sse({**head, "choices": [], "usage": usage_json(last.usage)})
         except (KVMeshError, ValueError) as exc:
+            tracing.set_error(span, exc)
             status, message = http.status_for(exc)
             tail = _sse(http.error_body(status, message, param=public_param(http.param_of(exc), chat)))
         except Exception as exc:  # noqa: BLE001 - the stream is open: end it with an error event
+            tracing.set_error(span, exc)
             log.error("unhandled error in an HTTP stream", exc_info=exc)
             tail = _sse(http.error_body(500, f"internal error ({type(exc).__name__}); see the server log"))
+        else:
+            tracing.set_ok(span)
         finally:
             # NOTE: shielded: the client may be gone and this task cancelled; closing the request path
             # frees its in-flight share and cancels the worker call.
             with anyio.CancelScope(shield=True):
                 await outputs.aclose()  # type: ignore[attr-defined]
+            if span is not None:
+                span.end()
         yield held + tail + SSE_DONE
 
 

@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvmesh.contract.errors import KVMeshError
 from kvmesh.router.core.decide import Decided
@@ -89,12 +90,17 @@ class Pipeline:
         assert ctx.decided is not None
         return ctx.decided
 
-    async def generate(self, inp: GenerateInput, request_id: str) -> AsyncIterator[GenerateOutput]:
-        """Routes the request and streams the worker's tokens back (ModelRouter.generate's contract)."""
+    async def generate(self, inp: GenerateInput, request_id: str, span: Any = None) -> AsyncIterator[GenerateOutput]:
+        """Routes the request and streams the worker's tokens back (ModelRouter.generate's contract). ``span``:
+        the request's span, opened by the front that checked the request (it ends it, with its status);
+        None: one is opened here (while tracing is on), under ``inp.trace``, and ended with its status."""
         ctx = RequestContext(inp, request_id)
         # NOTE: the request's span is current only around awaits that do not yield (the decision): an async
         # generator's context may be closed from another task.
-        ctx.span = tracing.start("router.request", inp.trace, {"kvmesh.request_id": request_id}, kind="server")
+        own = span is None
+        ctx.span = tracing.start("router.request", inp.trace, kind="server") if own else span
+        if ctx.span is not None:
+            ctx.span.set_attribute("kvmesh.request_id", request_id)
         try:
             with tracing.current(ctx.span):
                 await self.decide(ctx)
@@ -108,10 +114,19 @@ class Pipeline:
                 yield out
         except KVMeshError as exc:
             log.info("request %s: %s: %s", request_id, type(exc).__name__, exc)
+            if own:
+                tracing.set_error(ctx.span, exc)
             raise
         except asyncio.CancelledError:
             log.info("request %s: cancelled (the client went away or its deadline passed)", request_id)
             raise
+        except Exception as exc:
+            if own:
+                tracing.set_error(ctx.span, exc)
+            raise
+        else:
+            if own:
+                tracing.set_ok(ctx.span)
         finally:
-            if ctx.span is not None:
+            if own and ctx.span is not None:
                 ctx.span.end()

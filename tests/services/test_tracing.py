@@ -144,3 +144,76 @@ def test_the_kv_services_reserve_span_hangs_under_the_routers(monkeypatch):
     (router,), (kv,) = spans_named(spans, "router.reserve"), spans_named(spans, "kv.reserve")
     assert kv.parent is not None and kv.parent.span_id == router.context.span_id
     assert kv.context.trace_id == router.context.trace_id
+
+
+def test_a_refused_request_has_its_trace_and_the_spans_follow_the_conventions(traced):
+    """Issue 50 across the processes: refusals (an unknown model over gRPC and HTTP) are traces with an ERROR
+    ``router.request``; an answered request's spans have their kinds, the RPC attributes and status codes, and
+    the client's ``tracestate`` reaches the worker's span."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    import grpc
+
+    receiver, stack = traced
+    stub = router_pb2_grpc.RouterStub(dial(stack.endpoints["router"]))
+    refused_grpc, refused_http, answered = "e1" * 16, "e2" * 16, "e3" * 16
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(router_pb2.GenerateRequest(model="nope", text="hi"),
+                           metadata=(("traceparent", f"00-{refused_grpc}-{'01' * 8}-01"),), timeout=60))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    req = urllib.request.Request(f"{stack.endpoints['openai']}/completions",
+                                 data=json.dumps({"model": "nope", "prompt": "hi"}).encode(),
+                                 headers={"content-type": "application/json",
+                                          "traceparent": f"00-{refused_http}-{'02' * 8}-01"})
+    with pytest.raises(urllib.error.HTTPError) as http_info:
+        urllib.request.urlopen(req, timeout=60)
+    assert http_info.value.code == 404
+    ids = [(5 * k) % 200 + 3 for k in range(48)]
+    out = list(stub.Generate(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids),
+                                                        sampling=common_pb2.SamplingParams(max_tokens=4)),
+                             metadata=(("traceparent", f"00-{answered}-{'03' * 8}-01"),
+                                       ("tracestate", "vendor=x,other=y")), timeout=60))
+    assert out[-1].finish_reason
+
+    traces = complete(receiver, [answered])
+    deadline = time.monotonic() + 20
+    while not all(any(s.name == "router.request" for s in receiver.traces().get(t, []))
+                  for t in (refused_grpc, refused_http)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    all_traces = receiver.traces()
+    (grpc_root,) = [s for s in all_traces[refused_grpc] if s.name == "router.request"]
+    assert (grpc_root.status, grpc_root.kind, grpc_root.attributes["rpc.grpc.status_code"]) == ("error", "server", 5)
+    assert grpc_root.attributes["error.type"] == "NotFound" and "nope" in grpc_root.status_message
+    (http_root,) = [s for s in all_traces[refused_http] if s.name == "router.request"]
+    assert (http_root.status, http_root.attributes["http.response.status_code"]) == ("error", 404)
+
+    by_name = {s.name: s for s in traces[answered]}
+    root = by_name["router.request"]
+    assert root.status == "ok" and root.attributes["rpc.service"] == "kvmesh.v1.Router"
+    expect = {"router.request": ("server", "kvmesh.v1.Router"), "router.lookup": ("client", "kvmesh.v1.KVService"),
+              "kv.lookup": ("server", "kvmesh.v1.KVService"), "router.forward": ("client", "kvmesh.v1.Worker"),
+              "worker.generate": ("server", "kvmesh.v1.Worker")}
+    for name, (kind, service) in expect.items():
+        s = by_name[name]
+        assert (s.kind, s.attributes["rpc.system"], s.attributes["rpc.service"], s.attributes["rpc.grpc.status_code"]) \
+            == (kind, "grpc", service, 0), name
+    assert by_name["router.forward"].attributes["server.port"] == int(stack.endpoints["worker-0"].rsplit(":", 1)[1])
+    assert by_name["router.lookup"].attributes["server.port"] == int(stack.endpoints["kv_service"].rsplit(":", 1)[1])
+    assert all(s.kind == "internal" for s in traces[answered] if s.name in ("router.tokenize", "router.hash",
+                                                                           "router.pick", "worker.prefill"))
+    assert by_name["worker.generate"].trace_state == "vendor=x,other=y"  # with the traceparent, to the worker
+
+
+def test_event_batches_are_no_traces_of_their_own(traced):
+    """A worker's event batches (PublishEvents) are windows of one span per stream with an event per batch,
+    not a root trace per batch (issue 50): every root the kv_service exports is such a window."""
+    receiver, _ = traced
+    deadline = time.monotonic() + 30  # a window ends after 10 s of publishing (or 128 batches)
+    while not any(s.name == "kv.publish_events" for s in receiver.spans) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    kv_roots = [s for s in receiver.spans if s.service == "kvmesh-kv-service" and not s.parent_id]
+    assert kv_roots and {s.name for s in kv_roots} == {"kv.publish_events"}
+    batches = [e for s in kv_roots for e in s.events if e[0] == "kv.batch"]
+    assert len(batches) >= len(kv_roots) and all(s.kind == "server" for s in kv_roots)

@@ -41,8 +41,8 @@ class _Frontend(Frontend):
             raise NotFound(f"model {name!r} is not served")
         return _Model(name or "m")
 
-    async def generate(self, model: Any, inp: GenerateInput, request_id: str | None = None
-                       ) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, model: Any, inp: GenerateInput, request_id: str | None = None,
+                       span: Any = None) -> AsyncIterator[GenerateOutput]:
         self.admit()
         try:
             if model.model_id == "boom":
