@@ -27,7 +27,7 @@ class _Pool(FakePool):
     """Keeps the requests as the workers get them."""
 
     def generate(self, endpoint, request, timeout_s):  # type: ignore[no-untyped-def]
-        self.requests = [*getattr(self, "requests", []), request]
+        self.sent = [*getattr(self, "sent", []), request]
         return super().generate(endpoint, request, timeout_s)
 
 
@@ -45,7 +45,7 @@ def run(scripts: dict[str, list], index: FakeIndex) -> tuple[list, _Pool]:
 def test_tracestate_travels_with_traceparent_to_the_worker(monkeypatch):
     spans = tracing_in_memory(monkeypatch)
     pool = run({"w1": ok("w1")}, FakeIndex({"w1": 8}))[1]
-    (request,) = pool.requests
+    (request,) = pool.sent
     forward = spans_named(spans, "router.forward")[-1]
     assert request.trace == TraceContext(f"00-{TRACE_ID}-{forward.context.span_id:016x}-01", "vendor=x,other=y")
 
