@@ -202,6 +202,8 @@ class GatewayRequest:
         router = served.router
         inp = body.to_input(rid)
         rid = router.request_id_for(inp)
+        if self._span is not None:
+            self._span.set_attribute("kvmesh.request_id", rid)  # the id the worker and the logs know it by
         only = self._only()
         with tracing.current(self._span):
             plan, decision = await router.decide(inp, rid, only)
@@ -237,6 +239,7 @@ class GatewayRequest:
     def _pick(self, endpoints: list[str], headers: dict[str, str]) -> Pick:
         self.picked = Pick(endpoints, headers)
         self._outcome = "ok"
+        tracing.set_ok(self._span)
         return self.picked
 
     def _refuse(self, exc: BaseException) -> Refusal:
@@ -245,6 +248,7 @@ class GatewayRequest:
         log.info("request %s: refused with %d: %s", self.headers.get("x-request-id", "-"), refusal.status, exc)
         if self._span is not None:
             self._span.set_attribute("http.response.status_code", refusal.status)
+            tracing.set_error(self._span, exc)
         return refusal
 
     # -- the response path ---------------------------------------------------------------------------

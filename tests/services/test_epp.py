@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 
@@ -24,6 +25,7 @@ from kvmesh.router.generate_types import GenerateInput
 from kvmesh.transport.channels import dial
 from kvmesh.transport.loop import LoopThread
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.support.tracing import spans_named, tracing_in_memory
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -406,3 +408,21 @@ def test_a_large_full_duplex_body_comes_back_in_pieces_a_default_grpc_client_rea
     assert len(answer.pieces) == -(-len(raw) // ECHO_PIECE_BYTES)
     assert all(size <= ECHO_PIECE_BYTES for size, _ in answer.pieces)
     assert [end for _, end in answer.pieces] == [False] * (len(answer.pieces) - 1) + [True]
+
+
+def test_the_pickers_span_names_the_request_and_a_refusal_is_an_error(kv_server, start_worker, start_epp, monkeypatch):
+    """``epp.request`` carries the request id the picker gives the request (the gateway's x-request-id
+    with its suffix, the id the worker and the logs know); a pick leaves it OK, a 4xx or 5xx answer ERROR."""
+    from opentelemetry.trace import StatusCode
+
+    spans = tracing_in_memory(monkeypatch)
+    start_worker("w0", f"127.0.0.1:{kv_server.port}")
+    epp = start_epp(f"127.0.0.1:{kv_server.port}")
+    assert pick(epp.port, COMPLETIONS, ids_body([1, 2, 3]), headers={"x-request-id": "req-50"}).status is None
+    refused = pick(epp.port, COMPLETIONS, {"model": "no-such-model", "prompt": [1, 2, 3]})
+    assert refused.status == 404
+    assert settled(lambda: len(spans_named(spans, "epp.request")) == 2)
+    picked, failed = sorted(spans_named(spans, "epp.request"), key=lambda s: s.start_time)
+    assert re.fullmatch(r"req-50-[0-9a-f]{12}", picked.attributes["kvmesh.request_id"])
+    assert picked.status.status_code == StatusCode.OK
+    assert failed.status.status_code == StatusCode.ERROR and failed.attributes["http.response.status_code"] == 404
