@@ -28,6 +28,7 @@ from kvmesh.kv_service.index import BlockIndex, PublishResult
 from kvmesh.kv_service.metrics import KVMetrics
 from kvmesh.kv_service.publish_trace import PublishTrace
 from kvmesh.kv_service.service import KVService, now_ms
+from kvmesh.kv_service.worker_watch import WorkerWatch
 from kvmesh.transport import tracing
 from kvmesh.transport.loop import LoopServer, LoopThread
 from kvmesh.transport.server import AioServer
@@ -38,6 +39,11 @@ from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 log = logging.getLogger("kvmesh.kv_service")
 
 T = TypeVar("T")
+
+STREAM_BACK_S = 0.3
+"""How long after its event stream ended a worker may open the next before it counts as gone."""
+
+LEAVE_REASON_OF = {pb.LEAVE_REASON_DRAINING: "draining", pb.LEAVE_REASON_UNREACHABLE: "unreachable"}
 
 LOOKUP_RPC = tracing.rpc_attributes(pb.DESCRIPTOR.services_by_name["KVService"].full_name, "Lookup")
 RESERVE_RPC = tracing.rpc_attributes(pb.DESCRIPTOR.services_by_name["KVService"].full_name, "Reserve")
@@ -71,11 +77,17 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         self._lookup_delay_s = faults.lookup_delay_ms / 2000
         self._reserve_delay_s = faults.reserve_delay_ms / 2000
         self._landing: set[asyncio.Future] = set()
+        self.watch = WorkerWatch(lambda: service.index.workers(now_ms()), service.config.watch_interval_ms / 1000)
+        self.stopping = False
+        """The replica stops: its streams that end say nothing of their workers."""
+        self._streams: dict[str, int] = {}
+        """worker id -> its open event streams on this replica."""
 
     async def RegisterWorker(self, request, context):
         check_length("extra_keys", request.extra_keys, MAX_EXTRA_KEYS_CHARS)
         reg = registration_from_pb(request)
         ttl = await self.svc.register(reg)
+        self.watch.poke()
         log.info("registered worker %s (%s, model %s, epoch %d)", reg.worker_id, reg.address, reg.model_id, reg.epoch)
         return pb.RegisterWorkerResponse(lease_ttl_ms=ttl, next_seq=1)
 
@@ -109,14 +121,48 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
                 f"this kv_service replica already serves {self.max_publishers} publishing workers: "
                 "start it with a larger --max-publishers or point workers at another replica")
         self._publishers += 1
+        sender: tuple[str, int] | None = None
+        ended = False
         try:
             # NOTE: one message at a time: the next is read once this one is applied and answered, so a
             # worker's batches apply in its stream's order wherever they are applied.
             async for req in request_iterator:
+                if sender is None:
+                    sender = (req.worker_id, req.epoch)
+                    self._streams[req.worker_id] = self._streams.get(req.worker_id, 0) + 1
                 result = await self._applied(req, trace)
                 yield pb.PublishEventsResponse(seq=req.seq, action=int(result.action), reason=result.reason)
+            ended = True
         finally:
             self._publishers -= 1
+            if sender is not None:
+                self._streams[sender[0]] -= 1
+                if ended and not self.stopping:
+                    self._gone_unless_back(*sender)
+
+    def _gone_unless_back(self, worker_id: str, epoch: int) -> None:
+        """A worker's event stream ended. One that stops says so first (LeaveWorker, at its drain), one that
+        restarts its stream opens the next at once; a stream that ends with no next one is a worker whose
+        process is gone (SIGKILL, a crash, its node): it leaves the live set now, not at lease expiry.
+
+        NOTE: grpc.aio tells a stream cut with its connection from one the client closed in no way: both
+        end its request iterator. A worker that lives on after all registers again at its next heartbeat."""
+        async def leave() -> None:
+            await asyncio.sleep(STREAM_BACK_S)
+            if self._streams.get(worker_id, 0) > 0 or self.stopping:
+                return
+            self._streams.pop(worker_id, None)
+            try:
+                if await self.svc.leave(worker_id, epoch, "unreachable", "kv_service: its event stream ended"):
+                    log.warning("worker %s (epoch %d): its event stream ended and no other came; out of the live "
+                                "set", worker_id, epoch)
+                    self.watch.poke()
+            except Exception as exc:  # noqa: BLE001 - its lease still ends on its own
+                log.info("worker %s: leave after its stream ended failed: %s", worker_id, exc)
+
+        task = asyncio.ensure_future(leave())
+        self._landing.add(task)
+        task.add_done_callback(self._landing.discard)
 
     async def _applied(self, req: pb.PublishEventsRequest, trace: PublishTrace | None) -> PublishResult:
         """``req`` applied where batches are (run_on); a ``kv.batch`` event of the stream's span while traced."""
@@ -222,6 +268,22 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
         return pb.GetBlockResponse(block_hash=request.block_hash, holders=holders, refcount=len(holders),
                                    host_holders=host)
 
+    async def LeaveWorker(self, request, context):
+        reason = LEAVE_REASON_OF.get(request.reason)
+        if reason is None:
+            raise InvalidArgument("reason must be LEAVE_REASON_DRAINING or LEAVE_REASON_UNREACHABLE")
+        left = await self.svc.leave(request.worker_id, request.epoch, reason, request.reporter)
+        if left:
+            self.watch.poke()
+            log.info("worker %s left the live set (%s, said by %s)", request.worker_id, reason,
+                     request.reporter or "someone")
+        return pb.LeaveWorkerResponse(left=left)
+
+    async def WatchWorkers(self, request, context):
+        async for infos in self.watch.watch():
+            now = now_ms()
+            yield pb.ListWorkersResponse(workers=[worker_info_to_pb(info, now) for info in infos])
+
     async def FlushWorker(self, request, context):
         removed = await self.svc.flush(request.worker_id)
         log.info("flushed worker %s from the index (%d blocks); it is asked to resync", request.worker_id, removed)
@@ -254,8 +316,8 @@ class KVServiceServer(LoopServer):
 
     async def _build(self, host: str, port: int, max_publishers: int, faults: FaultConfig | None) -> AioServer:
         server = AioServer(host, port)
-        pb_grpc.add_KVServiceServicer_to_server(KVServiceServicer(self.service, max_publishers, faults, self.ingest),
-                                                server.server)
+        self.servicer = KVServiceServicer(self.service, max_publishers, faults, self.ingest)
+        pb_grpc.add_KVServiceServicer_to_server(self.servicer, server.server)
         server.add_service(pb.DESCRIPTOR.services_by_name["KVService"].full_name)
         return server
 
@@ -290,6 +352,8 @@ class KVServiceServer(LoopServer):
         return self
 
     async def _stop(self, grace: float) -> None:
+        self.servicer.stopping = True
+        await self.servicer.watch.close()
         if self._reaper is not None:
             self._reaper.cancel()
         await self.grpc.stop(grace)

@@ -42,6 +42,13 @@ class RoutingConfig:
     Lookup) is picked again; the last is unconditional."""
     max_attempts: int = 3
     """Workers tried before the first token (1 = no retry)."""
+    migration_limit: int = 3
+    """Times one stream is continued on another worker after its worker failed mid-stream (it died, or its drain
+    outlasted its grace), from the prompt plus the tokens already sent; 0 = a failure mid-stream ends the stream
+    (Dynamo's --migration-limit, whose default is 0)."""
+    migration_max_seq_len: int = 0
+    """Prompt plus completion tokens past which a stream's tokens are no longer kept for a migration (its cut then
+    ends it); 0 = no bound but the model's."""
     first_token_timeout_s: float = flag(60.0, name="first-token-timeout")
     """Seconds without a token after which a worker is abandoned and the request retried elsewhere; 0 = off."""
     request_timeout_s: float = flag(600.0, name="request-timeout")
@@ -57,6 +64,8 @@ class RoutingConfig:
         """Raises ValueError with the flag to fix."""
         if self.lookup_timeout_ms <= 0 or self.request_timeout_s <= 0:
             raise ValueError("--lookup-timeout-ms and --request-timeout must be > 0")
+        if self.migration_limit < 0 or self.migration_max_seq_len < 0:
+            raise ValueError("--migration-limit and --migration-max-seq-len must be >= 0")
         if self.max_attempts < 1 or self.reservation_attempts < 1:
             raise ValueError(f"--max-attempts and --reservation-attempts must be >= 1, got {self.max_attempts}, "
                              f"{self.reservation_attempts}")

@@ -30,6 +30,8 @@ class RouterMetrics:
                                  registry=r)
         self.retries = Counter("kvmesh_router_retries_total", "Retries on another worker before the first token",
                                ["failure"], registry=r)
+        self.migrations = Counter("kvmesh_router_migrations_total", "Streams continued on another worker after theirs "
+                                  "failed mid-stream (--migration-limit)", registry=r)
         self.reservations = Counter("kvmesh_router_reservations_total",
                               "Picks reserved in the kv_service (the shared router view), by outcome: folded (the "
                               "Lookup's own reservation was the pick: no Reserve), reserved, conflict (another router reserved the worker first: picked again), failed (the "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -112,6 +112,25 @@ class KVServiceClient:
         resp = await self._stub.ListWorkers(kv_pb.ListWorkersRequest(), timeout=self.rpc_timeout_s, metadata=self._md)
         now = now_ms()
         return [worker_info_from_pb(w, now) for w in resp.workers]
+
+    async def watch_workers(self) -> AsyncIterator[list[WorkerInfo]]:
+        """Push discovery: the live workers now, then at every change (WatchWorkers); raises
+        grpc.aio.AioRpcError when the stream breaks."""
+        call = self._stub.WatchWorkers(kv_pb.WatchWorkersRequest(), metadata=self._md)
+        try:
+            async for resp in call:
+                now = now_ms()
+                yield [worker_info_from_pb(w, now) for w in resp.workers]
+        finally:
+            call.cancel()
+
+    async def leave_worker(self, worker_id: str, epoch: int, reporter: str) -> bool:
+        """Says ``worker_id`` is unreachable: it leaves every front's live set (LeaveWorker); raises
+        grpc.aio.AioRpcError."""
+        resp = await self._stub.LeaveWorker(kv_pb.LeaveWorkerRequest(
+            worker_id=worker_id, epoch=epoch, reason=kv_pb.LEAVE_REASON_UNREACHABLE, reporter=reporter),
+            timeout=self.rpc_timeout_s, metadata=self._md)
+        return resp.left
 
     async def close(self) -> None:
         await self._channel.close()

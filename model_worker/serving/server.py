@@ -262,6 +262,11 @@ class WorkerServer:
             if not self._aio.running:
                 return
             self.draining = True
+            if self.publisher is not None:
+                # NOTE: out of every router's and picker's live set first (a push, not at lease expiry),
+                # then what is in flight finishes; past the grace its streams end UNAVAILABLE and the
+                # routers migrate them (docs/router.md, "Workers that leave").
+                self.publisher.leave()
             self._aio.run(self.grpc.stop(grace))
             self._aio.run(self.kv.close())
             self._aio.stop()

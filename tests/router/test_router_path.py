@@ -88,18 +88,63 @@ def test_invalid_argument_from_worker_is_not_retried():
     assert pool.calls == ["w1"]
 
 
-def test_failure_after_first_token_ends_stream_with_unavailable():
+def test_failure_after_first_token_ends_stream_with_unavailable_without_migration():
     router, pool = make({"w1": [WorkerChunk([7]), err(Failure.UNAVAILABLE)], "w2": ok("w2")},
-                        FakeIndex({"w1": 8}))
+                        FakeIndex({"w1": 8}), migration_limit=0)
     got = []
 
     async def read() -> None:
         async for o in router.generate(GenerateInput(None, PROMPT, SamplingParams())):
             got.append(o.token_ids)
 
-    with pytest.raises(Unavailable, match=r"^the worker serving the request failed mid-stream \(unavailable\)"):
+    with pytest.raises(Unavailable, match=r"^the worker serving the request failed mid-stream \(unavailable\) and "
+                                          r"it was migrated 0 time\(s\) already \(--migration-limit 0\)"):
         asyncio.run(read())
     assert (got, pool.calls, router.inflight.view("w1")) == ([[7]], ["w1"], (0, 0))
+
+
+def test_a_stream_cut_mid_way_continues_on_another_worker_from_the_tokens_sent():
+    """The continuation's prompt is the client's prompt plus exactly the tokens sent, for exactly the tokens
+    still owed, under a new id; the client sees one stream whose usage is its prompt and whole completion."""
+    w2 = [WorkerChunk([9]), WorkerChunk([10], "length", Usage(34, 20, 2), "w2")]
+    router, pool = make({"w1": [WorkerChunk([7]), WorkerChunk([8]), err(Failure.UNAVAILABLE)], "w2": w2},
+                        FakeIndex({"w1": 8}))
+    outs = asyncio.run(collect(router.generate(GenerateInput(None, PROMPT, SamplingParams(max_tokens=4)))))
+    assert [o.token_ids for o in outs] == [[7], [8], [9], [10]]
+    assert pool.calls == ["w1", "w2"]
+    first, second = pool.requests
+    assert list(second.prompt_token_ids) == PROMPT + [7, 8] and second.sampling.max_tokens == 2
+    assert second.request_id == first.request_id + ".m1"
+    assert outs[-1].usage == Usage(32, 20, 4) and outs[-1].finish_reason == "length"
+    assert "w1" in pool.unhealthy
+    assert router.metrics.migrations._value.get() == 1
+    assert router.inflight.view("w1") == (0, 0) and router.inflight.view("w2") == (0, 0)
+
+
+def test_migrations_stop_at_the_limit_and_count_from_the_first_prompt():
+    """Two cuts with --migration-limit 1: the second ends the stream; the second continuation would have
+    counted its tokens from the client's prompt, not the first continuation's."""
+    cut = err(Failure.UNAVAILABLE)
+    router, pool = make({"w1": [WorkerChunk([7]), cut], "w2": [WorkerChunk([8]), cut], "w3": ok("w3")},
+                        FakeIndex({"w1": 8, "w2": 4}), migration_limit=1)
+    with pytest.raises(Unavailable, match=r"migrated 1 time\(s\) already"):
+        asyncio.run(collect(router.generate(GenerateInput(None, PROMPT, SamplingParams(max_tokens=5)))))
+    assert len(pool.requests) == 2 and pool.requests[1].sampling.max_tokens == 4
+    router, pool = make({"w1": [WorkerChunk([7]), cut], "w2": [WorkerChunk([8]), cut], "w3": ok("w3")},
+                        FakeIndex({"w1": 8, "w2": 4}), migration_limit=2)
+    outs = asyncio.run(collect(router.generate(GenerateInput(None, PROMPT, SamplingParams(max_tokens=5)))))
+    assert [o.token_ids for o in outs] == [[7], [8], [7], [8]]
+    third = pool.requests[2]
+    assert list(third.prompt_token_ids) == PROMPT + [7, 8] and third.sampling.max_tokens == 3
+    assert third.request_id.endswith(".m2")
+
+
+def test_a_stream_longer_than_the_migration_length_is_not_migrated():
+    router, pool = make({"w1": [WorkerChunk([7]), WorkerChunk([8]), err(Failure.UNAVAILABLE)], "w2": ok("w2")},
+                        FakeIndex({"w1": 8}), migration_max_seq_len=len(PROMPT) + 1)
+    with pytest.raises(Unavailable, match="longer than --migration-max-seq-len"):
+        asyncio.run(collect(router.generate(GenerateInput(None, PROMPT, SamplingParams(max_tokens=4)))))
+    assert pool.calls == ["w1"]
 
 
 def test_every_worker_busy_is_resource_exhausted_and_down_is_unavailable():

@@ -38,6 +38,7 @@ class FakePool:
         self.calls: list[str] = []
         self.request_ids: list[str] = []
         self.unhealthy: set[str] = set()
+        self.requests: list[WorkerRequest] = []
 
     def endpoints(self) -> list[WorkerEndpoint]:
         return [WorkerEndpoint(w, f"{w}:1") for w in self.scripts]
@@ -54,6 +55,7 @@ class FakePool:
     def generate(self, endpoint: WorkerEndpoint, request: WorkerRequest, timeout_s: float) -> FakeCall:
         self.calls.append(endpoint.worker_id)
         self.request_ids.append(request.request_id)
+        self.requests.append(request)
         self.last_call = FakeCall(self.scripts[endpoint.worker_id])
         return self.last_call
 
