@@ -144,6 +144,8 @@ class GatewayRequest:
         self._streamed = False
         self._status = 0
         self._span: Any = None
+        self._pool: Any = None
+        """The picked model's worker pool (a pick the gateway could not reach is marked down there)."""
 
     # -- the request ------------------------------------------------------------------------------
     def on_headers(self, headers: Mapping[str, str], subset: Sequence[str] | None, end_of_stream: bool
@@ -211,6 +213,7 @@ class GatewayRequest:
         self._endpoints = {endpoint_of(e.address, target): w for w, e in plan.endpoints.items()}
         workers = [decision.worker_id, *router.fallbacks(plan, decision, self.epp.fallbacks)]
         self.handoff = router.hand_off(plan, decision, rid)
+        self._pool = served.pool
         headers: dict[str, str] = {}
         if self._span is not None:
             self._span.set_attribute("kvmesh.worker_id", decision.worker_id)
@@ -263,8 +266,13 @@ class GatewayRequest:
         """The endpoint that served (the gateway's ``x-gateway-destination-endpoint-served``)."""
         if self.handoff is not None:
             worker = self._endpoints.get(endpoint.split(",", 1)[0].strip())
+            picked = self.handoff.worker_id
             if worker is not None:
                 self.handoff.served_by(worker)
+            if worker is not None and worker != picked and self._pool is not None:
+                # NOTE: the gateway went down the fallbacks: the pick did not answer it. Marked down here
+                # and reported, so every front drops it (router/workers/down_reports.py).
+                self._pool.mark_unhealthy(picked)
 
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> None:
         """A piece of the response: the first is the first token (as far as the gateway tells); the end

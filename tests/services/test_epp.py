@@ -294,6 +294,33 @@ def test_the_response_path_moves_the_share_and_feeds_the_miss_audit(kv_server, s
     assert list(audited) == [by_endpoint[second]] and audited[by_endpoint[second]].requests == 1
 
 
+def test_a_pick_the_gateway_fell_back_from_is_reported_down(kv_server, start_worker, start_epp):
+    """The gateway's served header names a fallback: the pick did not answer the gateway, so the picker
+    marks it down and reports it to the kv_service (every front drops it); a pick that served is not."""
+    workers = [start_worker(f"w{i}", f"127.0.0.1:{kv_server.port}") for i in range(2)]
+    epp = start_epp(f"127.0.0.1:{kv_server.port}", wait_workers=2, epp_kw={"fallbacks": 1})
+    by_endpoint = {endpoint_of(w.address): w.worker_id for w in workers}
+
+    async def scenario(serve_on_fallback: bool) -> str:
+        client = GatewayClient(f"127.0.0.1:{epp.port}")
+        async with client.exchange() as ex:
+            answer = await ex.request(COMPLETIONS, json.dumps(ids_body(list(range(10, 74)))).encode())
+            first, second = answer.endpoints
+            await ex.response(200, b"{}", served=second if serve_on_fallback else first)
+        await client.close()
+        return by_endpoint[first]
+
+    served_by_pick = run(scenario(False))
+    assert epp.pool.healthy(served_by_pick) and epp.down_reports.sent == 0
+    picked = run(scenario(True))
+    assert not epp.pool.healthy(picked)
+    deadline = time.monotonic() + 10
+    while kv_server.service.metrics.leaves.labels("unreachable")._value.get() < 1:
+        assert time.monotonic() < deadline, "the picker never reported the pick the gateway fell back from"
+        time.sleep(0.02)
+    assert epp.down_reports.sent == 1
+
+
 def test_a_thousand_concurrent_streams_are_all_answered(kv_server, start_worker, start_epp):
     for i in range(2):
         start_worker(f"w{i}", f"127.0.0.1:{kv_server.port}")
