@@ -120,7 +120,7 @@ class Bridge:
             if t.is_alive():
                 t.join(5.0)
         if self.publisher is not None:
-            self.publisher.stop()
+            self.publisher.leave()  # NOTE: out of every front's live set at once, not at lease expiry
             self.publisher = None
         self.stream.close()
 
@@ -302,9 +302,9 @@ class Bridge:
             return
         self._up = False
         self.metrics.engine_up.set(0)
-        log.warning("the engine at %s is down: its lease will lapse; waiting for it", self.cfg.base_url)
+        log.warning("the engine at %s is down: it leaves the live set; waiting for it", self.cfg.base_url)
         if self.publisher is not None:
-            self.publisher.stop()
+            self.publisher.leave()
             self.publisher = None
         if self.mirror is not None:
             self.mirror.clear()
