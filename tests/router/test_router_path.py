@@ -218,3 +218,4 @@ def test_worker_silent_past_first_token_timeout_is_retried_elsewhere():
     assert pool.calls == ["w1", "w2"]
     assert router.metrics.retries.labels("timeout")._value.get() == 1
     assert router.inflight.view("w1") == (0, 0)
+    assert pool.unhealthy == set()  # NOTE: a slow reply is no reason to drop a worker (for anyone)
