@@ -127,7 +127,7 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
             # NOTE: one message at a time: the next is read once this one is applied and answered, so a
             # worker's batches apply in its stream's order wherever they are applied.
             async for req in request_iterator:
-                if sender is None:
+                if sender is None and req.stream_bound:
                     sender = (req.worker_id, req.epoch)
                     self._streams[req.worker_id] = self._streams.get(req.worker_id, 0) + 1
                 result = await self._applied(req, trace)
@@ -141,12 +141,14 @@ class KVServiceServicer(pb_grpc.KVServiceServicer):
                     self._gone_unless_back(*sender)
 
     def _gone_unless_back(self, worker_id: str, epoch: int) -> None:
-        """A worker's event stream ended. One that stops says so first (LeaveWorker, at its drain), one that
-        restarts its stream opens the next at once; a stream that ends with no next one is a worker whose
-        process is gone (SIGKILL, a crash, its node): it leaves the live set now, not at lease expiry.
+        """A worker's event stream that its liveness is bound to (``stream_bound``) ended. One that stops
+        says so first (LeaveWorker, at its drain), one that restarts its stream opens the next at once; a
+        stream that ends with no next one is a worker whose process is gone (SIGKILL, a crash, its node):
+        it leaves the live set now, not at lease expiry.
 
         NOTE: grpc.aio tells a stream cut with its connection from one the client closed in no way: both
-        end its request iterator. A worker that lives on after all registers again at its next heartbeat."""
+        end its request iterator. A worker that lives on after all registers again at its next heartbeat.
+        Streams that do not say they are bound (tools, tests, an older worker) never do this."""
         async def leave() -> None:
             await asyncio.sleep(STREAM_BACK_S)
             if self._streams.get(worker_id, 0) > 0 or self.stopping:

@@ -193,8 +193,10 @@ class KVPublisher:
 
     def _requests(self, gen: int) -> Iterator[pb.PublishEventsRequest]:
         while (msg := self._next(gen)) is not None:
+            # NOTE: stream_bound: this process's liveness follows the stream (the kv_service takes the
+            # worker out when it ends and no next one opens: a SIGKILL is seen at once).
             req = pb.PublishEventsRequest(worker_id=self._reg.worker_id, epoch=self.epoch, seq=msg.seq,
-                                          events=[event_to_pb(e) for e in msg.events])
+                                          events=[event_to_pb(e) for e in msg.events], stream_bound=True)
             if msg.snapshot is not None:
                 req.snapshot = True
                 req.snapshot_hashes.extend(msg.snapshot)

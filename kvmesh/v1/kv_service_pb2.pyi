@@ -157,7 +157,7 @@ class KVEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class PublishEventsRequest(_message.Message):
-    __slots__ = ("worker_id", "epoch", "seq", "events", "snapshot", "snapshot_hashes", "load", "snapshot_host_hashes")
+    __slots__ = ("worker_id", "epoch", "seq", "events", "snapshot", "snapshot_hashes", "load", "snapshot_host_hashes", "stream_bound")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class PublishEventsRequest(_message.Message):
     SNAPSHOT_HASHES_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_HOST_HASHES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_BOUND_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     seq: int
@@ -174,7 +175,8 @@ class PublishEventsRequest(_message.Message):
     snapshot_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     load: _common_pb2.WorkerLoad
     snapshot_host_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., snapshot_hashes: _Optional[_Iterable[bytes]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., snapshot_host_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    stream_bound: bool
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., snapshot_hashes: _Optional[_Iterable[bytes]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., snapshot_host_hashes: _Optional[_Iterable[bytes]] = ..., stream_bound: _Optional[bool] = ...) -> None: ...
 
 class PublishEventsResponse(_message.Message):
     __slots__ = ("seq", "action", "reason")

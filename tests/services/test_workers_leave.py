@@ -109,21 +109,23 @@ def test_a_worker_nobody_can_reach_leaves_after_one_failed_forward(kv_server, st
 
 @pytest.mark.parametrize("kv_server", [LONG_LEASE], indirect=True)
 def test_a_worker_whose_event_stream_ends_with_no_next_one_leaves(kv_server):
-    """A worker's process dies (SIGKILL): its event stream ends and no next one comes, and the worker
-    leaves the live set; a worker that opens its next stream at once (a restarted stream) stays. The
-    dying one is a real process killed with SIGKILL."""
+    """A worker's process dies (SIGKILL): its event stream, bound to its liveness, ends and no next one
+    comes, and the worker leaves the live set; a worker that opens its next stream at once (a restarted
+    stream) stays, and so does one whose stream did not say it is bound. The dying one is a real
+    process killed with SIGKILL."""
     stub = pb_grpc.KVServiceStub(dial(f"127.0.0.1:{kv_server.port}"))
     register(stub, "restreams", "127.0.0.1:1")
     child = subprocess.Popen([sys.executable, "-c", KILLED_WORKER, str(kv_server.port)], stdout=subprocess.PIPE,
                              text=True)
     try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "streaming"
+        assert child.stdout is not None
+        assert [child.stdout.readline().strip() for _ in range(2)] == ["streaming"] * 2
         loop = LoopThread("restream")
         try:
             async def publish(seq: int, hold: bool) -> None:
                 channel = dial_aio(f"127.0.0.1:{kv_server.port}")
                 call = pb_grpc.KVServiceStub(channel).PublishEvents()
-                await call.write(pb.PublishEventsRequest(worker_id="restreams", epoch=7, seq=seq))
+                await call.write(pb.PublishEventsRequest(worker_id="restreams", epoch=7, seq=seq, stream_bound=True))
                 await call.read()
                 if not hold:
                     await call.done_writing()
@@ -143,25 +145,29 @@ def test_a_worker_whose_event_stream_ends_with_no_next_one_leaves(kv_server):
         finally:
             loop.stop()
         until(lambda: "killed" not in live(kv_server.port), "the killed worker is still live")
-        assert "restreams" in live(kv_server.port)
+        assert {"restreams", "unbound"} <= live(kv_server.port)  # NOTE: an unbound stream's worker keeps its lease
     finally:
         child.kill()
         child.wait()
 
 
 KILLED_WORKER = """
-import sys, time
+import sys, threading, time
 import grpc
 from kvmesh.contract.convert import registration_to_pb
 from kvmesh.contract.index_protocol import Registration
 from kvmesh.v1 import kv_service_pb2 as pb, kv_service_pb2_grpc as g
 stub = g.KVServiceStub(grpc.insecure_channel("127.0.0.1:" + sys.argv[1]))
-stub.RegisterWorker(registration_to_pb(Registration("killed", "127.0.0.1:1", "tiny-llama", 16, "sha256_128", 64, 7)))
-def batches():
-    yield pb.PublishEventsRequest(worker_id="killed", epoch=7, seq=1)
-    time.sleep(600)
-for ack in stub.PublishEvents(batches()):
-    print("streaming", flush=True)
+def stream(wid, bound):
+    stub.RegisterWorker(registration_to_pb(Registration(wid, "127.0.0.1:1", "tiny-llama", 16, "sha256_128", 64, 7)))
+    def batches():
+        yield pb.PublishEventsRequest(worker_id=wid, epoch=7, seq=1, stream_bound=bound)
+        time.sleep(600)
+    for ack in stub.PublishEvents(batches()):
+        print("streaming", flush=True)
+for wid, bound in (("killed", True), ("unbound", False)):
+    threading.Thread(target=stream, args=(wid, bound), daemon=True).start()
+time.sleep(600)
 """
 
 
