@@ -35,9 +35,10 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 
 SERVED_HEAD_SHAPES: tuple[tuple[int, int, int], ...] = (
     (32, 8, 64),  # Llama-3.2-1B
-    (32, 8, 128),  # Llama-3.1-8B, Mistral-7B
+    (32, 8, 128),  # Llama-3.1-8B, Mistral-7B, Qwen3-4B, Qwen3-8B
     (14, 2, 64),  # Qwen2.5-0.5B
     (28, 4, 128),  # Qwen2.5-7B
+    (16, 8, 128),  # Qwen3-0.6B, Qwen3-1.7B (head dim 128 over hidden sizes of 1024 and 2048)
     (32, 32, 128),  # no GQA
 )
 """(query heads, KV heads, head dim) of the model families kvmesh serves: what the kernel tests,

@@ -1,4 +1,4 @@
-"""Small random checkpoints (Llama / Qwen2 / Mistral) with a real byte-level BPE tokenizer.
+"""Small random checkpoints (Llama / Qwen2 / Qwen3 / Mistral) with a real byte-level BPE tokenizer.
 
 The checkpoint is written by transformers itself (``config.json``, ``model.safetensors``,
 ``generation_config.json``), so it loads the same way a downloaded model does, in our engine and
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 BOS, EOS = "<s>", "</s>"
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 TOKENIZER_TARGET_VOCAB = 1024
@@ -58,7 +58,7 @@ class ModelSpec:
     """Shape of a random checkpoint; defaults give the default model of ``make run``."""
 
     arch: str = "llama"
-    """One of llama, qwen2, mistral."""
+    """One of llama, qwen2, qwen3, mistral."""
     layers: int = 4
     """Decoder layers."""
     hidden_size: int = 256
@@ -67,6 +67,8 @@ class ModelSpec:
     """Attention heads."""
     kv_heads: int = 2
     """Key/value heads (GQA)."""
+    head_dim: int | None = None
+    """Size of an attention head; None = hidden_size / heads (Qwen3's checkpoints set their own)."""
     intermediate_size: int = 768
     """MLP intermediate size."""
     vocab_size: int | None = None
@@ -74,10 +76,10 @@ class ModelSpec:
     max_position_embeddings: int = 4096
     """The model's context length (config.json)."""
     sliding_window: int | None = None
-    """Mistral: every layer attends to keys at positions > i - window. Qwen2: the layers from
+    """Mistral: every layer attends to keys at positions > i - window. Qwen2/3: the layers from
     ``max_window_layers`` on do (``use_sliding_window``), the others are full attention."""
     max_window_layers: int | None = None
-    """Qwen2 with a sliding window: layers before this index are full attention (transformers'
+    """Qwen2/3 with a sliding window: layers before this index are full attention (transformers'
     rule); None = half the layers."""
     seed: int = 0
     """Same seed, same weights."""
@@ -102,16 +104,23 @@ class ModelSpec:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.hidden_size % self.heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of heads ({self.heads})")
+        if self.head_dim is not None and (self.head_dim < 2 or self.head_dim % 2):
+            raise ValueError(f"head_dim must be even and >= 2 (rotary pairs its halves), got {self.head_dim}")
+        if self.head_dim is None and self.hidden_size % self.heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of heads ({self.heads}), "
+                             "or give --head-dim")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.sliding_window is not None and (self.arch == "llama" or self.sliding_window < 1):
-            raise ValueError("--sliding-window needs --arch mistral or qwen2 and a value >= 1")
+            raise ValueError("--sliding-window needs --arch mistral, qwen2 or qwen3 and a value >= 1")
         if self.max_window_layers is not None and (
-            self.arch != "qwen2" or self.sliding_window is None or not 0 <= self.max_window_layers <= self.layers
+            self.arch not in ("qwen2", "qwen3")
+            or self.sliding_window is None
+            or not 0 <= self.max_window_layers <= self.layers
         ):
-            raise ValueError("--max-window-layers needs --arch qwen2, --sliding-window and a value in [0, layers]")
+            raise ValueError(
+                "--max-window-layers needs --arch qwen2 or qwen3, --sliding-window and a value in [0, layers]"
+            )
 
 
 def train_tokenizer(vocab_size: int = TOKENIZER_TARGET_VOCAB):
@@ -144,7 +153,7 @@ def train_tokenizer(vocab_size: int = TOKENIZER_TARGET_VOCAB):
 
 
 def _hf_config(spec: ModelSpec, vocab_size: int, bos: int, eos: int):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -158,14 +167,21 @@ def _hf_config(spec: ModelSpec, vocab_size: int, bos: int, eos: int):
         eos_token_id=eos,
         initializer_range=spec.init_std,
     )
+    if spec.head_dim is not None:
+        common["head_dim"] = spec.head_dim
     if spec.arch == "llama":
         cfg = LlamaConfig(**common)
-    elif spec.arch == "qwen2":
+    elif spec.arch in ("qwen2", "qwen3"):
         window = {}
         if spec.sliding_window is not None:
             first = spec.max_window_layers if spec.max_window_layers is not None else spec.layers // 2
             window = dict(use_sliding_window=True, sliding_window=spec.sliding_window, max_window_layers=first)
-        cfg = Qwen2Config(**common, tie_word_embeddings=True, **window)
+        if spec.arch == "qwen2":
+            cfg = Qwen2Config(**common, tie_word_embeddings=True, **window)
+        else:
+            # NOTE: Qwen3Config's head_dim defaults to 128 whatever the hidden size: set it always.
+            common.setdefault("head_dim", spec.hidden_size // spec.heads)
+            cfg = Qwen3Config(**common, **window)
     else:
         cfg = MistralConfig(**common, sliding_window=spec.sliding_window)
     for key, value in spec.extra_config.items():
@@ -200,10 +216,14 @@ def make_model(out_dir: str | os.PathLike[str], spec: ModelSpec | None = None) -
     cfg = _hf_config(spec, vocab_size, bos, eos)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # transformers zero-inits biases; random ones exercise Qwen2's qkv bias
+    # NOTE: transformers zero-inits biases and sets norm weights to one; random biases exercise Qwen2's
+    # qkv bias, random q/k norm weights Qwen3's per-head norms (a swapped or unloaded one changes tokens).
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, spec.init_std)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(1.0, 0.5)
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
     model.save_pretrained(out)
 

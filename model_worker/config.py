@@ -14,7 +14,7 @@ from kvmesh.contract.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128, algorithm
 from kvmesh.contract.settings import flag
 from kvmesh.model_worker.scheduling.config import SchedulerConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -57,6 +57,9 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
+    """Qwen3: an RMSNorm of ``head_dim`` over each query and key head, after the projection and
+    before rotary."""
     tie_word_embeddings: bool = False
     sliding_windows: list[int | None] = field(default_factory=list)
     """Per layer: the attention window, None = full attention."""
@@ -90,7 +93,8 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads "
                              f"({num_kv_heads}): no grouped-query attention serves that")
         num_layers = cfg["num_hidden_layers"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        # NOTE: Qwen3Config's head_dim defaults to 128, not hidden_size / heads (Qwen3-0.6B: 1024 / 16 x 128).
+        head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else cfg["hidden_size"] // num_heads)
         # NOTE: transformers >= 5 writes rope_parameters {rope_theta, rope_type, ...}; older
         # checkpoints have rope_theta + rope_scaling {type|rope_type, ...}. Both land here.
         rope = dict(cfg.get("rope_parameters") or {})
@@ -121,6 +125,7 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_windows=_sliding_windows(cfg, model_type, num_layers),
             bos_token_id=cfg.get("bos_token_id"),
@@ -129,13 +134,18 @@ class ModelConfig:
         )
 
 
-_ARCH_BY_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+_ARCH_BY_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
 
 
 def _sliding_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> list[int | None]:
     window = cfg.get("sliding_window")
-    if model_type == "qwen2":
-        # Qwen2: the window applies only when use_sliding_window, to layers listed as sliding.
+    if model_type in ("qwen2", "qwen3"):
+        # Qwen2/3: the window applies only when use_sliding_window, to layers listed as sliding.
         if not cfg.get("use_sliding_window", False) or not window:
             return [None] * num_layers
         types = cfg.get("layer_types")

@@ -1,4 +1,4 @@
-"""``kvmesh make-model DIR``: write a small random Llama / Qwen2 / Mistral checkpoint."""
+"""``kvmesh make-model DIR``: write a small random Llama / Qwen2 / Qwen3 / Mistral checkpoint."""
 
 from __future__ import annotations
 

@@ -26,6 +26,8 @@ SPECS = {
     # NOTE: a tied head with std 0.02 repeats the input token forever; 0.2 gives varied output.
     "qwen2": ModelSpec(arch="qwen2", **TINY, seed=2, init_std=0.2),
     "mistral": ModelSpec(arch="mistral", **TINY, sliding_window=32, seed=3, init_std=0.05),
+    # NOTE: 6 heads of 24 over a hidden size of 64: head_dim is not hidden_size / heads (as in Qwen3-0.6B).
+    "qwen3": ModelSpec(arch="qwen3", **{**TINY, "heads": 6}, head_dim=24, seed=5, init_std=0.1),
     "llama3": ModelSpec(
         arch="llama", **TINY, seed=4, init_std=0.05, extra_config={"rope_parameters": LLAMA3_ROPE}
     ),

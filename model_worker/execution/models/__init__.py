@@ -7,10 +7,11 @@ from torch import nn
 from kvmesh.model_worker.config import ModelConfig
 from kvmesh.model_worker.execution.models.llama import LlamaForCausalLM
 
-# NOTE: Qwen2 and Mistral are Llama with config flags (qkv bias / tied head, sliding window).
+# NOTE: Qwen2, Qwen3 and Mistral are Llama with config flags (qkv bias / tied head, q/k norm, sliding window).
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
 }
 

@@ -1,5 +1,6 @@
 """The Llama family on packed ragged batches: Llama (incl. llama3 rope), Qwen2 (qkv bias, tied
-embeddings), Mistral (sliding window). The differences are config flags, not classes."""
+embeddings), Qwen3 (per-head RMSNorm of queries and keys), Mistral (sliding window). The differences
+are config flags, not classes."""
 
 from __future__ import annotations
 
@@ -22,12 +23,17 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.attn = PagedAttention(layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer])
+        self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         # NOTE: q and k sit side by side in the fused projection: one rotary pass over both heads.
-        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
-                                                                     self.head_dim), cos, sin)
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Qwen3: each head normed over head_dim with its own weights, before rotary (as transformers).
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads])[0], self.k_norm(qk[:, self.num_heads :])[0]), dim=1)
+        qk = apply_rotary(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v)

@@ -14,8 +14,9 @@ from kvmesh.model_worker.execution.warmup import dummy_inputs, warmup_batches
 from tests.support.model_worker import EXACT, hf_greedy, random_prompt
 
 
-def test_attention_and_the_kv_write_are_one_opaque_op_in_the_graph(tiny_model_dir) -> None:
-    llm = LLM(str(tiny_model_dir("mistral")), num_blocks=32, max_model_len=256, **EXACT)
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+def test_attention_and_the_kv_write_are_one_opaque_op_in_the_graph(tiny_model_dir, arch: str) -> None:
+    llm = LLM(str(tiny_model_dir(arch)), num_blocks=32, max_model_len=256, **EXACT)
     runner = llm.engine.runner
     graphs: list[torch.fx.GraphModule] = []
 

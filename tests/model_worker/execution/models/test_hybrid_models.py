@@ -91,7 +91,11 @@ def _kvmesh(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize(
     ("arch", "flags"),
-    [("mistral", ["--sliding-window", "32"]), ("qwen2", ["--sliding-window", "24", "--max-window-layers", "2"])],
+    [
+        ("mistral", ["--sliding-window", "32"]),
+        ("qwen2", ["--sliding-window", "24", "--max-window-layers", "2"]),
+        ("qwen3", ["--sliding-window", "24", "--max-window-layers", "2", "--head-dim", "24"]),
+    ],
 )
 def test_kvmesh_offline_on_windowed_checkpoints_matches_transformers(
     tmp_path: Path, arch: str, flags: list[str]
