@@ -117,7 +117,7 @@ class ModelRouter:
                         self.prompts.run if self.prompts is not None else None)
         relay = Relay(self.core, pool, self.settle, self._decode if self.tokenizer is not None else None,
                       routing.first_token_timeout_s, routing.migration_max_seq_len)
-        forward = Forward(self.core, pool, relay, routing.max_attempts, m, routing.migration_limit)
+        forward = Forward(self.core, pool, relay, routing.max_attempts, m, routing.migration_limit, decide)
         leg = (PrefillLeg(forward, self.core, pool, self._context, routing.first_token_timeout_s, m)
                if routing.pd.pd_mode != "never" else None)
         return Pipeline.build(admit=Admit(self.config, self.tokenizer is not None), tokenize=self.tokenize_stage,

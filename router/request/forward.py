@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
 from kvmesh.contract.errors import Unavailable
 from kvmesh.router.core.attempts import Attempts
+from kvmesh.router.core.decide import Decided
 from kvmesh.router.core.routing import RoutingCore
 from kvmesh.router.core.upstream import Failure, WorkerError, WorkerPool, WorkerRequest
 from kvmesh.router.generate_types import GenerateOutput
@@ -35,18 +36,23 @@ class Forward:
     metrics: counts retries and migrations.
     migration_limit: ``--migration-limit``: migrations of one request at most (0: a worker failing
         mid-stream ends the stream).
+    replan: the decide stage: a migration's continuation is routed afresh (a new Lookup of the prompt
+        plus the tokens sent, the pool's workers now: one that joined since the request was routed
+        included, one that left since not). None: the next of the first plan's candidates.
     """
 
     name = "forward"
 
     def __init__(self, core: RoutingCore, pool: WorkerPool, relay: Relay, max_attempts: int,
-                 metrics: RouterMetrics, migration_limit: int = 0) -> None:
+                 metrics: RouterMetrics, migration_limit: int = 0,
+                 replan: Callable[..., Awaitable[None]] | None = None) -> None:
         self.core = core
         self.pool = pool
         self.relay = relay
         self.max_attempts = max_attempts
         self.metrics = metrics
         self.migration_limit = migration_limit
+        self.replan = replan
 
     async def stream(self, ctx: RequestContext, request: WorkerRequest) -> AsyncIterator[GenerateOutput]:
         decided = ctx.decided
@@ -81,11 +87,16 @@ class Forward:
                     raise Unavailable(f"the worker serving the request failed mid-stream ({cut.failure.value}) "
                                       f"and {why}; the tokens already sent stand") from None
                 sent.migrations += 1
-                attempts.max_attempts += 1  # NOTE: a migration is not a retry: it gets an attempt of its own
                 request = continued(request, sent, ctx.request_id)
                 self.metrics.migrations.inc()
                 log.warning("request %s: migrating after %d tokens (migration %d of at most %d): %s",
                             ctx.request_id, sent.completion, sent.migrations, self.migration_limit, cut)
+                if self.replan is None:
+                    attempts.max_attempts += 1  # NOTE: a migration is not a retry: it gets an attempt of its own
+                    continue
+                decided = await self._replan(ctx, request, endpoint.worker_id, cut)
+                attempts = Attempts(self.core, decided.plan, decided.decision, self.max_attempts, ctx.deadline,
+                                    self.pool.mark_unhealthy)
         if attempts.failures:
             log.warning("request %s: no worker took it: %s", ctx.request_id,
                         "; ".join(f"{w}: {f.value} ({m})" for w, f, m in attempts.failures))
@@ -93,6 +104,23 @@ class Forward:
             raise Unavailable(f"the stream was cut after {sent.completion} tokens and no worker could continue it "
                               "(every one tried failed, or the deadline passed); the tokens already sent stand")
         raise attempts.error()
+
+    async def _replan(self, ctx: RequestContext, request: WorkerRequest, failed: str, cut: Cut) -> Decided:
+        """The continuation routed as a request of its own (its id, its prompt), away from the worker that
+        failed; the request's plan becomes the continuation's (its in-flight share, its log line).
+
+        NOTE: in a P/D fleet the continuation goes to the decode pick as a whole request (it prefills
+        itself): the tokens sent make it a short extension of a prompt the fleet just computed."""
+        assert self.replan is not None
+        cont = replace(ctx, request_id=request.request_id, token_ids=list(request.prompt_token_ids), decided=None)
+        try:
+            await self.replan(cont, lambda worker_id, _address: worker_id != failed)
+        except Unavailable as exc:
+            raise Unavailable(f"the worker serving the request failed mid-stream ({cut.failure.value}) and no "
+                              f"other worker could continue it ({exc}); the tokens already sent stand") from None
+        assert cont.decided is not None
+        ctx.decided = cont.decided
+        return cont.decided
 
     def _no_migration(self, sent: Sent, request: WorkerRequest) -> str:
         """Why the cut stream cannot go on elsewhere ('' when it can)."""

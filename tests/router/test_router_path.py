@@ -121,6 +121,19 @@ def test_a_stream_cut_mid_way_continues_on_another_worker_from_the_tokens_sent()
     assert router.inflight.view("w1") == (0, 0) and router.inflight.view("w2") == (0, 0)
 
 
+def test_a_migration_is_routed_afresh_to_a_worker_that_joined_after_the_request_was():
+    """The continuation is a new decision over the workers now: one that joined mid-stream takes it (the
+    first plan never named it), and the worker that failed is not asked again."""
+    scripts: dict[str, list] = {}
+    joins = {"w2": [WorkerChunk([9]), WorkerChunk([10], "length", Usage(34, 0, 2), "w2")]}
+    scripts["w1"] = [WorkerChunk([7]), WorkerChunk([8]), lambda: scripts.update(joins), err(Failure.UNAVAILABLE)]
+    router, pool = make(scripts, FakeIndex({"w1": 8}))
+    outs = asyncio.run(collect(router.generate(GenerateInput(None, PROMPT, SamplingParams(max_tokens=4)))))
+    assert [o.token_ids for o in outs] == [[7], [8], [9], [10]]
+    assert pool.calls == ["w1", "w2"] and outs[-1].served_by == "w2"
+    assert list(pool.requests[1].prompt_token_ids) == PROMPT + [7, 8]
+
+
 def test_migrations_stop_at_the_limit_and_count_from_the_first_prompt():
     """Two cuts with --migration-limit 1: the second ends the stream; the second continuation would have
     counted its tokens from the client's prompt, not the first continuation's."""

@@ -23,6 +23,9 @@ class FakeCall:
                 raise item
             if item == "hang":
                 await asyncio.Event().wait()  # a worker that never answers
+            if callable(item):
+                item()  # a side effect at this point of the stream (a worker joins, ...)
+                continue
             yield item
 
     def cancel(self) -> None:
