@@ -101,8 +101,9 @@ class Forward:
             log.warning("request %s: no worker took it: %s", ctx.request_id,
                         "; ".join(f"{w}: {f.value} ({m})" for w, f, m in attempts.failures))
         if sent.completion:
-            raise Unavailable(f"the stream was cut after {sent.completion} tokens and no worker could continue it "
-                              "(every one tried failed, or the deadline passed); the tokens already sent stand")
+            raise Unavailable(f"the worker serving the request failed mid-stream after {sent.completion} tokens and "
+                              "no other worker could continue it (every one tried failed, none is left, or the "
+                              "deadline passed); the tokens already sent stand")
         raise attempts.error()
 
     async def _replan(self, ctx: RequestContext, request: WorkerRequest, failed: str, cut: Cut) -> Decided:
