@@ -18,6 +18,7 @@ from kvmesh.router.api.openai_api import OpenAIApi
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.generate_types import GenerateInput, GenerateOutput
 from kvmesh.router.metrics import RouterMetrics
+from tests.support.asgi import asgi_call
 
 TOKEN = "secret"
 
@@ -54,21 +55,7 @@ class _Frontend(Frontend):
 
 
 async def _call(app: Any, method: str, path: str, headers: dict[str, str], chunks: list[bytes]) -> tuple[Any, ...]:
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
-             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
-    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await app(scope, receive, send)
-    start = sent[0]
+    start, sent, scope = await asgi_call(app, method, path, headers, chunks)
     body = b"".join(m.get("body", b"") for m in sent[1:])
     body = re.sub(rb'"created":\s*\d+', b'"created":0', body)
     return start["status"], sorted(start["headers"]), body, scope.get("kvmesh.body_read")

@@ -21,6 +21,7 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.router.generate_types import GenerateInput, GenerateOutput
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.v1 import common_pb2, router_pb2
+from tests.support.asgi import asgi_call
 from tests.support.tracing import spans_named, tracing_in_memory
 
 PARENT = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
@@ -60,21 +61,8 @@ class _Frontend(Frontend):
 
 
 async def _post(app: Any, path: str, body: bytes) -> int:
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"traceparent", PARENT.encode())],
-             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await app(scope, receive, send)
-    return sent[0]["status"]
+    start, _, _ = await asgi_call(app, "POST", path, {"content-type": "application/json", "traceparent": PARENT}, [body])
+    return start["status"]
 
 
 @pytest.mark.parametrize(("body", "status", "error_type"), [
