@@ -11,7 +11,6 @@ import signal
 import time
 from dataclasses import dataclass
 
-import grpc
 import pytest
 
 from kvmesh.client import Client
