@@ -69,7 +69,7 @@ class RouterServer(LoopServer):
         # NOTE: aio channels belong to the loop they are made on: everything is built here.
         self.kv = (KVServiceClient(config.kv_service, config.routing.lookup_timeout_ms / 1000, config.rpc_timeout_s)
                    if config.kv_service else None)
-        channels = WorkerChannels()
+        channels = WorkerChannels(self._channel_down)
         from_index = not config.workers
         self.down_reports = DownReports(self.kv if from_index else None)
         self.models = ModelSet(config, lambda model_id: GrpcWorkerPool(model_id, config, channels, from_index,
@@ -107,6 +107,14 @@ class RouterServer(LoopServer):
     def pool(self):
         """The default model's worker pool."""
         return self.default_model.pool
+
+    def _channel_down(self, address: str) -> None:
+        """A worker's channel went to TRANSIENT_FAILURE: the worker at that address is marked down (and
+        reported, router/workers/down_reports.py) in whichever pool has it."""
+        for served in self.models.all():
+            for endpoint in served.pool.endpoints():
+                if endpoint.address == address:
+                    served.pool.mark_unhealthy(endpoint.worker_id)
 
     async def _on_workers(self, any_worker: bool) -> None:
         if self._started:

@@ -7,8 +7,9 @@ Failure kinds.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -69,11 +70,19 @@ class GrpcWorkerCall:
 
 class WorkerChannels:
     """One aio channel per worker address, and one HTTP session for the workers served over the
-    OpenAI API (router/workers/openai_worker.py), shared by every model's pool; build it on the router's loop."""
+    OpenAI API (router/workers/openai_worker.py), shared by every model's pool; build it on the router's loop.
 
-    def __init__(self) -> None:
+    Args:
+        on_down: told the address of a worker whose channel went to TRANSIENT_FAILURE (a connection
+            refused or reset), with no request needed: a channel that lost its connection (IDLE) is
+            asked to connect again at once, so a worker that died between requests is seen dead.
+    """
+
+    def __init__(self, on_down: Callable[[str], None] | None = None) -> None:
         self._channels: dict[str, tuple[grpc.aio.Channel, w_grpc.WorkerStub, float]] = {}
         self._http = None
+        self._on_down = on_down
+        self._watches: dict[str, asyncio.Task] = {}
 
     def http(self):
         """The aiohttp session (made on first use, on the router's loop)."""
@@ -86,19 +95,44 @@ class WorkerChannels:
         if entry is None:
             channel = dial_aio(address)
             entry = (channel, w_grpc.WorkerStub(channel), time.monotonic())
+            if self._on_down is not None:
+                self._watches[address] = asyncio.get_running_loop().create_task(self._watch(address, channel))
         else:
             entry = (entry[0], entry[1], time.monotonic())
         self._channels[address] = entry
         return entry[1]
 
+    async def _watch(self, address: str, channel: grpc.aio.Channel) -> None:
+        """Follows one channel's state while its worker is live: IDLE after READY (the connection went) asks
+        for a new connection; TRANSIENT_FAILURE (it was refused) is reported, once per failure."""
+        assert self._on_down is not None
+        C = grpc.ChannelConnectivity
+        state = channel.get_state(try_to_connect=False)
+        while state is not C.SHUTDOWN:
+            await channel.wait_for_state_change(state)
+            was, state = state, channel.get_state(try_to_connect=False)
+            if state is C.IDLE and was is C.READY:
+                state = channel.get_state(try_to_connect=True)
+            elif state is C.TRANSIENT_FAILURE:
+                self._on_down(address)
+
+    def _unwatch(self, address: str) -> None:
+        task = self._watches.pop(address, None)
+        if task is not None:
+            task.cancel()
+
     async def prune(self, live: set[str]) -> None:
-        """Closes channels out of ``live`` and unused for CHANNEL_IDLE_S."""
+        """Closes channels out of ``live`` and unused for CHANNEL_IDLE_S; stops watching those out of it."""
+        for address in [a for a in self._watches if a not in live]:
+            self._unwatch(address)
         now = time.monotonic()
         stale = [a for a, (_, _, used) in self._channels.items() if a not in live and now - used > CHANNEL_IDLE_S]
         for address in stale:
             await self._channels.pop(address)[0].close()
 
     async def close(self) -> None:
+        for address in list(self._watches):
+            self._unwatch(address)
         channels, self._channels = self._channels, {}
         for channel, _, _ in channels.values():
             await channel.close()

@@ -203,3 +203,20 @@ def test_leave_worker_refuses_bad_input(kv_server):
 
 async def _client(kv: str) -> KVServiceClient:
     return KVServiceClient(kv)
+
+
+@pytest.mark.parametrize("kv_server", [LONG_LEASE], indirect=True)
+def test_a_worker_whose_server_went_away_between_requests_is_reported(kv_server, start_worker, start_router):
+    """The router's channel to a worker it has talked to loses its connection and cannot make another
+    (TRANSIENT_FAILURE): the router reports the worker with no request sent to it since. The worker's
+    server alone stops here (its heartbeats and event stream go on), so neither a drain, nor the stream
+    rule, nor a failed forward can be what reported it."""
+    kv = f"127.0.0.1:{kv_server.port}"
+    w0 = start_worker("w0", kv)
+    router = start_router(kv, **NO_POLL)
+    until(lambda: known(router) == {"w0"}, "the router never saw the worker")
+    with Client(f"127.0.0.1:{router.port}", timeout=60) as client:
+        assert client.generate([1, 2, 3], max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
+    w0._aio.run(w0.grpc.stop(0))  # NOTE: its gRPC server only
+    until(lambda: router.down_reports.sent >= 1, "the router never reported the worker it cannot reach")
+    assert kv_server.service.metrics.leaves.labels("unreachable")._value.get() >= 1
