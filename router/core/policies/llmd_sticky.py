@@ -60,6 +60,8 @@ class LlmdStickyPolicy(RouterPolicy):
       (a slower GPU's saturation is seen late);
     - several routers: each keeps its own counters (llm-d's per-replica producer; its cross-replica state
       sharing is not modelled): for, slightly;
+    - τ from the simulator's step time of one cold chunk; llm-d's recipe takes the median TTFT through the whole
+      request path, a lower R_peak (its reference path: 22 % under its single-request fit): unknown, small;
     - token counts are exact (llm-d counts tokens from its tokenizer producer too): neutral.
     """
 
