@@ -14,8 +14,8 @@ Reads no wall clock and runs nothing: every figure is in the JSON files, so the 
 reproducible from them. Per workload: every policy's capacity (highest rate with SLO attainment
 >= the target), kv-aware's capacity / the best other policy's, kv-aware's hit rate at the
 highest rate run at or below half its capacity / the oracle's, max/mean load of each policy's run
-at its capacity, TTFT p90 at 0.5x, 1x, 1.5x round-robin's capacity; then each fault run's
-kv-aware capacity / the fault-free one.
+at its capacity, TTFT p90 at 0.5x, 1x, 1.5x round-robin's capacity; then inference-perf's catalog workloads
+(<DIR>/catalog/, issue 51) the same way; then each fault run's kv-aware capacity / the fault-free one.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ WORKLOADS = [  # (file stem, label, capacity goal, hit goal)
     ("multi-turn", "multi-turn chat", 1.10, 0.90),
     ("hot-prompt", "hot system prompt", 1.10, 0.90),
     ("no-reuse", "no-reuse control", 0.98, None),
+]
+CATALOG = [  # issue 51: inference-perf's catalog workloads, in <DIR>/catalog/ (issue 27's goal: >= 1.00)
+    ("code-generation", "inference-perf code-generation", 1.00, 0.90),
+    ("reasoning", "inference-perf reasoning", 1.00, 0.90),
 ]
 FAULTS = [("event_loss", "10 % event messages lost"), ("restart", "worker 0 restarted mid-trace"),
           ("routers3", "3 routers"), ("routers3_t0.1", "3 routers, --router-temperature 0.1"),
@@ -277,6 +281,10 @@ def main() -> int:
             lines += workload_rows(name, label, cap_goal, hit_goal, json.loads(f.read_text()))
         else:
             lines.append(f"\n## {label}: not run ({f.name} missing)")
+    for name, label, cap_goal, hit_goal in CATALOG:
+        f = d / "catalog" / f"{name}.json"
+        if f.is_file():
+            lines += workload_rows(f"catalog/{name}", label, cap_goal, hit_goal, json.loads(f.read_text()))
     base = d / "conversation_3000.json"
     if base.is_file():
         free = json.loads(base.read_text())["capacity"]

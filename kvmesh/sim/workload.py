@@ -1,4 +1,4 @@
-"""What the simulated mesh serves: Mooncake traces and four generators, with prompts as segments.
+"""What the simulated mesh serves: Mooncake traces and generators, with prompts as segments.
 
 A request's prompt is a sequence of *segments* ``(segment id, tokens)``; equal ids are equal
 tokens, so equal leading segments are a shareable prefix. A Mooncake trace line is its blocks
@@ -24,11 +24,16 @@ Generators (``--workload NAME``), each deterministic for a seed; at ``--rate 1``
 - ``hot-prompt``: one system prompt shared by every user, plus a private message (the hot spot of
   Dynamo issue #737: a pure prefix router sends everyone to one worker).
 - ``no-reuse``: nothing shared (the control: a cache-aware router should lose nothing).
+- ``code-generation`` and ``reasoning``: two workloads of kubernetes-sigs/inference-perf's workload
+  catalog (``workload-catalog/``), their length distributions as its configs give them (the functions
+  below cite the files and commits): coding-agent conversations behind 18k-123k-token system prompts,
+  and small reasoning prompts behind one 250-token prompt with 8k-token answers.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,8 +259,143 @@ def long_beside_chat(num_requests: int = 3000, chat_len: int = 256, long_len: in
                     f"({long_output} out), private prompts, Poisson {base_rate:g} req/s at rate 1")
 
 
+# -- inference-perf's workload catalog ----------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LengthDist:
+    """One length distribution as inference-perf's configs write it (type, min, max, mean, std_dev).
+
+    Drawn as its ``generate_distribution`` does: ``lognormal`` is shifted so ``lo`` maps to 0 and has
+    the given mean and std_dev above it; ``normal`` and ``lognormal`` are clipped to [lo, hi]; integers
+    are rounded.
+    """
+
+    kind: str
+    lo: float
+    hi: float
+    mean: float
+    std: float = 0.0
+
+    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if self.kind == "fixed":
+            return np.full(n, self.mean)
+        if self.kind == "uniform":
+            x = rng.uniform(self.lo, self.hi, n)
+        elif self.kind == "normal":
+            x = rng.normal(self.mean, self.std, n)
+        elif self.kind == "lognormal":
+            above = max(self.mean - self.lo, 1.0)
+            var = math.log(1.0 + (self.std / above) ** 2)
+            x = self.lo + rng.lognormal(math.log(above) - var / 2, math.sqrt(var), n)
+        else:
+            raise ValueError(f"unknown distribution {self.kind!r}")
+        return np.clip(x, self.lo, self.hi)
+
+    def draw_int(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return np.round(self.draw(rng, n)).astype(np.int64)
+
+
+CODE_SHARED_SEGMENT = 40_000_000
+"""Code generation's segment ids: the shared system prompt; + blueprint: its own system prompt; message
+(blueprint b, turn k) and reply (conversation c, turn k) at the bases below + 1,000 b + k, 1,000 c + k."""
+CODE_SYSTEM_BASE = 41_000_000
+CODE_MESSAGE_BASE = 42_000_000
+CODE_REPLY_BASE = 50_000_000
+REASONING_SHARED_SEGMENT = 60_000_000
+ANSWER_MARGIN = 200
+"""Tokens inference-perf keeps free below max_model_len when it trims a conversation's history."""
+
+
+def code_generation(num_requests: int = 3000, conversations: int = 20, shared_system_len: int = 3000,
+                    system_len: LengthDist = LengthDist("uniform", 15_000, 120_000, 55_000, 25_000),
+                    turns: LengthDist = LengthDist("normal", 2, 20, 6, 3.5),
+                    message_len: LengthDist = LengthDist("lognormal", 100, 10_000, 1500, 1200),
+                    reply_len: LengthDist = LengthDist("lognormal", 50, 4000, 800, 600),
+                    tool_s: LengthDist = LengthDist("lognormal", 15, 120, 45, 25),
+                    decode_tps: float = 50.0, max_model_len: int = 131_072, base_rate: float = 0.4,
+                    seed: int = 0) -> Workload:
+    """inference-perf's ``code-generation`` (kubernetes-sigs/inference-perf, commit e2c6268,
+    workload-catalog/code-generation/inference-perf.yaml, its ``conversation_replay`` data): 20
+    conversation blueprints, each a system prompt of a 3,000-token part shared by all and its own
+    15k-120k part, 2-20 turns of a user message and a reply, a tool call between turns.
+
+    As that harness does, a blueprint is replayed again and again (its slots restart a finished
+    conversation from turn 0 with the same system prompt and messages; the replies differ); conversation
+    ``c`` replays blueprint ``c mod conversations``. Turn k's prompt is the system prompt, every earlier
+    (message, reply) and message k; when it and its reply would not fit ``max_model_len`` (the simulated
+    engine's, 131,072) less 200 tokens, the oldest turns are dropped, as inference-perf trims (after
+    commit 5fb5e1a). Open loop: conversations start as a Poisson process; turn k+1 comes after turn k by
+    its reply at ``decode_tps`` plus the tool call. Lengths are rounded up to 64 tokens (a segment but a
+    prompt's last must fill whole blocks); messages are cut so one fits beside the system prompt.
+    """
+    if conversations > 1000:
+        raise ValueError("at most 1,000 conversation blueprints (segment ids hold 1,000 per base)")
+    rng = np.random.default_rng([seed, 6])
+    shared = _round_up(shared_system_len, 64)
+    own = [_round_up(int(n), 64) for n in system_len.draw_int(rng, conversations)]
+    n_turns = turns.draw_int(rng, conversations)
+    blueprints = []
+    for b in range(conversations):
+        k = int(n_turns[b])
+        replies = [_round_up(int(n), 64) for n in reply_len.draw_int(rng, k)]
+        room = max_model_len - ANSWER_MARGIN - shared - own[b]
+        msgs = [min(_round_up(int(n), 64), (room - out) // 64 * 64) for n, out in zip(message_len.draw_int(rng, k), replies, strict=True)]
+        blueprints.append((msgs, replies, tool_s.draw(rng, k)))
+    mean_turns = float(np.mean(n_turns))
+    sessions = -(-num_requests // 2)  # NOTE: every blueprint has >= 2 turns, so this many always suffice
+    starts = _poisson_times(rng, sessions, base_rate / mean_turns)
+    pending: list[tuple[float, int, int]] = []
+    for c in range(sessions):
+        msgs, replies, tool = blueprints[c % conversations]
+        t = float(starts[c])
+        for k in range(len(msgs)):
+            pending.append((t, c, k))
+            t += replies[k] / decode_tps + float(tool[k])
+    pending.sort()
+    reqs = []
+    for t, c, k in pending[:num_requests]:
+        b = c % conversations
+        msgs, replies, _ = blueprints[b]
+        system = [(CODE_SHARED_SEGMENT, shared), (CODE_SYSTEM_BASE + b, own[b])]
+        first = 0
+        while sum(msgs[first:k + 1]) + sum(replies[first:k]) + shared + own[b] + replies[k] > max_model_len - ANSWER_MARGIN:
+            first += 1
+        segs = list(system)
+        for j in range(first, k):
+            segs += [(CODE_MESSAGE_BASE + 1000 * b + j, msgs[j]), (CODE_REPLY_BASE + 1000 * c + j, replies[j])]
+        segs.append((CODE_MESSAGE_BASE + 1000 * b + k, msgs[k]))
+        reqs.append(SimRequest(len(reqs), t, sum(n for _, n in segs), replies[k], tuple(segs)))
+    return Workload("code-generation", reqs, seed,
+                    f"{conversations} blueprints replayed: system {shared} shared + {min(own)}-{max(own)} own, "
+                    f"{int(n_turns.min())}-{int(n_turns.max())} turns, messages ~{message_len.mean:g}, replies "
+                    f"~{reply_len.mean:g}, tool calls ~{tool_s.mean:g} s, {base_rate:g} req/s at rate 1")
+
+
+def reasoning(num_requests: int = 3000, shared_len: int = 250,
+              question_len: LengthDist = LengthDist("lognormal", 100, 5000, 1000, 800),
+              output_len: LengthDist = LengthDist("lognormal", 500, 32_000, 8000, 6500),
+              base_rate: float = 1.0, seed: int = 0) -> Workload:
+    """inference-perf's ``reasoning`` (kubernetes-sigs/inference-perf, commit 5cbfb21,
+    workload-catalog/reasoning/inference-perf.yaml): one turn, a 250-token prompt every request shares
+    (rounded up to 256, a whole number of blocks) plus a question, long answers (mean 8,000 tokens).
+
+    Questions are private: the harness replays its 10 conversations' prompts, but the workload is new
+    problems (AIME, its README says). Poisson arrivals.
+    """
+    rng = np.random.default_rng([seed, 7])
+    shared = _round_up(shared_len, 64)
+    t = _poisson_times(rng, num_requests, base_rate)
+    q = question_len.draw_int(rng, num_requests)
+    out = output_len.draw_int(rng, num_requests)
+    reqs = [SimRequest(i, float(t[i]), shared + int(q[i]), int(out[i]),
+                       ((REASONING_SHARED_SEGMENT, shared), (-(i + 1), int(q[i]))))
+            for i in range(num_requests)]
+    return Workload("reasoning", reqs, seed,
+                    f"one {shared}-token prompt + questions ~{question_len.mean:g} tokens, answers "
+                    f"~{output_len.mean:g} tokens, Poisson {base_rate:g} req/s at rate 1")
+
+
 GENERATORS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "hot-prompt": hot_prompt, "no-reuse": no_reuse,
-              "long-beside-chat": long_beside_chat}
+              "long-beside-chat": long_beside_chat, "code-generation": code_generation, "reasoning": reasoning}
 
 
 def make_workload(name: str, num_requests: int | None = None, seed: int = 0) -> Workload:

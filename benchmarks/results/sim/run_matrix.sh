@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The issue-15 goal table: every command whose JSON is in this folder, in the order they were run.
 # Usage: benchmarks/results/sim/run_matrix.sh [step ...]   (steps: conv3000 synthetic shared-prefix
-# multi-turn hot-prompt no-reuse faults conv-all events events-rest; issue 27's fleet shapes: fleet-<workload>
+# multi-turn hot-prompt no-reuse faults conv-all events events-rest catalog; issue 27's fleet shapes: fleet-<workload>
 # for conversation synthetic shared-prefix multi-turn hot-prompt no-reuse, fleet-scale32, fleet-determinism,
 # fleet-conv-all, fleet-hot3000, fleet-scale32-hot; FLEET=DIR writes them to DIR).
 # Each run holds the shared heavy lock; --jobs 2.
@@ -66,6 +66,18 @@ step() {
     conv-all)  mkdir -p $EV
                sim --trace $TRACES/conversation_trace.jsonl --policies kv-aware,lmetric --relative-rates '' \
                  --rates 0.5 --json $EV/conversation_all.json --plot-dir $EV/plots/conv-all --plot-note "$NOTE" ;;
+    # Issue 51: inference-perf's catalog workloads (kvmesh/sim/workload.py), 300 requests each, the peers
+    # of issue 27's table; into catalog/ (sim_goal_table.py prints them after the workloads above).
+    catalog)
+      mkdir -p $OUT/catalog
+      for w in code-generation reasoning; do
+        sim --workload "$w" --max-requests 300 --no-limits \
+          --policies kv-aware,round-robin,prefix-hash,approx-tree,dynamo,llm-d,preble,lmetric --json "$OUT/catalog/$w.json"
+      done
+      # 300 reasoning requests never load the fleet (every policy reaches the search's ceiling): 1,000 at fixed rates
+      sim --workload reasoning --max-requests 1000 --no-capacity --relative-rates '' --rates 2,4 --no-limits \
+        --policies kv-aware,round-robin,prefix-hash,approx-tree,dynamo,llm-d,preble,lmetric \
+        --json "$OUT/catalog/reasoning_1000_fixed_rates.json" ;;
     # Issue 27 (roofline step time, faithful peers, shared router view; into fleet/): every workload
     # on 8 H100s with 1, 3 and 8 routers (peers in their multi-replica modes) and on a mixed fleet of
     # 4 H100 + 4 A100 behind 1 router. The first 1,000 requests of each (2 shared cores: one sweep
