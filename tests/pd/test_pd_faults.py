@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import grpc
 import pytest
 
 from kvmesh.client import Client
@@ -103,7 +102,11 @@ def test_a_transfer_broken_midway_leaves_the_request_to_the_decode_worker(kv_ser
                    timeout=10, what="the killed prefill worker gone from the index")
 
 
-def test_decode_worker_killed_after_the_transfer_fails_the_request_cleanly(kv_server, start_worker, start_router):
+def test_decode_worker_killed_after_the_transfer_is_migrated_and_frees_everything(kv_server, start_worker,
+                                                                                   start_router):
+    """The decode worker dies (its drain has no grace) after it pulled the prompt's KV and streamed a few
+    tokens: the router migrates the stream (docs/router.md, "Request migration") to the worker left, which
+    continues it as a whole request; the client's one stream ends whole, and nothing is held or leaked."""
     kv = f"127.0.0.1:{kv_server.port}"
     p = start_worker("pre", kv, role="prefill", kv_transport="grpc")
     d = start_worker("dec", kv, role="decode", kv_transport="grpc")
@@ -111,13 +114,14 @@ def test_decode_worker_killed_after_the_transfer_fails_the_request_cleanly(kv_se
     wait_until(lambda: len(router.router.pool.endpoints()) == 2, what="both workers discovered")
     client = Client(f"127.0.0.1:{router.port}", timeout=60)
     got: list[int] = []
-    with pytest.raises(grpc.RpcError) as e:
-        for msg in client.stream(ids(150, 1), max_tokens=300, ignore_eos=True):
-            got += list(msg.token_ids)
-            if len(got) >= 3 and d.kv.stats.pulled_blocks:
-                threading.Thread(target=d.stop, args=(0,), daemon=True).start()
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert 3 <= len(got) < 300
+    served_by = ""
+    for msg in client.stream(ids(150, 1), max_tokens=300, ignore_eos=True):
+        got += list(msg.token_ids)
+        served_by = msg.served_by or served_by
+        if len(got) >= 3 and d.kv.stats.pulled_blocks and not d.draining:
+            threading.Thread(target=d.stop, args=(0,), daemon=True).start()
+    assert len(got) == 300 and served_by == "pre"
+    assert router.metrics.migrations._value.get() == 1
     # the prefill worker's hold went with the pull; its pool is back to idle and the index says so
     wait_until(lambda: idle(p), what="no block held or leaked on the prefill worker")
     wait_until(lambda: index_agrees(kv, p), what="the index agrees with the prefill worker's pool")
