@@ -14,29 +14,17 @@ from kvmesh.client import Client
 from kvmesh.model_worker.serving import kv_transfer
 from kvmesh.router.core.pd import PDConfig
 from kvmesh.transport.channels import dial
-from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh.v1 import kv_service_pb2 as kpb
 from kvmesh.v1 import kv_service_pb2_grpc as kpb_grpc
+from kvmesh.v1 import worker_pb2
 from tests.support import wait_until
+from tests.support.model_worker import worker_generate
 
 BS = 16
 
 
 def ids(n: int, k: int = 0) -> list[int]:
     return [(5 * i + 41 * k + 7) % 500 + 2 for i in range(n)]
-
-
-def call(worker, prompt, max_tokens, rid, kv_transfer_msg=None):
-    stub = worker_pb2_grpc.WorkerStub(dial(worker.address))
-    req = worker_pb2.WorkerGenerateRequest(request_id=rid, prompt_token_ids=prompt,
-                                           sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    if kv_transfer_msg is not None:
-        req.kv_transfer.CopyFrom(kv_transfer_msg)
-    out, last = [], None
-    for m in stub.Generate(req, timeout=60):
-        out += list(m.token_ids)
-        last = m
-    return out, last
 
 
 def idle(w) -> bool:
@@ -72,8 +60,8 @@ def test_a_transfer_broken_midway_leaves_the_request_to_the_decode_worker(kv_ser
     d = start_worker("dec", kv, role="decode", kv_transport="grpc")
     a = start_worker("agg", None)
     prompt = ids(150)
-    ref, _ = call(a, prompt, 6, "ref")
-    _, last = call(p, prompt, 1, "r1", worker_pb2.KVTransfer(do_remote_decode=True))
+    ref, _ = worker_generate(a, prompt, 6, "ref")
+    _, last = worker_generate(p, prompt, 1, "r1", worker_pb2.KVTransfer(do_remote_decode=True))
     assert len(last.kv_source.block_hashes) == 9
 
     async def kill():
@@ -84,7 +72,7 @@ def test_a_transfer_broken_midway_leaves_the_request_to_the_decode_worker(kv_ser
         raise RuntimeError("connection cut (test)")
 
     cut_after_first_chunk(monkeypatch, p, kill if fault == "prefill_killed" else cut)
-    tokens, end = call(d, prompt, 6, "r1", worker_pb2.KVTransfer(source=last.kv_source))
+    tokens, end = worker_generate(d, prompt, 6, "r1", worker_pb2.KVTransfer(source=last.kv_source))
     assert tokens == ref
     assert end.kv_transport == "local" and end.kv_blocks_pulled == 0
     assert d.kv.stats.failed == {"grpc": 1}
