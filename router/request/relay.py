@@ -96,10 +96,8 @@ class Relay:
         return Sent(prompt_len, detok, stops)
 
     async def stream(self, ctx: RequestContext, endpoint: WorkerEndpoint, request: WorkerRequest,
-                     timeout_s: float, sent: Sent | None = None) -> AsyncIterator[GenerateOutput]:
+                     timeout_s: float, sent: Sent) -> AsyncIterator[GenerateOutput]:
         plan = ctx.plan
-        if sent is None:
-            sent = self.sent(ctx, len(request.prompt_token_ids))
         ticket = self.core.start(plan, endpoint.worker_id)
         detok, stops = sent.detok, sent.stops
         completion = 0
