@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from kvmesh.contract.index_protocol import Reservation
 from kvmesh.contract.types import ModelSpec
 from kvmesh.router.core.inflight import Ticket
-from kvmesh.router.core.policies.base import Candidate, RouteQuery
+from kvmesh.router.core.policies.base import NO_OBJECTIVES, Candidate, Objectives, RouteQuery
 from kvmesh.router.core.upstream import WorkerEndpoint
 
 
@@ -30,6 +30,7 @@ class PendingPlan:
     max_tokens: int
     asked_at: float = 0.0
     """The router's clock when the Lookup was asked: its own picks reserved since may be missing from it."""
+    objectives: Objectives = NO_OBJECTIVES
 
 
 @dataclass(slots=True)

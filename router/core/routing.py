@@ -55,7 +55,15 @@ from kvmesh.router.core.chain_cache import ChainCache
 from kvmesh.router.core.inflight import InFlight, Ticket
 from kvmesh.router.core.observer import CountingObserver, DecisionObserver
 from kvmesh.router.core.plan import PendingPlan, RoutePlan
-from kvmesh.router.core.policies.base import Candidate, Decision, RouteQuery, RouterPolicy, uncached_tokens
+from kvmesh.router.core.policies.base import (
+    NO_OBJECTIVES,
+    Candidate,
+    Decision,
+    Objectives,
+    RouteQuery,
+    RouterPolicy,
+    uncached_tokens,
+)
 from kvmesh.router.core.speculative import SpeculativeIndex
 from kvmesh.router.core.upstream import WorkerEndpoint
 
@@ -155,7 +163,8 @@ class RoutingCore:
     def build(self, spec: ModelSpec, token_ids: Sequence[int], chain: list[bytes],
               endpoints: Iterable[WorkerEndpoint], answer: Sequence[WorkerMatch] | None, index_ok: bool, *,
               adopt: bool, healthy: Callable[[str], bool] = lambda _w: True, max_tokens: int = 0,
-              asked_at: float | None = None, reserve_blind: bool = False) -> RoutePlan:
+              asked_at: float | None = None, reserve_blind: bool = False,
+              objectives: Objectives = NO_OBJECTIVES) -> RoutePlan:
         """The candidates of one request.
 
         Args:
@@ -165,6 +174,7 @@ class RoutingCore:
                 (discovery from the index); False with a static worker list.
             healthy: whether a worker is free of a recent failure mark.
             max_tokens: the request's max_tokens, for policies that cost its decode.
+            objectives: the request's latency objectives, for policies that use them.
             asked_at: when the Lookup was asked (the shared view adds this router's picks reserved since).
             reserve_blind: the Lookup was late but the index answers: the pick made without it is still
                 reserved (unconditionally), so the other routers see it.
@@ -220,12 +230,14 @@ class RoutingCore:
         # NOTE: unhealthy marks are hints: when every worker carries one, try them all anyway.
         versions = ({w: m.pending.version for w, m in pending.items()} if shared
                     else {} if self.shared_view and reserve_blind and self.wants_index(chain) else None)
-        return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok, max_tokens),
+        return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok, max_tokens,
+                                                    objectives),
                          usable or candidates, eps, spec.model_id, versions, conditional=shared,
                          answered=answer is not None)
 
     def prepare(self, spec: ModelSpec, token_ids: Sequence[int], have_index: bool, *, cache_salt: str = "",
-              chain: list[bytes] | None = None, max_tokens: int = 0) -> PendingPlan:
+              chain: list[bytes] | None = None, max_tokens: int = 0,
+              objectives: Objectives = NO_OBJECTIVES) -> PendingPlan:
         """Steps 1-2 of a plan: the chain, and whether (and for which blocks) to ask the index.
 
         The caller asks the index for ``pending.lookup`` when it is not None (a Lookup awaited live,
@@ -243,7 +255,7 @@ class RoutingCore:
                 # NOTE: the index answers at most MAX_CHAIN_BLOCKS blocks; a longer prompt
                 # (--max-prompt-tokens 0) is looked up by its leading ones, never refused.
                 lookup = chain[:MAX_CHAIN_BLOCKS]
-        return PendingPlan(spec, token_ids, chain, lookup, index_ok, max_tokens, self.clock())
+        return PendingPlan(spec, token_ids, chain, lookup, index_ok, max_tokens, self.clock(), objectives)
 
     def complete(self, pending: PendingPlan, endpoints: Iterable[WorkerEndpoint],
                outcome: Sequence[WorkerMatch] | IndexUnavailable | None, seconds: float = 0.0, *,
@@ -267,7 +279,7 @@ class RoutingCore:
                 self._since_seen = {}
         plan = self.build(pending.spec, pending.token_ids, pending.chain, endpoints, answer, index_ok, adopt=adopt,
                           healthy=healthy, max_tokens=pending.max_tokens, asked_at=pending.asked_at,
-                          reserve_blind=late)
+                          reserve_blind=late, objectives=pending.objectives)
         if folded is not None:
             # NOTE: reserved, or perhaps reserved (the Lookup failed after it may have landed): a reservation
             # elsewhere drops it; a pick of the same worker keeps it (reserve.lua: one pick per request id).
@@ -295,7 +307,8 @@ class RoutingCore:
         if not view:
             return None
         plan = self.build(pending.spec, pending.token_ids, pending.chain, eps, view, True, adopt=False,
-                          healthy=healthy, max_tokens=pending.max_tokens, asked_at=pending.asked_at)
+                          healthy=healthy, max_tokens=pending.max_tokens, asked_at=pending.asked_at,
+                          objectives=pending.objectives)
         if not plan.candidates or plan.versions is None:
             return None
         worker = self.policy.fallbacks(plan.query, plan.candidates, 1)[0]

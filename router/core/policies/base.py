@@ -119,6 +119,23 @@ class Candidate:
 
 
 @dataclass(slots=True, frozen=True)
+class Objectives:
+    """A request's latency objectives, in seconds (0 = none): llm-d's ``x-slo-ttft-ms`` and ``x-slo-tpot-ms``
+    headers, the gRPC request's fields, or the router's default flags (docs/router.md "Latency objectives")."""
+
+    ttft_s: float = 0.0
+    """Time to first token."""
+    tpot_s: float = 0.0
+    """Time per output token after the first."""
+
+    def __bool__(self) -> bool:
+        return self.ttft_s > 0 or self.tpot_s > 0
+
+
+NO_OBJECTIVES = Objectives()
+
+
+@dataclass(slots=True, frozen=True)
 class RouteQuery:
     """What a policy sees of a request."""
 
@@ -129,6 +146,8 @@ class RouteQuery:
     """False when the prefix index could not be asked: matched_blocks are not to be trusted."""
     max_tokens: int = 0
     """The request's max_tokens (0 = not known): what its decode may cost."""
+    objectives: Objectives = NO_OBJECTIVES
+    """The request's latency objectives (none by default)."""
 
 
 @dataclass(slots=True, frozen=True)
