@@ -25,6 +25,8 @@ from kvmesh.contract.index_protocol import (
 )
 from kvmesh.contract.kv_transfer import check_role
 from kvmesh.contract.limits import (
+    MAX_ADAPTER_NAME_CHARS,
+    MAX_ADAPTERS,
     MAX_ADDRESS_CHARS,
     MAX_ADMITTED_IDS,
     MAX_CACHE_SALT_CHARS,
@@ -133,6 +135,11 @@ def _check_load(load: Load) -> None:
                               "per report")
     for i, rid in enumerate(load.admitted):
         check_id(f"load.admitted_request_ids[{i}]", rid, MAX_WORKER_REQUEST_ID_CHARS)
+    if len(load.adapters) > MAX_ADAPTERS:
+        raise InvalidArgument(f"load.adapters lists {len(load.adapters)} adapters; at most {MAX_ADAPTERS} per report")
+    for i, a in enumerate(load.adapters):
+        if not 1 <= len(a.name) <= MAX_ADAPTER_NAME_CHARS or not a.name.isprintable():
+            raise InvalidArgument(f"load.adapters[{i}].name must be 1-{MAX_ADAPTER_NAME_CHARS} printable characters")
 
 
 def _check_counter(what: str, value: int) -> None:

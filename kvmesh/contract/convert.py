@@ -23,6 +23,8 @@ from kvmesh.contract.index_protocol import (
 )
 from kvmesh.contract.kv_transfer import GRPC, KVLayout, KVSource
 from kvmesh.contract.types import (
+    AdapterLevel,
+    AdapterResidency,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -91,6 +93,9 @@ def load_to_pb(load: Load) -> common_pb2.WorkerLoad:
         cache_block_tokens=load.cache_block_tokens,
         host_loaded_blocks_total=load.host_loaded_blocks, host_load_seconds=load.host_load_s,
         num_cached_blocks=load.num_cached_blocks,
+        adapters=[common_pb2.AdapterResidency(name=a.name, level=int(a.level), requests=a.requests)
+                  for a in load.adapters],
+        max_loras=load.max_loras,
     )
 
 
@@ -100,7 +105,8 @@ def load_from_pb(m: common_pb2.WorkerLoad) -> Load:
                 m.decode_tokens_total, m.decode_context_tokens_total, m.max_num_batched_tokens,
                 tuple(m.admitted_request_ids), m.reports_admissions, cache_block_tokens=m.cache_block_tokens,
                 host_loaded_blocks=m.host_loaded_blocks_total, host_load_s=m.host_load_seconds,
-                num_cached_blocks=m.num_cached_blocks)
+                num_cached_blocks=m.num_cached_blocks, max_loras=m.max_loras,
+                adapters=tuple(AdapterResidency(a.name, AdapterLevel(a.level), a.requests) for a in m.adapters))
 
 
 def pending_to_pb(p: Pending) -> kv_pb.PendingPicks:

@@ -26,6 +26,9 @@ MAX_WORKER_REQUEST_ID_CHARS = 256
 """A worker's request id (Worker.Generate / Abort)."""
 MAX_ADMITTED_IDS = 4096
 """Admitted request ids one load report lists (a worker keeps at most this many unacknowledged)."""
+MAX_ADAPTERS = 1024
+"""LoRA adapters one load report lists (WorkerLoad.adapters)."""
+MAX_ADAPTER_NAME_CHARS = 256
 MAX_CACHE_SALT_CHARS = 1024
 MAX_EXTRA_KEYS_CHARS = 1024
 MAX_CHAIN_BLOCKS = 65_536

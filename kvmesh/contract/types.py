@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Literal
+from urllib.parse import quote, unquote
 
 from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.limits import MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, excerpt
@@ -87,6 +88,25 @@ class Usage:
     completion_tokens: int = 0
 
 
+class AdapterLevel(IntEnum):
+    """Where a loaded LoRA adapter's weights are (kvmesh.v1.AdapterLevel)."""
+
+    GPU = 0
+    """In one of the worker's GPU slots (--max-loras): a request of it runs without a load."""
+    CPU = 1
+    """In CPU memory (--max-cpu-loras): copied into a slot before a request of it runs."""
+
+
+@dataclass(slots=True, frozen=True)
+class AdapterResidency:
+    """One LoRA adapter a worker has loaded, idle or not (docs/adapters.md)."""
+
+    name: str
+    level: AdapterLevel = AdapterLevel.GPU
+    requests: int = 0
+    """Its requests running or waiting on the worker."""
+
+
 @dataclass(slots=True, frozen=True)
 class Load:
     """A worker's load as it reports it (heartbeat, GetLoad) and the router sees it.
@@ -137,6 +157,10 @@ class Load:
     """Device blocks holding a cached prefix, in use or idle (a bridged engine's: the blocks its
     mirror holds). ``num_total_blocks`` less these is what a new prefix fills without evicting one:
     the KV a router may treat as free (router/core/policies/prefix_load.py)."""
+    adapters: tuple[AdapterResidency, ...] = ()
+    """The LoRA adapters the worker has loaded, in GPU slots or CPU memory, idle ones included."""
+    max_loras: int = 0
+    """The worker's GPU adapter slots (0 = it serves no adapter)."""
 
     def queue_state(self) -> tuple[int, int, int]:
         """What routing reads of the worker's state: (running, waiting, queued prefill tokens); a
@@ -151,7 +175,12 @@ class Load:
         n = len(values)
         while n > _ALWAYS_ENCODED and not values[n - 1]:
             n -= 1
-        return ",".join(repr(v) if isinstance(v, float) else str(v) for v in values[:n])
+        raw = ",".join(repr(v) if isinstance(v, float) else str(v) for v in values[:n])
+        if self.adapters:
+            # NOTE: after a '/', one "name:level:requests" per adapter, ';'-separated, the names quoted (the
+            # Redis store keeps a load between '|'s)
+            raw += "/" + ";".join(f"{quote(a.name, safe='')}:{int(a.level)}:{a.requests}" for a in self.adapters)
+        return raw
 
     @classmethod
     def decode(cls, raw: str | bytes | None) -> Load:
@@ -159,7 +188,16 @@ class Load:
             return cls()
         if isinstance(raw, bytes):
             raw = raw.decode()
-        return cls(**{name: kind(x) for (name, kind), x in zip(_ENCODED, raw.split(","), strict=False)})
+        raw, _, listed = raw.partition("/")
+        fields = {name: kind(x) for (name, kind), x in zip(_ENCODED, raw.split(","), strict=False)}
+        if listed:
+            fields["adapters"] = tuple(_adapter(a) for a in listed.split(";"))
+        return cls(**fields)
+
+
+def _adapter(raw: str) -> AdapterResidency:
+    name, level, requests = raw.rsplit(":", 2)
+    return AdapterResidency(unquote(name), AdapterLevel(int(level)), int(requests))
 
 
 _ENCODED: tuple[tuple[str, type], ...] = (
@@ -167,7 +205,7 @@ _ENCODED: tuple[tuple[str, type], ...] = (
     ("queued_prefill_tokens", int), ("busy_s", float), ("steps", int), ("prefill_tokens", int),
     ("prefill_pairs", int), ("decode_tokens", int), ("decode_context_tokens", int),
     ("max_num_batched_tokens", int), ("cache_block_tokens", int), ("host_loaded_blocks", int),
-    ("host_load_s", float), ("num_cached_blocks", int))
+    ("host_load_s", float), ("num_cached_blocks", int), ("max_loras", int))
 """The fields :meth:`Load.encode` writes, in order (the kv_service's stored form)."""
 _ALWAYS_ENCODED = 12
 """Fields every stored load has (those before the miss audit's and the host tier's)."""

@@ -2,10 +2,15 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class AdapterLevel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADAPTER_LEVEL_GPU: _ClassVar[AdapterLevel]
+    ADAPTER_LEVEL_CPU: _ClassVar[AdapterLevel]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -13,13 +18,15 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+ADAPTER_LEVEL_GPU: AdapterLevel
+ADAPTER_LEVEL_CPU: AdapterLevel
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "queued_prefill_tokens", "busy_seconds", "steps_total", "prefill_tokens_total", "prefill_attention_pairs_total", "decode_tokens_total", "decode_context_tokens_total", "max_num_batched_tokens", "admitted_request_ids", "reports_admissions", "cache_block_tokens", "host_loaded_blocks_total", "host_load_seconds", "num_cached_blocks")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "queued_prefill_tokens", "busy_seconds", "steps_total", "prefill_tokens_total", "prefill_attention_pairs_total", "decode_tokens_total", "decode_context_tokens_total", "max_num_batched_tokens", "admitted_request_ids", "reports_admissions", "cache_block_tokens", "host_loaded_blocks_total", "host_load_seconds", "num_cached_blocks", "adapters", "max_loras")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +45,8 @@ class WorkerLoad(_message.Message):
     HOST_LOADED_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     HOST_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -56,7 +65,19 @@ class WorkerLoad(_message.Message):
     host_loaded_blocks_total: int
     host_load_seconds: float
     num_cached_blocks: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., steps_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., prefill_attention_pairs_total: _Optional[int] = ..., decode_tokens_total: _Optional[int] = ..., decode_context_tokens_total: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., admitted_request_ids: _Optional[_Iterable[str]] = ..., reports_admissions: _Optional[bool] = ..., cache_block_tokens: _Optional[int] = ..., host_loaded_blocks_total: _Optional[int] = ..., host_load_seconds: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterResidency]
+    max_loras: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., steps_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., prefill_attention_pairs_total: _Optional[int] = ..., decode_tokens_total: _Optional[int] = ..., decode_context_tokens_total: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., admitted_request_ids: _Optional[_Iterable[str]] = ..., reports_admissions: _Optional[bool] = ..., cache_block_tokens: _Optional[int] = ..., host_loaded_blocks_total: _Optional[int] = ..., host_load_seconds: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterResidency, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+
+class AdapterResidency(_message.Message):
+    __slots__ = ("name", "level", "requests")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    level: AdapterLevel
+    requests: int
+    def __init__(self, name: _Optional[str] = ..., level: _Optional[_Union[AdapterLevel, str]] = ..., requests: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")

@@ -12,7 +12,15 @@ import pytest
 from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import FailedPrecondition, NotFound
 from kvmesh.contract.index_protocol import Pending, Registration, Reservation
-from kvmesh.contract.types import AllBlocksCleared, BlockRemoved, BlockStored, Load, Tier
+from kvmesh.contract.types import (
+    AdapterLevel,
+    AdapterResidency,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Load,
+    Tier,
+)
 from kvmesh.kv_service.index import Action, PendingConfig
 from kvmesh.kv_service.store_memory import MemoryIndex
 from kvmesh.kv_service.store_redis import RedisIndex
@@ -291,6 +299,11 @@ async def test_lookup_is_per_model_and_reports_load(index):
     got = await index.lookup("m", h, T0)
     assert [(m.worker_id, m.matched_blocks, m.load, m.block_size) for m in got] == [("w1", 0, load, 4)]
     assert await index.lookup("nobody", h, T0) == []
+    # the LoRA adapters it has loaded (issue 52), names with the encoding's own separators among them
+    lora = replace(load, max_loras=2, adapters=(AdapterResidency("sql:lora|v2", AdapterLevel.GPU, 3),
+                                                AdapterResidency("a,b;c", AdapterLevel.CPU, 0)))
+    await index.heartbeat("w1", 1, lora, TTL, T0)
+    assert [m.load for m in await index.lookup("m", h, T0)] == [lora]
 
 
 async def test_an_applied_batch_carries_the_workers_load(index):
@@ -402,6 +415,10 @@ def test_load_encoding_round_trips_and_reads_the_older_five_field_form():
                   {"cache_block_tokens": 32, "host_loaded_blocks": 5, "host_load_s": 0.25}, {"host_load_s": 0.5}):
         newer = replace(load, **extra)
         assert Load.decode(newer.encode()) == newer and load_from_pb(load_to_pb(newer)) == newer
+    lora = replace(load, max_loras=4, adapters=(AdapterResidency("x%3A:y", AdapterLevel.CPU, 2),
+                                                AdapterResidency("z", AdapterLevel.GPU, 0)))
+    assert Load.decode(lora.encode()) == lora and load_from_pb(load_to_pb(lora)) == lora
+    assert Load.decode(replace(load, max_loras=4).encode()).adapters == ()
 
 
 async def test_a_batch_in_parts_lets_a_lookup_in_between_and_a_stray_part_resyncs(redis_url, redis_namespace):

@@ -208,6 +208,12 @@ def test_bad_input_gets_clear_status_and_leaves_index_unchanged(kv):
         (lambda: reserve(stub, model_id="other"), NF, "worker 'w1' is not a live worker of model 'other'"),
         (lambda: stub.Heartbeat(pb.HeartbeatRequest(worker_id="w1", epoch=7, load=common_pb2.WorkerLoad(
             admitted_request_ids=["ok", "bad\x00"])), timeout=5), INV, "load.admitted_request_ids[1]"),
+        (lambda: stub.Heartbeat(pb.HeartbeatRequest(worker_id="w1", epoch=7, load=common_pb2.WorkerLoad(
+            adapters=[common_pb2.AdapterResidency(name="ok"), common_pb2.AdapterResidency(name="")])), timeout=5),
+         INV, "load.adapters[1].name must be 1-256 printable characters"),
+        (lambda: stub.Heartbeat(pb.HeartbeatRequest(worker_id="w1", epoch=7, load=common_pb2.WorkerLoad(
+            adapters=[common_pb2.AdapterResidency(name=f"a{i}") for i in range(1025)])), timeout=5),
+         INV, "load.adapters lists 1025 adapters; at most 1024"),
         (lambda: register(stub, "w2", engine="no spaces"), INV, "engine must be 1-32 characters"),
     ]
     for call, code, message in cases:
