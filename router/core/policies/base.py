@@ -136,6 +136,21 @@ NO_OBJECTIVES = Objectives()
 
 
 @dataclass(slots=True, frozen=True)
+class ObjectiveMiss:
+    """A policy's word that no candidate is predicted to meet a request's objectives (the refusal's message)."""
+
+    objective: str
+    """``ttft`` or ``tpot``."""
+    target_s: float
+    best_s: float
+    """The best prediction among the candidates (for a TTFT missed only beside the TPOT: among those that meet it)."""
+
+    def __str__(self) -> str:
+        return (f"no worker is predicted to meet the request's {self.objective.upper()} objective of "
+                f"{self.target_s * 1000:g} ms (the best predicted is {self.best_s * 1000:.3g} ms)")
+
+
+@dataclass(slots=True, frozen=True)
 class RouteQuery:
     """What a policy sees of a request."""
 
@@ -247,6 +262,14 @@ class RouterPolicy(abc.ABC):
             with self._lock:
                 self._rng.setstate(state)
         return out
+
+    def objective_miss(self, query: RouteQuery, candidates: Sequence[Candidate]) -> ObjectiveMiss | None:
+        """None when some candidate is predicted to meet the query's latency objectives, or the policy
+        predicts no latency (the default); else which objective none meets (``--slo-refuse``)."""
+        return None
+
+    def meets_objectives(self, query: RouteQuery, candidates: Sequence[Candidate]) -> bool:
+        return self.objective_miss(query, candidates) is None
 
     # -- the policy's record of its requests (optional) -----------------------------------
     def started(self, ticket: Ticket, query: RouteQuery, chosen: Candidate) -> None:  # noqa: B027 - optional hook

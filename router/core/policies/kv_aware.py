@@ -12,6 +12,7 @@ from kvmesh.router.core.inflight import Ticket
 from kvmesh.router.core.policies.base import (
     Candidate,
     Decision,
+    ObjectiveMiss,
     PolicyConfig,
     RouteQuery,
     RouterPolicy,
@@ -56,6 +57,12 @@ class KvAwarePolicy(RouterPolicy):
     (router/core/policies/cost.py), per worker (``--step-cost-fit worker``, the default: a fleet may mix
     GPU types) or pooled over all workers; until there are enough, the same prediction runs in token
     units (a prefill token costs 1).
+
+    **Latency objectives** (docs/router.md, "Latency objectives"): once the step cost is learned, a request's
+    TTFT objective is held against ``ttft`` and its TPOT objective against :func:`predicted_tpot` (a decode
+    step of the worker with this request added); a candidate predicted to miss either loses to every one
+    predicted to meet both, and among those the score decides. When none is predicted to meet them, or
+    before the step cost is learned (no prediction in seconds yet), the score alone decides.
     """
 
     name = "kv-aware"
@@ -91,9 +98,23 @@ class KvAwarePolicy(RouterPolicy):
         if not query.index_ok and not any(c.matched_blocks for c in candidates):
             return self.rendezvous(query, candidates, "fallback")
         scores = self.scores(query, candidates)
-        i = self._sample_index(scores) if self.config.temperature > 0 else self._argmin_index(scores)
+        meets = self._meets(query, candidates) if query.objectives else None
+        if meets is not None and any(meets) and not all(meets):
+            # NOTE: every candidate predicted to meet the objectives ranks before every one predicted to
+            # miss them (fallbacks too): the misses' scores move past the worst score of all.
+            keep = [i for i, ok in enumerate(meets) if ok]
+            shift = max(scores) - min(scores) + 1.0
+            scores = [s if ok else s + shift for s, ok in zip(scores, meets, strict=True)]
+            if self.config.temperature > 0:
+                i = keep[self._sample_index([scores[j] for j in keep])]
+            else:
+                best = min(scores[j] for j in keep)
+                i = self._choice_index([j for j in keep if scores[j] == best])
+        else:
+            meets = None
+            i = self._sample_index(scores) if self.config.temperature > 0 else self._argmin_index(scores)
         self._scored = (query, {c.worker_id: s for c, s in zip(candidates, scores, strict=True)})
-        placed = self._placement(query, candidates, scores)
+        placed = self._placement(query, candidates, scores, meets)
         if placed is not None:
             i = placed
         chosen = candidates[i]
@@ -135,11 +156,57 @@ class KvAwarePolicy(RouterPolicy):
             scores.append(ttft + lam * decoders(c) * own + kappa * work)
         return scores
 
-    def _placement(self, query: RouteQuery, candidates: Sequence[Candidate], scores: Sequence[float]) -> int | None:
+    def predictions(self, query: RouteQuery, candidates: Sequence[Candidate]) -> list[tuple[float, float]] | None:
+        """Each candidate's predicted (TTFT, TPOT) in seconds for this request; None before the step cost
+        is learned (the prediction is then in tokens, and no objective can be judged)."""
+        if not self.cost.learned:
+            return None
+        out = []
+        for c in candidates:
+            model = self.cost.estimate(c.worker_id)
+            if model is None:
+                return None
+            link = self.cost.load_s_per_block(c.worker_id) if c.host_blocks else None
+            ttft, _ = predicted_ttft(model, query, c, self.config.default_step_tokens, link,
+                                     mean_output=self._mean_output)
+            out.append((ttft, predicted_tpot(model, query, c)))
+        return out
+
+    def _meets(self, query: RouteQuery, candidates: Sequence[Candidate]) -> list[bool] | None:
+        """Whether each candidate is predicted to meet the query's objectives; None when none can be judged."""
+        predicted = self.predictions(query, candidates)
+        if predicted is None:
+            return None
+        o = query.objectives
+        return [(not o.ttft_s or ttft <= o.ttft_s) and (not o.tpot_s or tpot <= o.tpot_s) for ttft, tpot in predicted]
+
+    def objective_miss(self, query: RouteQuery, candidates: Sequence[Candidate]) -> ObjectiveMiss | None:
+        """Which objective no candidate is predicted to meet (a TTFT met only where the TPOT is missed is
+        named with the best TTFT among the candidates that meet the TPOT); None when one meets both, or
+        before the step cost is learned."""
+        o = query.objectives
+        if not o:
+            return None
+        predicted = self.predictions(query, candidates)
+        if predicted is None:
+            return None
+        if any((not o.ttft_s or t <= o.ttft_s) and (not o.tpot_s or d <= o.tpot_s) for t, d in predicted):
+            return None
+        ttft = min(t for t, _ in predicted)
+        if o.ttft_s and ttft > o.ttft_s:
+            return ObjectiveMiss("ttft", o.ttft_s, ttft)
+        tpot = min(d for _, d in predicted)
+        if tpot > o.tpot_s:
+            return ObjectiveMiss("tpot", o.tpot_s, tpot)
+        return ObjectiveMiss("ttft", o.ttft_s, min(t for t, d in predicted if d <= o.tpot_s))
+
+    def _placement(self, query: RouteQuery, candidates: Sequence[Candidate], scores: Sequence[float],
+                   meets: Sequence[bool] | None = None) -> int | None:
         """Where a prompt that no worker holds any of goes, while prompts repeat: among the workers
         whose score is no worse than the mean, to the one given the least content to hold, in prefill
         seconds (ties: the best score); None = the score decides (the prompt continues something
-        held, or prompts do not repeat).
+        held, or prompts do not repeat). ``meets``: whether each candidate is predicted to meet the
+        request's objectives (None = all are): only those are placed on, the mean taken over them.
 
         NOTE: a new prompt commits its worker to the requests that will share it, which the queue now
         cannot show. Placed by the queue alone, 150 prefix groups landed on 32 workers 2 to 8 apiece
@@ -156,10 +223,12 @@ class KvAwarePolicy(RouterPolicy):
             if self.prefixes.repeat_share <= 0.0:
                 return None
             given = [self.prefixes.given(c.worker_id) for c in candidates]
-        bound = sum(scores) / len(scores)
+        eligible = [True] * len(candidates) if meets is None else meets
+        kept = [s for s, ok in zip(scores, eligible, strict=True) if ok]
+        bound = sum(kept) / len(kept)
         keys = []
-        for c, g, score in zip(candidates, given, scores, strict=True):
-            if score > bound:
+        for c, g, score, ok in zip(candidates, given, scores, eligible, strict=True):
+            if not ok or score > bound:
                 keys.append(math.inf)  # NOTE: predicted worse than the mean now: its queue decides
                 continue
             capacity = c.load.num_total_blocks * query.block_size
@@ -258,6 +327,13 @@ def kv_wait(per_step: float, q: RouteQuery, c: Candidate, queue: int, u: int, me
         return 0.0
     # NOTE: requests to finish (deficit / blocks each), at D every mean_output / 2 steps
     return deficit / (used / d) * (mean_output / 2) * per_step / d
+
+
+def predicted_tpot(m: StepCost, q: RouteQuery, c: Candidate) -> float:
+    """Seconds of one decode step on the candidate with this request added: one more sequence, and its
+    prompt in the context the step reads (what each of its output tokens after the first waits for)."""
+    return (m.step_s + m.decode_seq_s * (decoders(c) + 1)
+            + m.decode_context_token_s * (used_blocks(c) * q.block_size + q.prompt_len))
 
 
 def predicted_ttft(m: StepCost, q: RouteQuery, c: Candidate, default_step_tokens: int = 2048,
