@@ -18,6 +18,7 @@ engine's cache by replaying its event buffer from seq 0.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -28,15 +29,18 @@ import urllib.request
 from dataclasses import replace
 from pathlib import PurePosixPath
 
+from kvmesh.bridge.adapters import NAMES as ADAPTER_SERIES
+from kvmesh.bridge.adapters import AdapterTracker, listed_adapters, parse_lora_info
 from kvmesh.bridge.config import BridgeConfig
 from kvmesh.bridge.engine_events import BadPayload, EngineCleared, EngineRemoved, EngineStored, decode_batch
-from kvmesh.bridge.engine_load import EngineStatus, parse_status
+from kvmesh.bridge.engine_load import EngineStatus, parse_status, wanted_lines
 from kvmesh.bridge.event_stream import Batch, EngineEventStream, Lost, Restarted
 from kvmesh.bridge.metrics import BridgeMetrics
 from kvmesh.bridge.mirror import EngineMirror, check_block_sizes
 from kvmesh.contract.block_hash import DEFAULT_BLOCK_SIZE
 from kvmesh.contract.types import (
     H100_8B_KV_BLOCKS,
+    AdapterResidency,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -88,6 +92,9 @@ class Bridge:
         """Epochs registered so far (1 + the engine restarts seen)."""
         self._status: EngineStatus | None = None
         self._load = Load()
+        self.adapters = AdapterTracker()
+        """The LoRA adapters the engine has loaded, as its load reports say (bridge/adapters.py)."""
+        self._listed: list[str] = []
         self._control: queue.Queue[str] = queue.Queue()
         self._stop = threading.Event()
         self._up = False
@@ -168,12 +175,31 @@ class Bridge:
                         "assuming %d tokens", self.capacity_tokens)
 
     def _scrape(self) -> EngineStatus:
-        status = parse_status(http_get(f"{self.cfg.base_url}/metrics").decode("utf-8", "replace"),
-                              self.cfg.engine, self.cfg.block_size)
+        text = http_get(f"{self.cfg.base_url}/metrics").decode("utf-8", "replace")
+        status = parse_status(text, self.cfg.engine, self.cfg.block_size)
         self._status = status
+        adapters, slots = self._adapters(text)
         # NOTE: the engine's cached blocks are the ones its events stored: the mirror holds them.
-        self._load = replace(status.load, num_cached_blocks=len(self.mirror) if self.mirror is not None else 0)
+        self._load = replace(status.load, num_cached_blocks=len(self.mirror) if self.mirror is not None else 0,
+                             adapters=adapters, max_loras=slots)
         return status
+
+    def _adapters(self, text: str) -> tuple[tuple[AdapterResidency, ...], int]:
+        """The LoRA adapters the engine has loaded and its slots (bridge/adapters.py), () without LoRA."""
+        if self.cfg.engine != "vllm":
+            return (), 0
+        info = parse_lora_info(wanted_lines(text, ADAPTER_SERIES))
+        if info is not None and info.loaded is None:
+            # NOTE: a failed read leaves the last list standing until the next scrape
+            with contextlib.suppress(EngineUnreachable, ValueError, AttributeError):
+                self._listed = listed_adapters(json.loads(http_get(f"{self.cfg.base_url}/v1/models")))
+        source = self.adapters.source
+        out = self.adapters.update(info, self._listed)
+        if self.adapters.source != source:
+            log.info("LoRA adapters' residency: %s (%s)", self.adapters.source,
+                     "vLLM's residency gauges" if self.adapters.source == "gauges"
+                     else "inferred from vllm:lora_requests_info and /v1/models")
+        return out
 
     def load(self) -> Load:
         """The engine's load as last scraped (read by the publisher's threads)."""

@@ -64,7 +64,7 @@ class EngineStatus:
     """Of those, tokens found cached."""
 
 
-def _wanted(text: str, names: frozenset[str]) -> str:
+def wanted_lines(text: str, names: frozenset[str]) -> str:
     """The lines of the series in ``names`` (and their # TYPE lines): vLLM's page is ~60 KB of
     histograms, ~6 ms for the parser whole, ~0.1 ms for these."""
     keep = []
@@ -105,7 +105,7 @@ def parse_status(text: str, engine: str, block_size: int) -> EngineStatus:
     """The engine's load in kvmesh terms (``block_size``: kvmesh's). Raises ValueError on text
     that is not Prometheus exposition format."""
     n = NAMES[engine]
-    v, infos = _samples(_wanted(text, _WANTED[engine]))
+    v, infos = _samples(wanted_lines(text, _WANTED[engine]))
     cache = infos.get("vllm:cache_config_info", {})
     engine_bs = _int_label(cache, "block_size")
     capacity = _int_label(cache, "num_gpu_blocks") * engine_bs

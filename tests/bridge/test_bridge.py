@@ -94,6 +94,20 @@ def test_attach_registers_the_engine_and_recovers_what_it_cached_before(engine, 
     wait_until(lambda: matched(kv, B).get(wid) == 4 and matched(kv, A).get(wid) == 4, what="live events")
 
 
+def test_the_load_report_lists_the_engines_lora_adapters_idle_ones_included(engine, kv, bridges):
+    engine.max_lora, engine.adapters = 2, ["sql", "chat", "idle"]
+    engine.lora_history = [("chat", ""), ("sql", "chat")]
+    b = start_bridge(bridges, engine, kv)
+
+    def adapters() -> list[tuple[str, int, int]]:
+        return [(a.name, a.level, a.requests) for a in worker(kv, b.worker_id).load.adapters]
+
+    # sql runs (a slot), chat waits and ran last (the other slot), idle was never asked for (CPU memory)
+    wait_until(lambda: adapters() == [("chat", 0, 1), ("idle", 1, 0), ("sql", 0, 1)],
+               what="the adapters in the engine's load report")
+    assert worker(kv, b.worker_id).load.max_loras == 2 and b.adapters.source == "inferred"
+
+
 def test_lost_batches_come_back_by_replay(engine, kv, bridges):
     b = start_bridge(bridges, engine, kv)
     store_chain(engine, A[:32], 1)

@@ -23,7 +23,7 @@ def test_a_real_vllm_page():
 def test_filtering_the_page_changes_nothing(monkeypatch):
     # the series kept for the library's parser give what the whole page gives (it is ~60 KB of histograms)
     fast = parse_status(PAGE, "vllm", 16)
-    monkeypatch.setattr(engine_load, "_wanted", lambda text, names: text)
+    monkeypatch.setattr(engine_load, "wanted_lines", lambda text, names: text)
     assert parse_status(PAGE, "vllm", 16) == fast
 
 

@@ -9,6 +9,7 @@ PUB socket (as a lagging subscriber loses them), shrink the replay buffer, start
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -44,6 +45,12 @@ class EngineDouble:
         self.healthy = True
         self.running = 0
         self.waiting = 0
+        self.max_lora = 0
+        """> 0: served with --enable-lora (vllm:lora_requests_info on /metrics, adapters on /v1/models)."""
+        self.lora_history: list[tuple[str, str]] = []
+        """The (running, waiting) label values of each stats log so far (vLLM keeps every label set)."""
+        self.adapters: list[str] = []
+        """The LoRA modules /v1/models lists, with the model as their parent."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._replay_thread = threading.Thread(target=self._serve_replay, daemon=True)
@@ -129,7 +136,20 @@ class EngineDouble:
             'vllm:e2e_request_latency_seconds_count{engine="0",model_name="m"} 4.0\n'
             'vllm:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 1.0\n'
             f'vllm:cache_config_info{{block_size="{self.block_size}",engine="0",num_gpu_blocks="{self.num_blocks}",'
-            'num_cpu_blocks="None"} 1.0\n')
+            'num_cpu_blocks="None"} 1.0\n' + self._lora_text())
+
+    def _lora_text(self) -> str:
+        if not self.max_lora:
+            return ""
+        # NOTE: as vLLM: each log sets its label set to the time; the older ones stay
+        return "# TYPE vllm:lora_requests_info gauge\n" + "".join(
+            f'vllm:lora_requests_info{{max_lora="{self.max_lora}",running_lora_adapters="{r}",'
+            f'waiting_lora_adapters="{w}"}} {1.7e9 + i}\n' for i, (r, w) in enumerate(self.lora_history))
+
+    def models_json(self) -> bytes:
+        data = [{"id": self.model, "object": "model", "parent": None}] + [
+            {"id": a, "object": "model", "root": f"/adapters/{a}", "parent": self.model} for a in self.adapters]
+        return json.dumps({"object": "list", "data": data}).encode()
 
     def _handler(self):
         double = self
@@ -144,7 +164,7 @@ class EngineDouble:
                 elif self.path == "/metrics":
                     self._send(200, double.metrics_text().encode())
                 elif self.path == "/v1/models":
-                    self._send(200, b'{"object":"list","data":[{"id":"%s"}]}' % double.model.encode())
+                    self._send(200, double.models_json())
                 else:
                     self._send(404, b"")
 
