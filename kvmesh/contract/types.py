@@ -95,11 +95,13 @@ class AdapterLevel(IntEnum):
     """In one of the worker's GPU slots (--max-loras): a request of it runs without a load."""
     CPU = 1
     """In CPU memory (--max-cpu-loras): copied into a slot before a request of it runs."""
+    DISK = 2
+    """Servable, its weights on disk only: read and copied into a slot before a request of it runs."""
 
 
 @dataclass(slots=True, frozen=True)
 class AdapterResidency:
-    """One LoRA adapter a worker has loaded, idle or not (docs/adapters.md)."""
+    """One LoRA adapter a worker serves, idle or not, and where its weights are (docs/adapters.md)."""
 
     name: str
     level: AdapterLevel = AdapterLevel.GPU
@@ -158,7 +160,7 @@ class Load:
     mirror holds). ``num_total_blocks`` less these is what a new prefix fills without evicting one:
     the KV a router may treat as free (router/core/policies/prefix_load.py)."""
     adapters: tuple[AdapterResidency, ...] = ()
-    """The LoRA adapters the worker has loaded, in GPU slots or CPU memory, idle ones included."""
+    """The LoRA adapters the worker serves, idle ones included: in a GPU slot, in CPU memory or on disk."""
     max_loras: int = 0
     """The worker's GPU adapter slots (0 = it serves no adapter)."""
 

@@ -11,6 +11,7 @@ class AdapterLevel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ADAPTER_LEVEL_GPU: _ClassVar[AdapterLevel]
     ADAPTER_LEVEL_CPU: _ClassVar[AdapterLevel]
+    ADAPTER_LEVEL_DISK: _ClassVar[AdapterLevel]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -20,6 +21,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
 ADAPTER_LEVEL_GPU: AdapterLevel
 ADAPTER_LEVEL_CPU: AdapterLevel
+ADAPTER_LEVEL_DISK: AdapterLevel
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
