@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from kvmesh.contract.block_hash import DEFAULT_BLOCK_SIZE, SHA256_128
 from kvmesh.contract.settings import flag
 from kvmesh.router.core.pd import PDConfig
-from kvmesh.router.core.policies.base import PolicyConfig
+from kvmesh.router.core.policies.base import Objectives, PolicyConfig
 
 
 @dataclass(slots=True)
@@ -152,6 +152,18 @@ class RouterConfig:
     http_linger_time_s: float = flag(10.0, name="http-linger-time")
     """Seconds the rest of an early-answered request's body is read and dropped at most (--http-linger-bytes);
     0 = close at once."""
+    slo_ttft_ms: float = 0.0
+    """Time-to-first-token objective of a request that names none (x-slo-ttft-ms, slo_ttft_ms); 0 = none
+    (docs/router.md, "Latency objectives")."""
+    slo_tpot_ms: float = 0.0
+    """Time-per-output-token objective of a request that names none (x-slo-tpot-ms, slo_tpot_ms); 0 = none."""
+    slo_refuse: bool = False
+    """Refuse a request with objectives that the policy predicts no worker can meet (429 / RESOURCE_EXHAUSTED)
+    instead of serving it late."""
+
+    def default_objectives(self) -> Objectives:
+        """--slo-ttft-ms and --slo-tpot-ms, in seconds."""
+        return Objectives(self.slo_ttft_ms / 1000, self.slo_tpot_ms / 1000)
 
     def check(self) -> None:
         """Raises ValueError with the flag to fix."""
@@ -182,6 +194,9 @@ class RouterConfig:
                              f"{self.audit_miss_rate}")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if not 0 <= self.slo_ttft_ms <= 3_600_000 or not 0 <= self.slo_tpot_ms <= 3_600_000:
+            raise ValueError(f"--slo-ttft-ms and --slo-tpot-ms must be in [0, 3600000] (0 = none), got "
+                             f"{self.slo_ttft_ms:g}, {self.slo_tpot_ms:g}")
 
 
 EPP_BODY_MODES = ("full-duplex", "buffered")

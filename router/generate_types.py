@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.contract.types import SamplingParams, TraceContext, Usage
+from kvmesh.router.core.policies.base import NO_OBJECTIVES, Objectives
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,6 +44,8 @@ class GenerateInput:
     """The caller's trace context (``traceparent`` and ``tracestate``) when the request path opens the
     request's span itself; None = a trace of its own while tracing is on. The fronts (gRPC, HTTP) open the
     span before they check the request, under the context they extract, and hand the span over instead."""
+    objectives: Objectives = NO_OBJECTIVES
+    """The request's latency objectives, the router's defaults filled in by the front (router/api/objectives.py)."""
 
 
 @dataclass(slots=True, frozen=True)

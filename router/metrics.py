@@ -59,6 +59,9 @@ class RouterMetrics:
         self.inflight = Gauge("kvmesh_router_inflight_requests", "Generate streams open", registry=r)
         self.refused = Counter("kvmesh_router_refused_total", "Generate streams refused at --max-streams",
                                registry=r)
+        self.slo_refusals = Counter(
+            "kvmesh_router_slo_refusals_total", "Requests refused because no worker is predicted to meet their "
+            "latency objective (--slo-refuse), by the objective (ttft, tpot)", ["objective"], registry=r)
         self.prompts_refused = Counter(
             "kvmesh_router_prompts_refused_total", "Prompts refused over a bound (bytes: before tokenizing)",
             ["limit"], registry=r)

@@ -114,7 +114,8 @@ class ModelRouter:
         decide = Decide(self.core, pool, index, routing.pd.pd_mode, CountedDecider(self.pd, m),
                         lambda outcome: m.reservations.labels(outcome).inc(),
                         TracedSequence if on else DecideSequence,
-                        self.prompts.run if self.prompts is not None else None)
+                        self.prompts.run if self.prompts is not None else None,
+                        (lambda objective: m.slo_refusals.labels(objective).inc()) if self.config.slo_refuse else None)
         relay = Relay(self.core, pool, self.settle, self._decode if self.tokenizer is not None else None,
                       routing.first_token_timeout_s, routing.migration_max_seq_len)
         forward = Forward(self.core, pool, relay, routing.max_attempts, m, routing.migration_limit, decide)

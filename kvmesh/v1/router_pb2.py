@@ -26,7 +26,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/router.proto\x12\tkvmesh.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16kvmesh/v1/common.proto\"\x90\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12$\n\x04\x63hat\x18\x06 \x01(\x0b\x32\x14.kvmesh.v1.ChatInputH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x42\x07\n\x05input\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\xca\x01\n\tChatInput\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xab\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x11\n\tserved_by\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\x13\n\x11ListModelsRequest\"R\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\x11\n\ttokenizer\x18\x03 \x01(\x08\x12\x15\n\rchat_template\x18\x04 \x01(\x08\"Q\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t2\x9a\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponseBQ\n\rdev.kvmesh.v1P\x01Z2github.com/kvmesh/kvmesh/gen/go/kvmesh/v1;kvmeshv1\xaa\x02\tKvmesh.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/router.proto\x12\tkvmesh.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16kvmesh/v1/common.proto\"\xe4\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12$\n\x04\x63hat\x18\x06 \x01(\x0b\x32\x14.kvmesh.v1.ChatInputH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x12\x18\n\x0bslo_ttft_ms\x18\n \x01(\x01H\x01\x88\x01\x01\x12\x18\n\x0bslo_tpot_ms\x18\x0b \x01(\x01H\x02\x88\x01\x01\x42\x07\n\x05inputB\x0e\n\x0c_slo_ttft_msB\x0e\n\x0c_slo_tpot_ms\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\xca\x01\n\tChatInput\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xab\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x11\n\tserved_by\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\x13\n\x11ListModelsRequest\"R\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\x11\n\ttokenizer\x18\x03 \x01(\x08\x12\x15\n\rchat_template\x18\x04 \x01(\x08\"Q\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t2\x9a\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponseBQ\n\rdev.kvmesh.v1P\x01Z2github.com/kvmesh/kvmesh/gen/go/kvmesh/v1;kvmeshv1\xaa\x02\tKvmesh.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rdev.kvmesh.v1P\001Z2github.com/kvmesh/kvmesh/gen/go/kvmesh/v1;kvmeshv1\252\002\tKvmesh.V1'
   _globals['_GENERATEREQUEST']._serialized_start=92
-  _globals['_GENERATEREQUEST']._serialized_end=364
-  _globals['_CHATMESSAGE']._serialized_start=366
-  _globals['_CHATMESSAGE']._serialized_end=424
-  _globals['_CHATINPUT']._serialized_start=427
-  _globals['_CHATINPUT']._serialized_end=629
-  _globals['_TOKENIDS']._serialized_start=631
-  _globals['_TOKENIDS']._serialized_end=654
-  _globals['_GENERATERESPONSE']._serialized_start=657
-  _globals['_GENERATERESPONSE']._serialized_end=828
-  _globals['_LISTMODELSREQUEST']._serialized_start=830
-  _globals['_LISTMODELSREQUEST']._serialized_end=849
-  _globals['_MODELINFO']._serialized_start=851
-  _globals['_MODELINFO']._serialized_end=933
-  _globals['_LISTMODELSRESPONSE']._serialized_start=935
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1016
-  _globals['_ROUTER']._serialized_start=1019
-  _globals['_ROUTER']._serialized_end=1173
+  _globals['_GENERATEREQUEST']._serialized_end=448
+  _globals['_CHATMESSAGE']._serialized_start=450
+  _globals['_CHATMESSAGE']._serialized_end=508
+  _globals['_CHATINPUT']._serialized_start=511
+  _globals['_CHATINPUT']._serialized_end=713
+  _globals['_TOKENIDS']._serialized_start=715
+  _globals['_TOKENIDS']._serialized_end=738
+  _globals['_GENERATERESPONSE']._serialized_start=741
+  _globals['_GENERATERESPONSE']._serialized_end=912
+  _globals['_LISTMODELSREQUEST']._serialized_start=914
+  _globals['_LISTMODELSREQUEST']._serialized_end=933
+  _globals['_MODELINFO']._serialized_start=935
+  _globals['_MODELINFO']._serialized_end=1017
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1019
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1100
+  _globals['_ROUTER']._serialized_start=1103
+  _globals['_ROUTER']._serialized_end=1257
 # @@protoc_insertion_point(module_scope)

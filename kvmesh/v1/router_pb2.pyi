@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "sampling", "cache_salt", "request_id", "model", "stop", "include_stop_str_in_output")
+    __slots__ = ("text", "token_ids", "chat", "sampling", "cache_salt", "request_id", "model", "stop", "include_stop_str_in_output", "slo_ttft_ms", "slo_tpot_ms")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,8 @@ class GenerateRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    SLO_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    SLO_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: ChatInput
@@ -28,7 +30,9 @@ class GenerateRequest(_message.Message):
     model: str
     stop: _containers.RepeatedScalarFieldContainer[str]
     include_stop_str_in_output: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., slo_ttft_ms: _Optional[float] = ..., slo_tpot_ms: _Optional[float] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "name")

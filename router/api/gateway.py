@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -27,6 +27,7 @@ from kvmesh.contract.errors import InvalidArgument, KVMeshError, NotFound, Unava
 from kvmesh.contract.types import Usage
 from kvmesh.router.api.body_bounds import BodyTooLarge
 from kvmesh.router.api.frontend import Frontend
+from kvmesh.router.api.objectives import objectives_from_headers
 from kvmesh.router.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -202,7 +203,8 @@ class GatewayRequest:
             raise InvalidArgument(f"the x-request-id header has {len(rid)} characters; at most {MAX_REQUEST_ID_CHARS}")
         served = self.frontend.model(body.model)
         router = served.router
-        inp = body.to_input(rid)
+        inp = replace(body.to_input(rid), objectives=objectives_from_headers(self.headers,
+                                                                              self.config.default_objectives()))
         rid = router.request_id_for(inp)
         if self._span is not None:
             self._span.set_attribute("kvmesh.request_id", rid)  # the id the worker and the logs know it by

@@ -14,6 +14,7 @@ from kvmesh.contract.convert import FINISH_TO_PB, sampling_from_pb, usage_to_pb
 from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.limits import MAX_STOP_TOKEN_IDS
 from kvmesh.router.api.frontend import Frontend
+from kvmesh.router.api.objectives import objectives_of
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.generate_types import ChatInput, GenerateInput
 from kvmesh.router.text.prompt import check_message_count
@@ -74,6 +75,9 @@ def input_from_pb(request: pb.GenerateRequest, context: grpc.aio.ServicerContext
         chat=chat,
         stop=list(request.stop),
         include_stop_str_in_output=request.include_stop_str_in_output,
+        objectives=objectives_of(request.slo_ttft_ms if request.HasField("slo_ttft_ms") else None,
+                                 request.slo_tpot_ms if request.HasField("slo_tpot_ms") else None,
+                                 config.default_objectives(), ("slo_ttft_ms", "slo_tpot_ms")),
     )
 
 

@@ -32,6 +32,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import suppress
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -48,6 +49,7 @@ from kvmesh.contract.errors import InvalidArgument, KVMeshError, Unauthenticated
 from kvmesh.contract.types import Usage
 from kvmesh.router.api.body_bounds import BodyBounds, BodyTooLarge
 from kvmesh.router.api.frontend import Frontend
+from kvmesh.router.api.objectives import objectives_from_headers
 from kvmesh.router.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -277,7 +279,9 @@ class OpenAIApi:
         if len(rid) > MAX_REQUEST_ID_CHARS:
             raise InvalidArgument(f"the x-request-id header has {len(rid)} characters; at most {MAX_REQUEST_ID_CHARS}")
         model = self.frontend.model(body.model)
-        outputs = self.frontend.generate(model, body.to_input(rid), None, span)
+        inp = replace(body.to_input(rid), objectives=objectives_from_headers(request.headers,
+                                                                              self.config.default_objectives()))
+        outputs = self.frontend.generate(model, inp, None, span)
         response_id = ("chatcmpl-" if chat else "cmpl-") + rid
         created = int(time.time())
         if not body.stream:

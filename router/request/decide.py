@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from kvmesh.contract.errors import Unavailable
+from kvmesh.contract.errors import ResourceExhausted, Unavailable
 from kvmesh.contract.index_protocol import IndexUnavailable, WorkerMatch
 from kvmesh.contract.types import DEFAULT_MAX_TOKENS
 from kvmesh.router.core.decide import Decided, DecideSequence, Fleet, NoWorker, SplitDecider
@@ -37,6 +37,8 @@ class Decide:
     reservations: counts each reservation's outcome: ``folded``, ``reserved``, ``conflict``, ``failed``.
     sequence_type: the decide sequence (a traced one while tracing is on, router/request/traced.py).
     offload: ``offload(fn, *args)`` runs ``fn`` off the loop (the tokenizer pool); None: on the loop.
+    refused: ``--slo-refuse``: counts a request refused because the policy predicts no worker meets its latency
+        objectives (by the objective missed), before it is refused; None: such a request is served.
     """
 
     name = "decide"
@@ -44,8 +46,10 @@ class Decide:
     def __init__(self, core: RoutingCore, pool: WorkerPool, index: AsyncPrefixIndex | None, pd_mode: str,
                  decider: SplitDecider, reservations: Callable[[str], None],
                  sequence_type: type[DecideSequence] = DecideSequence,
-                 offload: Callable[..., Awaitable[Any]] | None = None) -> None:
+                 offload: Callable[..., Awaitable[Any]] | None = None,
+                 refused: Callable[[str], None] | None = None) -> None:
         self.sequence_type = sequence_type
+        self.refused = refused
         self.offload = offload
         self.core = core
         self.pool = pool
@@ -54,13 +58,15 @@ class Decide:
         self.decider = decider
         self.reservations = reservations
 
-    async def __call__(self, ctx: RequestContext, only: Callable[[str, str], bool] | None = None) -> None:
+    async def __call__(self, ctx: RequestContext, only: Callable[[str, str], bool] | None = None, *,
+                       refuse: bool = True) -> None:
+        """``refuse``: False for a migration's continuation (its stream has begun: it is never refused)."""
         chain = None
         if self.offload is not None and len(ctx.token_ids) > HASH_ON_LOOP_TOKENS:
             # NOTE: a long chain is hashed on the tokenizer pool, never on the loop (the chain cache keeps
             # what it shares with recent prompts: router/core/chain_cache.py)
             chain = await self.offload(self.core.chain, self.pool.model_spec(), ctx.token_ids, ctx.inp.cache_salt)
-        ctx.decided = await self.decide(self.sequence(ctx, only, chain))
+        ctx.decided = await self.decide(self.sequence(ctx, only, chain), refuse)
 
     def sequence(self, ctx: RequestContext, only: Callable[[str, str], bool] | None = None,
                  chain: list[bytes] | None = None) -> DecideSequence:
@@ -68,13 +74,13 @@ class Decide:
         inp = ctx.inp
         return self.sequence_type(self.core, self.pool.model_spec(), ctx.token_ids, endpoints, chain=chain,
                               request_id=ctx.request_id, cache_salt=inp.cache_salt,
-                              max_tokens=inp.sampling.max_tokens or DEFAULT_MAX_TOKENS,
+                              max_tokens=inp.sampling.max_tokens or DEFAULT_MAX_TOKENS, objectives=inp.objectives,
                               have_index=self.index is not None, adopt=self.pool.discovers_from_index,
                               healthy=self.pool.healthy, fleet=Fleet({e.worker_id: e.role for e in endpoints},
                                                                      self.pd_mode),
                               decider=self.decider, only=only)
 
-    async def decide(self, seq: DecideSequence) -> Decided:
+    async def decide(self, seq: DecideSequence, refuse: bool = True) -> Decided:
         call = seq.lookup()
         outcome: Sequence[WorkerMatch] | IndexUnavailable | None = None
         reserved = False
@@ -95,6 +101,8 @@ class Decide:
                 why = self.pool.problem or "none has a live lease in kv_service (or answers in --workers)"
                 raise Unavailable(f"no worker is available for model {seq.spec.model_id!r}: {why}") from None
             raise
+        if refuse and self.refused is not None and seq.objectives:
+            self._refuse_missed(seq)
         seq.pick()
         assert seq.loop is not None
         if seq.loop.folded:
@@ -110,3 +118,13 @@ class Decide:
                 break
             self.reservations("reserved" if seq.reserved(answer) else "conflict")
         return seq.commit()
+
+    def _refuse_missed(self, seq: DecideSequence) -> None:
+        """Raises ResourceExhausted when the policy predicts no candidate meets the request's objectives
+        (before the pick: nothing is reserved or counted in flight for a refused request)."""
+        plan = seq.plan
+        assert plan is not None and self.refused is not None
+        miss = self.core.policy.objective_miss(plan.query, plan.candidates)
+        if miss is not None:
+            self.refused(miss.objective)
+            raise ResourceExhausted(f"{miss} (--slo-refuse)")

@@ -115,7 +115,7 @@ class Forward:
         assert self.replan is not None
         cont = replace(ctx, request_id=request.request_id, token_ids=list(request.prompt_token_ids), decided=None)
         try:
-            await self.replan(cont, lambda worker_id, _address: worker_id != failed)
+            await self.replan(cont, lambda worker_id, _address: worker_id != failed, refuse=False)
         except Unavailable as exc:
             raise Unavailable(f"the worker serving the request failed mid-stream ({cut.failure.value}) and no "
                               f"other worker could continue it ({exc}); the tokens already sent stand") from None

@@ -48,3 +48,39 @@ def test_a_long_prompt_is_hashed_off_the_loop_and_a_short_one_on_it():
     assert d.plan.query.block_hashes == BlockHasher("m", 4).hash_prompt(long_ids)
     asyncio.run(run(short_ids))
     assert ran == [len(long_ids)]  # the short one was not handed to the pool
+
+
+def test_a_request_no_worker_is_predicted_to_meet_is_refused_unless_it_is_a_continuation():
+    from dataclasses import replace
+
+    import pytest
+
+    from kvmesh.contract.errors import ResourceExhausted
+    from kvmesh.router.core.policies.base import ObjectiveMiss, Objectives
+    from kvmesh.router.core.policies.kv_aware import KvAwarePolicy
+
+    class Missing(KvAwarePolicy):
+        def objective_miss(self, query, candidates):
+            return ObjectiveMiss("tpot", query.objectives.tpot_s, 0.25) if query.objectives else None
+
+    counted: list[str] = []
+    stage, core = decide_stage(None)
+    core.policy = Missing(PolicyConfig(seed=0))
+    stage.refused = counted.append
+    ids = list(range(3, 67))
+
+    def run(objectives: Objectives, **kw):
+        ctx = RequestContext(replace(GenerateInput(None, ids, SamplingParams()), objectives=objectives), "r",
+                             token_ids=ids)
+        asyncio.run(stage(ctx, **kw))
+        return ctx.decided
+
+    with pytest.raises(ResourceExhausted, match=r"TPOT objective of 20 ms \(the best predicted is 250 ms\)"):
+        run(Objectives(tpot_s=0.02))
+    assert counted == ["tpot"] and core.inflight.of("w1").requests == core.inflight.of("w2").requests == 0
+    # a migration's continuation is never refused; its objectives still reach the policy
+    assert run(Objectives(tpot_s=0.02), refuse=False).plan.query.objectives == Objectives(tpot_s=0.02)
+    assert run(Objectives()).plan.query.objectives == Objectives()
+    stage.refused = None  # no --slo-refuse
+    assert run(Objectives(tpot_s=0.02)) is not None
+    assert counted == ["tpot"]
