@@ -3,22 +3,26 @@
 
 vLLM 0.32 publishes one series about adapters, ``vllm:lora_requests_info`` (vllm/v1/metrics/loggers.py):
 a gauge set to the time of each stats log, labelled ``max_lora`` (its GPU slots), ``running_lora_adapters``
-and ``waiting_lora_adapters`` (comma-joined names of the adapters with a request running / waiting). It
-names only adapters with a request in flight, so an idle adapter, or one loaded at start-up, looks absent
+and ``waiting_lora_adapters``, comma-joined adapter names. Despite the names, both labels list every adapter
+with a request in flight, running or waiting (vllm/v1/metrics/stats.py, ``update_scheduler_stats`` writes
+each adapter of its request map into both, with its counts as values the labels drop). It names only
+adapters with a request in flight, so an idle adapter, or one loaded at start-up, looks absent
 (llm-d-router#2605). Each label set stays in the registry, so the current one is the sample with the
 newest time.
 
 Two sources, the better one used and named (:attr:`AdapterTracker.source`):
 
 - ``gauges``: residency series as vllm-project/vllm PR #54830 proposes them (open, not in 0.32):
-  ``vllm:lora_adapter_loaded{adapter_name, level="gpu"|"cpu"}``. Read as they are.
+  ``vllm:lora_adapter_loaded{adapter_name, level="gpu"|"cpu", pinned, rank}``, 1 while loaded (its other
+  series, ``vllm:num_gpu_loaded_lora_adapters`` and ``vllm:max_gpu_lora_adapters``, say nothing more). Read
+  as they are.
 - ``inferred``: every adapter the server lists at ``/v1/models`` (an entry with a ``parent``) is loaded:
   vLLM keeps a loaded adapter in CPU memory (``--max-cpu-loras``) and copies it into one of ``max_lora``
   GPU slots when a request of it is scheduled, evicting the least recently used slot. So an adapter with
-  a request running is in a slot; the slots left go to the adapters most recently seen running or
-  waiting (a slot is only evicted for another adapter); the rest, and adapters never seen in a request
-  (loaded at start-up or by ``/v1/load_lora_adapter``), are in CPU memory. ``requests`` is 1 for an
-  adapter named in the running or waiting label (the label gives no count), else 0.
+  a request in flight is taken to be in a slot (it is, or its request waits for one); the slots left go to
+  the adapters most recently seen in flight (a slot is only evicted for another adapter); the rest, and
+  adapters never seen in a request (loaded at start-up or by ``/v1/load_lora_adapter``), are in CPU
+  memory. ``requests`` is 1 for an adapter named in the labels (they carry no count), else 0.
 
 This module imports neither zmq nor grpc.
 """
@@ -114,7 +118,7 @@ class AdapterTracker:
         for name in list(self._recent):
             if name not in known:
                 del self._recent[name]  # unloaded
-        # NOTE: running adapters hold slots; the slots left keep the most recently active others (LRU)
+        # NOTE: adapters in flight hold slots; the slots left keep the most recently active others (LRU)
         in_slots = set(info.running)
         by_age = sorted((n for n in self._recent if n not in in_slots), key=lambda n: -self._recent[n])
         in_slots.update(by_age[:max(0, info.max_loras - len(in_slots))])
