@@ -12,6 +12,7 @@ from kvmesh.model_worker.scheduling.config import SchedulerConfig
 from kvmesh.model_worker.simulated.step_time import StepTimeConfig, StepTimeModel, gpu_spec
 from kvmesh.router.config import RoutingConfig
 from kvmesh.sim.fleet import parse_fleet
+from kvmesh.sim.goodput import parse_objectives
 
 MODEL_ID = "sim-8b"
 
@@ -123,6 +124,11 @@ class SimConfig:
     the TTFT and TPOT limits; 0 = none."""
     slo_target: float = 0.9
     """Capacity = the highest rate with at least this share of requests meeting the SLO."""
+    objectives: str = flag("", metavar="workload|TTFT_MS:TPOT_MS")
+    """Latency objectives every request carries to its router (``RouteQuery.objectives``) and goodput counts
+    (requests/s meeting both): ``workload`` = the workload's own (kvmesh/sim/goodput.py: TTFT 2x the cold prefill of
+    its p90 prompt, >= 1 s; TPOT 50 ms), or TTFT_MS:TPOT_MS; empty = none (no goodput; the SLO above is the
+    capacity's, not the requests')."""
     # -- prefill/decode disaggregation (kvmesh/sim/pd.py)
     pd: str = flag("", metavar="P:D")
     """A P/D fleet: P prefill and D decode workers (instead of --workers); policies with +always, +auto (kvmesh's
@@ -196,6 +202,7 @@ class SimConfig:
             parse_pd(self.pd)
             if self.pd_link not in LINKS:
                 raise ValueError(f"--pd-link must be one of {', '.join(LINKS)}, got {self.pd_link!r}")
+        parse_objectives(self.objectives)
         if self.slo_itl_s < 0:
             raise ValueError(f"--slo-itl must be >= 0 seconds (0 = none), got {self.slo_itl_s}")
 

@@ -51,6 +51,7 @@ from kvmesh.contract.types import ModelSpec
 from kvmesh.replay.records import RequestRecord
 from kvmesh.sim.config import MODEL_ID, SimConfig, cold_prefill_s, slo_cost
 from kvmesh.sim.events import EventQueue
+from kvmesh.sim.goodput import objectives_for
 from kvmesh.sim.index import SimIndex
 from kvmesh.sim.pd import PDSimRouter, PDStats, worker_roles
 from kvmesh.sim.replicas import PeerModes
@@ -82,6 +83,9 @@ class Mesh:
         self.peer_modes = PeerModes(self.q, cfg, self.routers, self.workers)
         self.slo_cost = slo_cost(cfg)
         """The step-time model the SLO's cold prefill is costed on: the fleet's slowest."""
+        self.objectives = objectives_for(cfg.objectives, [r.prompt_len for r in workload.requests],
+                                         self.cold_prefill_s)
+        """What every request carries to its router (none without --objectives)."""
         self.records: list[RequestRecord] = []
         self.lost_batches = 0
         self.done = 0

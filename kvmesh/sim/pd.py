@@ -192,8 +192,8 @@ class PDSimRouter(SimRouter):
         """The live router's decide sequence, with the fleet's roles and this mode's decider."""
         return DecideSequence(self.core, self.spec, PromptLength(rec.prompt_len), self.workers.endpoints,
                               request_id=f"r{rec.index}.{rec.attempts + 1}", max_tokens=rec.output_len,
-                              chain=self.mesh.chains[rec.index], healthy=self.workers.healthy,
-                              fleet=self._fleet, decider=self.decider)
+                              objectives=self.mesh.objectives, chain=self.mesh.chains[rec.index],
+                              healthy=self.workers.healthy, fleet=self._fleet, decider=self.decider)
 
     def no_worker(self, exc: NoWorker) -> str:
         return "no decode worker"

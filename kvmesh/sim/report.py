@@ -53,9 +53,30 @@ def format_table(doc: dict) -> str:
         lines.append("times in virtual seconds (TPOT in ms); SLO = share of requests with TTFT <= "
                      f"{doc['settings']['slo_ttft_s']:g} s + {doc['settings']['slo_ttft_prefill_x']:g} x cold prefill "
                      f"and mean TPOT <= {doc['settings']['slo_tpot_s'] * 1000:g} ms")
+    lines += goodput_lines(doc, caps)
     for f in doc.get("failures") or []:
         lines.append(f"FAILED: {f['kind']} of {f['policy']} at rate {f['rate']:g} (seed {f['seed']}): {f['error']}")
     return "\n".join(lines)
+
+
+def goodput_lines(doc: dict, caps: dict) -> list[str]:
+    """With --objectives: each full run's requests/s, goodput (requests/s meeting both objectives), the share, and
+    kv-aware's goodput at the same rate ÷ the run's."""
+    runs = [r for r in doc.get("runs") or [] if "goodput_rps" in r]
+    if not runs:
+        return []
+    o = runs[0]["objectives"]
+    lines = ["", f"goodput at the requests' objectives (TTFT <= {o['ttft_s']:g} s, mean TPOT <= "
+                 f"{o['tpot_s'] * 1000:g} ms; --objectives):",
+             f"{'policy':<20}{'rate':>8}{'req/s':>9}{'goodput':>9}{'met':>7}{'kv-aware ÷':>12}"]
+    ours = {r["rate"]: r["goodput_rps"] for r in runs if r["policy"] == "kv-aware"}
+    order = list(caps) or list(dict.fromkeys(r["policy"] for r in runs))
+    for r in sorted(runs, key=lambda r: (r["rate"], order.index(r["policy"]) if r["policy"] in order else 0)):
+        k = ours.get(r["rate"])
+        ratio = f"{k / r['goodput_rps']:.3f}" if k is not None and r["goodput_rps"] else "-"
+        lines.append(f"{r['policy']:<20}{r['rate']:>8.4g}{r['request_rps']:>9.3f}{r['goodput_rps']:>9.3f}"
+                     f"{r['objectives_met']:>7.3f}{ratio:>12}")
+    return lines
 
 
 def plot(doc: dict, out_dir: str | Path, note: str = "") -> list[Path]:

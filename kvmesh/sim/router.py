@@ -16,6 +16,7 @@ from kvmesh.router.core.attempts import Attempts
 from kvmesh.router.core.decide import Decided, DecideSequence, NoWorker
 from kvmesh.router.core.observer import CountingObserver
 from kvmesh.router.core.policies import make_policy
+from kvmesh.router.core.policies.base import Objectives
 from kvmesh.router.core.routing import RoutingCore
 from kvmesh.router.core.upstream import Failure
 from kvmesh.router.core.worker_set import WorkerSet
@@ -34,6 +35,7 @@ class RouterHost(Protocol):
     spec: ModelSpec
     chains: list[list[bytes]]
     workers_by_id: dict[str, SimWorker]
+    objectives: Objectives
 
     def request_done(self, rec: RequestRecord) -> None: ...
 
@@ -102,7 +104,8 @@ class SimRouter:
         """The request's decide sequence (router/core/decide.py, the live router's)."""
         return DecideSequence(self.core, self.spec, PromptLength(rec.prompt_len), self.workers.endpoints,
                               request_id=f"r{rec.index}.{rec.attempts + 1}", max_tokens=rec.output_len,
-                              chain=self.mesh.chains[rec.index], healthy=self.workers.healthy)
+                              objectives=self.mesh.objectives, chain=self.mesh.chains[rec.index],
+                              healthy=self.workers.healthy)
 
     def no_worker(self, exc: NoWorker) -> str:
         """The record's failure when no worker may take it."""

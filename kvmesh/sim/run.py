@@ -29,6 +29,7 @@ from kvmesh.replay.records import summarize as summarize_records
 from kvmesh.sim import information_limit
 from kvmesh.sim.config import MODEL_ID, SimConfig, fleet_capacity_blocks
 from kvmesh.sim.fleet import fleet_counts, fleet_spec
+from kvmesh.sim.goodput import goodput
 from kvmesh.sim.information_limit import INFORMATION_LIMIT, ZERO_DELAYS
 from kvmesh.sim.mesh import Mesh
 from kvmesh.sim.oracle import lru_hit_rate
@@ -113,7 +114,9 @@ def summarize(mesh: Mesh, records: Sequence[RequestRecord]) -> dict:
         "lost_event_batches": mesh.lost_batches, "resyncs": sum(w.resyncs for w in mesh.workers),
         # NOTE: added after the results of 2026-11-22; every key above keeps its meaning
         "index_traffic": mesh.index.traffic.as_dict(),
-    } | (pd_summary(mesh, records) if cfg.pd or cfg.slo_itl_s else {})
+    } | (pd_summary(mesh, records) if cfg.pd or cfg.slo_itl_s else {}) | (
+        {k: {a: _r(b) for a, b in v.items()} if isinstance(v, dict) else _r(v)
+         for k, v in goodput(records, mesh.objectives, span).items()} if mesh.objectives else {})
 
 
 def pd_summary(mesh: Mesh, records: Sequence[RequestRecord]) -> dict:

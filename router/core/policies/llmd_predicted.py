@@ -70,9 +70,9 @@ class LlmdPredictedPolicy(RouterPolicy):
     worker's own figures as llm-d scrapes them (every 50 ms; without scrapes, the load the index holds); the input
     tokens in flight are this router's own (its uncached prompt tokens to w not past their first token).
 
-    Training: each request's features are kept when it is sent (:meth:`started`); its TTFT (sent to first token)
-    and TPOT ((end - first token) / (output tokens - 1)) are timed on the router's clock from :meth:`prefilled` and
-    :meth:`finished`, so the model learns only what a live router sees of its own requests. A window of at most
+    Training: each request's features are kept when it is sent (:meth:`started`); its TTFT (sent to first token,
+    learned at :meth:`prefilled`) and TPOT ((end - first token) / (output tokens - 1), learned at :meth:`finished`)
+    are timed on the router's clock, so the model learns only what a live router sees of its own requests. A window of at most
     64 samples per (KV-usage decile, prefix quartile) bucket; the ensemble is refitted every 32 new samples. Until
     the TTFT model's first fit the pick is the gated endpoint with the fewest waiting + running requests.
 
@@ -84,6 +84,9 @@ class LlmdPredictedPolicy(RouterPolicy):
       for llm-d's XGBoost (whose hyper-parameters were not read): against, likely (a smaller, shallower ensemble
       fits the tails worse, so more picks rest on a poor prediction);
     - targets are raw seconds (llm-d's target transform not read): unknown;
+    - a TTFT sample is learned at the request's first token, not at its end (llm-d trains on completed requests):
+      for the peer (its TTFT model is fitted sooner; in a short run of long decodes, llm-d's would not be fitted
+      before most requests were routed);
     - refitted synchronously every 32 samples in the router, where llm-d retrains in a sidecar on a timer:
       for the peer, slightly (its model is never staler than 32 requests);
     - the window: 64 samples per bucket, buckets by KV usage (10 %) and prefix match (0.25) only (llm-d's other
@@ -191,6 +194,7 @@ class LlmdPredictedPolicy(RouterPolicy):
             o = self._open.get(ticket.serial)
             if o is not None and o.first_at is None:
                 o.first_at = self.config.clock()
+                self.ttft.add(o.features, o.first_at - o.sent_at)
 
     def finished(self, ticket: Ticket, output_tokens: int) -> None:
         now = self.config.clock()
@@ -198,6 +202,5 @@ class LlmdPredictedPolicy(RouterPolicy):
             o = self._open.pop(ticket.serial, None)
             if o is None or o.first_at is None:
                 return  # NOTE: failed before its first token: nothing observed
-            self.ttft.add(o.features, o.first_at - o.sent_at)
             if output_tokens >= 2:
                 self.tpot.add(o.features, (now - o.first_at) / (output_tokens - 1))
