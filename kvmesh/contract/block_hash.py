@@ -159,6 +159,23 @@ class BlockHasher:
         return out
 
 
+def adapter_extra_keys(adapter: str | None) -> tuple[str, ...]:
+    """The extra keys of a request served under LoRA adapter ``adapter``: its name, as vLLM's
+    ``extra_keys`` for LoRA (and the bridge's mirror); ``()`` for the base model (None or ""), so a
+    base-model request's hashes are those of a hasher without extra keys (docs/block-hashing.md)."""
+    return (adapter,) if adapter else ()
+
+
+def adapter_hasher(base: BlockHasher, adapter: str | None) -> BlockHasher:
+    """``base`` for the base model; for an adapter, the same chain spec with the adapter's key appended to
+    ``base``'s extra keys: one prompt under two adapters is two chains. The one function the engine (and a
+    router that hashes for an adapter) calls to key blocks by adapter."""
+    keys = adapter_extra_keys(adapter)
+    if not keys:
+        return base
+    return BlockHasher(base.model_id, base.block_size, base.algorithm, base.extra_keys + keys)
+
+
 def algorithm_name(name: str) -> str:
     """Normalizes user spellings (``sha256``, ``xxh3``) to the canonical algorithm names."""
     aliases = {"sha256": SHA256_128, "sha256_128": SHA256_128, "xxh3": XXH3_128, "xxh3_128": XXH3_128}

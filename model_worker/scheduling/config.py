@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.contract.settings import flag
+from kvmesh.contract.settings import code_only, flag
 
 
 @dataclass(slots=True)
@@ -23,9 +23,14 @@ class SchedulerConfig:
     """Split a prompt over steps when it exceeds the step's remaining budget."""
     num_scheduler_steps: int = 1
     """Decode steps per scheduler call when the batch is all decodes (multi-step decode); 1 = off."""
+    max_adapters_per_step: int | None = code_only(None)
+    """Distinct LoRA adapters among running requests at most (the engine's --max-loras: its device slots);
+    a waiting request of another adapter waits. None = no cap (no LoRA)."""
 
     def validate(self) -> None:
         """Raises ValueError on a configuration that could never schedule some request."""
+        if self.max_adapters_per_step is not None and self.max_adapters_per_step < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_adapters_per_step}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

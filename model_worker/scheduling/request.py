@@ -48,6 +48,8 @@ class Request:
         arrival_time: seconds since the epoch; defaults to now.
         block_hashes: the prompt's full-block hashes, when the caller computed them already with
             the same hasher (one per full block); None = hash here.
+        lora_name: the LoRA adapter it runs under; None = the base model. Its blocks are keyed by it:
+            ``block_hasher`` must be the adapter's (kvmesh.contract.block_hash.adapter_hasher).
     """
 
     def __init__(
@@ -60,8 +62,10 @@ class Request:
         cache_salt: str = "",
         arrival_time: float | None = None,
         block_hashes: list[bytes] | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora_name = lora_name or None
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.output_token_ids: list[int] = []

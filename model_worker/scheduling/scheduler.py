@@ -159,10 +159,20 @@ class Scheduler:
         # Then admit waiting requests, oldest (or most recently preempted) first.
         # NOTE: no admission in a step that preempted: the pool is known to be short.
         num_admitted = 0
-        while self.waiting and budget > 0 and not out.preempted_ids:
+        # NOTE: LoRA: the running requests never hold more distinct adapters than the device has slots
+        # (max_adapters_per_step), so every step's adapters fit; a request of one more adapter waits,
+        # and the requests behind it may start meanwhile (as vLLM's scheduler skips it).
+        max_adapters = self.config.max_adapters_per_step
+        adapters = {r.lora_name for r in self.running if r.lora_name} if max_adapters is not None else set()
+        j = 0
+        while j < len(self.waiting) and budget > 0 and not out.preempted_ids:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.waiting[0]
+            request = self.waiting[j]
+            lora = request.lora_name
+            if max_adapters is not None and lora and lora not in adapters and len(adapters) >= max_adapters:
+                j += 1
+                continue
             if request.num_output_placeholders:
                 break  # preempted while its last step was in flight: it waits for that token
             hit_blocks, num_hit = kv.get_computed_blocks(request)
@@ -178,7 +188,9 @@ class Scheduler:
                 num_new = budget
             if kv.allocate_slots(request, num_new, num_hit, hit_blocks, host_blocks=host_blocks) is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[j]
+            if lora:
+                adapters.add(lora)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
