@@ -207,6 +207,17 @@ class EngineConfig(SchedulerConfig):
     kv_offloading_size: float | None = None
     """Host KV tier, in GiB (vLLM's --kv-offloading-size with its native backend); none or 0 = off. Give this or
     --host-kv-blocks, not both."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT directories) on top of the base model; a request names one or none, and one
+    batch mixes them (docs/engine.md, "LoRA adapters")."""
+    lora_modules: list[str] = flag(default_factory=list, metavar="NAME=PATH,...")
+    """Adapters loaded at start-up, as name=path (more at run time: LLMEngine.load_adapter); needs --enable-lora."""
+    max_loras: int = 1
+    """LoRA adapters in device slots at once, i.e. distinct adapters among running requests (vLLM's meaning)."""
+    max_lora_rank: int = 16
+    """The largest adapter rank served (each slot holds this rank)."""
+    max_cpu_loras: int | None = None
+    """LoRA adapters kept loaded in host memory (LRU; others are read from disk again); none = --max-loras."""
 
     def check(self, model_config: ModelConfig) -> None:
         """Validates and fills derived fields; raises ValueError with what to change."""
@@ -231,6 +242,7 @@ class EngineConfig(SchedulerConfig):
         if bad:
             raise ValueError(f"cuda_graph_sizes must lie in [1, max_num_seqs = {self.max_num_seqs}] (a decode "
                              f"batch holds at most max_num_seqs sequences), got {bad}")
+        self._check_lora()
         if self.max_model_len is None:
             self.max_model_len = model_config.max_position_embeddings
         self.validate()
@@ -249,6 +261,22 @@ class EngineConfig(SchedulerConfig):
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
 
+    def _check_lora(self) -> None:
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("--lora-modules needs --enable-lora")
+            self.max_adapters_per_step = None
+            return
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras})")
+        parse_lora_modules(self.lora_modules)
+        self.max_adapters_per_step = self.max_loras
+
     def scheduler_config(self, num_scheduler_steps: int | None = None) -> SchedulerConfig:
         """The scheduler's part (``num_scheduler_steps`` overridden: a runner without windows runs 1)."""
         out = SchedulerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulerConfig)})
@@ -264,6 +292,25 @@ class EngineConfig(SchedulerConfig):
     def host_tier(self) -> bool:
         """Whether a host KV tier is asked for (its size in blocks is the runner's to work out)."""
         return bool(self.host_kv_blocks or self.kv_offloading_size)
+
+
+def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:
+    """``["name=path", ...]`` (``--lora-modules``) -> ``[(name, path), ...]``.
+
+    Raises:
+        ValueError: an entry is not ``name=path``, or a name repeats.
+    """
+    out: list[tuple[str, str]] = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"--lora-modules takes name=path entries, got {spec!r}")
+        out.append((name.strip(), path.strip()))
+    names = [n for n, _ in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"--lora-modules names {dup} more than once")
+    return out
 
 
 @dataclass(slots=True)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.block_hash import BlockHasher, adapter_hasher
+from kvmesh.contract.limits import excerpt
 from kvmesh.contract.types import DEFAULT_MAX_TOKENS, SamplingParams
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.scheduling.request import Request
@@ -45,17 +47,44 @@ class InputProcessor:
         config: the checked engine config (``max_model_len`` set).
         model_config: the model's (its vocabulary).
         block_hasher: hashes the prompt's blocks when prefix caching is on.
+        adapters: whether a LoRA adapter name is loaded (the runner's LoRA manager's ``has``); None =
+            no LoRA (a request naming an adapter is refused).
     """
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, block_hasher: BlockHasher) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, block_hasher: BlockHasher,
+                 adapters: Callable[[str], bool] | None = None) -> None:
         assert config.max_model_len is not None
         self.max_model_len = config.max_model_len
         self.vocab_size = model_config.vocab_size
         self.block_hasher = block_hasher if config.enable_prefix_caching else None
         self.eos_token_ids = eos_token_ids(config.model, model_config)
+        self.adapters = adapters
+        self._adapter_hashers: dict[str, BlockHasher] = {}
+
+    def hasher_for(self, lora_name: str | None) -> BlockHasher | None:
+        """The block hasher of a request under ``lora_name`` (the adapter keys its blocks); None without caching."""
+        base = self.block_hasher
+        if base is None or not lora_name:
+            return base
+        hasher = self._adapter_hashers.get(lora_name)
+        if hasher is None:
+            if len(self._adapter_hashers) >= 4096:  # adapters come and go at run time: bound the memo
+                self._adapter_hashers.clear()
+            hasher = self._adapter_hashers[lora_name] = adapter_hasher(base, lora_name)
+        return hasher
+
+    def check_adapter(self, lora_name: str | None) -> None:
+        """Raises ValueError unless ``lora_name`` is None or a loaded adapter."""
+        if not lora_name:
+            return
+        if self.adapters is None:
+            raise ValueError(f"the request names LoRA adapter {excerpt(lora_name)}, but this engine serves no "
+                             "adapters (start it with --enable-lora)")
+        if not self.adapters(lora_name):
+            raise ValueError(f"no LoRA adapter {excerpt(lora_name)} is loaded")
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
-                     cache_salt: str) -> Request:
+                     cache_salt: str, lora_name: str | None = None) -> Request:
         """The request for this prompt, its parameters validated and copied, its max_tokens and stop ids filled in.
 
         Raises:
@@ -66,6 +95,7 @@ class InputProcessor:
                   if sampling_params is not None else SamplingParams())
         params.validate()
         self.check_prompt(prompt_token_ids)
+        self.check_adapter(lora_name)
         if params.max_tokens is None:
             params.max_tokens = min(DEFAULT_MAX_TOKENS, self.max_model_len - len(prompt_token_ids))
         extra_eos = self.eos_token_ids[1:]
@@ -76,8 +106,9 @@ class InputProcessor:
             prompt_token_ids,
             params,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-            block_hasher=self.block_hasher,
+            block_hasher=self.hasher_for(lora_name),
             cache_salt=cache_salt,
+            lora_name=lora_name,
         )
 
     def check_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:

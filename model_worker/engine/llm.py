@@ -48,12 +48,14 @@ class LLM:
         self,
         prompts: list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        lora_names: str | list[str | None] | None = None,
     ) -> list[GenerationOutput]:
         """Generates for every prompt; outputs are in input order.
 
         Args:
             prompts: texts (tokenized here) or token id lists.
             sampling_params: one for all prompts, or one per prompt; None = greedy, 16 tokens.
+            lora_names: the LoRA adapter of every prompt, or one per prompt (None = the base model).
 
         Raises:
             ValueError: a prompt or its parameters are invalid (no request is started then).
@@ -64,15 +66,19 @@ class LLM:
             params = list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        loras = [lora_names] * len(prompts) if lora_names is None or isinstance(lora_names, str) else list(lora_names)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA names")
         token_lists = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        for ids, p in zip(token_lists, params, strict=True):  # fail before starting anything
+        for ids, p, lora in zip(token_lists, params, loras, strict=True):  # fail before starting anything
             p.validate()
             self.engine.check_prompt(ids)
+            self.engine.inputs.check_adapter(lora)
         ids_by_index: list[str] = []
-        for ids, p in zip(token_lists, params, strict=True):
+        for ids, p, lora in zip(token_lists, params, loras, strict=True):
             request_id = f"llm-{self._next_id}"
             self._next_id += 1
-            self.engine.add_request(request_id, ids, p)
+            self.engine.add_request(request_id, ids, p, lora_name=lora)
             ids_by_index.append(request_id)
         tokens: dict[str, list[int]] = {rid: [] for rid in ids_by_index}
         done: dict[str, tuple[str, int]] = {}

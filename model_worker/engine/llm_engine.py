@@ -69,7 +69,10 @@ class LLMEngine:
         self.warmup_report = warm_up() if warm_up is not None else None
         """What the runner's warm-up did and how long it took (None for a runner without one)."""
         self.block_hasher = BlockHasher(self.model_id, config.block_size, config.hash_algorithm)
-        self.inputs = InputProcessor(config, self.model_config, self.block_hasher)
+        self.lora = getattr(self.runner, "lora", None)
+        """The runner's LoRA adapters (execution/lora_manager.py); None without --enable-lora."""
+        self.inputs = InputProcessor(config, self.model_config, self.block_hasher,
+                                     self.lora.has if self.lora is not None else None)
         """Validation at the door (input_processor.py)."""
         # NOTE: the runner decides the grouping (it lays out the KV tensors); a runner without one
         # (the simulated one) gets the grouping the model's windows imply.
@@ -165,17 +168,45 @@ class LLMEngine:
         return self.kv_connector.holds
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                    cache_salt: str = "", leg: KVLeg | None = None) -> None:
+                    cache_salt: str = "", leg: KVLeg | None = None, lora_name: str | None = None) -> None:
         """Queues a request; it starts at the next ``step()``.
 
         ``leg``: a prefill leg (its prompt's full blocks are held for a decode worker when it ends) or a
-        decode leg (its blocks are taken into the pool first): kv_legs.py.
+        decode leg (its blocks are taken into the pool first): kv_legs.py. ``lora_name``: the LoRA adapter
+        to run it under (a loaded one; None = the base model).
 
         Raises:
             ValueError: the request is malformed or can never fit; nothing else is affected.
         """
-        request = self.inputs.make_request(request_id, prompt_token_ids, sampling_params, cache_salt)
+        request = self.inputs.make_request(request_id, prompt_token_ids, sampling_params, cache_salt, lora_name)
         self.submit(request, leg)
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Loads the LoRA adapter of the PEFT directory ``path`` as ``name`` (vLLM's /v1/load_lora_adapter);
+        requests may name it at once. Safe from any thread.
+
+        Raises:
+            ValueError: LoRA is off, the name is taken, or the adapter cannot serve this model (what is wrong).
+        """
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        self.lora.load_adapter(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Unloads LoRA adapter ``name`` (vLLM's /v1/unload_lora_adapter). Safe from any thread.
+
+        Raises:
+            ValueError: LoRA is off, no such adapter is loaded, or a live request runs under it.
+        """
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        with self._lock:
+            queued = [item for kind, item, _ in self._inbox if kind == "add"]
+        users = [r.request_id for r in [*queued, *list(self.scheduler.requests.values())] if r.lora_name == name]
+        if users:
+            raise ValueError(f"LoRA adapter {excerpt(name)} is in use by {len(users)} live requests "
+                             f"(e.g. {excerpt(users[0])}); unload it when they are done")
+        self.lora.unload_adapter(name)
 
     def check_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
         """Raises ValueError as :meth:`add_request` would for this prompt and these parameters, adding

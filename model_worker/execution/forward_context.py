@@ -1,4 +1,5 @@
-"""What one forward pass reads besides its token ids and positions: the attention metadata.
+"""What one forward pass reads besides its token ids and positions: the attention metadata (and, with
+LoRA adapters, each token's adapter slot).
 
 The runner sets it around each call of the model (``with forward_context(ctx): model(ids, pos)``);
 the paged-attention op reads it. As in vLLM (``vllm/forward_context.py``), the metadata and the KV
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from kvmesh.kernels.lora_reference import LoRAGroups, lora_groups
 
 
 @dataclass(slots=True)
@@ -35,6 +38,23 @@ class AttentionMetadata:
     """``[S, max_blocks]`` int32, padded with the null block 0."""
 
 
+@dataclass(slots=True)
+class LoRAMetadata:
+    """Which LoRA adapter slot each packed token runs under (models/lora.py); absent without --enable-lora."""
+
+    token_slots: torch.Tensor
+    """``[T]`` int: the slot of each new token's adapter, -1 = the base model (an input buffer like the
+    positions: a CUDA graph replays with the buffer it was captured with)."""
+    groups: LoRAGroups | None = None
+    """Per slot used, its tokens (kernels.lora_groups), computed once per step for the torch path; None =
+    derived by the kernel where it needs them."""
+
+    def select(self, rows: torch.Tensor) -> LoRAMetadata:
+        """The rows ``rows`` of a one-token-per-row batch (a window's requests still running)."""
+        slots = self.token_slots[rows]
+        return LoRAMetadata(slots, lora_groups(slots) if self.groups is not None else None)
+
+
 class AttentionLayer(Protocol):
     """What the attention op reads of a layer (models/attention.py's PagedAttention, which reads this
     module's context: so the context names the shape, not the class)."""
@@ -50,6 +70,8 @@ class ForwardContext:
     """The model's attention layers by layer index (each knows its KV cache group)."""
     metas: Sequence[AttentionMetadata]
     """One metadata per KV cache group."""
+    lora: LoRAMetadata | None = None
+    """The tokens' LoRA adapter slots (--enable-lora), else None."""
 
 
 _local = threading.local()

@@ -8,7 +8,8 @@ the smallest captured ``B >= n``; larger batches, prefills and mixed steps run a
 
 Every input of a step lives in one static int32 buffer, ``[B_max, C]``, one row per sequence:
 KV length, a real-row flag, position, token id, where the token is still on the device (async
-scheduling), then the block table of each KV cache group.
+scheduling), the row's LoRA adapter slot + 1 (0 = the base model, what a padding row holds), then the
+block table of each KV cache group.
 A step copies its rows in with one host-to-device copy, and the captured body reads them:
 
 1. token ids and positions (as int64), each row's cache slot from its block table, or -1;
@@ -31,7 +32,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvmesh.model_worker.execution.forward_context import AttentionMetadata
+from kvmesh.model_worker.execution.forward_context import AttentionMetadata, LoRAMetadata
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +41,16 @@ MAX_CAPTURE_SIZE = 512
 where a step's launches weigh little against its work."""
 
 # Columns of the static buffer. _SOURCE: 1 + the row of the previous step's sampled ids that holds
-# this row's input token (async scheduling), 0 = the token column holds it.
-_KV_LEN, _REAL, _POS, _TOKEN, _SOURCE = 0, 1, 2, 3, 4
+# this row's input token (async scheduling), 0 = the token column holds it. _LORA: 1 + the row's LoRA
+# slot, 0 = none.
+_KV_LEN, _REAL, _POS, _TOKEN, _SOURCE, _LORA = 0, 1, 2, 3, 4, 5
 _ALIGN = 4
 """int32 columns per 16 bytes: each block table starts 16-byte aligned (what Triton specialises on)."""
 _TABLES = 8
 
-ForwardLogits = Callable[[torch.Tensor, torch.Tensor, list[AttentionMetadata]], torch.Tensor]
-"""(token ids ``[T]``, positions ``[T]``, metadata per KV cache group) -> float32 logits ``[T, vocab]``."""
+ForwardLogits = Callable[..., torch.Tensor]
+"""(token ids ``[T]``, positions ``[T]``, metadata per KV cache group[, LoRA metadata]) -> float32 logits
+``[T, vocab]``; the LoRA metadata is passed only by graphs made with ``lora=True``."""
 
 
 def capture_sizes(max_num_seqs: int, sizes: Sequence[int] = ()) -> list[int]:
@@ -88,11 +91,12 @@ class DecodeGraphs:
         append_only_tables: the tables :meth:`load` gets are the KV cache manager's own lists, which
             only grow while a request runs (full attention only: KVCacheManager.live_blocks); a
             row that holds the same list as at the last step then writes only its new blocks.
+        lora: the model runs LoRA adapters: each row's slot is an input (``load(lora_slots=...)``).
     """
 
     def __init__(self, forward_logits: ForwardLogits, *, sizes: Sequence[int], num_groups: int, max_blocks: int,
                  block_size: int, vocab_size: int, device: torch.device, capture: bool,
-                 append_only_tables: bool = False) -> None:
+                 append_only_tables: bool = False, lora: bool = False) -> None:
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.sizes = list(sizes)
@@ -111,6 +115,7 @@ class DecodeGraphs:
         self._cu_q_lens = torch.arange(self.max_size + 1, dtype=torch.int32, device=device)
         self._logits = torch.zeros((self.max_size, vocab_size), dtype=torch.float32, device=device)
         self._append_only = append_only_tables
+        self._lora = lora
         # NOTE: what each staging row's table holds, per group: the list it was read from and how
         # many of its entries; past them the row is zero (the invariant load() keeps).
         self._row_src: list[list[Sequence | None]] = [[None] * self.max_size for _ in range(num_groups)]
@@ -131,11 +136,12 @@ class DecodeGraphs:
         return 0 < n <= self.max_size
 
     def load(self, token_ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[Sequence]],
-             sources: Sequence[int] | None = None) -> None:
+             sources: Sequence[int] | None = None, lora_slots: Sequence[int] | None = None) -> None:
         """Loads a decode batch: row i is token ``token_ids[i]`` at ``positions[i]`` (KV length
         position + 1) with block table ``tables[g][i]`` in group g (block ids, or blocks with a
         ``block_id``); pads it to its graph's size. ``sources[i] >= 0``: the row's token is that row
-        of the previous step's sampled ids, still on the device (:meth:`take_tokens`).
+        of the previous step's sampled ids, still on the device (:meth:`take_tokens`). ``lora_slots[i]``:
+        the row's LoRA adapter slot, -1 = none (graphs made with ``lora=True``).
 
         A row's table is written whole when its list differs from the last step's, else (append-only
         tables) only the blocks appended since: a decode step costs O(rows), not O(context).
@@ -158,6 +164,8 @@ class DecodeGraphs:
         self._has_sources = sources is not None and any(i >= 0 for i in sources)
         if self._has_sources:
             head[:n, _SOURCE] = torch.tensor(sources, dtype=torch.int32) + 1
+        if lora_slots is not None:
+            head[:n, _LORA] = torch.tensor(lora_slots, dtype=torch.int32) + 1
         for g, group in enumerate(tables):
             start = _TABLES + g * self._stride
             src, held = self._row_src[g], self._row_len[g]
@@ -270,7 +278,11 @@ class DecodeGraphs:
                 block_tables=tables,
             ))
         token_ids = rows[:, _TOKEN].to(torch.int64, memory_format=torch.contiguous_format)
-        logits = self._forward_logits(token_ids, positions, metas)
+        if self._lora:
+            lora = LoRAMetadata(rows[:, _LORA] - 1)
+            logits = self._forward_logits(token_ids, positions, metas, lora)
+        else:
+            logits = self._forward_logits(token_ids, positions, metas)
         self._logits[:size].copy_(logits)
         # NOTE: the next step of a window attends one more key at the next position (real rows only:
         # a padding row stays at position 0 with one key of the null block).

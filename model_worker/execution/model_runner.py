@@ -12,16 +12,29 @@ from collections.abc import Callable
 
 import torch
 
+from kvmesh.kernels import lora_groups
 from kvmesh.kernels.attention_configs import check_head_shape
 from kvmesh.kernels.dispatch import attention_backend
-from kvmesh.model_worker.config import EngineConfig, ModelConfig
+from kvmesh.model_worker.config import EngineConfig, ModelConfig, parse_lora_modules
 from kvmesh.model_worker.execution.compile import CompiledForward
 from kvmesh.model_worker.execution.cpu_threads import apply_cpu_threads, set_cpu_threads
-from kvmesh.model_worker.execution.forward_context import AttentionMetadata, ForwardContext, forward_context
+from kvmesh.model_worker.execution.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    LoRAMetadata,
+    forward_context,
+)
 from kvmesh.model_worker.execution.graph_runner import DecodeGraphs, capture_sizes
 from kvmesh.model_worker.execution.host_allocator import keep_freed_buffers
-from kvmesh.model_worker.execution.input_packing import LastSampled, decode_rows, pack_inputs, slot_mapping
+from kvmesh.model_worker.execution.input_packing import (
+    LastSampled,
+    decode_rows,
+    pack_inputs,
+    slot_mapping,
+    to_device,
+)
 from kvmesh.model_worker.execution.kv_offload import HostKVCache, check_host_memory
+from kvmesh.model_worker.execution.lora_manager import LoRAManager
 from kvmesh.model_worker.execution.memory import (
     DeviceMemory,
     Footprint,
@@ -32,6 +45,7 @@ from kvmesh.model_worker.execution.memory import (
     worker_share,
 )
 from kvmesh.model_worker.execution.model_loader import load_model
+from kvmesh.model_worker.execution.models.lora import LoRALayers
 from kvmesh.model_worker.execution.sampler import Sampler
 from kvmesh.model_worker.execution.warmup import WarmupReport, warm_up
 from kvmesh.model_worker.scheduling.host_block_pool import KVTransfers, host_blocks_for
@@ -123,6 +137,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.model = load_model(config.model, model_config, self.dtype, config.device)
+        self.lora = self._lora_adapters()
+        """The LoRA adapters and their device slots (--enable-lora); None = the base model only."""
         self.kv_cache_config = KVCacheConfig.from_sliding_windows(model_config.sliding_windows, self.block_size)
         self.compiled = CompiledForward(self.model) if config.compile else None
         """The compiled forward pass (--compile); None = the eager model."""
@@ -138,6 +154,35 @@ class ModelRunner:
         """The last launched step's sampled ids (on the device) and each request's row: the input ids
         of the next step's placeholders (async scheduling)."""
         self.warmup_report: WarmupReport | None = None
+
+    def _lora_adapters(self) -> LoRAManager | None:
+        cfg = self.config
+        if not cfg.enable_lora:
+            return None
+        assert cfg.max_cpu_loras is not None
+        # NOTE: before the compiled forward and the graphs are made: they see the wrapped projections.
+        layers = LoRALayers(self.model, self.model_config, cfg.max_loras, cfg.max_lora_rank)
+        manager = LoRAManager(layers, self.model_config, cfg.max_cpu_loras)
+        for name, path in parse_lora_modules(cfg.lora_modules):
+            manager.load_adapter(name, path)
+        return manager
+
+    def _lora_rows(self, out: SchedulerOutput) -> list[int] | None:
+        """Each scheduled row's adapter slot (-1 = base model), its adapters put in slots first; None without LoRA."""
+        if self.lora is None:
+            return None
+        names = [s.request.lora_name for s in out.scheduled]
+        slot_of = self.lora.slots_for(n for n in names if n)
+        return [slot_of[n] if n else -1 for n in names]
+
+    def _lora_metadata(self, out: SchedulerOutput, rows: list[int] | None) -> LoRAMetadata | None:
+        """The step's per-token adapter slots (each row's, repeated over its new tokens)."""
+        if rows is None:
+            return None
+        counts = torch.tensor([s.num_new_tokens for s in out.scheduled])
+        slots = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int32), counts)
+        groups = lora_groups(slots) if attention_backend(self.device) == "torch" else None
+        return LoRAMetadata(to_device(slots, self.device), groups)
 
     def warm_up(self) -> WarmupReport:
         """Runs every shape the scheduler can produce once (compiles, Triton JITs, graph captures), so
@@ -160,6 +205,7 @@ class ModelRunner:
             device=self.device,
             capture=capture,
             append_only_tables=self.kv_cache_config.full_attention_only,
+            lora=self.lora is not None,
         )
 
     def _decode_graphs_for_device(self) -> DecodeGraphs | None:
@@ -264,14 +310,15 @@ class ModelRunner:
         if out.is_empty:
             return {}
         graphs = self.graphs
+        lora_rows = self._lora_rows(out)
         if graphs is not None and self._graph_decode(out):
-            graphs.load(*decode_rows(out))
+            graphs.load(*decode_rows(out), lora_slots=lora_rows)
             logits = graphs.run()
             rows = [s.request for s in out.scheduled]
             tokens = self.sampler.sample(logits, [r.sampling_params for r in rows], [r.request_id for r in rows])
             return {r.request_id: [t] for r, t in zip(rows, tokens, strict=True)}
         input_ids, positions, metas, sample_rows = self.prepare_inputs(out)
-        hidden = self.forward(input_ids, positions, metas)
+        hidden = self.forward(input_ids, positions, metas, self._lora_metadata(out, lora_rows))
         sampling = [s.request for s in out.scheduled if s.sample]
         if not sampling:
             return {}
@@ -292,6 +339,7 @@ class ModelRunner:
         if out.is_empty:
             return PendingTokens([], None)
         graphs = self.graphs
+        lora_rows = self._lora_rows(out)
         if graphs is not None and self._graph_decode(out):
             token_ids, positions, tables = decode_rows(out)
             sources = None
@@ -300,14 +348,14 @@ class ModelRunner:
                 sampled, row_of = self._last_sampled
                 sources = [row_of[s.request.request_id] if s.start >= s.request.num_tokens else -1
                            for s in out.scheduled]
-            graphs.load(token_ids, positions, tables, sources)
+            graphs.load(token_ids, positions, tables, sources, lora_slots=lora_rows)
             if sources is not None:
                 graphs.take_tokens(sampled)
             logits = graphs.run()
             rows = [s.request for s in out.scheduled]
         else:
             input_ids, positions, metas, sample_rows = self.prepare_inputs(out)
-            hidden = self.forward(input_ids, positions, metas)
+            hidden = self.forward(input_ids, positions, metas, self._lora_metadata(out, lora_rows))
             rows = [s.request for s in out.scheduled if s.sample]
             if not rows:
                 self._last_sampled = None
@@ -334,10 +382,13 @@ class ModelRunner:
         for request_id in out.finished_ids:
             self.sampler.release(request_id)
         graphs = self.graphs if self.graphs is not None and self._graph_decode(out) else None
+        lora_rows = self._lora_rows(out)
+        lora = None
         if graphs is not None:
-            graphs.load(*decode_rows(out))
+            graphs.load(*decode_rows(out), lora_slots=lora_rows)
         else:
             input_ids, positions, metas, _ = self.prepare_inputs(out)
+            lora = self._lora_metadata(out, lora_rows)
         rows: list[Request] = [s.request for s in out.scheduled]
         overlap = self.device.type == "cuda"
         pending: tuple[list[Request], Callable[[], list[int]]] | None = None
@@ -362,7 +413,7 @@ class ModelRunner:
                     for m in metas
                 ]
             if graphs is None:
-                logits = self.model.compute_logits(self.forward(input_ids, positions, metas))
+                logits = self.model.compute_logits(self.forward(input_ids, positions, metas, lora))
             input_ids = self.sampler.sample_on_device(
                 logits, [r.sampling_params for r in rows], [r.request_id for r in rows]
             )
@@ -390,6 +441,7 @@ class ModelRunner:
                     graphs.keep(sel)
                     continue
                 input_ids, positions = input_ids[sel], positions[sel]
+                lora = lora.select(sel) if lora is not None else None
                 cu_q_lens = torch.arange(len(idx) + 1, dtype=torch.int32, device=self.device)
                 kv_lens = metas[0].kv_lens[sel]
                 metas = [
@@ -404,16 +456,21 @@ class ModelRunner:
         if pending is not None:
             deliver(*pending)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: list[AttentionMetadata]) -> torch.Tensor:
-        """The model's hidden states ``[T, hidden]`` for one packed batch (compiled with --compile)."""
-        with forward_context(ForwardContext(self.attention_layers, metas)):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: list[AttentionMetadata],
+                lora: LoRAMetadata | None = None) -> torch.Tensor:
+        """The model's hidden states ``[T, hidden]`` for one packed batch (compiled with --compile); ``lora``:
+        each token's adapter slot (with --enable-lora; none given = every token on the base model)."""
+        if lora is None and self.lora is not None:
+            # NOTE: the LoRA path runs whatever the batch (warm-up batches too: the kernels JIT there).
+            lora = LoRAMetadata(torch.full(input_ids.shape, -1, dtype=torch.int32, device=input_ids.device), [])
+        with forward_context(ForwardContext(self.attention_layers, metas, lora)):
             if self.compiled is not None:
                 return self.compiled(input_ids, positions)
             return self.model(input_ids, positions)
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                        metas: list[AttentionMetadata]) -> torch.Tensor:
-        return self.model.compute_logits(self.forward(input_ids, positions, metas))
+                        metas: list[AttentionMetadata], lora: LoRAMetadata | None = None) -> torch.Tensor:
+        return self.model.compute_logits(self.forward(input_ids, positions, metas, lora))
 
     def _graph_decode(self, out: SchedulerOutput) -> bool:
         """Whether the step is a decode batch a graph holds: one new token per row, every row samples."""
