@@ -106,7 +106,7 @@ def load_from_pb(m: common_pb2.WorkerLoad) -> Load:
                 tuple(m.admitted_request_ids), m.reports_admissions, cache_block_tokens=m.cache_block_tokens,
                 host_loaded_blocks=m.host_loaded_blocks_total, host_load_s=m.host_load_seconds,
                 num_cached_blocks=m.num_cached_blocks, max_loras=m.max_loras,
-                adapters=tuple(AdapterResidency(a.name, AdapterLevel(a.level), a.requests) for a in m.adapters))
+                adapters=tuple(AdapterResidency(a.name, AdapterLevel(a.level or AdapterLevel.GPU), a.requests) for a in m.adapters))
 
 
 def pending_to_pb(p: Pending) -> kv_pb.PendingPicks:

@@ -89,13 +89,13 @@ class Usage:
 
 
 class AdapterLevel(IntEnum):
-    """Where a loaded LoRA adapter's weights are (kvmesh.v1.AdapterLevel)."""
+    """Where a LoRA adapter's weights are (kvmesh.v1.AdapterLevel; unset on the wire = GPU)."""
 
-    GPU = 0
+    GPU = 1
     """In one of the worker's GPU slots (--max-loras): a request of it runs without a load."""
-    CPU = 1
+    CPU = 2
     """In CPU memory (--max-cpu-loras): copied into a slot before a request of it runs."""
-    DISK = 2
+    DISK = 3
     """Servable, its weights on disk only: read and copied into a slot before a request of it runs."""
 
 
@@ -163,6 +163,10 @@ class Load:
     """The LoRA adapters the worker serves, idle ones included: in a GPU slot, in CPU memory or on disk."""
     max_loras: int = 0
     """The worker's GPU adapter slots (0 = it serves no adapter)."""
+
+    def adapter(self, name: str) -> AdapterResidency | None:
+        """Where the worker holds LoRA adapter ``name``; None: it does not serve it."""
+        return next((a for a in self.adapters if a.name == name), None)
 
     def queue_state(self) -> tuple[int, int, int]:
         """What routing reads of the worker's state: (running, waiting, queued prefill tokens); a

@@ -9,6 +9,7 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 class AdapterLevel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
+    ADAPTER_LEVEL_UNSPECIFIED: _ClassVar[AdapterLevel]
     ADAPTER_LEVEL_GPU: _ClassVar[AdapterLevel]
     ADAPTER_LEVEL_CPU: _ClassVar[AdapterLevel]
     ADAPTER_LEVEL_DISK: _ClassVar[AdapterLevel]
@@ -19,6 +20,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+ADAPTER_LEVEL_UNSPECIFIED: AdapterLevel
 ADAPTER_LEVEL_GPU: AdapterLevel
 ADAPTER_LEVEL_CPU: AdapterLevel
 ADAPTER_LEVEL_DISK: AdapterLevel

@@ -14,6 +14,7 @@ from kvmesh.kv_service.server import KVServiceServer
 from kvmesh.kv_service.store_redis import RedisIndex
 from kvmesh.loopback import free_port
 from kvmesh.transport.channels import dial
+from kvmesh.v1 import common_pb2
 from kvmesh.v1 import kv_service_pb2 as pb
 from kvmesh.v1 import kv_service_pb2_grpc as pb_grpc
 from tests.support import wait_until
@@ -102,8 +103,9 @@ def test_the_load_report_lists_the_engines_lora_adapters_idle_ones_included(engi
     def adapters() -> list[tuple[str, int, int]]:
         return [(a.name, a.level, a.requests) for a in worker(kv, b.worker_id).load.adapters]
 
-    # sql runs (a slot), chat waits and ran last (the other slot), idle was never asked for (CPU memory)
-    wait_until(lambda: adapters() == [("chat", 0, 1), ("idle", 1, 0), ("sql", 0, 1)],
+    # sql and chat have requests in flight (slots), idle was never asked for (CPU memory)
+    GPU, CPU = common_pb2.ADAPTER_LEVEL_GPU, common_pb2.ADAPTER_LEVEL_CPU
+    wait_until(lambda: adapters() == [("chat", GPU, 1), ("idle", CPU, 0), ("sql", GPU, 1)],
                what="the adapters in the engine's load report")
     assert worker(kv, b.worker_id).load.max_loras == 2 and b.adapters.source == "inferred"
 
