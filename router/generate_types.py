@@ -46,6 +46,9 @@ class GenerateInput:
     span before they check the request, under the context they extract, and hand the span over instead."""
     objectives: Objectives = NO_OBJECTIVES
     """The request's latency objectives, the router's defaults filled in by the front (router/api/objectives.py)."""
+    adapter: str = ""
+    """The LoRA adapter the request runs under ("" = the base model): the front resolves a ``model`` that names
+    an adapter to its base model's path and this (router/models.py, docs/adapters.md)."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -6,6 +6,8 @@ its own routing state (speculative map, in-flight view, index breaker) and its o
 namespace (the model id is the root of every chain, docs/block-hashing.md), so two models never
 share a decision. A request names its model by id, or by the directory given with ``--model``;
 one that names none gets the default model: the first configured one, else the only one served.
+A request may also name a LoRA adapter a live worker serves (its load report lists it,
+docs/adapters.md): it goes to the adapter's base model, under the adapter.
 
 This module imports neither grpc nor redis: the server passes in how a pool is made.
 """
@@ -131,6 +133,31 @@ class ModelSet:
             return self._models[self.configured[0]]
         served = self.all()
         return served[0] if len(served) == 1 else None
+
+    def adapters(self) -> dict[str, ServedModel]:
+        """The LoRA adapters some live worker serves, by name, each with its base model (the workers' load
+        reports: docs/adapters.md)."""
+        out: dict[str, ServedModel] = {}
+        for m in self.all():
+            for e in m.pool.endpoints():
+                for a in e.load.adapters:
+                    out.setdefault(a.name, m)
+        return out
+
+    def target(self, name: str) -> tuple[ServedModel, str]:
+        """The model a request's ``model`` names and the LoRA adapter to run it under: ``(the model, "")``, or
+        for an adapter's name ``(its base model, the name)``. A model's id wins over an adapter's name.
+
+        Raises:
+            NotFound / InvalidArgument: as :meth:`resolve`, when ``name`` is no adapter either.
+        """
+        try:
+            return self.resolve(name), ""
+        except NotFound:
+            served = self.adapters().get(name) if name else None
+            if served is None:
+                raise
+            return served, name
 
     def resolve(self, name: str) -> ServedModel:
         """The model a request names ("" = the default).

@@ -83,16 +83,18 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "workers", "tokenizer", "chat_template")
+    __slots__ = ("id", "workers", "tokenizer", "chat_template", "parent")
     ID_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     id: str
     workers: int
     tokenizer: bool
     chat_template: bool
-    def __init__(self, id: _Optional[str] = ..., workers: _Optional[int] = ..., tokenizer: _Optional[bool] = ..., chat_template: _Optional[bool] = ...) -> None: ...
+    parent: str
+    def __init__(self, id: _Optional[str] = ..., workers: _Optional[int] = ..., tokenizer: _Optional[bool] = ..., chat_template: _Optional[bool] = ..., parent: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models", "default_model")

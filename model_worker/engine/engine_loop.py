@@ -177,28 +177,28 @@ class EngineLoop:
         return future
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               cache_salt: str = "") -> Iterator[list[TokenEvent]]:
+               cache_salt: str = "", lora_name: str | None = None) -> Iterator[list[TokenEvent]]:
         """Queues a request; returns its event stream. Raises ValueError on bad input.
 
         Each item is every event that was ready when the consumer asked (at least one), in order;
         the last item ends with the terminal event. A consumer that keeps up gets one token per
         item; one that falls behind (a busy host, a multi-step window) gets them coalesced, so it
-        sends one message where it would have sent several.
+        sends one message where it would have sent several. ``lora_name``: the LoRA adapter to run it under.
         """
         stream = Stream(queue=queue.Queue())
-        self._add(request_id, stream, prompt_token_ids, params, cache_salt)
+        self._add(request_id, stream, prompt_token_ids, params, cache_salt, lora_name=lora_name)
         return self._iterate(request_id, stream)
 
     def submit_async(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      cache_salt: str = "", timeline: RequestTimeline | None = None,
-                     leg: KVLeg | None = None) -> AsyncTokenStream:
+                     leg: KVLeg | None = None, lora_name: str | None = None) -> AsyncTokenStream:
         """As ``submit``, for a caller on an event loop (this one receives the events). The caller
         aborts the request when it stops reading early (a no-op after the end). ``leg``: a prefill or
         decode leg (kv_legs.py); ``timeline``: kept up to date by the step thread (a traced request),
         read by the caller once the stream ended."""
         reader = AsyncTokenStream()
         self._add(request_id, Stream(loop=asyncio.get_running_loop(), reader=reader, timeline=timeline),
-                  prompt_token_ids, params, cache_salt, leg)
+                  prompt_token_ids, params, cache_salt, leg, lora_name)
         return reader
 
     def in_flight(self, request_id: str) -> bool:
@@ -207,7 +207,7 @@ class EngineLoop:
             return request_id in self._streams
 
     def _add(self, request_id: str, stream: Stream, prompt_token_ids: list[int], params: SamplingParams,
-             cache_salt: str, leg: KVLeg | None = None) -> None:
+             cache_salt: str, leg: KVLeg | None = None, lora_name: str | None = None) -> None:
         stream.prompt_tokens = len(prompt_token_ids)
         with self._lock:
             if request_id in self._streams:
@@ -217,7 +217,7 @@ class EngineLoop:
             if stream.timeline is not None:
                 self._traced[request_id] = stream.timeline
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params, cache_salt, leg)
+            self.engine.add_request(request_id, prompt_token_ids, params, cache_salt, leg, lora_name)
         except Exception:
             with self._lock:
                 self._streams.pop(request_id, None)

@@ -14,7 +14,7 @@ from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import AlreadyExists
 from kvmesh.contract.limits import MAX_ADMITTED_IDS, MAX_SNAPSHOT_HOST_BLOCKS, excerpt
 from kvmesh.contract.modelinfo import model_id_for
-from kvmesh.contract.types import KVCacheEvent, Load, SamplingParams
+from kvmesh.contract.types import AdapterLevel, AdapterResidency, KVCacheEvent, Load, SamplingParams
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.engine.input_processor import InputProcessor, load_tokenizer
 from kvmesh.model_worker.engine.kv_connector import KVConnector
@@ -420,6 +420,14 @@ class LLMEngine:
         with self._lock:
             queued = [item for kind, item, _ in self._inbox if kind == "add"] + self._drained
             snap = self._stats
+        if self.lora is not None:
+            requests = dict(snap.adapter_requests)
+            for r in queued:
+                if r.lora_name:
+                    requests[r.lora_name] = requests.get(r.lora_name, 0) + 1
+            adapters = self._residency(requests)
+            if adapters != snap.adapters:
+                snap = replace(snap, adapters=adapters, max_loras=self.lora.max_loras)
         if not queued:
             return snap
         return replace(
@@ -459,7 +467,7 @@ class LLMEngine:
     def _snapshot(self) -> EngineStats:
         # NOTE: taken on the step thread only: the scheduler's queues are not thread-safe.
         kv = self.kv_cache_manager
-        return EngineStats(
+        snap = EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             num_free_blocks=kv.num_free_blocks,
@@ -478,3 +486,24 @@ class LLMEngine:
             host_load_s=getattr(self.runner, "host_load_s", 0.0),
             num_cached_blocks=len(kv.block_pool.cached_block_hash_to_block),
         )
+        if self.lora is not None:
+            snap.adapter_requests = self._adapter_requests()
+            snap.adapters, snap.max_loras = self._residency(snap.adapter_requests), self.lora.max_loras
+        return snap
+
+    def _adapter_requests(self) -> dict[str, int]:
+        """Per LoRA adapter, its requests in the scheduler (the step thread's)."""
+        counts: dict[str, int] = {}
+        for r in self.scheduler.requests.values():
+            if r.lora_name:
+                counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
+        return counts
+
+    def _residency(self, requests: dict[str, int]) -> tuple[AdapterResidency, ...]:
+        """Every adapter the engine serves and where it is now: a GPU slot, host memory, else disk (the
+        manager's registry and caches are read under its lock: an adapter loaded on an idle engine shows)."""
+        assert self.lora is not None
+        where = self.lora.residency()
+        gpu, cpu = set(where["gpu"]), set(where["cpu"])
+        return tuple(AdapterResidency(n, AdapterLevel.GPU if n in gpu else AdapterLevel.CPU if n in cpu
+                                      else AdapterLevel.DISK, requests.get(n, 0)) for n in sorted(self.lora.names))

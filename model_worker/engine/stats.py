@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvmesh.contract.types import Load
+from kvmesh.contract.types import AdapterResidency, Load
 from kvmesh.model_worker.scheduling.output import StepWork
 
 
@@ -40,6 +40,12 @@ class EngineStats:
     """Seconds those loads took (part of ``busy_s``; modelled seconds on a simulated worker)."""
     num_cached_blocks: int = 0
     """Device blocks holding a cached prefix (in use or idle)."""
+    adapter_requests: dict[str, int] = field(default_factory=dict)
+    """Per LoRA adapter, its requests running or waiting (--enable-lora)."""
+    adapters: tuple[AdapterResidency, ...] = ()
+    """The LoRA adapters the worker serves and where each is (docs/adapters.md)."""
+    max_loras: int = 0
+    """GPU adapter slots (0: no LoRA)."""
 
     @property
     def load(self) -> Load:
@@ -52,4 +58,4 @@ class EngineStats:
                     self.queued_prefill_tokens, self.busy_s, self.steps, w.prefill_tokens, w.prefill_pairs,
                     w.decode_seqs, w.decode_context_tokens, self.max_num_batched_tokens, admitted,
                     reports_admissions, host_loaded_blocks=self.host_loaded_blocks, host_load_s=self.host_load_s,
-                    num_cached_blocks=self.num_cached_blocks)
+                    num_cached_blocks=self.num_cached_blocks, adapters=self.adapters, max_loras=self.max_loras)

@@ -17,9 +17,16 @@ from kvmesh.contract.convert import (
     sampling_from_pb,
     usage_to_pb,
 )
-from kvmesh.contract.errors import ResourceExhausted, Unavailable
+from kvmesh.contract.errors import NotFound, ResourceExhausted, Unavailable
 from kvmesh.contract.kv_transfer import check_role
-from kvmesh.contract.limits import MAX_CACHE_SALT_CHARS, MAX_WORKER_REQUEST_ID_CHARS, check_id, check_length
+from kvmesh.contract.limits import (
+    MAX_ADAPTER_NAME_CHARS,
+    MAX_CACHE_SALT_CHARS,
+    MAX_WORKER_REQUEST_ID_CHARS,
+    check_id,
+    check_length,
+    excerpt,
+)
 from kvmesh.contract.types import Usage
 from kvmesh.kv_client.publisher import KVPublisher, registration
 from kvmesh.model_worker.engine.engine_loop import EngineLoop, Stream, TokenEvent
@@ -77,6 +84,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(self, worker: WorkerServer) -> None:
         self.w = worker
 
+    def _adapter(self, name: str) -> str | None:
+        """The LoRA adapter a request names (None: the base model); NOT_FOUND unless this worker serves it."""
+        if not name:
+            return None
+        check_length("adapter", name, MAX_ADAPTER_NAME_CHARS)
+        lora = self.w.engine.lora
+        if lora is None or not lora.has(name):
+            raise NotFound(f"worker {self.w.worker_id} serves no LoRA adapter {excerpt(name)}"
+                           + ("" if lora is not None else " (it runs without --enable-lora)"))
+        return name
+
     async def Generate(self, request, context):
         w = self.w
         if w.draining:
@@ -88,6 +106,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         params = sampling_from_pb(request.sampling)
         check_id("request_id", request.request_id, MAX_WORKER_REQUEST_ID_CHARS, allow_empty=True)
         check_length("cache_salt", request.cache_salt, MAX_CACHE_SALT_CHARS)
+        adapter = self._adapter(request.adapter)
         rid = request.request_id or uuid.uuid4().hex
         kvt = request.kv_transfer if request.HasField("kv_transfer") else None
         prompt = list(request.prompt_token_ids)
@@ -113,7 +132,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                  kind="server")
             timeline = RequestTimeline(span.start_time, len(prompt))
         try:
-            stream = w.loop.submit_async(rid, prompt, params, request.cache_salt, timeline, leg)
+            stream = w.loop.submit_async(rid, prompt, params, request.cache_salt, timeline, leg, adapter)
         except BaseException as exc:
             tracing.end_rpc(span, code_of(exc), exc)
             raise

@@ -73,6 +73,10 @@ class Frontend:
         """Raises NotFound / InvalidArgument (router/models.py)."""
         return self.models.resolve(name)
 
+    def target(self, name: str) -> tuple[ServedModel, str]:
+        """The model a request names and the LoRA adapter it runs under ("" = none); raises as :meth:`model`."""
+        return self.models.target(name)
+
     async def generate(self, model: ServedModel, inp: GenerateInput, request_id: str | None = None,
                        span: Any = None) -> AsyncIterator[GenerateOutput]:
         """The model's request path under the stream limit; raises what ModelRouter.generate raises.

@@ -201,10 +201,11 @@ class GatewayRequest:
         rid = self.headers.get("x-request-id", "")
         if len(rid) > MAX_REQUEST_ID_CHARS:
             raise InvalidArgument(f"the x-request-id header has {len(rid)} characters; at most {MAX_REQUEST_ID_CHARS}")
-        served = self.frontend.model(body.model)
+        served, adapter = self.frontend.target(body.model)
         router = served.router
         inp = replace(body.to_input(rid), objectives=objectives_from_headers(self.headers,
-                                                                              self.config.default_objectives()))
+                                                                              self.config.default_objectives()),
+                      adapter=adapter)
         rid = router.request_id_for(inp)
         if self._span is not None:
             self._span.set_attribute("kvmesh.request_id", rid)  # the id the worker and the logs know it by

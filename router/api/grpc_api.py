@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
@@ -109,8 +110,10 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                         span: Any) -> AsyncIterator[pb.GenerateResponse]:
-        model = self.frontend.model(request.model)
+        model, adapter = self.frontend.target(request.model)
         inp = input_from_pb(request, context, self.config)
+        if adapter:
+            inp = replace(inp, adapter=adapter)
         rid = model.router.request_id_for(inp)
         context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
         async for out in self.frontend.generate(model, inp, rid, span):
@@ -126,8 +129,13 @@ class RouterServicer(pb_grpc.RouterServicer):
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         models = self.frontend.models
         default = models.default()
+        adapters = [pb.ModelInfo(id=name, workers=sum(e.load.adapter(name) is not None for e in m.pool.endpoints()),
+                                 tokenizer=m.files is not None,
+                                 chat_template=m.files is not None and m.files.chat_template is not None,
+                                 parent=m.model_id)
+                    for name, m in sorted(models.adapters().items())]
         return pb.ListModelsResponse(
             models=[pb.ModelInfo(id=m.model_id, workers=len(m.pool.endpoints()), tokenizer=m.files is not None,
                                  chat_template=m.files is not None and m.files.chat_template is not None)
-                    for m in models.all()],
+                    for m in models.all()] + adapters,
             default_model=default.model_id if default is not None else "")

@@ -194,16 +194,21 @@ class OpenAIApi:
     async def metrics(self) -> Response:
         return Response(generate_latest(self.frontend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def _card(self, m: ServedModel) -> ModelCard:
+    def _card(self, m: ServedModel, adapter: str = "") -> ModelCard:
+        """A model's card, or an adapter's with its base model as ``parent`` (as vLLM lists --lora-modules)."""
+        if adapter:
+            return ModelCard(id=adapter, created=self._created, root=adapter, parent=m.model_id)
         return ModelCard(id=m.model_id, created=self._created, root=m.model_id)
 
     async def list_models(self, request: Request) -> ModelList:
         self._authorize(request)
-        return ModelList(data=[self._card(m) for m in self.frontend.models.all()])
+        models = self.frontend.models
+        return ModelList(data=[self._card(m) for m in models.all()]
+                         + [self._card(m, name) for name, m in sorted(models.adapters().items())])
 
     async def get_model(self, request: Request, model: str) -> ModelCard:
         self._authorize(request)
-        return self._card(self.frontend.model(model))
+        return self._card(*self.frontend.target(model))
 
     # -- generation -------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -278,14 +283,16 @@ class OpenAIApi:
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         if len(rid) > MAX_REQUEST_ID_CHARS:
             raise InvalidArgument(f"the x-request-id header has {len(rid)} characters; at most {MAX_REQUEST_ID_CHARS}")
-        model = self.frontend.model(body.model)
+        model, adapter = self.frontend.target(body.model)
         inp = replace(body.to_input(rid), objectives=objectives_from_headers(request.headers,
-                                                                              self.config.default_objectives()))
+                                                                              self.config.default_objectives()),
+                      adapter=adapter)
         outputs = self.frontend.generate(model, inp, None, span)
         response_id = ("chatcmpl-" if chat else "cmpl-") + rid
         created = int(time.time())
+        name = adapter or model.model_id  # NOTE: as vLLM, an adapter's answer names the adapter
         if not body.stream:
-            return await self._whole(outputs, response_id, created, model.model_id, chat, body.return_token_ids)
+            return await self._whole(outputs, response_id, created, name, chat, body.return_token_ids)
         # NOTE: the first output is awaited before the 200 goes out, so a request refused before its
         # first token (bad input, unknown model, overload) gets its real status, not a broken stream.
         try:
@@ -293,7 +300,7 @@ class OpenAIApi:
         except StopAsyncIteration:
             raise RuntimeError("the request path ended without output") from None
         return StreamingResponse(
-            self._stream(first, outputs, response_id, created, model.model_id, chat, body, span),
+            self._stream(first, outputs, response_id, created, name, chat, body, span),
             media_type="text/event-stream", headers={"cache-control": "no-cache", "x-request-id": rid})
 
     async def _whole(self, outputs: AsyncIterator[GenerateOutput], response_id: str, created: int, model: str,

@@ -96,6 +96,7 @@ class DecideSequence:
         endpoints: the workers discovery knows.
         request_id: the id the worker sees; the reservations name it ("" = none folded into the Lookup).
         objectives: the request's latency objectives (none by default).
+        adapter: the LoRA adapter the request runs under ("" = the base model).
         have_index: an index is configured.
         adopt: a worker the Lookup names that discovery has not listed joins (discovery from the index).
         healthy: whether a worker is free of a recent failure mark.
@@ -104,13 +105,14 @@ class DecideSequence:
         only: ``only(worker_id, address)``: the workers the pick may choose (a gateway's subset).
     """
 
-    __slots__ = ("core", "spec", "token_ids", "endpoints", "request_id", "cache_salt", "max_tokens", "objectives", "chain",
+    __slots__ = ("core", "spec", "token_ids", "endpoints", "request_id", "cache_salt", "max_tokens", "objectives", "adapter", "chain",
                  "have_index", "adopt", "healthy", "split", "dynamic", "decider", "only", "pending", "folded",
                  "plan", "loop")
 
     def __init__(self, core: RoutingCore, spec: ModelSpec, token_ids: Sequence[int],
                  endpoints: Iterable[WorkerEndpoint], *, request_id: str = "", cache_salt: str = "",
-                 max_tokens: int = 0, objectives: Objectives = NO_OBJECTIVES, chain: list[bytes] | None = None,
+                 max_tokens: int = 0, objectives: Objectives = NO_OBJECTIVES, adapter: str = "",
+                 chain: list[bytes] | None = None,
                  have_index: bool = True, adopt: bool = True, healthy: Callable[[str], bool] = lambda _w: True,
                  fleet: Fleet | None = None, decider: SplitDecider | None = None,
                  only: Callable[[str, str], bool] | None = None) -> None:
@@ -122,6 +124,7 @@ class DecideSequence:
         self.cache_salt = cache_salt
         self.max_tokens = max_tokens
         self.objectives = objectives
+        self.adapter = adapter
         self.chain = chain
         self.have_index = have_index
         self.adopt = adopt
@@ -144,7 +147,7 @@ class DecideSequence:
         core = self.core
         self.pending = pending = core.prepare(self.spec, self.token_ids, self.have_index, cache_salt=self.cache_salt,
                                               chain=self.chain, max_tokens=self.max_tokens,
-                                              objectives=self.objectives)
+                                              objectives=self.objectives, adapter=self.adapter)
         if pending.lookup is None:
             return None
         if self.request_id:
@@ -220,12 +223,14 @@ class DecideSequence:
 def plan_now(core: RoutingCore, spec: ModelSpec, token_ids: Sequence[int], endpoints: Iterable[WorkerEndpoint],
              index: PrefixIndex | None, *, cache_salt: str = "", adopt: bool = True,
              healthy: Callable[[str], bool] = lambda _w: True, chain: list[bytes] | None = None,
-             max_tokens: int = 0, request_id: str = "", objectives: Objectives = NO_OBJECTIVES) -> RoutePlan:
+             max_tokens: int = 0, request_id: str = "", objectives: Objectives = NO_OBJECTIVES,
+             adapter: str = "") -> RoutePlan:
     """The sequence's first steps against a synchronous index (``PrefixIndex``), answered at once: the plan a
     pick is made on, or one without candidates. For the tools that plan outside a request's life (the
     information limit, the tests)."""
     seq = DecideSequence(core, spec, token_ids, endpoints, request_id=request_id, cache_salt=cache_salt,
-                         max_tokens=max_tokens, objectives=objectives, chain=chain, have_index=index is not None,
+                         max_tokens=max_tokens, objectives=objectives, adapter=adapter, chain=chain,
+                         have_index=index is not None,
                          adopt=adopt,
                          healthy=healthy)
     call = seq.lookup()

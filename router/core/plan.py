@@ -31,6 +31,7 @@ class PendingPlan:
     asked_at: float = 0.0
     """The router's clock when the Lookup was asked: its own picks reserved since may be missing from it."""
     objectives: Objectives = NO_OBJECTIVES
+    adapter: str = ""
 
 
 @dataclass(slots=True)

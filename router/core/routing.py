@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
-from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.block_hash import BlockHasher, adapter_hasher
 from kvmesh.contract.errors import InvalidArgument
 from kvmesh.contract.index_protocol import (
     IndexUnavailable,
@@ -105,21 +105,28 @@ class RoutingCore:
         self.inflight = InFlight()
         self.breaker = IndexBreaker(index_retry_s, clock)
         self.observer: DecisionObserver = observer or CountingObserver()
-        self._hashers: dict[ModelSpec, BlockHasher] = {}
+        self._hashers: dict[tuple[ModelSpec, str], BlockHasher] = {}
         self.chains = ChainCache()
         """The chains of recent long prompts (a shared prefix is hashed once)."""
 
     # -- 1. the chain ---------------------------------------------------------------------------
-    def hasher(self, spec: ModelSpec) -> BlockHasher:
-        h = self._hashers.get(spec)
+    def hasher(self, spec: ModelSpec, adapter: str = "") -> BlockHasher:
+        """The model's hasher; under a LoRA adapter, its name an extra key of every block (the engine's own
+        keying, kvmesh/contract/block_hash.py ``adapter_hasher``)."""
+        key = (spec, adapter)
+        h = self._hashers.get(key)
         if h is None:
-            h = self._hashers[spec] = BlockHasher(spec.model_id, spec.block_size, spec.hash_algorithm)
+            if len(self._hashers) >= 4096:  # adapters come and go: bound the memo
+                self._hashers.clear()
+            base = BlockHasher(spec.model_id, spec.block_size, spec.hash_algorithm)
+            h = self._hashers[key] = adapter_hasher(base, adapter)
         return h
 
-    def chain(self, spec: ModelSpec, token_ids: Sequence[int], cache_salt: str = "") -> list[bytes]:
-        """The prompt's block hashes. Raises InvalidArgument on token ids that cannot be hashed."""
+    def chain(self, spec: ModelSpec, token_ids: Sequence[int], cache_salt: str = "", adapter: str = "") -> list[bytes]:
+        """The prompt's block hashes (under ``adapter``, "" = the base model). Raises InvalidArgument on token
+        ids that cannot be hashed."""
         try:
-            return self.chains.chain(self.hasher(spec), token_ids, cache_salt)
+            return self.chains.chain(self.hasher(spec, adapter), token_ids, cache_salt)
         except ValueError as exc:
             raise InvalidArgument(f"token_ids: {exc}") from None
 
@@ -164,7 +171,7 @@ class RoutingCore:
               endpoints: Iterable[WorkerEndpoint], answer: Sequence[WorkerMatch] | None, index_ok: bool, *,
               adopt: bool, healthy: Callable[[str], bool] = lambda _w: True, max_tokens: int = 0,
               asked_at: float | None = None, reserve_blind: bool = False,
-              objectives: Objectives = NO_OBJECTIVES) -> RoutePlan:
+              objectives: Objectives = NO_OBJECTIVES, adapter: str = "") -> RoutePlan:
         """The candidates of one request.
 
         Args:
@@ -175,6 +182,7 @@ class RoutingCore:
             healthy: whether a worker is free of a recent failure mark.
             max_tokens: the request's max_tokens, for policies that cost its decode.
             objectives: the request's latency objectives, for policies that use them.
+            adapter: the LoRA adapter the request runs under: only the workers that serve it are candidates.
             asked_at: when the Lookup was asked (the shared view adds this router's picks reserved since).
             reserve_blind: the Lookup was late but the index answers: the pick made without it is still
                 reserved (unconditionally), so the other routers see it.
@@ -226,18 +234,20 @@ class RoutingCore:
             if m is not None:
                 c.pending = self._with_own(m.pending, e.worker_id, self.clock() if asked_at is None else asked_at)
             candidates.append(c)
+        if adapter:
+            candidates = [c for c in candidates if c.load.adapter(adapter) is not None]
         usable = [c for c in candidates if healthy(c.worker_id)]
         # NOTE: unhealthy marks are hints: when every worker carries one, try them all anyway.
         versions = ({w: m.pending.version for w, m in pending.items()} if shared
                     else {} if self.shared_view and reserve_blind and self.wants_index(chain) else None)
         return RoutePlan(token_ids, RouteQuery(len(token_ids), spec.block_size, chain, index_ok, max_tokens,
-                                                    objectives),
+                                                    objectives, adapter),
                          usable or candidates, eps, spec.model_id, versions, conditional=shared,
                          answered=answer is not None)
 
     def prepare(self, spec: ModelSpec, token_ids: Sequence[int], have_index: bool, *, cache_salt: str = "",
               chain: list[bytes] | None = None, max_tokens: int = 0,
-              objectives: Objectives = NO_OBJECTIVES) -> PendingPlan:
+              objectives: Objectives = NO_OBJECTIVES, adapter: str = "") -> PendingPlan:
         """Steps 1-2 of a plan: the chain, and whether (and for which blocks) to ask the index.
 
         The caller asks the index for ``pending.lookup`` when it is not None (a Lookup awaited live,
@@ -246,7 +256,7 @@ class RoutingCore:
         once per trace).
         """
         if chain is None:
-            chain = self.chain(spec, token_ids, cache_salt)
+            chain = self.chain(spec, token_ids, cache_salt, adapter)
         lookup = None
         index_ok = True
         if self.wants_index(chain):
@@ -255,7 +265,7 @@ class RoutingCore:
                 # NOTE: the index answers at most MAX_CHAIN_BLOCKS blocks; a longer prompt
                 # (--max-prompt-tokens 0) is looked up by its leading ones, never refused.
                 lookup = chain[:MAX_CHAIN_BLOCKS]
-        return PendingPlan(spec, token_ids, chain, lookup, index_ok, max_tokens, self.clock(), objectives)
+        return PendingPlan(spec, token_ids, chain, lookup, index_ok, max_tokens, self.clock(), objectives, adapter)
 
     def complete(self, pending: PendingPlan, endpoints: Iterable[WorkerEndpoint],
                outcome: Sequence[WorkerMatch] | IndexUnavailable | None, seconds: float = 0.0, *,
@@ -279,7 +289,7 @@ class RoutingCore:
                 self._since_seen = {}
         plan = self.build(pending.spec, pending.token_ids, pending.chain, endpoints, answer, index_ok, adopt=adopt,
                           healthy=healthy, max_tokens=pending.max_tokens, asked_at=pending.asked_at,
-                          reserve_blind=late, objectives=pending.objectives)
+                          reserve_blind=late, objectives=pending.objectives, adapter=pending.adapter)
         if folded is not None:
             # NOTE: reserved, or perhaps reserved (the Lookup failed after it may have landed): a reservation
             # elsewhere drops it; a pick of the same worker keeps it (reserve.lua: one pick per request id).
@@ -308,7 +318,7 @@ class RoutingCore:
             return None
         plan = self.build(pending.spec, pending.token_ids, pending.chain, eps, view, True, adopt=False,
                           healthy=healthy, max_tokens=pending.max_tokens, asked_at=pending.asked_at,
-                          objectives=pending.objectives)
+                          objectives=pending.objectives, adapter=pending.adapter)
         if not plan.candidates or plan.versions is None:
             return None
         worker = self.policy.fallbacks(plan.query, plan.candidates, 1)[0]

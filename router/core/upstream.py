@@ -52,6 +52,8 @@ class WorkerRequest:
     trace: TraceContext | None = None
     """The trace context of the router's forward span (None = tracing off): the worker's spans join the
     request's trace (docs/tracing.md)."""
+    adapter: str = ""
+    """The LoRA adapter to run it under ("" = the base model)."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -65,7 +65,8 @@ class Decide:
         if self.offload is not None and len(ctx.token_ids) > HASH_ON_LOOP_TOKENS:
             # NOTE: a long chain is hashed on the tokenizer pool, never on the loop (the chain cache keeps
             # what it shares with recent prompts: router/core/chain_cache.py)
-            chain = await self.offload(self.core.chain, self.pool.model_spec(), ctx.token_ids, ctx.inp.cache_salt)
+            chain = await self.offload(self.core.chain, self.pool.model_spec(), ctx.token_ids, ctx.inp.cache_salt,
+                                       ctx.inp.adapter)
         ctx.decided = await self.decide(self.sequence(ctx, only, chain), refuse)
 
     def sequence(self, ctx: RequestContext, only: Callable[[str, str], bool] | None = None,
@@ -75,7 +76,7 @@ class Decide:
         return self.sequence_type(self.core, self.pool.model_spec(), ctx.token_ids, endpoints, chain=chain,
                               request_id=ctx.request_id, cache_salt=inp.cache_salt,
                               max_tokens=inp.sampling.max_tokens or DEFAULT_MAX_TOKENS, objectives=inp.objectives,
-                              have_index=self.index is not None, adopt=self.pool.discovers_from_index,
+                              adapter=inp.adapter, have_index=self.index is not None, adopt=self.pool.discovers_from_index,
                               healthy=self.pool.healthy, fleet=Fleet({e.worker_id: e.role for e in endpoints},
                                                                      self.pd_mode),
                               decider=self.decider, only=only)

@@ -107,7 +107,7 @@ class Pipeline:
             budget = self.request_timeout_s if inp.timeout_s is None else min(inp.timeout_s, self.request_timeout_s)
             ctx.deadline = time.monotonic() + budget
             request = WorkerRequest(request_id, ctx.token_ids, inp.sampling, inp.cache_salt,
-                                    trace=tracing.carrier_of(ctx.span))
+                                    trace=tracing.carrier_of(ctx.span), adapter=inp.adapter)
             async for out in self.forward.stream(ctx, request):
                 if out.finish_reason is not None:
                     self.settle.log(ctx, out.finish_reason, out.served_by, out.usage)

@@ -51,7 +51,8 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
 
 
 def completion_body(request: WorkerRequest) -> dict[str, Any]:
-    """The /v1/completions JSON of one request (no "model": the server's base model answers).
+    """The /v1/completions JSON of one request (no "model": the server's base model answers; a LoRA adapter's
+    name as "model" runs it under that adapter, as vLLM serves --lora-modules).
 
     Prefill/decode disaggregation through vLLM's own contract: a prefill leg carries ``kv_transfer_params``
     with ``do_remote_decode``, ``max_tokens`` 1 and no streaming; its answer's ``kv_transfer_params`` go,
@@ -77,6 +78,8 @@ def completion_body(request: WorkerRequest) -> dict[str, Any]:
         body["ignore_eos"] = True
     if request.cache_salt:
         body["cache_salt"] = request.cache_salt
+    if request.adapter:
+        body["model"] = request.adapter
     if request.prefill_leg:
         body.update(kv_transfer_params=dict(PREFILL_PARAMS), stream=False, max_tokens=1)
         del body["stream_options"]

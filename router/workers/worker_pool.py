@@ -77,7 +77,8 @@ class GrpcWorkerPool:
         if is_http(endpoint.address):
             return OpenAIWorkerCall(self._channels.http(), endpoint, request, timeout_s)
         msg = w_pb.WorkerGenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                                         sampling=sampling_to_pb(request.sampling), cache_salt=request.cache_salt)
+                                         sampling=sampling_to_pb(request.sampling), cache_salt=request.cache_salt,
+                                         adapter=request.adapter)
         if request.prefill_leg:
             msg.kv_transfer.do_remote_decode = True
         elif request.kv_source is not None:

@@ -163,6 +163,9 @@ class RouteQuery:
     """The request's max_tokens (0 = not known): what its decode may cost."""
     objectives: Objectives = NO_OBJECTIVES
     """The request's latency objectives (none by default)."""
+    adapter: str = ""
+    """The LoRA adapter the request runs under ("" = the base model): its blocks are keyed by it, and only the
+    workers that serve it (``Load.adapters``) are candidates (docs/adapters.md)."""
 
 
 @dataclass(slots=True, frozen=True)

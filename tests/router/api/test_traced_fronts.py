@@ -53,6 +53,9 @@ class _Frontend(Frontend):
             raise NotFound(f"model {name!r} is not served")
         return _Model()
 
+    def target(self, name: str) -> tuple[Any, str]:
+        return self.model(name), ""
+
     async def generate(self, model: Any, inp: GenerateInput, request_id: str | None = None,
                        span: Any = None) -> AsyncIterator[GenerateOutput]:
         self.spans.append(span)
