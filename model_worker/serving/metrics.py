@@ -51,3 +51,14 @@ class WorkerMetrics:
                                       ["model_name"], registry=r)
         self.requests = Counter("kvmesh:request_success", "Finished requests by reason", ["model_name", "finished_reason"],
                                 registry=r)
+        # LoRA adapters (--enable-lora; docs/adapters.md): residency in the shape vllm-project/vllm PR #54830
+        # proposes, and vLLM 0.32's lora_requests_info, so a router that reads vLLM's reads a kvmesh worker
+        self.lora_loaded = Gauge("kvmesh:lora_adapter_loaded", "1 while the adapter is loaded at this level "
+                                 "(gpu: in a slot; cpu: in host memory); gone when it leaves it",
+                                 ["model_name", "adapter_name", "level"], registry=r)
+        self.lora_gpu = Gauge("kvmesh:num_gpu_loaded_lora_adapters", "Adapters in GPU slots", m, registry=r)
+        self.lora_cpu = Gauge("kvmesh:num_cpu_loaded_lora_adapters", "Adapters in host memory", m, registry=r)
+        self.lora_max_gpu = Gauge("kvmesh:max_gpu_lora_adapters", "GPU adapter slots (--max-loras)", m, registry=r)
+        self.lora_info = Gauge("kvmesh:lora_requests_info", "As vLLM 0.32's: set to the time of each update; "
+                               "both lists name every adapter with a request in flight",
+                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)

@@ -27,11 +27,12 @@ from kvmesh.contract.limits import (
     check_length,
     excerpt,
 )
-from kvmesh.contract.types import Usage
+from kvmesh.contract.types import AdapterLevel, Usage
 from kvmesh.kv_client.publisher import KVPublisher, registration
 from kvmesh.model_worker.engine.engine_loop import EngineLoop, Stream, TokenEvent
 from kvmesh.model_worker.engine.kv_legs import DecodeLeg, KVLeg, PrefillLeg
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
+from kvmesh.model_worker.engine.stats import EngineStats
 from kvmesh.model_worker.engine.timeline import RequestTimeline
 from kvmesh.model_worker.serving.kv_transfer import KVTransfers, Pulled
 from kvmesh.model_worker.serving.metrics import WorkerMetrics
@@ -257,6 +258,8 @@ class WorkerServer:
             self.publisher.wake_engine = self.loop.wake
         self.kv = KVTransfers(self.loop, worker_id, self.address, self.metrics, self.role, kv_transport, kv_hold_ttl_s)
         self._prefix = (0, 0, 0)
+        self._adapter_series: set[tuple[str, str]] = set()
+        self._adapters_busy: str | None = None
 
     async def _build(self, host: str, port: int) -> AioServer:
         server = AioServer(host, port)
@@ -311,6 +314,28 @@ class WorkerServer:
                 wm.host_hits.labels(**m).inc(s.host_cache_hits - host0)
         self._prefix = (s.prefix_cache_queries, s.prefix_cache_hits, s.host_cache_hits)
         wm.kv_held_requests.labels(**m).set(self.engine.kv_connector.num_held)
+        if s.max_loras:
+            self._adapter_metrics(s)
+
+    def _adapter_metrics(self, s: EngineStats) -> None:
+        """The adapters' residency series (model_worker/serving/metrics.py): a series per adapter and level
+        while it is there, removed when it leaves."""
+        m, wm = self._labels, self.metrics
+        levels = {AdapterLevel.GPU: "gpu", AdapterLevel.CPU: "cpu"}
+        now = {(a.name, levels[a.level]) for a in s.adapters if a.level in levels}
+        for name, level in self._adapter_series - now:
+            wm.lora_loaded.remove(m["model_name"], name, level)
+        for name, level in now - self._adapter_series:
+            wm.lora_loaded.labels(adapter_name=name, level=level, **m).set(1)
+        self._adapter_series = now
+        wm.lora_gpu.labels(**m).set(sum(level == "gpu" for _, level in now))
+        wm.lora_cpu.labels(**m).set(sum(level == "cpu" for _, level in now))
+        wm.lora_max_gpu.labels(**m).set(s.max_loras)
+        busy = ",".join(a.name for a in s.adapters if a.requests)
+        if busy != self._adapters_busy:
+            self._adapters_busy = busy
+            wm.lora_info.labels(max_lora=str(s.max_loras), running_lora_adapters=busy,
+                                waiting_lora_adapters=busy).set_to_current_time()
 
     def _on_token(self, stream: Stream, now: float) -> None:
         self._tokens.inc()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.contract.types import SamplingParams
 from kvmesh.model_worker.engine.llm import LLM
@@ -150,6 +152,15 @@ def test_load_reports_say_where_each_adapter_is(stack):
     # memory (max_cpu_loras 1: the slot's adapter is the one kept there)
     generate(router, "chat", PROMPT)
     wait_until(lambda: levels()["chat"] == (GPU, 0), 10, "chat in w1's slot")
+    # the worker's own metrics say the same, in vLLM's (proposed) shape
+    page = generate_latest(w1.metrics.registry).decode()
+    assert 'kvmesh:lora_adapter_loaded{adapter_name="chat",level="gpu",model_name=' in page
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(page) for s in f.samples}
+    assert [v for (n, labels), v in samples.items() if n == "kvmesh:max_gpu_lora_adapters"] == [1.0]
+    assert [v for (n, labels), v in samples.items() if n == "kvmesh:num_gpu_loaded_lora_adapters"] == [1.0]
+    assert any(n == "kvmesh:lora_requests_info" and ("running_lora_adapters", "chat") in labels
+               for n, labels in samples)  # chat had a request in flight at some step
     generate(router, "sql", PROMPT[:20])
     ids, served = generate(router, "sql", PROMPT[:20])
     if served == "w1":
