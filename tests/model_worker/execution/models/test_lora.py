@@ -244,3 +244,39 @@ def test_an_adapter_of_another_model_or_no_adapter_is_refused(tiny_model_dir, ad
         llm.engine.load_adapter("none", str(tmp_path))
     with pytest.raises(ValueError, match="name=path"):
         LLM(str(tiny_model_dir("llama")), num_blocks=64, enable_lora=True, lora_modules=["just-a-path"], **EXACT)
+
+
+def test_compiled_forward_traces_lora_as_one_opaque_op_per_projection(tiny_model_dir, adapters_root) -> None:
+    """Under torch.compile (fullgraph) the LoRA delta is the op ``kvmesh::lora_delta``, 4 per layer, reading
+    the slots from the forward context: the traced graph gives the eager model's output for a mixed batch."""
+    from kvmesh.model_worker.execution.forward_context import ForwardContext, LoRAMetadata, forward_context
+    from kvmesh.model_worker.execution.warmup import dummy_inputs, warmup_batches
+
+    model_dir = tiny_model_dir("qwen3")
+    modules = {f"c{i}": make_adapter(adapters_root, model_dir, seed=80 + i) for i in range(2)}
+    llm = make_llm(model_dir, modules)
+    runner = llm.engine.runner
+    assert runner.lora is not None
+    slot_of = runner.lora.slots_for(["c0", "c1"])
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(runner.model.forward, fullgraph=True, dynamic=True, backend=record)
+    batch = warmup_batches(4, 64, 256, runner.block_size)[-1]
+    ids, positions, metas = dummy_inputs(batch, len(runner.kv_cache_config.groups), runner.device)
+    slots = torch.tensor([slot_of["c0"], -1, slot_of["c1"]] * ids.shape[0], dtype=torch.int32)[: ids.shape[0]]
+    with torch.inference_mode():
+        with forward_context(ForwardContext(runner.attention_layers, metas, LoRAMetadata(slots))):
+            out = compiled(ids, positions)
+            want = runner.model(ids, positions)
+        with forward_context(ForwardContext(runner.attention_layers, metas, LoRAMetadata(torch.full_like(slots, -1)))):
+            base = runner.model(ids, positions)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out, base)  # the adapters are in the compiled graph's output
+    (gm,) = graphs
+    lora_calls = [n for n in gm.graph.nodes if n.op == "call_function"
+                  and n.target in (torch.ops.kvmesh.lora_delta, torch.ops.kvmesh.lora_delta.default)]
+    assert len(lora_calls) == 4 * runner.model_config.num_layers
