@@ -160,6 +160,9 @@ class RouterConfig:
     slo_refuse: bool = False
     """Refuse a request with objectives that the policy predicts no worker can meet (429 / RESOURCE_EXHAUSTED)
     instead of serving it late."""
+    allow_runtime_lora_updating: bool = False
+    """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): each
+    loads or unloads a LoRA adapter on every live worker of its base model (docs/adapters.md)."""
 
     def default_objectives(self) -> Objectives:
         """--slo-ttft-ms and --slo-tpot-ms, in seconds."""

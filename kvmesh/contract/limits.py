@@ -29,6 +29,8 @@ MAX_ADMITTED_IDS = 4096
 MAX_ADAPTERS = 1024
 """LoRA adapters one load report lists (WorkerLoad.adapters)."""
 MAX_ADAPTER_NAME_CHARS = 256
+MAX_ADAPTER_PATH_CHARS = 4096
+"""A LoRA adapter's directory as LoadAdapter names it."""
 MAX_CACHE_SALT_CHARS = 1024
 MAX_EXTRA_KEYS_CHARS = 1024
 MAX_CHAIN_BLOCKS = 65_536

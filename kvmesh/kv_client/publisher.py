@@ -74,6 +74,8 @@ class KVPublisher:
         self._cond = threading.Condition()
         self._registered = threading.Event()
         self._stop = threading.Event()
+        self._beat = threading.Event()
+        """Set: the next heartbeat goes out now (``heartbeat_now``)."""
         self._register_lock = threading.Lock()
         self._heartbeat_lock = threading.Lock()
         self._left = False
@@ -117,6 +119,7 @@ class KVPublisher:
 
     def stop(self) -> None:
         self._stop.set()
+        self._beat.set()
         with self._cond:
             self._cond.notify_all()
         for t in self._threads:
@@ -274,7 +277,12 @@ class KVPublisher:
                     self.request_snapshot()
                     continue
                 log.debug("heartbeat failed: %s", err.code().name)
-            self._stop.wait(max(0.05, self.lease_ttl_s / 3))
+            self._beat.wait(max(0.05, self.lease_ttl_s / 3))
+            self._beat.clear()
+
+    def heartbeat_now(self) -> None:
+        """Sends a load report now (what routing reads changed outside the queues: e.g. an adapter loaded)."""
+        self._beat.set()
 
 
 def registration(worker_id: str, address: str, model_id: str, block_size: int, hash_algorithm: str,

@@ -60,6 +60,16 @@ class WorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/kvmesh.v1.Worker/LoadAdapter',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/kvmesh.v1.Worker/UnloadAdapter',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -101,6 +111,22 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters at run time (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter; docs/adapters.md).
+        FAILED_PRECONDITION: the worker runs without --enable-lora, or the adapter has live requests;
+        ALREADY_EXISTS: the name is taken; NOT_FOUND: no such adapter (unload); INVALID_ARGUMENT: the
+        directory is no adapter this model can serve (what is wrong).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +154,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ReleaseKV,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKVRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKVResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +302,60 @@ class Worker:
             '/kvmesh.v1.Worker/ReleaseKV',
             kvmesh_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/LoadAdapter',
+            kvmesh_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/UnloadAdapter',
+            kvmesh_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

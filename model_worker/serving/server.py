@@ -17,10 +17,18 @@ from kvmesh.contract.convert import (
     sampling_from_pb,
     usage_to_pb,
 )
-from kvmesh.contract.errors import NotFound, ResourceExhausted, Unavailable
+from kvmesh.contract.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvmesh.contract.kv_transfer import check_role
 from kvmesh.contract.limits import (
     MAX_ADAPTER_NAME_CHARS,
+    MAX_ADAPTER_PATH_CHARS,
     MAX_CACHE_SALT_CHARS,
     MAX_WORKER_REQUEST_ID_CHARS,
     check_id,
@@ -188,6 +196,47 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if aborted:
             log.info("request %s: abort asked", request.request_id)
         return pb.AbortResponse(aborted=aborted)
+
+    async def LoadAdapter(self, request, context):
+        lora = self._lora()
+        name = request.name
+        if not name or len(name) > MAX_ADAPTER_NAME_CHARS or not name.isprintable():
+            raise InvalidArgument(f"name must be 1-{MAX_ADAPTER_NAME_CHARS} printable characters")
+        check_length("path", request.path, MAX_ADAPTER_PATH_CHARS)
+        if lora.has(name):
+            raise AlreadyExists(f"LoRA adapter {excerpt(name)} is already loaded on worker {self.w.worker_id}")
+        try:
+            # NOTE: reads and checks the adapter's files: off the server's loop
+            await asyncio.to_thread(self.w.engine.load_adapter, name, request.path)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        log.info("LoRA adapter %s loaded from %s", name, request.path)
+        self._report_now()
+        return pb.LoadAdapterResponse()
+
+    async def UnloadAdapter(self, request, context):
+        lora = self._lora()
+        if not lora.has(request.name):
+            raise NotFound(f"no LoRA adapter {excerpt(request.name)} is loaded on worker {self.w.worker_id}")
+        try:
+            self.w.engine.unload_adapter(request.name)
+        except ValueError as exc:
+            raise FailedPrecondition(str(exc)) from None
+        log.info("LoRA adapter %s unloaded", request.name)
+        self._report_now()
+        return pb.UnloadAdapterResponse()
+
+    def _lora(self):
+        lora = self.w.engine.lora
+        if lora is None:
+            raise FailedPrecondition(f"worker {self.w.worker_id} serves no LoRA adapters (start it with "
+                                     "--enable-lora)")
+        return lora
+
+    def _report_now(self) -> None:
+        """The adapters changed: a load report goes out now, not at the next heartbeat."""
+        if self.w.publisher is not None:
+            self.w.publisher.heartbeat_now()
 
     async def GetLoad(self, request, context):
         w = self.w

@@ -47,6 +47,7 @@ from starlette.requests import ClientDisconnect
 
 from kvmesh.contract.errors import InvalidArgument, KVMeshError, Unauthenticated
 from kvmesh.contract.types import Usage
+from kvmesh.router.api.adapter_admin import change_adapter
 from kvmesh.router.api.body_bounds import BodyBounds, BodyTooLarge
 from kvmesh.router.api.frontend import Frontend
 from kvmesh.router.api.objectives import objectives_from_headers
@@ -134,6 +135,8 @@ class OpenAIApi:
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/v1/models", self.list_models, methods=["GET"])
         app.add_api_route("/v1/models/{model:path}", self.get_model, methods=["GET"])
+        app.add_api_route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"])
+        app.add_api_route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"])
         # NOTE: the POST routes take the raw Request: FastAPI reads no body for them (read_json_parts does).
         # A POST to them never gets here (``app`` calls _post straight); these give the 405s of other methods.
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
@@ -209,6 +212,21 @@ class OpenAIApi:
     async def get_model(self, request: Request, model: str) -> ModelCard:
         self._authorize(request)
         return self._card(*self.frontend.target(model))
+
+    async def load_lora_adapter(self, request: Request) -> JSONResponse:
+        return await self._change_adapter(request, load=True)
+
+    async def unload_lora_adapter(self, request: Request) -> JSONResponse:
+        return await self._change_adapter(request, load=False)
+
+    async def _change_adapter(self, request: Request, load: bool) -> JSONResponse:
+        self._authorize(request)
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise InvalidArgument("the body must be JSON: {\"lora_name\": ..., \"lora_path\": ...}") from None
+        return JSONResponse(await change_adapter(self.frontend.models, body, load,
+                                                 self.config.allow_runtime_lora_updating))
 
     # -- generation -------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:

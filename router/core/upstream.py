@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvmesh.contract.errors import FailedPrecondition
 from kvmesh.contract.index_protocol import Reservation, ReservationAnswer, WorkerMatch
 from kvmesh.contract.kv_transfer import KVSource
 from kvmesh.contract.types import Load, ModelSpec, SamplingParams, TraceContext, Usage
@@ -136,6 +137,10 @@ class WorkerPool(Protocol):
     def mark_unhealthy(self, worker_id: str) -> None: ...
 
     def generate(self, endpoint: WorkerEndpoint, request: WorkerRequest, timeout_s: float) -> WorkerCall: ...
+
+    async def change_adapter(self, endpoint: WorkerEndpoint, name: str, path: str, load: bool) -> None:
+        """Loads (or unloads) a LoRA adapter on the worker (docs/adapters.md); raises its refusal."""
+        raise FailedPrecondition("this pool's workers take no LoRA adapters at run time")
 
     async def abort(self, endpoint: WorkerEndpoint, request_id: str) -> bool:
         """Asks the worker to end the request now; its stream then ends with finish_reason "abort"

@@ -3,12 +3,15 @@ WorkerPool over worker_calls.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
+import aiohttp
 import grpc
 
 from kvmesh.contract.block_hash import algorithm_name
 from kvmesh.contract.convert import kv_source_to_pb, sampling_to_pb
+from kvmesh.contract.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from kvmesh.contract.types import ModelSpec
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core.upstream import (
@@ -23,6 +26,12 @@ from kvmesh.transport.security import call_metadata
 from kvmesh.v1 import worker_pb2 as w_pb
 
 log = logging.getLogger("kvmesh.router.discovery")
+
+ADAPTER_CHANGE_TIMEOUT_S = 60.0
+"""A LoRA adapter's load reads and checks its files on the worker."""
+_ERROR_OF = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.NOT_FOUND: NotFound,
+             grpc.StatusCode.ALREADY_EXISTS: AlreadyExists, grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition}
+_HTTP_ERROR_OF = {400: InvalidArgument, 404: NotFound}
 
 class GrpcWorkerPool:
     """The workers of one model, as :class:`WorkerDiscovery` last saw them, and calls to them.
@@ -97,6 +106,35 @@ class GrpcWorkerPool:
             log.info("abort of %s on worker %s failed: %s", request_id, endpoint.worker_id, exc.code().name)
             return False
         return r.aborted
+
+    async def change_adapter(self, endpoint: WorkerEndpoint, name: str, path: str, load: bool) -> None:
+        """Loads LoRA adapter ``name`` from ``path`` on the worker (or unloads it): a kvmesh worker's
+        LoadAdapter / UnloadAdapter, a bridged vLLM's /v1/load_lora_adapter / unload route (router/api/
+        adapter_admin.py). Raises the worker's refusal as the matching KVMeshError (Unavailable: unreachable)."""
+        if is_http(endpoint.address):
+            route = "load_lora_adapter" if load else "unload_lora_adapter"
+            body = {"lora_name": name, **({"lora_path": path} if load else {})}
+            try:
+                async with self._channels.http().post(
+                        f"{endpoint.address}/v1/{route}", json=body,
+                        timeout=aiohttp.ClientTimeout(total=ADAPTER_CHANGE_TIMEOUT_S)) as resp:
+                    if resp.status != 200:
+                        text = (await resp.text())[:300]
+                        raise _HTTP_ERROR_OF.get(resp.status, FailedPrecondition)(
+                            f"the engine answered {resp.status}: {text}")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # noqa: UP041 - 3.10's TimeoutError
+                raise Unavailable(f"the engine at {endpoint.address} is unreachable: {exc}") from None
+            return
+        stub = self._channels.stub(endpoint.address)
+        try:
+            if load:
+                await stub.LoadAdapter(w_pb.LoadAdapterRequest(name=name, path=path),
+                                       timeout=ADAPTER_CHANGE_TIMEOUT_S, metadata=self._md)
+            else:
+                await stub.UnloadAdapter(w_pb.UnloadAdapterRequest(name=name), timeout=ADAPTER_CHANGE_TIMEOUT_S,
+                                         metadata=self._md)
+        except grpc.aio.AioRpcError as exc:
+            raise _ERROR_OF.get(exc.code(), Unavailable)(exc.details() or exc.code().name) from None
 
     async def release_kv(self, endpoint: WorkerEndpoint, request_id: str) -> bool:
         """Prefill/decode disaggregation: the prefill worker frees the KV it holds for ``request_id``."""
