@@ -28,7 +28,7 @@ from kvmesh.router.api.frontend import Frontend
 from kvmesh.router.api.gateway import GatewayRequest, Pick
 from kvmesh.router.config import EppConfig, RouterConfig, RoutingConfig
 from kvmesh.router.core.decide import Decided
-from kvmesh.router.core.policies.base import PolicyConfig
+from kvmesh.router.core.policies.base import NO_OBJECTIVES, PolicyConfig
 from kvmesh.router.core.upstream import WorkerEndpoint
 from kvmesh.router.generate_types import GenerateInput
 from kvmesh.router.metrics import RouterMetrics
@@ -148,6 +148,7 @@ class Host:
         self.workers = [SimpleNamespace(worker_id=w, role=roles[w]) for w in WORKERS]
         self.workers_by_id = {w: SimpleNamespace(submit=None) for w in WORKERS}
         self.pd_stats = PDStats()
+        self.objectives = NO_OBJECTIVES  # NOTE: the replay's requests carry none (as the live requests here)
 
     def request_done(self, rec: RequestRecord) -> None:
         raise AssertionError(f"request {rec.index} ended in the replay: {rec.failed}")
