@@ -15,7 +15,8 @@ reproducible from them. Per workload: every policy's capacity (highest rate with
 >= the target), kv-aware's capacity / the best other policy's, kv-aware's hit rate at the
 highest rate run at or below half its capacity / the oracle's, max/mean load of each policy's run
 at its capacity, TTFT p90 at 0.5x, 1x, 1.5x round-robin's capacity; then inference-perf's catalog workloads
-(<DIR>/catalog/, issue 51) the same way; then each fault run's kv-aware capacity / the fault-free one.
+(<DIR>/catalog/, issue 51) the same way; then each fault run's kv-aware capacity / the fault-free one; then goodput
+at the requests' objectives, kv-aware ÷ llm-d-predicted (<DIR>/slo/, issue 51).
 """
 
 from __future__ import annotations
@@ -144,6 +145,45 @@ def verdict(value: float | None, goal: float, slack: float = 0.0) -> str:
     if value >= goal:
         return f"{value:.3f} met"
     return f"{value:.3f} NOT met" + (" (within the search's 2 %)" if value >= goal - slack else "")
+
+
+PREDICTED = "llm-d-predicted"
+
+
+def goodput_rows(d: Path) -> list[str]:
+    """Issue 51's goodput goal from <DIR>/slo/<workload>.json (``--objectives workload``, fixed rates): kv-aware's
+    goodput ÷ llm-d-predicted's at each rate run, the workload judged by its lowest ratio (goal >= 1.00 each,
+    >= 1.10 on two); llm-d-sticky's beside it where run."""
+    files = sorted(d.glob("*.json")) if d.is_dir() else []
+    if not files:
+        return []
+    out = [f"\n## goodput at the requests' objectives (issue 51; {d.name}/): kv-aware ÷ {PREDICTED}, "
+           "goal >= 1.00 each, >= 1.10 on two"]
+    worst: list[float] = []
+    for f in files:
+        doc = json.loads(f.read_text())
+        runs = [r for r in doc["runs"] if "goodput_rps" in r]
+        by = {(r["policy"], r["rate"]): r["goodput_rps"] for r in runs}
+        ratios, cells = [], []
+        for rate in sorted({r["rate"] for r in runs}):
+            ours, peer = by.get((OURS, rate)), by.get((PREDICTED, rate))
+            if ours is None or not peer:
+                continue
+            ratios.append(ours / peer)
+            sticky = by.get(("llm-d-sticky", rate))
+            cells.append(f"rate {rate:g}: {ours:.3f} / {peer:.3f} = {ours / peer:.3f}"
+                         + (f" (÷ llm-d-sticky {ours / sticky:.3f})" if sticky else ""))
+        if not ratios:
+            continue
+        o = runs[0]["objectives"]
+        worst.append(min(ratios))
+        out.append(f"{doc['workload']['name']} ({doc['workload']['requests']} requests, TTFT {o['ttft_s']:g} s, "
+                   f"TPOT {o['tpot_s'] * 1000:g} ms), goodput req/s: " + "; ".join(cells)
+                   + f"  lowest {verdict(min(ratios), 1.00)}")
+    if worst:
+        two = sum(1 for r in worst if r >= 1.10)
+        out.append(f"workloads >= 1.10: {two} (goal 2): {'met' if two >= 2 else 'NOT met'}")
+    return out
 
 
 def fleet_rows(d: Path) -> tuple[list[str], dict]:
@@ -299,6 +339,7 @@ def main() -> int:
                 ratio = c / free[pol] if free.get(pol) else float("nan")
                 mark = ("met" if abs(ratio - 1) <= 0.05 else "NOT met") if pol == OURS else ""
                 lines.append(f"{label:<30} {pol:<13} {c:.3f} vs {free.get(pol, float('nan')):.3f}: {ratio:.3f} {mark}")
+    lines += goodput_rows(d / "slo")
     print("\n".join(lines).lstrip("\n"))
     return 0
 
