@@ -73,6 +73,13 @@ class SimConfig:
     host_kv_blocks: int = 0
     """Host KV tier per worker, in blocks of --block-size: blocks evicted from the device are kept there and
     loaded back over the GPU's host link (docs/engine.md, Host KV tier); 0 = none."""
+    max_loras: int = 4
+    """With a workload of LoRA adapters: each worker's GPU adapter slots (vLLM's --max-loras; the scheduler runs
+    no more distinct adapters at once), the adapters loaded into them as steps need them
+    (model_worker/simulated/sim_lora.py, docs/adapters.md)."""
+    max_cpu_loras: int = 16
+    """With a workload of LoRA adapters: adapters each worker keeps in host memory (LRU); 0 = every load is from
+    disk."""
     window_steps: int = 64
     """Longest decode window simulated as one event with --num-scheduler-steps 1 (kvmesh/sim/engine.py)."""
     step_time: StepTimeConfig = field(default_factory=StepTimeConfig)
@@ -183,6 +190,9 @@ class SimConfig:
         """Raises ValueError with the flag to fix."""
         if self.routers < 1:
             raise ValueError("--routers must be >= 1")
+        if self.max_loras < 1 or self.max_cpu_loras < 0:
+            raise ValueError(f"--max-loras must be >= 1 and --max-cpu-loras >= 0, got {self.max_loras}, "
+                             f"{self.max_cpu_loras}")
         if self.host_kv_blocks < 0:
             raise ValueError(f"--host-kv-blocks must be >= 0 (0 = no host tier), got {self.host_kv_blocks}")
         self.step_time.check()

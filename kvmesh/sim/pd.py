@@ -193,6 +193,7 @@ class PDSimRouter(SimRouter):
         return DecideSequence(self.core, self.spec, PromptLength(rec.prompt_len), self.workers.endpoints,
                               request_id=f"r{rec.index}.{rec.attempts + 1}", max_tokens=rec.output_len,
                               objectives=self.mesh.objectives, chain=self.mesh.chains[rec.index],
+                              adapter=self.mesh.workload.requests[rec.index].adapter,
                               healthy=self.workers.healthy, fleet=self._fleet, decider=self.decider)
 
     def no_worker(self, exc: NoWorker) -> str:

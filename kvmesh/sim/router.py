@@ -24,6 +24,7 @@ from kvmesh.sim.config import SimConfig
 from kvmesh.sim.events import EventQueue
 from kvmesh.sim.index import SimIndex
 from kvmesh.sim.worker import Attempt, SimWorker
+from kvmesh.sim.workload import Workload
 
 
 class RouterHost(Protocol):
@@ -36,6 +37,7 @@ class RouterHost(Protocol):
     chains: list[list[bytes]]
     workers_by_id: dict[str, SimWorker]
     objectives: Objectives
+    workload: Workload
 
     def request_done(self, rec: RequestRecord) -> None: ...
 
@@ -105,6 +107,7 @@ class SimRouter:
         return DecideSequence(self.core, self.spec, PromptLength(rec.prompt_len), self.workers.endpoints,
                               request_id=f"r{rec.index}.{rec.attempts + 1}", max_tokens=rec.output_len,
                               objectives=self.mesh.objectives, chain=self.mesh.chains[rec.index],
+                              adapter=self.mesh.workload.requests[rec.index].adapter,
                               healthy=self.workers.healthy)
 
     def no_worker(self, exc: NoWorker) -> str:

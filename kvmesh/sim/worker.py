@@ -19,6 +19,7 @@ from kvmesh.model_worker.engine.kv_legs import DecodeLeg, KVImport, PrefillLeg
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
 from kvmesh.model_worker.scheduling.output import RequestOutput
 from kvmesh.model_worker.scheduling.request import Request
+from kvmesh.model_worker.simulated.sim_lora import SimLoRA
 from kvmesh.replay.records import RequestRecord
 from kvmesh.router.core.attempts import Attempts
 from kvmesh.router.core.inflight import Ticket
@@ -103,12 +104,16 @@ class SimWorker:
     def start(self) -> None:
         cfg = self.mesh.cfg
         runner_box: list[WindowRunner] = []
+        # NOTE: a workload of LoRA adapters: every worker serves all of them, on disk until a step needs one
+        # (a new incarnation starts with empty slots and host cache).
+        adapters = self.mesh.workload.adapters
+        lora = SimLoRA(adapters, cfg.max_loras, cfg.max_cpu_loras) if adapters else None
 
         def factory(config, model_config) -> WindowRunner:
             # NOTE: the noise is seeded per worker and incarnation: the same seed, the same steps.
             runner_box.append(WindowRunner(config, model_config, cfg.cost_for(self.gpu), time_scale=0.0,
                                            noise_sigma=cfg.step_time.step_noise,
-                                           noise_seed=(cfg.seed * 4099 + self.index) * 131 + self.epoch))
+                                           noise_seed=(cfg.seed * 4099 + self.index) * 131 + self.epoch, lora=lora))
             return runner_box[0]
 
         e = cfg.engine
@@ -117,9 +122,15 @@ class SimWorker:
             model=str(self.mesh.model_dir), model_id=MODEL_ID, block_size=cfg.block_size,
             num_blocks=cfg.blocks_per_worker(self.gpu), max_num_batched_tokens=e.max_num_batched_tokens,
             max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len, enable_chunked_prefill=e.enable_chunked_prefill,
-            hash_algorithm=XXH3_128, num_scheduler_steps=steps, host_kv_blocks=cfg.host_kv_blocks or None),
+            hash_algorithm=XXH3_128, num_scheduler_steps=steps, host_kv_blocks=cfg.host_kv_blocks or None,
+            # NOTE: the engine's cap on distinct adapters among running requests is its slots; the host cache's
+            # size is SimLoRA's (the engine's check wants >= --max-loras; the simulator's 0 means disk only).
+            enable_lora=lora is not None, max_loras=cfg.max_loras, max_cpu_loras=max(cfg.max_loras, cfg.max_cpu_loras)),
             runner_factory=factory, scheduler_factory=WindowScheduler)
         self.runner = runner_box[0]
+        if lora is not None:
+            scheduler = self.engine.scheduler
+            self.runner.running_adapters = lambda: {r.lora_name for r in scheduler.running if r.lora_name}
         if e.num_scheduler_steps == 1:
             engine = self.engine
             self.runner.stop_window_on_exit = lambda: engine.scheduler.num_waiting > 0
@@ -161,7 +172,9 @@ class SimWorker:
         try:
             self.engine.submit(Request(a.request_id, [PLACEHOLDER_TOKEN] * r.prompt_len,
                                        SamplingParams(max_tokens=max_tokens or r.output_len, ignore_eos=True),
-                                       block_hasher=self.engine.block_hasher, block_hashes=self.mesh.chains[r.index]),
+                                       block_hasher=self.engine.inputs.hasher_for(r.adapter) if r.adapter
+                                       else self.engine.block_hasher, block_hashes=self.mesh.chains[r.index],
+                                       lora_name=r.adapter or None),
                                PrefillLeg(hold_kv_s) if hold_kv_s is not None else DecodeLeg(kv_import) if kv_import
                                else None)
         except ValueError as exc:

@@ -28,6 +28,8 @@ Generators (``--workload NAME``), each deterministic for a seed; at ``--rate 1``
   catalog (``workload-catalog/``), their length distributions as its configs give them (the functions
   below cite the files and commits): coding-agent conversations behind 18k-123k-token system prompts,
   and small reasoning prompts behind one 250-token prompt with 8k-token answers.
+- ``multi-adapter``: many LoRA adapters (Zipf over 64), each with its own system prompts (issue 52;
+  docs/adapters.md): the prefix cached under the adapter against the adapter's residency.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvmesh.contract.block_hash import BlockHasher
+from kvmesh.contract.block_hash import BlockHasher, adapter_hasher
 from kvmesh.replay.trace import TRACE_BLOCK_TOKENS, load_trace
 
 TOKEN_LOW, TOKEN_HIGH = 2, 256
@@ -56,6 +58,8 @@ class SimRequest:
     output_len: int
     segments: tuple[tuple[int, int], ...]
     """(segment id, tokens) in prompt order; their lengths sum to ``prompt_len``."""
+    adapter: str = ""
+    """The LoRA adapter it runs under ("" = the base model): its blocks are keyed by it."""
 
 
 @dataclass
@@ -69,6 +73,11 @@ class Workload:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    @property
+    def adapters(self) -> list[str]:
+        """The LoRA adapters its requests run under, sorted (none: a base-model workload)."""
+        return sorted({r.adapter for r in self.requests if r.adapter})
 
     @property
     def duration_s(self) -> float:
@@ -112,12 +121,18 @@ class Workload:
     def _compute_chains(self, hasher: BlockHasher) -> list[list[bytes]]:
         bs = hasher.block_size
         root = hasher.root()
-        # (chain hash before the segment, segment id) -> hashes of the segment's full blocks
-        memo: dict[tuple[bytes, int], list[bytes]] = {}
+        # (chain hash before the segment, segment id, adapter) -> hashes of the segment's full blocks
+        memo: dict[tuple[bytes, int, str], list[bytes]] = {}
         out: list[list[bytes]] = []
+        hashers = {"": hasher}
         for r in self.requests:
             chain: list[bytes] = []
             parent = root
+            # NOTE: under an adapter its name is an extra key of every block (the engine's and the router's
+            # keying, adapter_hasher): another chain from the first block on, so the memo's parents differ.
+            h = hashers.get(r.adapter)
+            if h is None:
+                h = hashers[r.adapter] = adapter_hasher(hasher, r.adapter)
             for i, (seg, n) in enumerate(r.segments):
                 last = i == len(r.segments) - 1
                 if not last and n % bs:
@@ -126,12 +141,12 @@ class Workload:
                 full = n // bs
                 if full == 0:
                     continue
-                key = (parent, seg)
+                key = (parent, seg, r.adapter)
                 hashes = memo.get(key)
                 if hashes is None or len(hashes) < full:
                     # NOTE: a segment id is one token stream, whatever length a prompt cuts it to,
                     # so the first k block hashes never change: keep the longest computed.
-                    hashes = hasher.hash_prompt(self.segment(seg, full * bs).tolist(), parent=parent)
+                    hashes = h.hash_prompt(self.segment(seg, full * bs).tolist(), parent=parent)
                     if seg >= 0:
                         memo[key] = hashes
                 chain.extend(hashes[:full])
@@ -394,8 +409,42 @@ def reasoning(num_requests: int = 3000, shared_len: int = 250,
                     f"~{output_len.mean:g} tokens, Poisson {base_rate:g} req/s at rate 1")
 
 
+ADAPTER_SYSTEM_BASE = 70_000_000
+"""Multi-adapter's segment ids: adapter a's system prompt k is ADAPTER_SYSTEM_BASE + 100 a + k."""
+
+
+def multi_adapter(num_requests: int = 3000, adapters: int = 64, zipf_s: float = 1.1, prompts_per_adapter: int = 2,
+                  system_len: tuple[int, int] = (1024, 2048), user_len: tuple[int, int] = (200, 500),
+                  output_len: tuple[int, int] = (100, 300), base_rate: float = 20.0, seed: int = 0) -> Workload:
+    """Many LoRA adapters on one base model (issue 52): a request's adapter is drawn Zipf(``zipf_s``) over
+    ``adapters`` (rank 1 the most used); each adapter has ``prompts_per_adapter`` system prompts of its own
+    (uniform in ``system_len``, rounded to 64 tokens), one of which, uniformly, starts its prompt, then a
+    private user message (uniform in ``user_len``); outputs uniform in ``output_len``. Poisson arrivals.
+    Adapters are named ``adapter-00`` ... (by rank)."""
+    if prompts_per_adapter > 100:
+        raise ValueError("at most 100 system prompts per adapter (segment ids hold 100 per adapter)")
+    rng = np.random.default_rng([seed, 8])
+    t = _poisson_times(rng, num_requests, base_rate)
+    weights = 1.0 / np.arange(1, adapters + 1) ** zipf_s
+    which = rng.choice(adapters, num_requests, p=weights / weights.sum())
+    systems = rng.integers(system_len[0], system_len[1] + 1, (adapters, prompts_per_adapter))
+    prompt = rng.integers(0, prompts_per_adapter, num_requests)
+    users = rng.integers(user_len[0], user_len[1] + 1, num_requests)
+    outs = rng.integers(output_len[0], output_len[1] + 1, num_requests)
+    reqs = []
+    for i in range(num_requests):
+        a, k = int(which[i]), int(prompt[i])
+        segs = ((ADAPTER_SYSTEM_BASE + 100 * a + k, _round_up(int(systems[a, k]), 64)), (-(i + 1), int(users[i])))
+        reqs.append(SimRequest(i, float(t[i]), sum(n for _, n in segs), int(outs[i]), segs, f"adapter-{a:02d}"))
+    return Workload("multi-adapter", reqs, seed,
+                    f"{adapters} LoRA adapters, Zipf s={zipf_s:g}; {prompts_per_adapter} system prompts of "
+                    f"{system_len[0]}-{system_len[1]} tokens per adapter + {user_len[0]}-{user_len[1]}-token messages, "
+                    f"{output_len[0]}-{output_len[1]} output tokens, Poisson {base_rate:g} req/s at rate 1")
+
+
 GENERATORS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "hot-prompt": hot_prompt, "no-reuse": no_reuse,
-              "long-beside-chat": long_beside_chat, "code-generation": code_generation, "reasoning": reasoning}
+              "long-beside-chat": long_beside_chat, "code-generation": code_generation, "reasoning": reasoning,
+              "multi-adapter": multi_adapter}
 
 
 def make_workload(name: str, num_requests: int | None = None, seed: int = 0) -> Workload:

@@ -33,6 +33,7 @@ from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.scheduling.host_block_pool import KVTransfers, host_blocks_for
 from kvmesh.model_worker.scheduling.output import SchedulerOutput
 from kvmesh.model_worker.scheduling.request import Request
+from kvmesh.model_worker.simulated.sim_lora import SimLoRA
 from kvmesh.model_worker.simulated.step_time import Roofline, StepTimeModel
 
 if TYPE_CHECKING:
@@ -98,10 +99,13 @@ class SimRunner:
             0 = no sleeping at all).
         noise_sigma: every step's time times exp(noise_sigma x N(0, 1)); 0 = none.
         noise_seed: seeds that noise (the same seed, the same step times).
+        lora: simulated LoRA adapters (sim_lora.py): a step waits for the loads of its adapters not in a
+            slot; None = no adapters.
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, cost: StepTimeModel | None = None,
-                 time_scale: float = 1.0, noise_sigma: float = 0.0, noise_seed: int = 0) -> None:
+                 time_scale: float = 1.0, noise_sigma: float = 0.0, noise_seed: int = 0,
+                 lora: SimLoRA | None = None) -> None:
         if time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {time_scale}")
         if noise_sigma < 0:
@@ -129,6 +133,10 @@ class SimRunner:
         self.step_elapsed_s = 0.0
         """Modelled seconds since the current step began; inside a window, when the inner step whose
         tokens ``on_step`` is given ended."""
+        self.lora = lora
+        """The adapters' slots and host cache (the engine reads it as its LoRA manager); None without adapters."""
+        self.running_adapters: Callable[[], AbstractSet[str]] | None = None
+        """The adapters of the engine's running requests (their slots are never evicted); set by the simulator."""
         self._lock = threading.Lock()
         # NOTE: back-to-back steps are paced against a running deadline, so up to
         # _ABSORB_S of host overhead between them is absorbed instead of added (a GPU overlaps
@@ -158,7 +166,8 @@ class SimRunner:
             self.last_step_s = 0.0
             return {}
         w = out.work()
-        self._run(self.copy_s(self.cost.work_time(w) * self.jitter()), w.prefill_tokens, w.decode_seqs)
+        self._run(self.copy_s(self.cost.work_time(w) * self.jitter()) + self.adapter_load_s(out), w.prefill_tokens,
+                  w.decode_seqs)
         self.last_step_s = self.step_elapsed_s
         return {s.request.request_id: [self._token(s.request)] for s in out.scheduled if s.sample}
 
@@ -186,6 +195,13 @@ class SimRunner:
                     return
         finally:
             self.last_step_s = self.step_elapsed_s
+
+    def adapter_load_s(self, out: SchedulerOutput) -> float:
+        """Seconds the step waits for its adapters' loads into GPU slots (0 without adapters)."""
+        if self.lora is None:
+            return 0.0
+        running = self.running_adapters() if self.running_adapters is not None else ()
+        return self.lora.load_s((s.request.lora_name for s in out.scheduled if s.request.lora_name), running)
 
     def jitter(self) -> float:
         """The next step's noise factor (1.0 without noise)."""
