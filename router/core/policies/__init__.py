@@ -5,7 +5,9 @@
 - the field's, each from its own source: ``approx-tree`` (SGLang's cache-aware router,
   approx_tree.py), ``dynamo`` (dynamo.py), ``preble`` (preble.py), ``llm-d`` and ``lmetric`` (field.py),
   llm-d's sticky-until-saturated ``llm-d-sticky`` and ``llm-d-sticky-decode`` (llmd_sticky.py), llm-d's
-  predicted-latency scheduler ``llm-d-predicted`` (llmd_predicted.py).
+  predicted-latency scheduler ``llm-d-predicted`` (llmd_predicted.py); llm-d with a LoRA scorer,
+  ``llm-d-lora-affinity`` and ``llm-d-lora-load-state`` (lora.py);
+- kv-aware blind to LoRA residency, ``kv-aware-no-residency`` (kv_aware.py; docs/adapters.md).
 
 A policy is pure: no grpc, no I/O, no clock but the injected one (router/core/policies/base.py).
 """
@@ -17,20 +19,22 @@ from kvmesh.router.core.policies.base import PolicyConfig, RouterPolicy
 from kvmesh.router.core.policies.basic import LeastLoadedPolicy, PrefixHashPolicy, RoundRobinPolicy
 from kvmesh.router.core.policies.dynamo import DynamoPolicy
 from kvmesh.router.core.policies.field import LlmdPolicy, LmetricPolicy
-from kvmesh.router.core.policies.kv_aware import KvAwarePolicy
+from kvmesh.router.core.policies.kv_aware import KvAwareNoResidencyPolicy, KvAwarePolicy
 from kvmesh.router.core.policies.llmd_predicted import LlmdPredictedPolicy
 from kvmesh.router.core.policies.llmd_sticky import LlmdStickyDecodePolicy, LlmdStickyPolicy
+from kvmesh.router.core.policies.lora import LlmdLoraAffinityPolicy, LlmdLoraLoadStatePolicy
 from kvmesh.router.core.policies.preble import PreblePolicy
 
 POLICIES: dict[str, type[RouterPolicy]] = {
     p.name: p for p in (KvAwarePolicy, RoundRobinPolicy, LeastLoadedPolicy, PrefixHashPolicy, ApproxTreePolicy,
                         DynamoPolicy, LlmdPolicy, PreblePolicy, LmetricPolicy, LlmdStickyPolicy, LlmdStickyDecodePolicy,
-                        LlmdPredictedPolicy)
+                        LlmdPredictedPolicy, LlmdLoraAffinityPolicy, LlmdLoraLoadStatePolicy, KvAwareNoResidencyPolicy)
 }
 
 
 POLICY_ORDER = ("kv-aware", "round-robin", "least-loaded", "prefix-hash", "approx-tree", "dynamo", "llm-d", "preble",
-                "lmetric", "llm-d-sticky", "llm-d-sticky-decode", "llm-d-predicted")
+                "lmetric", "llm-d-sticky", "llm-d-sticky-decode", "llm-d-predicted", "llm-d-lora-affinity",
+                "llm-d-lora-load-state", "kv-aware-no-residency")
 """The order policies are listed and run in (tables, JSON)."""
 
 

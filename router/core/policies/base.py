@@ -65,6 +65,12 @@ class PolicyConfig:
     """The rendezvous fallback's hot-spot margin in tokens."""
     fallback_prefix_blocks: int = 4
     """Without the index: leading blocks whose rendezvous hash picks the worker."""
+    adapter_cpu_load_s: float = 0.0034
+    """kv-aware: seconds to copy a LoRA adapter from a worker's CPU memory into a GPU slot (configured, not learned:
+    rank 16 on Llama-3-8B, 84 MB over PCIe at ~25 GB/s; the simulator's model, docs/adapters.md)."""
+    adapter_disk_load_s: float = 0.065
+    """kv-aware: seconds to read a LoRA adapter from disk into a GPU slot (configured: 84 MB at ~2 GB/s, ~20 ms to
+    open it, the copy; the simulator's model, docs/adapters.md)."""
     default_step_tokens: int = 2048
     """A worker's token budget per step when its load does not report one (an older worker)."""
     seed: int | None = None
@@ -83,6 +89,9 @@ class PolicyConfig:
             raise ValueError(f"--step-cost-fit must be one of {', '.join(STEP_COST_FITS)}, got {self.step_cost_fit!r}")
         if not self.temperature >= 0:
             raise ValueError(f"--router-temperature must be >= 0, got {self.temperature}")
+        if not (self.adapter_cpu_load_s >= 0 and self.adapter_disk_load_s >= 0):
+            raise ValueError(f"--adapter-cpu-load-s and --adapter-disk-load-s must be >= 0, got "
+                             f"{self.adapter_cpu_load_s}, {self.adapter_disk_load_s}")
         if self.balance_factor < 1.0:
             raise ValueError(f"--balance-factor must be >= 1.0, got {self.balance_factor}")
 

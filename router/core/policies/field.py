@@ -71,8 +71,17 @@ class LlmdPolicy(RouterPolicy):
         self._scraped[worker_id] = load
 
     def pick(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
-        total_blocks = len(query.block_hashes)
         loads = [self._scraped.get(c.worker_id, c.load) for c in candidates]
+        scores = self.scores(query, candidates, loads)
+        best = max(scores)
+        i = self._choice_index([i for i, v in enumerate(scores) if v == best])
+        chosen = candidates[i]
+        return Decision(chosen.worker_id, "prefix" if chosen.indexed_blocks or chosen.indexed_host_blocks else "load",
+                        round(best * 1000))
+
+    def scores(self, query: RouteQuery, candidates: Sequence[Candidate], loads: Sequence[Load]) -> list[float]:
+        """Each candidate's weighted sum (highest wins), ``loads`` being what the policy read of each."""
+        total_blocks = len(query.block_hashes)
         queues = [load.num_waiting for load in loads]
         lo, hi = min(queues), max(queues)
         wp, wq, wk = self.weights
@@ -84,11 +93,7 @@ class LlmdPolicy(RouterPolicy):
             total = load.num_total_blocks
             usage = min(1.0, max(0.0, (total - load.num_free_blocks) / total)) if total else 0.0
             scores.append(wp * prefix + wq * queue + wk * (1.0 - usage))
-        best = max(scores)
-        i = self._choice_index([i for i, v in enumerate(scores) if v == best])
-        chosen = candidates[i]
-        return Decision(chosen.worker_id, "prefix" if chosen.indexed_blocks or chosen.indexed_host_blocks else "load",
-                        round(best * 1000))
+        return scores
 
 
 class LmetricPolicy(RouterPolicy):

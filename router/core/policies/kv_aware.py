@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import ClassVar
 
+from kvmesh.contract.types import AdapterLevel
 from kvmesh.router.core.inflight import Ticket
 from kvmesh.router.core.policies.base import (
     Candidate,
@@ -145,6 +147,12 @@ class KvAwarePolicy(RouterPolicy):
             link = self.cost.load_s_per_block(c.worker_id) if learned and c.host_blocks else None
             ttft, own = predicted_ttft(model, query, c, self.config.default_step_tokens, link,
                                        mean_output=self._mean_output if learned else 0.0)
+            # NOTE: LoRA (docs/adapters.md): the step that prefills the request first waits for its adapter's
+            # load into a GPU slot, and for a slot when every one serves another adapter's requests; priced in
+            # seconds once the step cost is (none for a base-model request: its picks are unchanged).
+            load = self._adapter_s(model, query, c) if query.adapter and learned else 0.0
+            ttft += load
+            own += load
             # NOTE: the work a request adds to the mesh: a copy of a prefix that needs one more worker
             # is its load, not a duplicate (where it evicts nothing); where the KV is full, a hit on a
             # copy the prefix no longer needs costs what recomputing it elsewhere would (the prefix
@@ -153,6 +161,7 @@ class KvAwarePolicy(RouterPolicy):
             adjust = copy_in_free_kv(query, c, replica) if replica > 0 else surplus_in_full_kv(query, c, replica)
             if adjust:
                 _, work = predicted_ttft(model, query, c, self.config.default_step_tokens, link, extra_held=adjust)
+                work += load
             scores.append(ttft + lam * decoders(c) * own + kappa * work)
         return scores
 
@@ -169,8 +178,20 @@ class KvAwarePolicy(RouterPolicy):
             link = self.cost.load_s_per_block(c.worker_id) if c.host_blocks else None
             ttft, _ = predicted_ttft(model, query, c, self.config.default_step_tokens, link,
                                      mean_output=self._mean_output)
+            if query.adapter:
+                ttft += self._adapter_s(model, query, c)
             out.append((ttft, predicted_tpot(model, query, c)))
         return out
+
+    prices_adapters: ClassVar[bool] = True
+    """Whether a LoRA adapter's residency enters the prediction (``kv-aware-no-residency``: only its prefix,
+    keyed by the adapter, does)."""
+
+    def _adapter_s(self, m: StepCost, q: RouteQuery, c: Candidate) -> float:
+        if not self.prices_adapters:
+            return 0.0
+        return adapter_wait_s(m, q, c, self.config.adapter_cpu_load_s, self.config.adapter_disk_load_s,
+                              self._mean_output)
 
     def _meets(self, query: RouteQuery, candidates: Sequence[Candidate]) -> list[bool] | None:
         """Whether each candidate is predicted to meet the query's objectives; None when none can be judged."""
@@ -268,6 +289,14 @@ class KvAwarePolicy(RouterPolicy):
             return self._rng.choices(range(len(scores)), weights)[0]
 
 
+class KvAwareNoResidencyPolicy(KvAwarePolicy):
+    """kv-aware blind to LoRA residency: the prefix under the adapter counts, the adapter's load and slots do
+    not (the ablation of docs/adapters.md)."""
+
+    name = "kv-aware-no-residency"
+    prices_adapters = False
+
+
 OUTPUT_MEMORY = 0.99
 """Weight the mean output length keeps per finished request (~100 requests of memory)."""
 
@@ -327,6 +356,25 @@ def kv_wait(per_step: float, q: RouteQuery, c: Candidate, queue: int, u: int, me
         return 0.0
     # NOTE: requests to finish (deficit / blocks each), at D every mean_output / 2 steps
     return deficit / (used / d) * (mean_output / 2) * per_step / d
+
+
+def adapter_wait_s(m: StepCost, q: RouteQuery, c: Candidate, cpu_load_s: float, disk_load_s: float,
+                   mean_output: float) -> float:
+    """Seconds the request's first step waits on the candidate for its LoRA adapter (``q.adapter``): 0 in a GPU
+    slot; else its load (from CPU memory or disk), plus, when every slot holds another adapter with requests in
+    flight, the wait for one to drain: the scheduler admits no more distinct adapters than slots, so the
+    request waits until the last of some adapter's k requests finishes, k/(k+1) of a mean output of decode steps
+    (the expected maximum of k remainders uniform over it) for the adapter with the fewest."""
+    mine = c.load.adapter(q.adapter) if q.adapter else None
+    if mine is None or mine.level == AdapterLevel.GPU:
+        return 0.0
+    wait = cpu_load_s if mine.level == AdapterLevel.CPU else disk_load_s
+    busy = [a.requests for a in c.load.adapters if a.requests and a.name != q.adapter]
+    if c.load.max_loras and len(busy) >= c.load.max_loras and mean_output > 0:
+        k = min(busy)
+        per_step = m.step_s + m.decode_seq_s * decoders(c) + m.decode_context_token_s * used_blocks(c) * q.block_size
+        wait += per_step * mean_output * k / (k + 1)
+    return wait
 
 
 def predicted_tpot(m: StepCost, q: RouteQuery, c: Candidate) -> float:

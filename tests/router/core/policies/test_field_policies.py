@@ -29,7 +29,8 @@ def cand(wid: str, matched: int = 0, **load) -> Candidate:
 
 def test_every_policy_is_registered_and_picks_from_one_candidate():
     assert {"kv-aware", "round-robin", "least-loaded", "prefix-hash", "approx-tree", "dynamo", "llm-d", "preble",
-            "lmetric", "llm-d-sticky", "llm-d-sticky-decode", "llm-d-predicted"} == set(POLICIES)
+            "lmetric", "llm-d-sticky", "llm-d-sticky-decode", "llm-d-predicted", "llm-d-lora-affinity",
+            "llm-d-lora-load-state", "kv-aware-no-residency"} == set(POLICIES)
     for name in POLICIES:
         assert make_policy(name, PolicyConfig(seed=0)).pick(query(64), [cand("a")]).worker_id == "a"
 

@@ -170,6 +170,7 @@ def test_round_robin_and_least_loaded():
 
 def test_registry_names_and_unknown_policy():
     assert policy_names() == ["kv-aware", "round-robin", "least-loaded", "prefix-hash", "approx-tree", "dynamo", "llm-d",
-                             "preble", "lmetric", "llm-d-sticky", "llm-d-sticky-decode", "llm-d-predicted"]
+                             "preble", "lmetric", "llm-d-sticky", "llm-d-sticky-decode", "llm-d-predicted",
+                             "llm-d-lora-affinity", "llm-d-lora-load-state", "kv-aware-no-residency"]
     with pytest.raises(ValueError, match="unknown policy 'random'; choose one of kv-aware, round-robin"):
         make_policy("random")
