@@ -48,6 +48,7 @@ class LoraInfo:
     """What one scrape of vLLM's /metrics says of adapters (None: LoRA is off)."""
 
     max_loras: int
+    """The GPU slots (0: not said yet: the series has no sample before vLLM's first request)."""
     running: tuple[str, ...]
     waiting: tuple[str, ...]
     loaded: tuple[tuple[str, AdapterLevel], ...] | None = None
@@ -59,11 +60,14 @@ def _names(label: str | None) -> tuple[str, ...]:
 
 
 def parse_lora_info(text: str) -> LoraInfo | None:
-    """The adapters' series in a /metrics page (the lines of ``NAMES`` are enough). Raises ValueError on
-    text that is not Prometheus exposition format."""
+    """The adapters' series in a /metrics page (the lines of ``NAMES`` and their ``# TYPE`` lines are enough);
+    None when LoRA is off (the series is not registered). Raises ValueError on text that is not Prometheus
+    exposition format."""
     newest: tuple[float, dict[str, str]] | None = None
     loaded: list[tuple[str, AdapterLevel]] | None = None
+    registered = False
     for family in text_string_to_metric_families(text):
+        registered = registered or family.name == LORA_INFO
         for s in family.samples:
             if s.name == LORA_INFO:
                 if newest is None or s.value > newest[0]:
@@ -74,7 +78,9 @@ def parse_lora_info(text: str) -> LoraInfo | None:
                 if level is not None and name:
                     loaded = (loaded or []) + [(name, level)]
     if newest is None:
-        return None
+        # NOTE: the series is registered with --enable-lora but has no sample before the first stats log with
+        # a request: LoRA is on, its slots not said yet (0)
+        return LoraInfo(0, (), (), None if loaded is None else tuple(loaded)) if registered else None
     labels = newest[1]
     try:
         max_loras = int(labels.get("max_lora", "0"))

@@ -24,6 +24,8 @@ def test_the_newest_label_set_is_the_engines_state():
             'vllm:lora_requests_info{max_lora="4",running_lora_adapters="a",waiting_lora_adapters=""} 1.6e9\n')
     assert parse_lora_info(page) == LoraInfo(4, ("b", "c"), ("d",), None)
     assert parse_lora_info("vllm:num_requests_running 1\n") is None  # LoRA off: no series
+    # on, before vLLM's first request: the series is registered without a sample (slots not said yet)
+    assert parse_lora_info("# TYPE vllm:lora_requests_info gauge\n") == LoraInfo(0, (), (), None)
 
 
 def test_listed_adapters_are_the_entries_with_a_parent():
