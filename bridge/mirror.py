@@ -211,7 +211,7 @@ class EngineMirror:
                     self.skipped["unknown_block"] += 1
                 else:
                     self._take(entry, tier, new, parent)
-            return self._stored_out(new, parent[0], tier)
+            return self._stored_out(new, parent[0], tier, ev.lora_name or "")
         bs = self.block_size
         if ev.block_size % bs and bs % ev.block_size:
             self.skipped["block_size"] += n
@@ -248,17 +248,17 @@ class EngineMirror:
                 self._entries[key] = entry
             self._take(entry, tier, new, parent)
             state = (entry.tail, entry.pending)
-        out = self._stored_out(new, parent[0], tier)
+        out = self._stored_out(new, parent[0], tier, ev.lora_name or "")
         if len(self._entries) > self.max_entries:
             out += self._overflow()
         return out
 
     @staticmethod
-    def _stored_out(new: list[bytes], parent: bytes | None, tier: Tier) -> list[KVCacheEvent]:
+    def _stored_out(new: list[bytes], parent: bytes | None, tier: Tier, adapter: str = "") -> list[KVCacheEvent]:
         if not new:
             return []
         # NOTE: off the device a store carries no parent (the contract: blocks reach those tiers one by one)
-        return [BlockStored(new, parent if tier == Tier.DEVICE else None, tier=tier)]
+        return [BlockStored(new, parent if tier == Tier.DEVICE else None, tier=tier, adapter=adapter)]
 
     def _drop(self, entry: _Entry, tier: Tier, gone: list[bytes]) -> None:
         refs = self._kv_refs[tier]

@@ -22,6 +22,7 @@ from kvmesh.contract.index_protocol import (
     WorkerMatch,
 )
 from kvmesh.contract.kv_transfer import GRPC, KVLayout, KVSource
+from kvmesh.contract.limits import MAX_ADAPTER_NAME_CHARS
 from kvmesh.contract.types import (
     AdapterLevel,
     AdapterResidency,
@@ -298,7 +299,7 @@ def event_to_pb(ev: KVCacheEvent) -> kv_pb.KVEvent:
     if isinstance(ev, BlockStored):
         return kv_pb.KVEvent(stored=kv_pb.BlockStored(block_hashes=ev.block_hashes,
                                                       parent_hash=ev.parent_block_hash or b"", group_id=ev.group_id,
-                                                      tier=_TIER_TO_PB[ev.tier]))
+                                                      tier=_TIER_TO_PB[ev.tier], adapter=ev.adapter))
     if isinstance(ev, BlockRemoved):
         return kv_pb.KVEvent(removed=kv_pb.BlockRemoved(block_hashes=ev.block_hashes, group_id=ev.group_id,
                                                         tier=_TIER_TO_PB[ev.tier]))
@@ -313,8 +314,11 @@ def events_from_pb(events: Iterable[kv_pb.KVEvent]) -> list[KVCacheEvent]:
         kind = ev.WhichOneof("event")
         if kind == "stored":
             s = ev.stored
+            if len(s.adapter) > MAX_ADAPTER_NAME_CHARS:
+                raise InvalidArgument(f"events[{i}].stored.adapter has {len(s.adapter)} characters; at most "
+                                      f"{MAX_ADAPTER_NAME_CHARS}")
             out.append(BlockStored(list(s.block_hashes), s.parent_hash or None, s.group_id,
-                                   tier_from_pb(s.tier, f"events[{i}].stored")))
+                                   tier_from_pb(s.tier, f"events[{i}].stored"), s.adapter))
         elif kind == "removed":
             r = ev.removed
             out.append(BlockRemoved(list(r.block_hashes), r.group_id, tier_from_pb(r.tier, f"events[{i}].removed")))

@@ -277,6 +277,8 @@ class BlockStored:
     """KV cache group (hybrid allocators); 0 for full attention."""
     tier: Tier = Tier.DEVICE
     """The tier that now holds them."""
+    adapter: str = ""
+    """The LoRA adapter they were computed under ("" = the base model); its name already keys their hashes."""
 
 
 @dataclass(slots=True)

@@ -121,16 +121,18 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_ttl_ms: _Optional[int] = ..., resync: _Optional[bool] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("parent_hash", "block_hashes", "group_id", "tier")
+    __slots__ = ("parent_hash", "block_hashes", "group_id", "tier", "adapter")
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     parent_hash: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     group_id: int
     tier: KVTier
-    def __init__(self, parent_hash: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., group_id: _Optional[int] = ..., tier: _Optional[_Union[KVTier, str]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, parent_hash: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., group_id: _Optional[int] = ..., tier: _Optional[_Union[KVTier, str]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
     __slots__ = ("block_hashes", "group_id", "tier")

@@ -201,7 +201,8 @@ class BlockPool:
             stored.append(block_hash)
         if self.enable_events and stored:
             parent = request.block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
-            self._events.append(BlockStored(block_hashes=stored, parent_block_hash=parent, group_id=group_id))
+            self._events.append(BlockStored(block_hashes=stored, parent_block_hash=parent, group_id=group_id,
+                                            adapter=request.lora_name or ""))
 
     def cache_imported(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
                        parent: bytes | None) -> None:

@@ -102,3 +102,24 @@ def test_prefix_cache_hits_only_under_the_same_adapter() -> None:
     run_step(s)
     hits = {rid: s.requests[rid].num_cached_tokens for rid in ("other", "base", "same") if rid in s.requests}
     assert hits == {"other": 0, "base": 0, "same": 16}
+
+
+def test_a_stored_event_names_the_adapter_its_blocks_were_computed_under() -> None:
+    s = make_scheduler(max_adapters=4)
+    prompt = list(range(1, 18))  # 4 full blocks
+    for rid, lora in [("a", "A"), ("base", None)]:
+        s.add_request(request(rid, lora, prompt, max_tokens=1))
+        while s.has_unfinished_requests():
+            run_step(s)
+    from kvmesh.contract.convert import event_to_pb, events_from_pb
+    from kvmesh.contract.types import BlockStored
+
+    stored = [e for e in s.kv_cache_manager.take_events() if isinstance(e, BlockStored)]
+    assert [(e.adapter, len(e.block_hashes)) for e in stored] == [("A", 4), ("", 4)]
+    assert events_from_pb([event_to_pb(e) for e in stored]) == stored  # on the wire too
+    import pytest
+
+    from kvmesh.contract.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match=r"events\[0\].stored.adapter has 257 characters"):
+        events_from_pb([event_to_pb(BlockStored(stored[0].block_hashes, adapter="x" * 257))])
