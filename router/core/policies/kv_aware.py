@@ -116,6 +116,13 @@ class KvAwarePolicy(RouterPolicy):
             meets = None
             i = self._sample_index(scores) if self.config.temperature > 0 else self._argmin_index(scores)
         self._scored = (query, {c.worker_id: s for c, s in zip(candidates, scores, strict=True)})
+        if query.adapter and self.prices_adapters and self.cost.learned:
+            # NOTE: LoRA: a new prompt is placed only where its adapter need not wait for a slot (the placement
+            # balances content, blind to slots; placed on a worker whose slots all serve other adapters, the
+            # request would wait there for one to drain), unless every candidate would wait.
+            free = [not slot_wait(query, c) for c in candidates]
+            if any(free):
+                meets = free if meets is None else [a and b for a, b in zip(meets, free, strict=True)]
         placed = self._placement(query, candidates, scores, meets)
         if placed is not None:
             i = placed
@@ -361,20 +368,31 @@ def kv_wait(per_step: float, q: RouteQuery, c: Candidate, queue: int, u: int, me
 def adapter_wait_s(m: StepCost, q: RouteQuery, c: Candidate, cpu_load_s: float, disk_load_s: float,
                    mean_output: float) -> float:
     """Seconds the request's first step waits on the candidate for its LoRA adapter (``q.adapter``): 0 in a GPU
-    slot; else its load (from CPU memory or disk), plus, when every slot holds another adapter with requests in
-    flight, the wait for one to drain: the scheduler admits no more distinct adapters than slots, so the
-    request waits until the last of some adapter's k requests finishes, k/(k+1) of a mean output of decode steps
-    (the expected maximum of k remainders uniform over it) for the adapter with the fewest."""
+    slot; else its load (from CPU memory or disk), plus, when the other adapters with requests in flight fill
+    every slot, the wait for slots to drain: the scheduler admits no more distinct adapters than slots, so the
+    request waits until n = (those adapters - slots + 1) of them have drained (the ones past the slots wait for a
+    slot too, ahead of it); an adapter of k requests drains when the last finishes, k/(k+1) of a mean output of
+    decode steps (the expected maximum of k remainders uniform over it); the n with the fewest requests, one
+    after another (an upper bound: drains overlap)."""
     mine = c.load.adapter(q.adapter) if q.adapter else None
     if mine is None or mine.level == AdapterLevel.GPU:
         return 0.0
     wait = cpu_load_s if mine.level == AdapterLevel.CPU else disk_load_s
-    busy = [a.requests for a in c.load.adapters if a.requests and a.name != q.adapter]
-    if c.load.max_loras and len(busy) >= c.load.max_loras and mean_output > 0:
-        k = min(busy)
+    busy = sorted(a.requests for a in c.load.adapters if a.requests and a.name != q.adapter)
+    ahead = len(busy) - c.load.max_loras + 1 if c.load.max_loras else 0
+    if ahead > 0 and mean_output > 0:
         per_step = m.step_s + m.decode_seq_s * decoders(c) + m.decode_context_token_s * used_blocks(c) * q.block_size
-        wait += per_step * mean_output * k / (k + 1)
+        wait += per_step * mean_output * sum(k / (k + 1) for k in busy[:ahead])
     return wait
+
+
+def slot_wait(q: RouteQuery, c: Candidate) -> bool:
+    """Whether the request's adapter would wait on the candidate for a GPU slot: not in one, and at least as many
+    other adapters with requests in flight as the worker has slots."""
+    mine = c.load.adapter(q.adapter) if q.adapter else None
+    if mine is None or mine.level == AdapterLevel.GPU or not c.load.max_loras:
+        return False
+    return sum(1 for a in c.load.adapters if a.requests and a.name != q.adapter) >= c.load.max_loras
 
 
 def predicted_tpot(m: StepCost, q: RouteQuery, c: Candidate) -> float:

@@ -9,7 +9,12 @@ import pytest
 
 from kvmesh.contract.types import AdapterLevel, AdapterResidency, Load
 from kvmesh.router.core.policies.base import Candidate, PolicyConfig, RouteQuery
-from kvmesh.router.core.policies.kv_aware import KvAwareNoResidencyPolicy, KvAwarePolicy, adapter_wait_s
+from kvmesh.router.core.policies.kv_aware import (
+    KvAwareNoResidencyPolicy,
+    KvAwarePolicy,
+    adapter_wait_s,
+    slot_wait,
+)
 from kvmesh.router.core.policies.lora import (
     LlmdLoraAffinityPolicy,
     LlmdLoraLoadStatePolicy,
@@ -122,3 +127,15 @@ def test_kv_aware_adds_the_wait_for_a_slot_when_every_slot_serves_another_adapte
     assert adapter_wait_s(m, query(), free, 0.0034, 0.065, 200.0) == pytest.approx(0.0034)
     assert adapter_wait_s(m, query(), cand("w", load(*busy, ("x", GPU, 0))), 0.0034, 0.065, 200.0) == 0.0
     assert adapter_wait_s(m, query(""), c, 0.0034, 0.065, 200.0) == 0.0
+    # a fifth adapter with requests waits for a slot ahead of it: two drains, the fewest requests first (1, then 2)
+    queued = cand("w", load(*busy, ("e", DISK, 2), ("x", CPU, 0), num_running=10))
+    assert adapter_wait_s(m, query(), queued, 0.0034, 0.065, 200.0) == pytest.approx(
+        0.0034 + per_step * 200 * (1 / 2 + 2 / 3))
+
+
+def test_slot_wait_marks_where_the_adapter_would_wait_for_a_slot():
+    busy = [("a", GPU, 1), ("b", GPU, 3), ("c", GPU, 2), ("d", GPU, 4)]
+    assert slot_wait(query(), cand("w", load(*busy, ("x", DISK, 0))))
+    assert not slot_wait(query(), cand("w", load(*busy[:3], ("x", DISK, 0))))
+    assert not slot_wait(query(), cand("w", load(*busy[:3], ("x", GPU, 0))))
+    assert not slot_wait(query(""), cand("w", load(*busy, ("x", DISK, 0))))
