@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,8 +16,9 @@ from kvmesh.loopback import free_port
 from kvmesh.make_model import ModelSpec, make_model
 from kvmesh.model_worker.engine.llm_engine import LLMEngine
 from kvmesh.model_worker.serving.server import WorkerServer
-from kvmesh.router.config import RouterConfig, RoutingConfig
+from kvmesh.router.config import EppConfig, RouterConfig, RoutingConfig
 from kvmesh.router.core.policies.base import PolicyConfig
+from kvmesh.router.epp import EppServer
 from kvmesh.router.server import RouterServer
 from kvmesh.stack import wait_serving
 
@@ -77,6 +79,29 @@ def start_router(model_dir) -> Iterator[Callable[..., RouterServer]]:
         server = RouterServer(cfg).start()
         started.append(server)
         wait_serving(f"127.0.0.1:{server.port}", timeout=20)
+        return server
+
+    yield start
+    for s in started:
+        s.stop(0.5)
+
+
+@pytest.fixture
+def start_epp(model_dir) -> Iterator[Callable[..., EppServer]]:
+    """In-process endpoint pickers over a kv_service (discovery every 0.2 s, seeded policy)."""
+    started: list[EppServer] = []
+
+    def start(kv_address: str | None, router_kw: dict | None = None, epp_kw: dict | None = None,
+              wait_workers: int = 1, **routing_kw) -> EppServer:
+        cfg = RouterConfig(host="127.0.0.1", kv_service=kv_address, model_dirs=[str(model_dir)],
+                           routing=RoutingConfig(discovery_interval_s=0.2, policy_config=PolicyConfig(seed=0),
+                                                 **routing_kw), **(router_kw or {}))
+        server = EppServer(cfg, EppConfig(port=0, **(epp_kw or {}))).start()
+        started.append(server)
+        deadline = time.monotonic() + 20
+        while wait_workers and len(server.pool.endpoints()) < wait_workers:
+            assert time.monotonic() < deadline, "the endpoint picker never saw the workers"
+            time.sleep(0.05)
         return server
 
     yield start

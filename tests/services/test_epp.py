@@ -8,7 +8,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -18,63 +18,11 @@ from kvmesh.bench.gateway import GatewayClient
 from kvmesh.contract.modelinfo import vocab_size
 from kvmesh.contract.types import SamplingParams
 from kvmesh.router.api.gateway import endpoint_of
-from kvmesh.router.config import EppConfig, RouterConfig, RoutingConfig
-from kvmesh.router.core.policies.base import PolicyConfig
-from kvmesh.router.epp import EppServer
 from kvmesh.router.generate_types import GenerateInput
 from kvmesh.transport.channels import dial
-from kvmesh.transport.loop import LoopThread
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.support.epp import CHAT, COMPLETIONS, ids_body, pick, run
 from tests.support.tracing import spans_named, tracing_in_memory
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-
-
-@pytest.fixture
-def start_epp(model_dir) -> Iterator[Callable[..., EppServer]]:
-    """In-process endpoint pickers over a kv_service (discovery every 0.2 s, seeded policy)."""
-    started: list[EppServer] = []
-
-    def start(kv_address: str | None, router_kw: dict | None = None, epp_kw: dict | None = None,
-              wait_workers: int = 1, **routing_kw) -> EppServer:
-        cfg = RouterConfig(host="127.0.0.1", kv_service=kv_address, model_dirs=[str(model_dir)],
-                           routing=RoutingConfig(discovery_interval_s=0.2, policy_config=PolicyConfig(seed=0),
-                                                 **routing_kw), **(router_kw or {}))
-        server = EppServer(cfg, EppConfig(port=0, **(epp_kw or {}))).start()
-        started.append(server)
-        deadline = time.monotonic() + 20
-        while wait_workers and len(server.pool.endpoints()) < wait_workers:
-            assert time.monotonic() < deadline, "the endpoint picker never saw the workers"
-            time.sleep(0.05)
-        return server
-
-    yield start
-    for s in started:
-        s.stop(0.5)
-
-
-_LOOP: LoopThread | None = None
-
-
-def run(coro):
-    """On one client loop for the module (grpc.aio's channels outlive no loop of their own)."""
-    global _LOOP
-    if _LOOP is None:
-        _LOOP = LoopThread("gateway-client")
-    return _LOOP.run(coro, timeout=300)
-
-
-async def _pick(port: int, path: str, body, mode: str = "full-duplex", **kw):
-    client = GatewayClient(f"127.0.0.1:{port}")
-    try:
-        return await client.pick(path, body, mode, **kw)
-    finally:
-        await client.close()
-
-
-def pick(port: int, path: str, body, mode: str = "full-duplex", **kw):
-    return run(_pick(port, path, body, mode, **kw))
 
 
 def settled(check: Callable[[], bool], timeout: float = 5.0) -> bool:
@@ -85,10 +33,6 @@ def settled(check: Callable[[], bool], timeout: float = 5.0) -> bool:
             return False
         time.sleep(0.02)
     return True
-
-
-def ids_body(ids: list[int], **extra) -> dict:
-    return {"model": "", "prompt": ids, "max_tokens": 4, **extra}
 
 
 def test_the_pick_is_the_routers_pick_for_the_same_prompt_and_state(kv_server, start_worker, start_router, start_epp):

@@ -20,12 +20,8 @@ import pytest
 from kvmesh.router.server import RouterServer
 from kvmesh.transport.channels import dial
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.services import test_epp
-from tests.services.test_epp import COMPLETIONS, ids_body, pick
 from tests.support import wait_until
-
-start_epp = test_epp.start_epp
-"""The endpoint picker's fixture (tests/services/test_epp.py)."""
+from tests.support.epp import COMPLETIONS, ids_body, pick
 
 IMPOSSIBLE = "0.001"
 FEASIBLE = "600000"
