@@ -198,11 +198,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.AbortResponse(aborted=aborted)
 
     async def LoadAdapter(self, request, context):
-        lora = self._lora()
         name = request.name
         if not name or len(name) > MAX_ADAPTER_NAME_CHARS or not name.isprintable():
             raise InvalidArgument(f"name must be 1-{MAX_ADAPTER_NAME_CHARS} printable characters")
         check_length("path", request.path, MAX_ADAPTER_PATH_CHARS)
+        lora = self._lora()
         if lora.has(name):
             raise AlreadyExists(f"LoRA adapter {excerpt(name)} is already loaded on worker {self.w.worker_id}")
         try:
@@ -215,6 +215,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.LoadAdapterResponse()
 
     async def UnloadAdapter(self, request, context):
+        check_length("name", request.name, MAX_ADAPTER_NAME_CHARS)
         lora = self._lora()
         if not lora.has(request.name):
             raise NotFound(f"no LoRA adapter {excerpt(request.name)} is loaded on worker {self.w.worker_id}")

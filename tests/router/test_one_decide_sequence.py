@@ -149,6 +149,7 @@ class Host:
         self.workers_by_id = {w: SimpleNamespace(submit=None) for w in WORKERS}
         self.pd_stats = PDStats()
         self.objectives = NO_OBJECTIVES  # NOTE: the replay's requests carry none (as the live requests here)
+        self.workload = SimpleNamespace(requests=[SimpleNamespace(adapter="") for _ in chains])  # nor adapters
 
     def request_done(self, rec: RequestRecord) -> None:
         raise AssertionError(f"request {rec.index} ended in the replay: {rec.failed}")
