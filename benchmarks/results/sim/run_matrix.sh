@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The issue-15 goal table: every command whose JSON is in this folder, in the order they were run.
 # Usage: benchmarks/results/sim/run_matrix.sh [step ...]   (steps: conv3000 synthetic shared-prefix
-# multi-turn hot-prompt no-reuse faults conv-all events events-rest catalog; issue 27's fleet shapes: fleet-<workload>
+# multi-turn hot-prompt no-reuse faults conv-all events events-rest catalog newpeers; issue 27's fleet shapes: fleet-<workload>
 # for conversation synthetic shared-prefix multi-turn hot-prompt no-reuse, fleet-scale32, fleet-determinism,
 # fleet-conv-all, fleet-hot3000, fleet-scale32-hot; FLEET=DIR writes them to DIR).
 # Each run holds the shared heavy lock; --jobs 2.
@@ -78,6 +78,25 @@ step() {
       sim --workload reasoning --max-requests 1000 --no-capacity --relative-rates '' --rates 2,4 --no-limits \
         --policies kv-aware,round-robin,prefix-hash,approx-tree,dynamo,llm-d,preble,lmetric \
         --json "$OUT/catalog/reasoning_1000_fixed_rates.json" ;;
+    # Issue 51: the new peers (llm-d's sticky-until-saturated, both scorers, and its predicted-latency
+    # scheduler) beside kv-aware on the 1-router shape of the fleet steps below (same flags, so the
+    # other peers' figures there stand: no policy they run changed), and on the catalog's workloads.
+    newpeers)
+      mkdir -p $OUT/newpeers
+      P=kv-aware,llm-d-sticky,llm-d-sticky-decode,llm-d-predicted
+      for w in conversation synthetic shared-prefix multi-turn hot-prompt no-reuse; do
+        case "$w" in
+          conversation) src="--trace $TRACES/conversation_trace.jsonl" ;;
+          synthetic)    src="--trace $TRACES/synthetic_trace.jsonl" ;;
+          *)            src="--workload $w" ;;
+        esac
+        sim $src --max-requests 1000 --relative-rates '' --routers 1 --policies $P --json "$OUT/newpeers/${w}_r1.json" \
+          || echo "FAILED RUNS in $OUT/newpeers/${w}_r1.json"
+      done
+      for w in code-generation reasoning; do
+        sim --workload "$w" --max-requests 300 --no-limits --policies $P --json "$OUT/newpeers/$w.json" \
+          || echo "FAILED RUNS in $OUT/newpeers/$w.json"
+      done ;;
     # Issue 27 (roofline step time, faithful peers, shared router view; into fleet/): every workload
     # on 8 H100s with 1, 3 and 8 routers (peers in their multi-replica modes) and on a mixed fleet of
     # 4 H100 + 4 A100 behind 1 router. The first 1,000 requests of each (2 shared cores: one sweep
