@@ -97,6 +97,8 @@ def load_to_pb(load: Load) -> common_pb2.WorkerLoad:
         adapters=[common_pb2.AdapterResidency(name=a.name, level=int(a.level), requests=a.requests)
                   for a in load.adapters],
         max_loras=load.max_loras,
+        adapter_cpu_loads_total=load.adapter_cpu_loads, adapter_cpu_load_seconds=load.adapter_cpu_load_s,
+        adapter_disk_loads_total=load.adapter_disk_loads, adapter_disk_load_seconds=load.adapter_disk_load_s,
     )
 
 
@@ -107,6 +109,8 @@ def load_from_pb(m: common_pb2.WorkerLoad) -> Load:
                 tuple(m.admitted_request_ids), m.reports_admissions, cache_block_tokens=m.cache_block_tokens,
                 host_loaded_blocks=m.host_loaded_blocks_total, host_load_s=m.host_load_seconds,
                 num_cached_blocks=m.num_cached_blocks, max_loras=m.max_loras,
+                adapter_cpu_loads=m.adapter_cpu_loads_total, adapter_cpu_load_s=m.adapter_cpu_load_seconds,
+                adapter_disk_loads=m.adapter_disk_loads_total, adapter_disk_load_s=m.adapter_disk_load_seconds,
                 adapters=tuple(AdapterResidency(a.name, AdapterLevel(a.level or AdapterLevel.GPU), a.requests) for a in m.adapters))
 
 

@@ -163,6 +163,14 @@ class Load:
     """The LoRA adapters the worker serves, idle ones included: in a GPU slot, in CPU memory or on disk."""
     max_loras: int = 0
     """The worker's GPU adapter slots (0 = it serves no adapter)."""
+    adapter_cpu_loads: int = 0
+    """Adapters copied into a GPU slot from CPU memory, cumulative."""
+    adapter_cpu_load_s: float = 0.0
+    """Seconds those copies took, cumulative (part of ``busy_s``)."""
+    adapter_disk_loads: int = 0
+    """Adapters read from disk into a GPU slot, cumulative."""
+    adapter_disk_load_s: float = 0.0
+    """Seconds those took, cumulative (part of ``busy_s``): a router learns each kind's cost from the deltas."""
 
     def adapter(self, name: str) -> AdapterResidency | None:
         """Where the worker holds LoRA adapter ``name``; None: it does not serve it."""
@@ -211,7 +219,8 @@ _ENCODED: tuple[tuple[str, type], ...] = (
     ("queued_prefill_tokens", int), ("busy_s", float), ("steps", int), ("prefill_tokens", int),
     ("prefill_pairs", int), ("decode_tokens", int), ("decode_context_tokens", int),
     ("max_num_batched_tokens", int), ("cache_block_tokens", int), ("host_loaded_blocks", int),
-    ("host_load_s", float), ("num_cached_blocks", int), ("max_loras", int))
+    ("host_load_s", float), ("num_cached_blocks", int), ("max_loras", int), ("adapter_cpu_loads", int),
+    ("adapter_cpu_load_s", float), ("adapter_disk_loads", int), ("adapter_disk_load_s", float))
 """The fields :meth:`Load.encode` writes, in order (the kv_service's stored form)."""
 _ALWAYS_ENCODED = 12
 """Fields every stored load has (those before the miss audit's and the host tier's)."""

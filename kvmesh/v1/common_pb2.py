@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\xca\x04\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x05 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x06 \x01(\x01\x12\x13\n\x0bsteps_total\x18\x07 \x01(\x04\x12\x1c\n\x14prefill_tokens_total\x18\x08 \x01(\x04\x12%\n\x1dprefill_attention_pairs_total\x18\t \x01(\x04\x12\x1b\n\x13\x64\x65\x63ode_tokens_total\x18\n \x01(\x04\x12#\n\x1b\x64\x65\x63ode_context_tokens_total\x18\x0b \x01(\x04\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\r\x12\x1c\n\x14\x61\x64mitted_request_ids\x18\r \x03(\t\x12\x1a\n\x12reports_admissions\x18\x0e \x01(\x08\x12\x1a\n\x12\x63\x61\x63he_block_tokens\x18\x0f \x01(\r\x12 \n\x18host_loaded_blocks_total\x18\x10 \x01(\x04\x12\x19\n\x11host_load_seconds\x18\x11 \x01(\x01\x12\x19\n\x11num_cached_blocks\x18\x12 \x01(\r\x12-\n\x08\x61\x64\x61pters\x18\x13 \x03(\x0b\x32\x1b.kvmesh.v1.AdapterResidency\x12\x11\n\tmax_loras\x18\x14 \x01(\r\"Z\n\x10\x41\x64\x61pterResidency\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\x05level\x18\x02 \x01(\x0e\x32\x17.kvmesh.v1.AdapterLevel\x12\x10\n\x08requests\x18\x03 \x01(\r\"\xc2\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r*s\n\x0c\x41\x64\x61pterLevel\x12\x1d\n\x19\x41\x44\x41PTER_LEVEL_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41\x44\x41PTER_LEVEL_GPU\x10\x01\x12\x15\n\x11\x41\x44\x41PTER_LEVEL_CPU\x10\x02\x12\x16\n\x12\x41\x44\x41PTER_LEVEL_DISK\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x42Q\n\rdev.kvmesh.v1P\x01Z2github.com/kvmesh/kvmesh/gen/go/kvmesh/v1;kvmeshv1\xaa\x02\tKvmesh.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\xd2\x05\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x05 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x06 \x01(\x01\x12\x13\n\x0bsteps_total\x18\x07 \x01(\x04\x12\x1c\n\x14prefill_tokens_total\x18\x08 \x01(\x04\x12%\n\x1dprefill_attention_pairs_total\x18\t \x01(\x04\x12\x1b\n\x13\x64\x65\x63ode_tokens_total\x18\n \x01(\x04\x12#\n\x1b\x64\x65\x63ode_context_tokens_total\x18\x0b \x01(\x04\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\r\x12\x1c\n\x14\x61\x64mitted_request_ids\x18\r \x03(\t\x12\x1a\n\x12reports_admissions\x18\x0e \x01(\x08\x12\x1a\n\x12\x63\x61\x63he_block_tokens\x18\x0f \x01(\r\x12 \n\x18host_loaded_blocks_total\x18\x10 \x01(\x04\x12\x19\n\x11host_load_seconds\x18\x11 \x01(\x01\x12\x19\n\x11num_cached_blocks\x18\x12 \x01(\r\x12-\n\x08\x61\x64\x61pters\x18\x13 \x03(\x0b\x32\x1b.kvmesh.v1.AdapterResidency\x12\x11\n\tmax_loras\x18\x14 \x01(\r\x12\x1f\n\x17\x61\x64\x61pter_cpu_loads_total\x18\x15 \x01(\x04\x12 \n\x18\x61\x64\x61pter_cpu_load_seconds\x18\x16 \x01(\x01\x12 \n\x18\x61\x64\x61pter_disk_loads_total\x18\x17 \x01(\x04\x12!\n\x19\x61\x64\x61pter_disk_load_seconds\x18\x18 \x01(\x01\"Z\n\x10\x41\x64\x61pterResidency\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\x05level\x18\x02 \x01(\x0e\x32\x17.kvmesh.v1.AdapterLevel\x12\x10\n\x08requests\x18\x03 \x01(\r\"\xc2\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r*s\n\x0c\x41\x64\x61pterLevel\x12\x1d\n\x19\x41\x44\x41PTER_LEVEL_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41\x44\x41PTER_LEVEL_GPU\x10\x01\x12\x15\n\x11\x41\x44\x41PTER_LEVEL_CPU\x10\x02\x12\x16\n\x12\x41\x44\x41PTER_LEVEL_DISK\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x42Q\n\rdev.kvmesh.v1P\x01Z2github.com/kvmesh/kvmesh/gen/go/kvmesh/v1;kvmeshv1\xaa\x02\tKvmesh.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,16 +32,16 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.common_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rdev.kvmesh.v1P\001Z2github.com/kvmesh/kvmesh/gen/go/kvmesh/v1;kvmeshv1\252\002\tKvmesh.V1'
-  _globals['_ADAPTERLEVEL']._serialized_start=997
-  _globals['_ADAPTERLEVEL']._serialized_end=1112
-  _globals['_FINISHREASON']._serialized_start=1114
-  _globals['_FINISHREASON']._serialized_end=1234
+  _globals['_ADAPTERLEVEL']._serialized_start=1133
+  _globals['_ADAPTERLEVEL']._serialized_end=1248
+  _globals['_FINISHREASON']._serialized_start=1250
+  _globals['_FINISHREASON']._serialized_end=1370
   _globals['_WORKERLOAD']._serialized_start=38
-  _globals['_WORKERLOAD']._serialized_end=624
-  _globals['_ADAPTERRESIDENCY']._serialized_start=626
-  _globals['_ADAPTERRESIDENCY']._serialized_end=716
-  _globals['_SAMPLINGPARAMS']._serialized_start=719
-  _globals['_SAMPLINGPARAMS']._serialized_end=913
-  _globals['_USAGE']._serialized_start=915
-  _globals['_USAGE']._serialized_end=995
+  _globals['_WORKERLOAD']._serialized_end=760
+  _globals['_ADAPTERRESIDENCY']._serialized_start=762
+  _globals['_ADAPTERRESIDENCY']._serialized_end=852
+  _globals['_SAMPLINGPARAMS']._serialized_start=855
+  _globals['_SAMPLINGPARAMS']._serialized_end=1049
+  _globals['_USAGE']._serialized_start=1051
+  _globals['_USAGE']._serialized_end=1131
 # @@protoc_insertion_point(module_scope)

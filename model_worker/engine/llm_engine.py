@@ -489,6 +489,8 @@ class LLMEngine:
         if self.lora is not None:
             snap.adapter_requests = self._adapter_requests()
             snap.adapters, snap.max_loras = self._residency(snap.adapter_requests), self.lora.max_loras
+            lora = self.lora
+            snap.adapter_loads = (lora.cpu_loads, lora.cpu_load_s, lora.disk_loads, lora.disk_load_s)
         return snap
 
     def _adapter_requests(self) -> dict[str, int]:

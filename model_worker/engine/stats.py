@@ -46,6 +46,8 @@ class EngineStats:
     """The LoRA adapters the worker serves and where each is (docs/adapters.md)."""
     max_loras: int = 0
     """GPU adapter slots (0: no LoRA)."""
+    adapter_loads: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
+    """Slot loads from CPU memory (count, seconds) and from disk (count, seconds), cumulative."""
 
     @property
     def load(self) -> Load:
@@ -58,4 +60,6 @@ class EngineStats:
                     self.queued_prefill_tokens, self.busy_s, self.steps, w.prefill_tokens, w.prefill_pairs,
                     w.decode_seqs, w.decode_context_tokens, self.max_num_batched_tokens, admitted,
                     reports_admissions, host_loaded_blocks=self.host_loaded_blocks, host_load_s=self.host_load_s,
-                    num_cached_blocks=self.num_cached_blocks, adapters=self.adapters, max_loras=self.max_loras)
+                    num_cached_blocks=self.num_cached_blocks, adapters=self.adapters, max_loras=self.max_loras,
+                    adapter_cpu_loads=self.adapter_loads[0], adapter_cpu_load_s=self.adapter_loads[1],
+                    adapter_disk_loads=self.adapter_loads[2], adapter_disk_load_s=self.adapter_loads[3])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -49,6 +50,12 @@ class LoRAManager:
         """Adapters written into a slot so far (a slot miss)."""
         self.num_disk_loads = 0
         """Adapters read from disk so far (registration included)."""
+        self.cpu_loads = 0
+        self.cpu_load_s = 0.0
+        self.disk_loads = 0
+        self.disk_load_s = 0.0
+        """Slot loads by source (host memory, disk) and the seconds they took on the step thread (the load
+        report's counters; on CUDA the copy is enqueued, so a copy's seconds are its launch's)."""
 
     @property
     def names(self) -> list[str]:
@@ -116,6 +123,8 @@ class LoRAManager:
             for name in wanted:
                 if name in out:
                     continue
+                t0 = time.perf_counter()
+                from_disk = name not in self._cpu
                 adapter = self._host_copy(name)
                 if self._free:
                     slot = self._free.pop(0)
@@ -125,6 +134,13 @@ class LoRAManager:
                     slot = self._slots.pop(victim)
                 self.layers.write(slot, adapter)
                 self.num_slot_loads += 1
+                took = time.perf_counter() - t0
+                if from_disk:
+                    self.disk_loads += 1
+                    self.disk_load_s += took
+                else:
+                    self.cpu_loads += 1
+                    self.cpu_load_s += took
                 self._slots[name] = slot
                 out[name] = slot
             return out

@@ -79,6 +79,9 @@ class SimLoRA:
         """Adapters in host memory, least recently used first."""
         self.cpu_loads = 0
         self.disk_loads = 0
+        self.cpu_load_s = 0.0
+        self.disk_load_s = 0.0
+        """Modelled seconds of the loads from CPU memory and from disk (the load report's counters)."""
         self.load_s_total = 0.0
 
     @property
@@ -118,9 +121,11 @@ class SimLoRA:
                 self._cpu.move_to_end(name)
                 total += self.costs.cpu_s
                 self.cpu_loads += 1
+                self.cpu_load_s += self.costs.cpu_s
             else:
                 total += self.costs.disk_s
                 self.disk_loads += 1
+                self.disk_load_s += self.costs.disk_s
                 if self.max_cpu_loras:
                     self._cpu[name] = None
                     while len(self._cpu) > self.max_cpu_loras:

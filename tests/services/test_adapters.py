@@ -152,6 +152,10 @@ def test_load_reports_say_where_each_adapter_is(stack):
     # memory (max_cpu_loras 1: the slot's adapter is the one kept there)
     generate(router, "chat", PROMPT)
     wait_until(lambda: levels()["chat"] == (GPU, 0), 10, "chat in w1's slot")
+    # the slot load is counted and timed (what routers learn a load's cost from)
+    w = next(w for w in stub.ListWorkers(kv_service_pb2.ListWorkersRequest()).workers if w.worker_id == "w1")
+    assert w.load.adapter_cpu_loads_total + w.load.adapter_disk_loads_total >= 1
+    assert w.load.adapter_cpu_load_seconds + w.load.adapter_disk_load_seconds > 0
     # the worker's own metrics say the same, in vLLM's (proposed) shape
     page = generate_latest(w1.metrics.registry).decode()
     assert 'kvmesh:lora_adapter_loaded{adapter_name="chat",level="gpu",model_name=' in page

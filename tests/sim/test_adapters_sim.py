@@ -41,6 +41,8 @@ def test_loads_by_level_and_lru_slots_and_host_cache():
     assert lora.residency() == {"gpu": ["a0", "a3"], "cpu": ["a2", "a0", "a3"]}
     assert lora.load_s(["a1"]) == DISK_S
     assert (lora.cpu_loads, lora.disk_loads) == (1, 5)
+    # the load report's counters: each kind's count and its seconds
+    assert (lora.cpu_load_s, lora.disk_load_s) == (pytest.approx(CPU_S), pytest.approx(5 * DISK_S))
 
 
 def test_a_slot_whose_adapter_has_a_running_request_is_never_evicted():

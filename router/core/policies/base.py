@@ -66,11 +66,11 @@ class PolicyConfig:
     fallback_prefix_blocks: int = 4
     """Without the index: leading blocks whose rendezvous hash picks the worker."""
     adapter_cpu_load_s: float = 0.0034
-    """kv-aware: seconds to copy a LoRA adapter from a worker's CPU memory into a GPU slot (configured, not learned:
-    rank 16 on Llama-3-8B, 84 MB over PCIe at ~25 GB/s; the simulator's model, docs/adapters.md)."""
+    """kv-aware: seconds to copy a LoRA adapter from a worker's CPU memory into a GPU slot until the workers' load
+    reports taught it (rank 16 on Llama-3-8B, 84 MB over PCIe at ~25 GB/s; docs/adapters.md)."""
     adapter_disk_load_s: float = 0.065
-    """kv-aware: seconds to read a LoRA adapter from disk into a GPU slot (configured: 84 MB at ~2 GB/s, ~20 ms to
-    open it, the copy; the simulator's model, docs/adapters.md)."""
+    """kv-aware: seconds to read a LoRA adapter from disk into a GPU slot until the workers' load reports taught it
+    (84 MB at ~2 GB/s, ~20 ms to open it, the copy; docs/adapters.md)."""
     default_step_tokens: int = 2048
     """A worker's token budget per step when its load does not report one (an older worker)."""
     seed: int | None = None

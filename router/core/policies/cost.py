@@ -55,10 +55,17 @@ class StepCost:
     """The mean attention pairs per prefill token seen (to cost a queue of unknown prompts)."""
 
 
+LINKS = ("host", "adapter_cpu", "adapter_disk")
+"""What a worker loads besides its steps' work, each a count and its seconds in the load report: host-tier
+blocks, LoRA adapters copied into a slot from CPU memory, and read from disk."""
+
+
 def _counters(load: Load) -> tuple[float, ...]:
-    """(busy seconds less host-load seconds, the features..., host blocks loaded, host-load seconds)."""
-    return (load.busy_s - load.host_load_s, *(float(getattr(load, f)) for f in FEATURES),
-            float(load.host_loaded_blocks), load.host_load_s)
+    """(busy seconds less every load's seconds, the features..., then per LINKS: its count, its seconds)."""
+    return (load.busy_s - load.host_load_s - load.adapter_cpu_load_s - load.adapter_disk_load_s,
+            *(float(getattr(load, f)) for f in FEATURES),
+            float(load.host_loaded_blocks), load.host_load_s, float(load.adapter_cpu_loads), load.adapter_cpu_load_s,
+            float(load.adapter_disk_loads), load.adapter_disk_load_s)
 
 
 class _Link:
@@ -196,8 +203,9 @@ class StepCostLearner:
         self._last: dict[str, tuple[float, ...]] = {}
         self._pooled = _Fit()
         self._groups: dict[Hashable, _Fit] = {}
-        self._link = _Link()
-        self._links: dict[Hashable, _Link] = {}
+        self._link = {kind: _Link() for kind in LINKS}
+        """Per kind of load, the pooled seconds per unit (host block, adapter)."""
+        self._links: dict[tuple[str, Hashable], _Link] = {}
         self._lock = threading.Lock()
 
     @property
@@ -223,15 +231,17 @@ class StepCostLearner:
             if prev is None or cur[1] <= prev[1]:
                 return  # first report, or a restarted worker (counters back to 0)
             d = np.subtract(cur, prev)
-            y, x = d[0], d[1:-2]
-            loaded, load_s = d[-2], d[-1]
-            if loaded > 0 and load_s >= 0:
-                self._link.add(loaded, load_s, self.forget)
-                if self.group is not None:
-                    link = self._links.get(key := self.group(worker_id))
-                    if link is None:
-                        link = self._links[key] = _Link()
-                    link.add(loaded, load_s, self.forget)
+            k = 1 + len(FEATURES)
+            y, x = d[0], d[1:k]
+            for i, kind in enumerate(LINKS):
+                loaded, load_s = d[k + 2 * i], d[k + 2 * i + 1]
+                if loaded > 0 and load_s >= 0:
+                    self._link[kind].add(loaded, load_s, self.forget)
+                    if self.group is not None:
+                        link = self._links.get(key := (kind, self.group(worker_id)))
+                        if link is None:
+                            link = self._links[key] = _Link()
+                        link.add(loaded, load_s, self.forget)
             if y <= 0 or (x < 0).any():
                 return
             self._pooled.add(x, y, self.forget)
@@ -282,11 +292,18 @@ class StepCostLearner:
         """Seconds one block takes to load from ``worker_id``'s host tier: its own estimate once it has
         :attr:`MIN_LINK_REPORTS` reports with loads, else the pooled one; None before any worker
         reported a load (a host block is then priced as a block to recompute)."""
+        return self.load_s("host", worker_id)
+
+    def load_s(self, kind: str, worker_id: str | None = None) -> float | None:
+        """Seconds one unit of ``kind`` (LINKS) takes to load on ``worker_id``, as :meth:`load_s_per_block`
+        for the host tier: an adapter copied from CPU memory (``adapter_cpu``) or read from disk
+        (``adapter_disk``). None before any worker reported such a load."""
         with self._lock:
-            if not self._link.reports or self._link.blocks <= 0:
+            pooled = self._link[kind]
+            if not pooled.reports or pooled.blocks <= 0:
                 return None
             if worker_id is not None and self.group is not None:
-                link = self._links.get(self.group(worker_id))
+                link = self._links.get((kind, self.group(worker_id)))
                 if link is not None and link.reports >= self.MIN_LINK_REPORTS and link.blocks > 0:
                     return link.per_block
-            return self._link.per_block
+            return pooled.per_block

@@ -197,8 +197,12 @@ class KvAwarePolicy(RouterPolicy):
     def _adapter_s(self, m: StepCost, q: RouteQuery, c: Candidate) -> float:
         if not self.prices_adapters:
             return 0.0
-        return adapter_wait_s(m, q, c, self.config.adapter_cpu_load_s, self.config.adapter_disk_load_s,
-                              self._mean_output)
+        # NOTE: the load costs the workers' reports taught (router/core/policies/cost.py); the configured ones
+        # until a worker reported a load of that kind
+        cpu = self.cost.load_s("adapter_cpu", c.worker_id)
+        disk = self.cost.load_s("adapter_disk", c.worker_id)
+        return adapter_wait_s(m, q, c, self.config.adapter_cpu_load_s if cpu is None else cpu,
+                              self.config.adapter_disk_load_s if disk is None else disk, self._mean_output)
 
     def _meets(self, query: RouteQuery, candidates: Sequence[Candidate]) -> list[bool] | None:
         """Whether each candidate is predicted to meet the query's objectives; None when none can be judged."""

@@ -4,6 +4,7 @@ residency against the prefix cached under it."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import pytest
 
@@ -139,3 +140,22 @@ def test_slot_wait_marks_where_the_adapter_would_wait_for_a_slot():
     assert not slot_wait(query(), cand("w", load(*busy[:3], ("x", DISK, 0))))
     assert not slot_wait(query(), cand("w", load(*busy[:3], ("x", GPU, 0))))
     assert not slot_wait(query(""), cand("w", load(*busy, ("x", DISK, 0))))
+
+
+def test_kv_aware_learns_the_adapter_loads_from_the_load_reports_and_they_do_not_bias_the_step_fit():
+    """Workers report their slot loads (count, seconds; part of busy): kv-aware prices a disk load at what the
+    reports say, per worker once it has its own, not the configured 65 ms."""
+    p = learned()
+    disk_s, cpu_s = 0.5, 0.02
+    for i in range(1, 5):  # worker "a": i disk loads and 2i CPU copies more per report, inside its busy seconds
+        more = linear_reports(COST, 12 + i, 9)[-1]
+        p.cost.observe("a", replace(more, busy_s=more.busy_s + i * (disk_s + 2 * cpu_s), adapter_disk_loads=i,
+                                    adapter_disk_load_s=i * disk_s, adapter_cpu_loads=2 * i,
+                                    adapter_cpu_load_s=2 * i * cpu_s))
+    assert p.cost.load_s("adapter_disk", "a") == pytest.approx(disk_s)
+    assert p.cost.load_s("adapter_cpu") == pytest.approx(cpu_s) and p.cost.load_s("adapter_disk", "b") == pytest.approx(disk_s)
+    a, b = cand("a", load(("x", DISK, 0))), cand("b", load(("x", GPU, 0)))
+    sa, sb = p.scores(query(), [a, b])
+    assert sa - sb == pytest.approx(disk_s * (1 + p.config.work_weight), rel=1e-3)  # not 0.065: learned
+    est = p.cost.estimate("a")
+    assert est is not None and est.step_s == pytest.approx(COST["step_s"], rel=1e-6)  # loads are not step time
