@@ -14,12 +14,12 @@ from kvmesh.contract.block_hash import BlockHasher
 from kvmesh.contract.errors import AlreadyExists
 from kvmesh.contract.limits import MAX_ADMITTED_IDS, MAX_SNAPSHOT_HOST_BLOCKS, excerpt
 from kvmesh.contract.modelinfo import model_id_for
-from kvmesh.contract.types import AdapterLevel, AdapterResidency, KVCacheEvent, Load, SamplingParams
+from kvmesh.contract.types import KVCacheEvent, Load, SamplingParams
 from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.engine.input_processor import InputProcessor, load_tokenizer
 from kvmesh.model_worker.engine.kv_connector import KVConnector
 from kvmesh.model_worker.engine.kv_legs import KVLeg
-from kvmesh.model_worker.engine.stats import EngineStats
+from kvmesh.model_worker.engine.stats import EngineStats, adapter_requests, adapter_residency
 from kvmesh.model_worker.execution.kv_blocks import KVBlocks
 from kvmesh.model_worker.execution.model_runner import ModelRunner
 from kvmesh.model_worker.scheduling.config import SchedulerConfig
@@ -425,7 +425,7 @@ class LLMEngine:
             for r in queued:
                 if r.lora_name:
                     requests[r.lora_name] = requests.get(r.lora_name, 0) + 1
-            adapters = self._residency(requests)
+            adapters = adapter_residency(self.lora, requests)
             if adapters != snap.adapters:
                 snap = replace(snap, adapters=adapters, max_loras=self.lora.max_loras)
         if not queued:
@@ -487,25 +487,8 @@ class LLMEngine:
             num_cached_blocks=len(kv.block_pool.cached_block_hash_to_block),
         )
         if self.lora is not None:
-            snap.adapter_requests = self._adapter_requests()
-            snap.adapters, snap.max_loras = self._residency(snap.adapter_requests), self.lora.max_loras
+            snap.adapter_requests = adapter_requests(self.scheduler.requests.values())
+            snap.adapters, snap.max_loras = adapter_residency(self.lora, snap.adapter_requests), self.lora.max_loras
             lora = self.lora
             snap.adapter_loads = (lora.cpu_loads, lora.cpu_load_s, lora.disk_loads, lora.disk_load_s)
         return snap
-
-    def _adapter_requests(self) -> dict[str, int]:
-        """Per LoRA adapter, its requests in the scheduler (the step thread's)."""
-        counts: dict[str, int] = {}
-        for r in self.scheduler.requests.values():
-            if r.lora_name:
-                counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
-        return counts
-
-    def _residency(self, requests: dict[str, int]) -> tuple[AdapterResidency, ...]:
-        """Every adapter the engine serves and where it is now: a GPU slot, host memory, else disk (the
-        manager's registry and caches are read under its lock: an adapter loaded on an idle engine shows)."""
-        assert self.lora is not None
-        where = self.lora.residency()
-        gpu, cpu = set(where["gpu"]), set(where["cpu"])
-        return tuple(AdapterResidency(n, AdapterLevel.GPU if n in gpu else AdapterLevel.CPU if n in cpu
-                                      else AdapterLevel.DISK, requests.get(n, 0)) for n in sorted(self.lora.names))

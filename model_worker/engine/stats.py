@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from kvmesh.contract.types import AdapterResidency, Load
+from kvmesh.contract.types import AdapterLevel, AdapterResidency, Load
 from kvmesh.model_worker.scheduling.output import StepWork
 
 
@@ -63,3 +65,30 @@ class EngineStats:
                     num_cached_blocks=self.num_cached_blocks, adapters=self.adapters, max_loras=self.max_loras,
                     adapter_cpu_loads=self.adapter_loads[0], adapter_cpu_load_s=self.adapter_loads[1],
                     adapter_disk_loads=self.adapter_loads[2], adapter_disk_load_s=self.adapter_loads[3])
+
+
+class AdapterSlots(Protocol):
+    """What the load report reads of a worker's LoRA adapters (execution/lora_manager.py, simulated/sim_lora.py)."""
+
+    @property
+    def names(self) -> list[str]: ...
+
+    def residency(self) -> dict[str, list[str]]: ...
+
+
+def adapter_requests(requests: Iterable) -> dict[str, int]:
+    """Per LoRA adapter, its requests among ``requests`` (the scheduler's, on the step thread)."""
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_name:
+            counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
+    return counts
+
+
+def adapter_residency(lora: AdapterSlots, requests: dict[str, int]) -> tuple[AdapterResidency, ...]:
+    """Every adapter the worker serves and where it is now: a GPU slot, host memory, else disk (the manager's
+    registry and caches are read under its lock: an adapter loaded on an idle engine shows)."""
+    where = lora.residency()
+    gpu, cpu = set(where["gpu"]), set(where["cpu"])
+    return tuple(AdapterResidency(n, AdapterLevel.GPU if n in gpu else AdapterLevel.CPU if n in cpu
+                                  else AdapterLevel.DISK, requests.get(n, 0)) for n in sorted(lora.names))

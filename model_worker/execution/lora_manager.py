@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from kvmesh.model_worker.config import ModelConfig
+from kvmesh.model_worker.config import EngineConfig, ModelConfig, parse_lora_modules
 from kvmesh.model_worker.execution.models.lora import LoRAAdapter, LoRALayers, load_peft_adapter
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,19 @@ class LoRAManager:
         self.disk_load_s = 0.0
         """Slot loads by source (host memory, disk) and the seconds they took on the step thread (the load
         report's counters; on CUDA the copy is enqueued, so a copy's seconds are its launch's)."""
+
+    @classmethod
+    def for_engine(cls, model, model_config: ModelConfig, cfg: EngineConfig) -> LoRAManager | None:
+        """The manager of ``model``'s adapters under the engine's flags, ``--lora-modules`` registered; None
+        without ``--enable-lora``. Wraps the model's projections in their slots."""
+        if not cfg.enable_lora:
+            return None
+        assert cfg.max_cpu_loras is not None
+        manager = cls(LoRALayers(model, model_config, cfg.max_loras, cfg.max_lora_rank), model_config,
+                      cfg.max_cpu_loras)
+        for name, path in parse_lora_modules(cfg.lora_modules):
+            manager.load_adapter(name, path)
+        return manager
 
     @property
     def names(self) -> list[str]:

@@ -15,7 +15,7 @@ import torch
 from kvmesh.kernels import lora_groups
 from kvmesh.kernels.attention_configs import check_head_shape
 from kvmesh.kernels.dispatch import attention_backend
-from kvmesh.model_worker.config import EngineConfig, ModelConfig, parse_lora_modules
+from kvmesh.model_worker.config import EngineConfig, ModelConfig
 from kvmesh.model_worker.execution.compile import CompiledForward
 from kvmesh.model_worker.execution.cpu_threads import apply_cpu_threads, set_cpu_threads
 from kvmesh.model_worker.execution.forward_context import (
@@ -45,7 +45,6 @@ from kvmesh.model_worker.execution.memory import (
     worker_share,
 )
 from kvmesh.model_worker.execution.model_loader import load_model
-from kvmesh.model_worker.execution.models.lora import LoRALayers
 from kvmesh.model_worker.execution.sampler import Sampler
 from kvmesh.model_worker.execution.warmup import WarmupReport, warm_up
 from kvmesh.model_worker.scheduling.host_block_pool import KVTransfers, host_blocks_for
@@ -137,7 +136,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.model = load_model(config.model, model_config, self.dtype, config.device)
-        self.lora = self._lora_adapters()
+        # NOTE: before the compiled forward and the graphs are made: they see the wrapped projections.
+        self.lora = LoRAManager.for_engine(self.model, self.model_config, self.config)
         """The LoRA adapters and their device slots (--enable-lora); None = the base model only."""
         self.kv_cache_config = KVCacheConfig.from_sliding_windows(model_config.sliding_windows, self.block_size)
         self.compiled = CompiledForward(self.model) if config.compile else None
@@ -154,18 +154,6 @@ class ModelRunner:
         """The last launched step's sampled ids (on the device) and each request's row: the input ids
         of the next step's placeholders (async scheduling)."""
         self.warmup_report: WarmupReport | None = None
-
-    def _lora_adapters(self) -> LoRAManager | None:
-        cfg = self.config
-        if not cfg.enable_lora:
-            return None
-        assert cfg.max_cpu_loras is not None
-        # NOTE: before the compiled forward and the graphs are made: they see the wrapped projections.
-        layers = LoRALayers(self.model, self.model_config, cfg.max_loras, cfg.max_lora_rank)
-        manager = LoRAManager(layers, self.model_config, cfg.max_cpu_loras)
-        for name, path in parse_lora_modules(cfg.lora_modules):
-            manager.load_adapter(name, path)
-        return manager
 
     def _lora_rows(self, out: SchedulerOutput) -> list[int] | None:
         """Each scheduled row's adapter slot (-1 = base model), its adapters put in slots first; None without LoRA."""
