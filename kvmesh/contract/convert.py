@@ -99,6 +99,7 @@ def load_to_pb(load: Load) -> common_pb2.WorkerLoad:
         max_loras=load.max_loras,
         adapter_cpu_loads_total=load.adapter_cpu_loads, adapter_cpu_load_seconds=load.adapter_cpu_load_s,
         adapter_disk_loads_total=load.adapter_disk_loads, adapter_disk_load_seconds=load.adapter_disk_load_s,
+        prefilling_tokens=load.prefilling_tokens,
     )
 
 
@@ -111,6 +112,7 @@ def load_from_pb(m: common_pb2.WorkerLoad) -> Load:
                 num_cached_blocks=m.num_cached_blocks, max_loras=m.max_loras,
                 adapter_cpu_loads=m.adapter_cpu_loads_total, adapter_cpu_load_s=m.adapter_cpu_load_seconds,
                 adapter_disk_loads=m.adapter_disk_loads_total, adapter_disk_load_s=m.adapter_disk_load_seconds,
+                prefilling_tokens=m.prefilling_tokens,
                 adapters=tuple(AdapterResidency(a.name, AdapterLevel(a.level or AdapterLevel.GPU), a.requests) for a in m.adapters))
 
 

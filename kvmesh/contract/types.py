@@ -171,15 +171,21 @@ class Load:
     """Adapters read from disk into a GPU slot, cumulative."""
     adapter_disk_load_s: float = 0.0
     """Seconds those took, cumulative (part of ``busy_s``): a router learns each kind's cost from the deltas."""
+    prefilling_tokens: int = 0
+    """Uncached prompt tokens of the requests in the scheduler without a token yet, each counted whole until its
+    first token (``queued_prefill_tokens`` counts only the part still to compute): what one router counts of its
+    own requests in flight, summed over every router's (docs/router.md, "Several routers"). Requests the engine
+    has not taken from its inbox yet are not in it (their cache hit is not known yet: ``queued_prefill_tokens``
+    counts them whole). 0 = not reported."""
 
     def adapter(self, name: str) -> AdapterResidency | None:
         """Where the worker holds LoRA adapter ``name``; None: it does not serve it."""
         return next((a for a in self.adapters if a.name == name), None)
 
-    def queue_state(self) -> tuple[int, int, int]:
-        """What routing reads of the worker's state: (running, waiting, queued prefill tokens); a
-        change of it is worth a load report of its own (kvmesh/kv_client/publisher.py)."""
-        return self.num_running, self.num_waiting, self.queued_prefill_tokens
+    def queue_state(self) -> tuple[int, int, int, int]:
+        """What routing reads of the worker's state: (running, waiting, queued prefill tokens, prefilling
+        tokens); a change of it is worth a load report of its own (kvmesh/kv_client/publisher.py)."""
+        return self.num_running, self.num_waiting, self.queued_prefill_tokens, self.prefilling_tokens
 
     def encode(self) -> str:
         # NOTE: comma-separated, in the order of _ENCODED, the trailing fields left out while they hold
@@ -220,7 +226,8 @@ _ENCODED: tuple[tuple[str, type], ...] = (
     ("prefill_pairs", int), ("decode_tokens", int), ("decode_context_tokens", int),
     ("max_num_batched_tokens", int), ("cache_block_tokens", int), ("host_loaded_blocks", int),
     ("host_load_s", float), ("num_cached_blocks", int), ("max_loras", int), ("adapter_cpu_loads", int),
-    ("adapter_cpu_load_s", float), ("adapter_disk_loads", int), ("adapter_disk_load_s", float))
+    ("adapter_cpu_load_s", float), ("adapter_disk_loads", int), ("adapter_disk_load_s", float),
+    ("prefilling_tokens", int))
 """The fields :meth:`Load.encode` writes, in order (the kv_service's stored form)."""
 _ALWAYS_ENCODED = 12
 """Fields every stored load has (those before the miss audit's and the host tier's)."""

@@ -30,7 +30,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "queued_prefill_tokens", "busy_seconds", "steps_total", "prefill_tokens_total", "prefill_attention_pairs_total", "decode_tokens_total", "decode_context_tokens_total", "max_num_batched_tokens", "admitted_request_ids", "reports_admissions", "cache_block_tokens", "host_loaded_blocks_total", "host_load_seconds", "num_cached_blocks", "adapters", "max_loras", "adapter_cpu_loads_total", "adapter_cpu_load_seconds", "adapter_disk_loads_total", "adapter_disk_load_seconds")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "queued_prefill_tokens", "busy_seconds", "steps_total", "prefill_tokens_total", "prefill_attention_pairs_total", "decode_tokens_total", "decode_context_tokens_total", "max_num_batched_tokens", "admitted_request_ids", "reports_admissions", "cache_block_tokens", "host_loaded_blocks_total", "host_load_seconds", "num_cached_blocks", "adapters", "max_loras", "adapter_cpu_loads_total", "adapter_cpu_load_seconds", "adapter_disk_loads_total", "adapter_disk_load_seconds", "prefilling_tokens")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class WorkerLoad(_message.Message):
     ADAPTER_CPU_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_DISK_LOADS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_DISK_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -79,7 +80,8 @@ class WorkerLoad(_message.Message):
     adapter_cpu_load_seconds: float
     adapter_disk_loads_total: int
     adapter_disk_load_seconds: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., steps_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., prefill_attention_pairs_total: _Optional[int] = ..., decode_tokens_total: _Optional[int] = ..., decode_context_tokens_total: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., admitted_request_ids: _Optional[_Iterable[str]] = ..., reports_admissions: _Optional[bool] = ..., cache_block_tokens: _Optional[int] = ..., host_loaded_blocks_total: _Optional[int] = ..., host_load_seconds: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterResidency, _Mapping]]] = ..., max_loras: _Optional[int] = ..., adapter_cpu_loads_total: _Optional[int] = ..., adapter_cpu_load_seconds: _Optional[float] = ..., adapter_disk_loads_total: _Optional[int] = ..., adapter_disk_load_seconds: _Optional[float] = ...) -> None: ...
+    prefilling_tokens: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., steps_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., prefill_attention_pairs_total: _Optional[int] = ..., decode_tokens_total: _Optional[int] = ..., decode_context_tokens_total: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., admitted_request_ids: _Optional[_Iterable[str]] = ..., reports_admissions: _Optional[bool] = ..., cache_block_tokens: _Optional[int] = ..., host_loaded_blocks_total: _Optional[int] = ..., host_load_seconds: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterResidency, _Mapping]]] = ..., max_loras: _Optional[int] = ..., adapter_cpu_loads_total: _Optional[int] = ..., adapter_cpu_load_seconds: _Optional[float] = ..., adapter_disk_loads_total: _Optional[int] = ..., adapter_disk_load_seconds: _Optional[float] = ..., prefilling_tokens: _Optional[int] = ...) -> None: ...
 
 class AdapterResidency(_message.Message):
     __slots__ = ("name", "level", "requests")

@@ -473,6 +473,7 @@ class LLMEngine:
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks,
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
+            prefilling_tokens=self.scheduler.prefilling_tokens,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             host_cache_hits=kv.host_cache_hits,

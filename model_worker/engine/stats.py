@@ -50,6 +50,9 @@ class EngineStats:
     """GPU adapter slots (0: no LoRA)."""
     adapter_loads: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
     """Slot loads from CPU memory (count, seconds) and from disk (count, seconds), cumulative."""
+    prefilling_tokens: int = 0
+    """Uncached prompt tokens of the scheduler's requests without a token yet, whole (Scheduler.prefilling_tokens);
+    the inbox's requests are not in it (stats() adds them to the queued prefill only)."""
 
     @property
     def load(self) -> Load:
@@ -64,7 +67,8 @@ class EngineStats:
                     reports_admissions, host_loaded_blocks=self.host_loaded_blocks, host_load_s=self.host_load_s,
                     num_cached_blocks=self.num_cached_blocks, adapters=self.adapters, max_loras=self.max_loras,
                     adapter_cpu_loads=self.adapter_loads[0], adapter_cpu_load_s=self.adapter_loads[1],
-                    adapter_disk_loads=self.adapter_loads[2], adapter_disk_load_s=self.adapter_loads[3])
+                    adapter_disk_loads=self.adapter_loads[2], adapter_disk_load_s=self.adapter_loads[3],
+                    prefilling_tokens=self.prefilling_tokens)
 
 
 class AdapterSlots(Protocol):

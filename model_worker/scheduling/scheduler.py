@@ -86,6 +86,17 @@ class Scheduler:
                 total += max(0, r.num_tokens - r.num_computed_tokens)
         return total
 
+    @property
+    def prefilling_tokens(self) -> int:
+        """Uncached prompt tokens of the requests without a token yet, each counted whole until its first
+        token (not the part still to compute): what a router counts of its own requests in flight
+        (router/core/inflight.py); the report gives every router the sum over all of them."""
+        total = sum(r.num_prompt_tokens - r.num_cached_hint for r in self.waiting if not r.num_output_tokens)
+        for r in self.running:
+            if not r.num_output_tokens:
+                total += r.num_prompt_tokens - max(0, r.num_cached_tokens)
+        return total
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -266,7 +266,8 @@ class PDDecider:
             return PDDecision(None, "cold_short", u, local, remote, sent)
         if remote < local:
             return PDDecision(best.worker_id, "disaggregated", u, local, remote, sent)
-        idle = replace(best, load=replace(best.load, queued_prefill_tokens=0, num_waiting=0, num_running=0),
+        idle = replace(best, load=replace(best.load, queued_prefill_tokens=0, prefilling_tokens=0, num_waiting=0,
+                                          num_running=0),
                        inflight_prefill_tokens=0, inflight_waiting=0, inflight_requests=0,
                        pending=replace(best.pending, requests=0, prefill_tokens=0, blocks=0))
         idle_local, idle_remote, _ = self.predict(q, decode, idle, (backlog[0], 0.0))
@@ -276,7 +277,8 @@ class PDDecider:
     def threshold(self, q: RouteQuery, decode: Candidate, prefill: Candidate) -> int:
         """The smallest prompt length (tokens, this decode worker holding none of it) at which a split to an
         idle ``prefill`` worker pays, by bisection; the prompt's own length + 1 when none up to it does."""
-        idle = replace(prefill, load=replace(prefill.load, queued_prefill_tokens=0, num_waiting=0, num_running=0),
+        idle = replace(prefill, load=replace(prefill.load, queued_prefill_tokens=0, prefilling_tokens=0,
+                                             num_waiting=0, num_running=0),
                        matched_blocks=0, inflight_prefill_tokens=0, inflight_waiting=0, inflight_requests=0)
         cold = replace(decode, matched_blocks=0, host_blocks=0)
 

@@ -412,7 +412,8 @@ def test_load_encoding_round_trips_and_reads_the_older_five_field_form():
     # load without them is stored as before them
     assert load.encode().count(",") == 11
     for extra in ({"cache_block_tokens": 32}, {"host_loaded_blocks": 5, "host_load_s": 0.25},
-                  {"cache_block_tokens": 32, "host_loaded_blocks": 5, "host_load_s": 0.25}, {"host_load_s": 0.5}):
+                  {"cache_block_tokens": 32, "host_loaded_blocks": 5, "host_load_s": 0.25}, {"host_load_s": 0.5},
+                  {"prefilling_tokens": 70_000}, {"adapter_disk_load_s": 0.5, "prefilling_tokens": 3}):
         newer = replace(load, **extra)
         assert Load.decode(newer.encode()) == newer and load_from_pb(load_to_pb(newer)) == newer
     lora = replace(load, max_loras=4, adapters=(AdapterResidency("x%3A:y", AdapterLevel.CPU, 2),

@@ -63,8 +63,9 @@ def test_each_worker_runs_its_gpu_and_reports_only_what_a_worker_reports():
         "host_loaded_blocks", "host_load_s",  # (its host tier's loads: a router learns the link, not a spec)
         "num_cached_blocks",  # (blocks holding a cached prefix: what is free KV, not its size)
         "adapters", "max_loras",  # (its LoRA adapters' residency and slots: what it serves, not its GPU)
-        "adapter_cpu_loads", "adapter_cpu_load_s", "adapter_disk_loads", "adapter_disk_load_s"}  # (its adapter loads:
-    # a router learns their cost, not a spec)
+        "adapter_cpu_loads", "adapter_cpu_load_s", "adapter_disk_loads", "adapter_disk_load_s",  # (its adapter loads:
+        # a router learns their cost, not a spec)
+        "prefilling_tokens"}  # (its prompts without a token yet: what one router counts of its own)
     # the SLO's cold prefill is costed on the fleet's slowest GPU
     assert mesh.cold_prefill_s(8192) == Roofline(GPUS["A100"]).step_time([(0, 8192)], [])
 

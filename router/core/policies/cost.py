@@ -32,7 +32,7 @@ This module imports neither grpc nor redis.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -274,16 +274,24 @@ class StepCostLearner:
         """The worker's busy seconds over what the pooled fit predicts for the same work (1.0 = as fast
         as the fleet's average, 2.0 = half as fast); 1.0 until both fits answer. One ratio over all of
         its reports, so identical workers read alike where their own five-coefficient fits differ."""
+        return self.relative_speeds([worker_id])[0]
+
+    def relative_speeds(self, worker_ids: Sequence[str]) -> list[float]:
+        """:meth:`relative_speed` of each worker, the pooled fit solved once."""
         with self._lock:
             if self._pooled.reports < self.min_reports or self.group is None:
-                return 1.0
-            fit = self._groups.get(self.group(worker_id))
-            if fit is None or fit.reports < self.min_reports:
-                return 1.0
+                return [1.0] * len(worker_ids)
             c = self._pooled.solve()
-            predicted = float(np.dot((c.step_s, c.prefill_token_s, c.prefill_pair_s, c.decode_seq_s,
-                                      c.decode_context_token_s), fit.sx))
-            return fit.sy / predicted if predicted > 0 and fit.sy > 0 else 1.0
+            pooled = np.array((c.step_s, c.prefill_token_s, c.prefill_pair_s, c.decode_seq_s, c.decode_context_token_s))
+            out = []
+            for w in worker_ids:
+                fit = self._groups.get(self.group(w))
+                if fit is None or fit.reports < self.min_reports:
+                    out.append(1.0)
+                    continue
+                predicted = float(np.dot(pooled, fit.sx))
+                out.append(fit.sy / predicted if predicted > 0 and fit.sy > 0 else 1.0)
+            return out
 
     MIN_LINK_REPORTS = 3
     """Reports with loads a worker's own link estimate needs before it answers for the worker."""

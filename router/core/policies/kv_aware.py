@@ -25,6 +25,11 @@ from kvmesh.router.core.policies.base import (
 from kvmesh.router.core.policies.cost import StepCost, StepCostLearner, per_worker
 from kvmesh.router.core.policies.prefix_load import PrefixLoad
 
+PACE_TOLERANCE = 0.05
+"""A worker's pace (its seconds over the pooled fit's for the same work) within this of 1 reads as 1: identical GPUs
+read 1 ± 0.003 (the linear fit's residual on a roofline's steps), and noise in a price is noise in the picks; GPU
+types differ by far more (an A100 beside H100s: 1.5 against 0.6)."""
+
 
 class KvAwarePolicy(RouterPolicy):
     """Least predicted time to first token plus what the request costs the others; rendezvous when blind.
@@ -148,7 +153,14 @@ class KvAwarePolicy(RouterPolicy):
             share = self.prefixes.replicas(query.block_hashes, [c.worker_id for c in candidates],
                                            [c.matched_blocks for c in candidates])
         scores = []
-        for c, replica in zip(candidates, share, strict=True):
+        # NOTE: what a request costs the others (the decoders' wait, the mesh's work) at the fleet's mean pace: a
+        # worker k times slower spends k times the seconds on the same prefill, and its decoders step k times
+        # slower anyway; priced in its own seconds, every slow worker looked k times as costly for the same
+        # prompt and the long prompts queued on the fast ones (docs/router.md, "Mixed fleets"). Its own first
+        # token stays in the worker's seconds.
+        paces = [p if abs(p - 1.0) > PACE_TOLERANCE else 1.0
+                 for p in self.cost.relative_speeds([c.worker_id for c in candidates])] if learned else [1.0] * len(candidates)
+        for c, replica, pace in zip(candidates, share, paces, strict=True):
             model = (self.cost.estimate(c.worker_id) or NOMINAL_COST) if learned else NOMINAL_COST
             # NOTE: the host link is learned in seconds: priced once the step cost is too.
             link = self.cost.load_s_per_block(c.worker_id) if learned and c.host_blocks else None
@@ -169,7 +181,7 @@ class KvAwarePolicy(RouterPolicy):
             if adjust:
                 _, work = predicted_ttft(model, query, c, self.config.default_step_tokens, link, extra_held=adjust)
                 work += load
-            scores.append(ttft + lam * decoders(c) * own + kappa * work)
+            scores.append(ttft + (lam * decoders(c) * own + kappa * work) / pace)
         return scores
 
     def predictions(self, query: RouteQuery, candidates: Sequence[Candidate]) -> list[tuple[float, float]] | None:
@@ -322,6 +334,14 @@ def decoders(c: Candidate) -> int:
     return max(c.load.num_running + c.pending.requests, c.inflight_requests)
 
 
+def prefilling(c: Candidate) -> int:
+    """Uncached prompt tokens of the worker's requests without a token yet, each counted whole until then:
+    this router's own count, or the worker's report of every router's (plus the picks it does not cover
+    yet), the larger. Several routers see what one router sees of its own (docs/router.md, "Several
+    routers"); a worker that does not report it (a bridged engine) leaves its queue to compute."""
+    return max(c.load.prefilling_tokens + c.pending.prefill_tokens, c.inflight_prefill_tokens)
+
+
 def free_kv_blocks(c: Candidate) -> int:
     """Blocks of the worker that hold no cached prefix: what a new prefix fills without evicting one
     (its total less those cached or in use, less the picks not in its report yet); 0 when unknown."""
@@ -416,7 +436,7 @@ def predicted_ttft(m: StepCost, q: RouteQuery, c: Candidate, default_step_tokens
     host = c.host_blocks if load_s_per_block is not None else 0
     u = max(0, q.prompt_len - (c.matched_blocks + extra_held + host) * q.block_size)
     h = q.prompt_len - u
-    queue = queued_prefill(c)
+    queue = max(queued_prefill(c), prefilling(c))
     budget = c.load.max_num_batched_tokens or default_step_tokens
     steps = max(1, -(-(queue + u) // budget))
     own_steps = -(-u // budget)

@@ -151,6 +151,22 @@ def test_stats_count_queued_work_and_cache_hits(tiny_model_dir) -> None:
     assert engine.stats().num_total_blocks == 64
 
 
+def test_the_report_counts_a_prompt_in_prefill_whole_until_its_first_token(tiny_model_dir) -> None:
+    """``prefilling_tokens``: the scheduler's prompts without a token yet, whole (what a router counts of its
+    own); the queued prefill counts what is left. Not the inbox's (its hit is not known yet)."""
+    engine = make_engine(tiny_model_dir("llama"), max_num_batched_tokens=32)
+    engine.add_request("a", list(range(200, 290)), GREEDY)
+    load = engine.report_load()
+    assert (load.queued_prefill_tokens, load.prefilling_tokens) == (90, 0)
+    engine.step()  # the first 32-token chunk
+    load = engine.report_load()
+    assert (load.queued_prefill_tokens, load.prefilling_tokens) == (58, 90)
+    engine.step()
+    engine.step()  # the last chunk: its first token
+    load = engine.report_load()
+    assert (load.queued_prefill_tokens, load.prefilling_tokens) == (0, 0)
+
+
 def test_load_reports_list_admissions_until_acknowledged_and_count_them(tiny_model_dir) -> None:
     """Every request a report lists as admitted is in its counts (the kv_service retires the routers'
     picks of it on that word), and an acknowledged admission is not listed again."""

@@ -134,6 +134,27 @@ def test_max_num_seqs_caps_the_running_set() -> None:
     assert out.finished_ids == ["A"]
 
 
+def test_prefilling_tokens_count_each_prompt_whole_until_its_first_token() -> None:
+    """The report's prefilling tokens: a prompt partly computed still counts whole (less its cached prefix)
+    until its first token, unlike the queued prefill, which counts the part still to compute; a request
+    past its first token counts in neither."""
+    s = make_scheduler(max_num_batched_tokens=64, max_model_len=256)
+    shared = list(range(500, 500 + 3 * BS))
+    s.add_request(make_request("A", shared + [1, 2, 3], max_tokens=3))
+    assert s.prefilling_tokens == s.queued_prefill_tokens == 51
+    out, res = step(s)
+    assert res and (s.prefilling_tokens, s.queued_prefill_tokens) == (0, 0)  # A prefilled in one step
+    s.add_request(make_request("B", shared + list(range(7, 7 + 100)), max_tokens=2))  # 48 cached, 100 new
+    s.add_request(make_request("C", 90, max_tokens=2))
+    assert s.prefilling_tokens == s.queued_prefill_tokens == 100 + 90
+    out, _ = step(s)
+    assert ("B", 63, 48, False) in batch(out)  # B's first chunk: 63 of its 100 (A's decode took one token)
+    assert s.queued_prefill_tokens == 37 + 90
+    assert s.prefilling_tokens == 100 + 90  # B still counts whole: no token yet
+    drain(s)
+    assert (s.prefilling_tokens, s.queued_prefill_tokens) == (0, 0)
+
+
 def test_prefix_cache_hit_on_admission_sets_num_cached_tokens() -> None:
     s = make_scheduler()
     shared = list(range(500, 500 + 3 * BS))
