@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The issue-15 goal table: every command whose JSON is in this folder, in the order they were run.
 # Usage: benchmarks/results/sim/run_matrix.sh [step ...]   (steps: conv3000 synthetic shared-prefix
-# multi-turn hot-prompt no-reuse faults conv-all events events-rest catalog newpeers; issue 27's fleet shapes: fleet-<workload>
+# multi-turn hot-prompt no-reuse faults conv-all events events-rest catalog newpeers kvaware-rerun; issue 27's fleet shapes: fleet-<workload>
 # for conversation synthetic shared-prefix multi-turn hot-prompt no-reuse, fleet-scale32, fleet-determinism,
 # fleet-conv-all, fleet-hot3000, fleet-scale32-hot; FLEET=DIR writes them to DIR).
 # Each run holds the shared heavy lock; --jobs 2.
@@ -97,6 +97,41 @@ step() {
         sim --workload "$w" --max-requests 300 --no-limits --policies $P --json "$OUT/newpeers/$w.json" \
           || echo "FAILED RUNS in $OUT/newpeers/$w.json"
       done ;;
+    # Issue 51, round three (a change to kv-aware's rule only: the peers' code and inputs are unchanged, and one
+    # peer per trace rerun on the new code gives its old figure): kv-aware alone on every fleet shape, the catalog's
+    # workloads and 32 workers, into fleet-2026-11-29-kv-aware/; then one folder with every policy's latest run
+    # (merge_runs.py: issue 42's sweeps, the new peers, this) read by sim_goal_table.py --fleet.
+    kvaware-rerun)
+      K=$OUT/fleet-2026-11-29-kv-aware; mkdir -p $K
+      for w in conversation synthetic shared-prefix multi-turn hot-prompt no-reuse; do
+        case "$w" in
+          conversation) src="--trace $TRACES/conversation_trace.jsonl" ;;
+          synthetic)    src="--trace $TRACES/synthetic_trace.jsonl" ;;
+          *)            src="--workload $w" ;;
+        esac
+        for shape in "r1:--routers 1" "r3:--routers 3 --no-limits" "r8:--routers 8 --no-limits" \
+                     "hetero:--workers 4xH100,4xA100"; do
+          sim $src --max-requests 1000 --relative-rates '' --policies kv-aware ${shape#*:} --json "$K/${w}_${shape%%:*}.json"
+        done
+      done
+      for w in code-generation reasoning; do
+        sim --workload "$w" --max-requests 300 --no-limits --policies kv-aware --relative-rates '' --json "$K/${w}_r1.json"
+      done
+      for w in shared-prefix hot-prompt; do
+        flock /tmp/kvmesh-heavy.lock .venv/bin/kvmesh simulate --workers 32 --jobs 2 --no-progress --workload $w \
+          --max-requests 3000 --relative-rates '' --no-limits --policies kv-aware --json "$K/${w}_w32.json"
+      done
+      sim --trace $TRACES/synthetic_trace.jsonl --max-requests 1000 --relative-rates '' --routers 1 --no-limits \
+        --policies lmetric --json "$K/check_lmetric_synthetic_r1.json"  # the peer's figure stands: 2.112 in fleet-2026-11-27
+      sim --trace $TRACES/synthetic_trace.jsonl --max-requests 1000 --relative-rates '' --routers 3 --no-limits \
+        --policies dynamo --json "$K/check_dynamo_synthetic_r3.json"  # 2.059 in fleet-2026-11-27
+      M=$OUT/fleet-2026-11-29; C=$(mktemp -d)
+      for w in code-generation reasoning; do  # the catalog's runs under the fleet's names
+        cp $OUT/catalog/$w.json $C/${w}_r1.json; cp $OUT/newpeers/$w.json $C/${w}_r1.newpeers.json
+      done
+      mkdir -p $C/np && for f in $OUT/newpeers/*_r1.json; do cp $f $C/np/; done
+      for w in code-generation reasoning; do mv $C/${w}_r1.newpeers.json $C/np/${w}_r1.json; done
+      .venv/bin/python $OUT/merge_runs.py $M $OUT/fleet-2026-11-27 $C $C/np $K ;;
     # Issue 27 (roofline step time, faithful peers, shared router view; into fleet/): every workload
     # on 8 H100s with 1, 3 and 8 routers (peers in their multi-replica modes) and on a mixed fleet of
     # 4 H100 + 4 A100 behind 1 router. The first 1,000 requests of each (2 shared cores: one sweep

@@ -156,8 +156,8 @@ class KvAwarePolicy(RouterPolicy):
         # NOTE: what a request costs the others (the decoders' wait, the mesh's work) at the fleet's mean pace: a
         # worker k times slower spends k times the seconds on the same prefill, and its decoders step k times
         # slower anyway; priced in its own seconds, every slow worker looked k times as costly for the same
-        # prompt and the long prompts queued on the fast ones (docs/router.md, "Mixed fleets"). Its own first
-        # token stays in the worker's seconds.
+        # prompt and the long prompts queued on the fast ones (docs/router.md, "kv-aware"). The request's own
+        # first token stays in the worker's seconds (it is its latency).
         paces = [p if abs(p - 1.0) > PACE_TOLERANCE else 1.0
                  for p in self.cost.relative_speeds([c.worker_id for c in candidates])] if learned else [1.0] * len(candidates)
         for c, replica, pace in zip(candidates, share, paces, strict=True):
