@@ -6,6 +6,7 @@ For every ``*.json`` in BASE, writes OUT/<same name>: BASE's document with, for 
 that has a file of the same name (or, for BASE's catalog files ``catalog/<w>.json``, ``<w>.json``), that
 run's policies put in place of BASE's: their capacities, capacity searches and full runs, and its limits
 when it ran them (the information limit follows kv-aware's rule). Files only an OVER folder has are copied.
+The runs must agree on the workload and on every setting both record (but the rates of their full runs).
 ``merged_from`` records, per policy, the folder its figures come from.
 
 Why: a change to kv-aware's rule is rerun for kv-aware alone (the peers' code and inputs did not change: a
@@ -20,13 +21,30 @@ import sys
 from pathlib import Path
 
 
+SAME_RUN = {"routing", "rates", "relative"}
+"""Settings two runs may differ in: the policy's (each run's own) and the rates of the full runs beside the
+capacity search."""
+
+
+def differing(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """The settings both runs record with different values (a setting added since one of them ran is left out:
+    it held its default then)."""
+    out = []
+    for k in sorted(a.keys() & b.keys()):
+        if not prefix and k in SAME_RUN:
+            continue
+        if isinstance(a[k], dict) and isinstance(b[k], dict):
+            out += differing(a[k], b[k], f"{prefix}{k}.")
+        elif a[k] != b[k]:
+            out.append(prefix + k)
+    return out
+
+
 def merge(base: dict, over: dict, label: str) -> dict:
     if base["workload"] != over["workload"]:
         raise SystemExit(f"{label}: a different workload ({over['workload']} vs {base['workload']})")
-    keep = {k: v for k, v in base["settings"].items() if k != "routing"}
-    new = {k: v for k, v in over["settings"].items() if k != "routing"}
-    if keep != new:
-        diff = sorted(k for k in keep.keys() | new.keys() if keep.get(k) != new.get(k))
+    diff = differing(base["settings"], over["settings"])
+    if diff:
         raise SystemExit(f"{label}: different settings {diff}")
     out = dict(base)
     policies = list(over["capacity"])

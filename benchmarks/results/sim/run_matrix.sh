@@ -125,13 +125,12 @@ step() {
         --policies lmetric --json "$K/check_lmetric_synthetic_r1.json"  # the peer's figure stands: 2.112 in fleet-2026-11-27
       sim --trace $TRACES/synthetic_trace.jsonl --max-requests 1000 --relative-rates '' --routers 3 --no-limits \
         --policies dynamo --json "$K/check_dynamo_synthetic_r3.json"  # 2.059 in fleet-2026-11-27
-      M=$OUT/fleet-2026-11-29; C=$(mktemp -d)
-      for w in code-generation reasoning; do  # the catalog's runs under the fleet's names
-        cp $OUT/catalog/$w.json $C/${w}_r1.json; cp $OUT/newpeers/$w.json $C/${w}_r1.newpeers.json
+      M=$OUT/fleet-2026-11-29; T=$(mktemp -d); mkdir -p $T/catalog $T/newpeers  # the catalog's runs under the fleet's names
+      for w in code-generation reasoning; do
+        cp $OUT/catalog/$w.json $T/catalog/${w}_r1.json; cp $OUT/newpeers/$w.json $T/newpeers/${w}_r1.json
       done
-      mkdir -p $C/np && for f in $OUT/newpeers/*_r1.json; do cp $f $C/np/; done
-      for w in code-generation reasoning; do mv $C/${w}_r1.newpeers.json $C/np/${w}_r1.json; done
-      .venv/bin/python $OUT/merge_runs.py $M $OUT/fleet-2026-11-27 $C $C/np $K ;;
+      cp $OUT/newpeers/*_r1.json $T/newpeers/
+      rm -rf $M; .venv/bin/python $OUT/merge_runs.py $M $OUT/fleet-2026-11-27 $T/catalog $T/newpeers $K ;;
     # Issue 27 (roofline step time, faithful peers, shared router view; into fleet/): every workload
     # on 8 H100s with 1, 3 and 8 routers (peers in their multi-replica modes) and on a mixed fleet of
     # 4 H100 + 4 A100 behind 1 router. The first 1,000 requests of each (2 shared cores: one sweep
