@@ -20,7 +20,6 @@ import json
 import sys
 from pathlib import Path
 
-
 SAME_RUN = {"routing", "rates", "relative"}
 """Settings two runs may differ in: the policy's (each run's own) and the rates of the full runs beside the
 capacity search."""
