@@ -36,7 +36,8 @@ class KvAwarePolicy(RouterPolicy):
 
     The prediction for worker w (docs/router.md, "kv-aware"):
 
-        Q = prompt tokens queued for prefill at w, u = this prompt's tokens w does not hold,
+        Q = prompt tokens queued for prefill at w (the prompts without a first token counted whole, as the
+            router counts its own: :func:`prefilling`), u = this prompt's tokens w does not hold,
         h = those it holds, D = requests running at w, C = context they hold (tokens),
         B = w's token budget per step, S = ceil((Q + u) / B) prefill steps until ours is done,
         H = blocks w's host tier continues its device prefix with, L = w's seconds per loaded block:
@@ -53,7 +54,8 @@ class KvAwarePolicy(RouterPolicy):
     prediction weighs that transfer against the prefill it saves, no fixed weight. Until some worker
     reported a load, a host block is priced as one to recompute. When the worker's KV cannot take the
     prompt beside its running requests' growth, ``ttft`` adds the wait for some to finish (:func:`kv_wait`).
-    The score adds ``decode_harm_weight * D * own + work_weight * (1 + W) * work``, ``own`` being the
+    The score adds ``(decode_harm_weight * D * own + work_weight * (1 + W) * work) / P``, ``P`` being w's pace
+    (its seconds over the fleet's mean for the same work, 1 within ``PACE_TOLERANCE``), ``own`` being the
     time its own prefill takes: the D requests decoding on w wait for it; ``work`` is ``own`` as the
     mesh pays for it: a recomputed prefix is capacity lost to everyone, the more so the more requests
     wait (W: the mean waiting per worker), unless the prefix's load needs the copy and it lands in
