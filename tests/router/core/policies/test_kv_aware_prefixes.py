@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from itertools import count
 
+from kvmesh.contract.index_protocol import Pending
 from kvmesh.contract.types import Load
 from kvmesh.router.core.inflight import Ticket
 from kvmesh.router.core.policies.base import Candidate, PolicyConfig, RouteQuery
@@ -257,6 +258,15 @@ def test_several_routers_see_the_prompts_in_prefill_as_one_router_sees_its_own()
                                               num_free_blocks=TOTAL_BLOCKS, queued_prefill_tokens=2000,
                                               prefilling_tokens=30_000))
     assert p.scores(q, [own]) == p.scores(q, [others])
+    # a pick another router reserved that the worker's report does not cover yet counts with its prompt, whole,
+    # as it will once the report covers it
+    reserved = Candidate("w0", "w0:1", 0, Load(max_num_batched_tokens=8192, num_total_blocks=TOTAL_BLOCKS,
+                                                num_free_blocks=TOTAL_BLOCKS, queued_prefill_tokens=2000,
+                                                prefilling_tokens=10_000), pending=Pending(0, 20_000, 0))
+    covered = Candidate("w0", "w0:1", 0, Load(max_num_batched_tokens=8192, num_total_blocks=TOTAL_BLOCKS,
+                                               num_free_blocks=TOTAL_BLOCKS, queued_prefill_tokens=22_000,
+                                               prefilling_tokens=30_000))
+    assert p.scores(q, [reserved]) == p.scores(q, [covered])
     # a long prompt mostly computed on w1 still weighs whole: w0's shorter queue wins
     w0 = Candidate("w0", "w0:1", 0, Load(max_num_batched_tokens=8192, num_total_blocks=TOTAL_BLOCKS,
                                           num_free_blocks=TOTAL_BLOCKS, queued_prefill_tokens=3000,
