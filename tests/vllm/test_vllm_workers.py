@@ -163,9 +163,15 @@ def test_a_bridge_killed_with_sigkill_is_restarted_and_recovers_the_cache(mesh, 
         for _ in range(3):  # the cache changes while no bridge watches
             complete_direct(server, tokens(rng, 160))
         second = subprocess.Popen(cmd)
-        wait_until(lambda: (view.worker("phoenix") is not None and view.worker("phoenix").epoch != epoch
-                            and agreement(view, "phoenix", server)[:3:2] == (1.0, 0)),
-                   timeout=60, what="the restarted bridge's index")
+
+        def restarted() -> bool:
+            # One read per poll: the old epoch's record can leave the live set between two reads
+            # (its event stream ended), so `worker(...) is not None and worker(...).epoch` races.
+            record = view.worker("phoenix")
+            return (record is not None and record.epoch != epoch
+                    and agreement(view, "phoenix", server)[:3:2] == (1.0, 0))
+
+        wait_until(restarted, timeout=60, what="the restarted bridge's index")
     finally:
         for p in (first, second):
             if p is not None and p.poll() is None:
