@@ -141,6 +141,10 @@ class RunFailed(Exception):
         return {"kind": kind, "policy": self.policy, "rate": _r(self.rate), "seed": self.seed, "error": self.error}
 
 
+BRACKET_STEPS = 12
+"""Runs the capacity search's bracket makes at most (up or down by 1.5x from its start)."""
+
+
 @dataclass
 class Sim:
     """A workload and the settings every run of a sweep shares."""
@@ -190,50 +194,49 @@ class Sim:
     def passes(self, result: dict) -> bool:
         return not result["stopped_early"] and result["slo_attainment"] >= self.base.slo_target
 
-    @staticmethod
-    def _plateau(runs: list[dict]) -> bool:
-        """(Called while every run so far failed.) The last three rates tried, each lower than the one before, had the same
-        attainment (within 0.005): the misses do not depend on the rate (e.g. requests that arrive
-        in the same instant, which no rate spreads), so a lower rate will not pass either. Stops
-        the search at capacity 0 instead of runs that grow as 1/rate."""
-        if len(runs) < 3:
-            return False
-        last = runs[-3:]
-        att = [r["slo_attainment"] for r in last]
-        return last[0]["rate"] > last[1]["rate"] > last[2]["rate"] and max(att) - min(att) <= 0.005
-
     def capacity(self, policy: str, start: float = 1.0, precision: float = 0.02,
                  on_run: Callable[[dict], None] | None = None) -> tuple[float, list[dict]]:
         """The highest rate with attainment >= the target, by bisection (in log rate) to ``precision``.
 
         Returns the capacity (0.0 when even the lowest rate tried fails) and every run made.
+
+        After two failures (``start`` and ``start / 1.5``) it tries the lowest rate the bracket can reach
+        (``start / 1.5 ** (BRACKET_STEPS - 1)``) before stepping further down: when that fails as well the capacity
+        is 0 after three runs, not after up to twelve ever longer ones (a policy whose misses no rate spreads);
+        when it passes, the descent goes on as before (one run more).
         """
         runs: list[dict] = []
+        passed: dict[float, bool] = {}  # NOTE: runs are deterministic: the floor's is not made twice
 
         def ok(rate: float) -> bool:
+            if rate in passed:
+                return passed[rate]
             res = self.run(policy, rate, stop_early=True)
             runs.append(res)
             if on_run is not None:
                 on_run(res)
-            return self.passes(res)
+            passed[rate] = self.passes(res)
+            return passed[rate]
+
+        def bracket(k: int) -> float:  # start x 1.5 ** k, one rounding (the floor's rate is met again exactly)
+            return start * 1.5 ** k if k >= 0 else start / 1.5 ** -k
 
         lo = hi = None
-        rate = start
-        for _ in range(12):  # bracket: up or down by 1.5x
-            if lo is None and self._plateau(runs):
-                return 0.0, runs
+        k = 0
+        for step in range(BRACKET_STEPS):  # bracket: up or down by 1.5x
+            if step == 2 and lo is None and not ok(bracket(1 - BRACKET_STEPS)):
+                return 0.0, runs  # the lowest rate the bracket reaches fails too: no rate on the way down passes
+            rate = bracket(k)
             if ok(rate):
                 lo = rate
                 if hi is not None:
                     break
-                rate *= 1.5
+                k += 1
             else:
                 hi = rate
                 if lo is not None:
                     break
-                rate /= 1.5
-            if lo is not None and hi is not None:
-                break
+                k -= 1
         if lo is None:
             return 0.0, runs
         if hi is None:

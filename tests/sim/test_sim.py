@@ -81,19 +81,36 @@ def test_capacity_search_finds_the_rate_a_toy_worker_saturates_at():
     assert len(runs) <= 10 and any(r["stopped_early"] for r in runs)
 
 
-def test_capacity_search_stops_when_no_rate_spreads_the_misses():
-    # Ten requests arrive in one instant (a rate scales arrival times, so they stay together) on
-    # one worker that prefills one per step: the later ones miss the TTFT SLO at every rate. The
-    # attainment is flat as the rate falls, and the search stops at capacity 0 after three such
-    # runs instead of trying ever lower (and ever longer) rates.
-    reqs = [SimRequest(i, 0.0, 1000, 1, ((-(i + 1), 1000),)) for i in range(10)]
+def _one_worker_sim(reqs: list[SimRequest]) -> Sim:
+    """One worker that prefills one 1000-token request per 0.8 s step; TTFT SLO 1 ms + 1 x the cold prefill."""
     cost = LinearCost(step_overhead_s=0.0, prefill_token_s=8e-4, attn_pair_s=0.0, decode_seq_s=0.0, decode_kv_token_s=0.0)
     engine = replace(SimConfig().engine, max_num_batched_tokens=1000)
-    sim = Sim(Workload("burst", reqs), SimConfig(workers=1, engine=engine, cost=cost, slo_ttft_s=0.001,
-                                                 slo_ttft_prefill_x=1.0, network_s=0.0, lookup_latency_s=0.0))
+    return Sim(Workload("toy", reqs), SimConfig(workers=1, engine=engine, cost=cost, slo_ttft_s=0.001,
+                                                slo_ttft_prefill_x=1.0, network_s=0.0, lookup_latency_s=0.0))
+
+
+def test_capacity_search_stops_when_no_rate_spreads_the_misses():
+    # Ten requests arrive in one instant (a rate scales arrival times, so they stay together) on
+    # one worker that prefills one per step: the later ones miss the TTFT SLO at every rate. After
+    # two failures the search tries the lowest rate its bracket reaches; that fails too, so it stops
+    # at capacity 0 after three runs instead of stepping through ever lower (and ever longer) rates.
+    sim = _one_worker_sim([SimRequest(i, 0.0, 1000, 1, ((-(i + 1), 1000),)) for i in range(10)])
     capacity, runs = sim.capacity("round-robin")
-    assert capacity == 0.0 and len(runs) == 3, [(r["rate"], r["slo_attainment"]) for r in runs]
-    assert [r["rate"] for r in runs] == sorted((r["rate"] for r in runs), reverse=True)
+    assert capacity == 0.0
+    assert [r["rate"] for r in runs] == [1.0, round(1 / 1.5, 6), round(1 / 1.5 ** 11, 6)]
+    assert not any(sim.passes(r) for r in runs)
+
+
+def test_capacity_search_past_two_failures_still_finds_a_low_capacity():
+    # The toy worker of the search test above saturates at 1.25 requests/s; started at 4, the
+    # search fails at 4 and 2.67, finds the floor (4 / 1.5 ** 11) passing, and goes on down to
+    # bracket 1.25: the floor's pass is no capacity of its own, nor is its run made twice.
+    sim = _one_worker_sim([SimRequest(i, float(i), 1000, 1, ((-(i + 1), 1000),)) for i in range(100)])
+    capacity, runs = sim.capacity("round-robin", start=4.0)
+    rates = [r["rate"] for r in runs]
+    assert 1.25 / 1.02 <= capacity <= 1.2511, rates
+    assert rates[:3] == [4.0, round(4 / 1.5, 6), round(4 / 1.5 ** 11, 6)]
+    assert sim.passes(runs[2]) and len(set(rates)) == len(rates)
 
 
 def test_event_loss_restart_and_three_routers_finish_and_resync():
