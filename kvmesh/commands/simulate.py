@@ -40,8 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                                   "generators: 3000)")
     p.add_argument("--skip-requests", type=int, default=0, metavar="N",
                    help="--trace: start at the trace's request N (a later segment; times restart at 0) (default 0)")
-    p.add_argument("--policies", default=",".join(policy_names()),
-                   help=f"comma-separated (default all: {','.join(policy_names())})")
+    p.add_argument("--policies", default=None,
+                   help=f"comma-separated (default all: {','.join(policy_names())}; on a workload without LoRA "
+                        "adapters all but the adapter peers, which pick as llm-d / kv-aware there)")
     p.add_argument("--rates", default="", help="full runs at these rates (x the workload's own rate)")
     p.add_argument("--relative-rates", default="0.5,1,1.5",
                    help="full runs at these multiples of the baseline's capacity (default 0.5,1,1.5; '' = none)")
@@ -72,13 +73,14 @@ def config_from(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.router.core.policies import POLICIES, policy_names
+    from kvmesh.router.core.policies import ADAPTER_PEERS, POLICIES, policy_names
     from kvmesh.sim import report
     from kvmesh.sim.pd import parse_policy
     from kvmesh.sim.run import Sim, dump, sweep
     from kvmesh.sim.workload import make_workload, trace_workload
 
-    policies = [p for p in args.policies.split(",") if p]
+    default = args.policies is None
+    policies = policy_names() if default else [p for p in args.policies.split(",") if p]
     try:
         bases = [parse_policy(p) for p in policies]
     except ValueError as exc:
@@ -123,9 +125,18 @@ def run(args: argparse.Namespace) -> int:
     if not workload.requests:
         print("the workload has no requests", file=sys.stderr)
         return 2
+    not_run = {}
+    if default and not workload.adapters:
+        # NOTE: on base-model requests the adapter peers pick as the policy they extend: their runs would repeat it
+        not_run = {p: f"no LoRA adapter in the workload: picks as {ADAPTER_PEERS[p]}" for p in policies if p in ADAPTER_PEERS}
+        policies = [p for p in policies if p not in not_run]
+        print(f"not run (name them in --policies to run them): {', '.join(not_run)}: no LoRA adapter in the "
+              "workload, where they pick as llm-d / kv-aware", file=sys.stderr)
     sim = Sim(workload, config)
     doc = sweep(sim, policies, rates, capacity=capacity, relative=relative, baseline=args.baseline,
                 jobs=args.jobs, progress=not args.no_progress, limits=not args.no_limits)
+    if not_run:
+        doc["not_run"] = not_run
     print(report.format_table(doc))
     print(f"({doc['_wall_s']:.0f} s of simulation over {args.jobs} process(es))", file=sys.stderr)
     if args.json:

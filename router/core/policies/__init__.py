@@ -37,6 +37,12 @@ POLICY_ORDER = ("kv-aware", "round-robin", "least-loaded", "prefix-hash", "appro
                 "llm-d-lora-load-state", "kv-aware-no-residency")
 """The order policies are listed and run in (tables, JSON)."""
 
+ADAPTER_PEERS = {"llm-d-lora-affinity": "llm-d", "llm-d-lora-load-state": "llm-d", "kv-aware-no-residency": "kv-aware"}
+"""Policies that differ from another only where requests run under LoRA adapters, and that other: without an
+adapter in flight, llm-d's two LoRA scorers add a score equal on every worker to llm-d's (lora.py), and
+kv-aware-no-residency drops only kv-aware's adapter terms. ``kvmesh simulate`` leaves them out of its default
+policies on a workload without adapters (tests/sim/test_adapter_peers_base.py checks that they pick the same)."""
+
 
 def policy_names() -> list[str]:
     """Every registered policy name: ``POLICY_ORDER`` first, any other after it, alphabetically."""
