@@ -68,10 +68,11 @@ class KvAwarePolicy(RouterPolicy):
     units (a prefill token costs 1).
 
     **Latency objectives** (docs/router.md, "Latency objectives"): once the step cost is learned, a request's
-    TTFT objective is held against ``ttft`` and its TPOT objective against :func:`predicted_tpot` (a decode
-    step of the worker with this request added); a candidate predicted to miss either loses to every one
-    predicted to meet both, and among those the score decides. When none is predicted to meet them, or
-    before the step cost is learned (no prediction in seconds yet), the score alone decides.
+    TTFT objective is held against ``ttft``: a candidate predicted to miss it loses to every one predicted to
+    meet it, and among those the score decides. When none is predicted to meet it, or before the step cost is
+    learned (no prediction in seconds yet), the score alone decides. The TPOT objective, held against
+    :func:`predicted_tpot` (a decode step of the worker with this request added), does not rank (:meth:`_meets`);
+    with the TTFT it decides the refusal (:meth:`objective_miss`).
     """
 
     name = "kv-aware"
@@ -219,12 +220,21 @@ class KvAwarePolicy(RouterPolicy):
                               self.config.adapter_disk_load_s if disk is None else disk, self._mean_output)
 
     def _meets(self, query: RouteQuery, candidates: Sequence[Candidate]) -> list[bool] | None:
-        """Whether each candidate is predicted to meet the query's objectives; None when none can be judged."""
+        """Whether each candidate is predicted to meet the query's TTFT objective (the ranking's tier); None when
+        none can be judged, or the query has no TTFT objective.
+
+        NOTE: the TPOT objective does not rank: predicted as one decode step with the request added, it leaves
+        out the prefills that later share the request's steps, and ranking by it moved requests off their
+        prefixes onto workers that then took other long prompts: code-generation's goodput at rate 8 fell to
+        0.349 req/s against 0.487 ranking by the TTFT alone (docs/benchmarks.md, "Goodput under latency
+        objectives"). It still counts in :meth:`objective_miss` (the refusal)."""
+        o = query.objectives
+        if not o.ttft_s:
+            return None
         predicted = self.predictions(query, candidates)
         if predicted is None:
             return None
-        o = query.objectives
-        return [(not o.ttft_s or ttft <= o.ttft_s) and (not o.tpot_s or tpot <= o.tpot_s) for ttft, tpot in predicted]
+        return [ttft <= o.ttft_s for ttft, _ in predicted]
 
     def objective_miss(self, query: RouteQuery, candidates: Sequence[Candidate]) -> ObjectiveMiss | None:
         """Which objective no candidate is predicted to meet (a TTFT met only where the TPOT is missed is

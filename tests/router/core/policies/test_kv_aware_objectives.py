@@ -2,7 +2,8 @@
 
 Two workers whose step cost the policy has learned exactly (tests/support/step_cost.py): ``a`` holds the
 prompt's prefix but has a queue (or many decoders), ``b`` holds nothing and is idle. Without objectives
-``a`` wins on its score; an objective only ``b`` is predicted to meet sends the request to ``b``.
+``a`` wins on its score; a TTFT objective only ``b`` is predicted to meet sends the request to ``b``; a TPOT
+objective does not move the pick (it counts in the refusal).
 """
 
 from __future__ import annotations
@@ -83,10 +84,15 @@ def test_fallbacks_rank_every_meeting_candidate_before_the_misses():
     assert p.fallbacks(q, cands, 4)[2:] == ["a", "c"]
 
 
-def test_a_candidate_missing_the_tpot_loses_to_one_that_meets_it():
+def test_the_tpot_objective_does_not_rank_the_candidates():
+    # a is predicted to miss a 4 ms TPOT (60 decoders), b to meet it; the score still picks a: ranking by the
+    # one-step TPOT prediction lost goodput where later prefills set the TPOT (kv_aware.KvAwarePolicy._meets)
     assert learned().pick(query(), DECODING).worker_id == "a"
-    assert learned().pick(query(Objectives(tpot_s=0.004)), DECODING).worker_id == "b"
-    assert learned().pick(query(Objectives(tpot_s=0.006)), DECODING).worker_id == "a"
+    assert learned().pick(query(Objectives(tpot_s=0.004)), DECODING).worker_id == "a"
+    # with a TTFT objective beside it, the TTFT alone ranks: both meet 1 s, so the score decides again
+    assert learned().pick(query(Objectives(ttft_s=1.0, tpot_s=0.004)), DECODING).worker_id == "a"
+    # ... and the refusal still judges the TPOT: no worker meets 1 ms
+    assert learned().objective_miss(query(Objectives(tpot_s=0.001)), DECODING).objective == "tpot"
     # the TPOT counts the request's own prompt as context where the step cost reads context
     p = learned(cost=dict(COST, decode_context_token_s=1e-6))
     (_, tpot), = p.predictions(query(), [cand("a")])
