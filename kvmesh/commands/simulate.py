@@ -130,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
         # NOTE: on base-model requests the adapter peers pick as the policy they extend: their runs would repeat it
         not_run = {p: f"no LoRA adapter in the workload: picks as {ADAPTER_PEERS[p]}" for p in policies if p in ADAPTER_PEERS}
         policies = [p for p in policies if p not in not_run]
-        print(f"not run (name them in --policies to run them): {', '.join(not_run)}: no LoRA adapter in the "
-              "workload, where they pick as llm-d / kv-aware", file=sys.stderr)
+        print("not run (name them in --policies to run them): "
+              + "; ".join(f"{p}: {why}" for p, why in not_run.items()), file=sys.stderr)
     sim = Sim(workload, config)
     doc = sweep(sim, policies, rates, capacity=capacity, relative=relative, baseline=args.baseline,
                 jobs=args.jobs, progress=not args.no_progress, limits=not args.no_limits)
